@@ -1,0 +1,225 @@
+"""ModelConfig: the decoder-only architectures meshserve runs, parsed from an HF `config.json`.
+
+Anything the model code does not implement fails here, at load, with the option named — never silently wrong
+numbers deep inside a jit trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint asks for an architecture or option meshserve does not implement."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: None (full attention) or the window size (tokens attended, self included).
+    sliding_windows: tuple[int | None, ...] = ()
+    # MoE; `moe_layers[i]` says whether layer i has a sparse MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    dtype: str = "float32"  # the checkpoint's stored dtype
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if len(self.sliding_windows) != self.num_layers:
+            object.__setattr__(self, "sliding_windows", (None,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers:
+            object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token costs over all layers, at the config's stored dtype."""
+        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 2)
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        d["rope"] = RopeConfig(**d["rope"])
+        for k in ("sliding_windows", "moe_layers", "eos_token_ids"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no config.json in {model_dir!r}: expected an HF-format model directory")
+        with open(path) as f:
+            return cls.from_hf(json.load(f))
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        return _parse_hf(hf)
+
+
+def _unsupported(what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"unsupported model option: {what}")
+
+
+def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older configs have `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise _unsupported(f"rope scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _unsupported(f"partial_rotary_factor={hf['partial_rotary_factor']} (only 1.0)")
+    rope = RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)))
+    if rope_type == "llama3":
+        rope = dataclasses.replace(
+            rope,
+            low_freq_factor=float(merged["low_freq_factor"]),
+            high_freq_factor=float(merged["high_freq_factor"]),
+            original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
+        )
+    return rope
+
+
+def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types")
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        # Qwen only slides when use_sliding_window is set, and then only on some layers.
+        if not hf.get("use_sliding_window", False):
+            return (None,) * num_layers
+        if not layer_types:
+            first = hf.get("max_window_layers", num_layers)
+            layer_types = ["full_attention" if i < first else "sliding_attention" for i in range(num_layers)]
+    if window is None:
+        return (None,) * num_layers
+    if layer_types:
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise _unsupported(f"layer_types {sorted(unknown)}")
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    return (int(window),) * num_layers
+
+
+def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
+    archs = hf.get("architectures") or []
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise _unsupported(
+            f"architecture {archs!r} (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+    family = SUPPORTED_ARCHITECTURES[archs[0]]
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act != "silu":
+        raise _unsupported(f"hidden_act={act!r} (only 'silu')")
+    if hf.get("mlp_bias"):
+        raise _unsupported("mlp_bias=true")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise _unsupported(f"pretraining_tp={hf['pretraining_tp']}")
+    num_layers = int(hf["num_hidden_layers"])
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or hidden // num_heads
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    attention_bias = bool(hf.get("attention_bias", False))
+    kw: dict[str, Any] = dict(
+        family=family,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf.get("intermediate_size") or 0),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_parse_rope(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
+        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        sliding_windows=_sliding_windows(hf, family, num_layers),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        pad_token_id=hf.get("pad_token_id"),
+        dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
+    )
+    if family == "mixtral":
+        kw.update(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                  moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        step = int(hf.get("decoder_sparse_step", 1))
+        mlp_only = set(hf.get("mlp_only_layers") or [])
+        num_experts = int(hf["num_experts"])
+        kw.update(
+            num_experts=num_experts,
+            num_experts_per_tok=int(hf["num_experts_per_tok"]),
+            moe_intermediate_size=int(hf["moe_intermediate_size"]),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", family == "qwen3_moe")),
+            shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+            if family == "qwen2_moe" else 0,
+            moe_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
+                             for i in range(num_layers)),
+        )
+    if kw["dtype"] not in ("float32", "bfloat16", "float16"):
+        raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
+    return ModelConfig(**kw)

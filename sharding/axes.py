@@ -1,0 +1,14 @@
+"""Logical axis names that model parameters and activations carry.
+
+Model code names only these; `sharding` maps them to mesh axes ('data', 'pipeline', 'tensor', 'expert').
+"""
+EMBED = "embed"
+HEADS = "heads"
+KV_HEADS = "kv_heads"
+HEAD_DIM = "head_dim"
+MLP = "mlp"
+VOCAB = "vocab"
+EXPERT = "expert"
+LAYERS = "layers"
+
+LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS)
