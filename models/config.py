@@ -209,12 +209,12 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
     elif family in ("qwen2_moe", "qwen3_moe"):
         step = int(hf.get("decoder_sparse_step", 1))
         mlp_only = set(hf.get("mlp_only_layers") or [])
-        num_experts = int(hf["num_experts"])
+        num_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
         kw.update(
             num_experts=num_experts,
             num_experts_per_tok=int(hf["num_experts_per_tok"]),
             moe_intermediate_size=int(hf["moe_intermediate_size"]),
-            norm_topk_prob=bool(hf.get("norm_topk_prob", family == "qwen3_moe")),
+            norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
             shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
             if family == "qwen2_moe" else 0,
             moe_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0

@@ -1,0 +1,28 @@
+"""Converts an HF safetensors checkpoint to an Orbax checkpoint.
+
+    python -m models.convert --hf_dir=DIR --out=DIR [--dtype=bfloat16]
+"""
+from absl import app, flags
+
+FLAGS = flags.DEFINE_string("hf_dir", None, "HF model directory (config.json + safetensors)", required=True)
+_OUT = flags.DEFINE_string("out", None, "output directory for the Orbax checkpoint", required=True)
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16", "float16"], "parameter dtype to store")
+
+
+def main(argv):
+    del argv
+    import time
+
+    import jax.numpy as jnp
+
+    from models.weights import load_hf_model, save_orbax
+
+    t0 = time.perf_counter()
+    model = load_hf_model(FLAGS.value, dtype=jnp.dtype(_DTYPE.value))
+    save_orbax(model, _OUT.value, hf_dir=FLAGS.value)
+    print(f"wrote Orbax checkpoint {_OUT.value} ({model.config.family}, {_DTYPE.value}) "
+          f"in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)

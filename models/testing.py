@@ -1,0 +1,130 @@
+"""Helpers that build small, deterministic artefacts for tests: no hub downloads, no accelerator.
+
+`make_test_tokenizer` writes an HF-format tokenizer directory (tokenizer.json, tokenizer_config.json,
+chat_template.jinja, generation_config.json) that both `transformers.AutoTokenizer` and
+`models.tokenizer.Tokenizer` load.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import Tokenizer as _BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+TEST_BOS_TOKEN = "<s>"
+TEST_EOS_TOKEN = "</s>"
+TEST_PAD_TOKEN = "<pad>"
+TEST_CHAT_START_TOKEN = "<|im_start|>"
+TEST_CHAT_END_TOKEN = "<|im_end|>"
+# Ids 0..4, in this order; the trainer puts special tokens first.
+TEST_SPECIAL_TOKENS = (TEST_BOS_TOKEN, TEST_EOS_TOKEN, TEST_PAD_TOKEN, TEST_CHAT_START_TOKEN, TEST_CHAT_END_TOKEN)
+_MIN_VOCAB_SIZE = 256 + len(TEST_SPECIAL_TOKENS)
+
+# ChatML with a BOS in front; unknown roles are rejected, as many Hub templates do.
+TEST_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_BUILTIN_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Hello, world! How are you today?",
+    "Serving large language models needs paged attention, continuous batching and a tokenizer.",
+    "def main():\n    print('hello')\n    return 0\n\nif __name__ == '__main__':\n    main()\n",
+    "Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1000 3.14159 -7 1e-6",
+    "Café, naïve, résumé, façade, jalapeño, Zürich, São Paulo, Ångström, smörgåsbord, crème brûlée.",
+    "Ελληνικά γράμματα: αβγδε. Русский текст: привет, мир! עברית: שלום. العربية: مرحبا بالعالم.",
+    "中文：你好，世界！今天天气很好。我们在测试分词器。机器学习和自然语言处理。",
+    "日本語：こんにちは世界。カタカナとひらがな。한국어: 안녕하세요 세계.",
+    "Emoji: 😀 😂 🚀 🎉 👍🏽 👨‍👩‍👧 ❤️ 🇫🇷 ✨ 🤖 — and symbols: € £ ¥ © ® ™ → ≤ ≥ ∞ ∑ √ π.",
+    "Tabs\tand  double  spaces, newlines\n\nand trailing spaces   ",
+    "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n2 + 2 = 4.<|im_end|>\n",
+)
+
+
+def make_test_tokenizer(
+    out_dir: str | os.PathLike,
+    vocab_size: int = 512,
+    corpus: list[str] | tuple[str, ...] | None = None,
+    chat_template_in_config: bool = False,
+) -> str:
+    """Train a small byte-level BPE and save it HF-style into `out_dir`; returns `out_dir` as a str.
+
+    Special tokens (ids 0..4): <s> (BOS, prepended by the post-processor), </s> (EOS), <pad>, <|im_start|>,
+    <|im_end|>; generation_config.json lists both </s> and <|im_end|> as EOS. The trained vocabulary holds at
+    most `vocab_size` tokens (fewer if the corpus has too few merges). Deterministic; takes milliseconds.
+    `chat_template_in_config` puts the template in tokenizer_config.json (the pre-transformers-5 layout)
+    instead of chat_template.jinja.
+    """
+    if vocab_size < _MIN_VOCAB_SIZE:
+        raise ValueError(f"vocab_size={vocab_size} is below {_MIN_VOCAB_SIZE} (256 bytes + special tokens)")
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    texts = list(_BUILTIN_CORPUS if corpus is None else corpus)
+
+    backend = _BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(TEST_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # Repetition gives multi-byte sequences enough counts to be merged into whole-character tokens.
+    backend.train_from_iterator(texts * 4, trainer=trainer)
+    bos_id = backend.token_to_id(TEST_BOS_TOKEN)
+    backend.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(
+            single=f"{TEST_BOS_TOKEN} $A",
+            pair=f"{TEST_BOS_TOKEN} $A {TEST_BOS_TOKEN} $B:1",
+            special_tokens=[(TEST_BOS_TOKEN, bos_id)],
+        ),
+    ])
+    backend.save(os.path.join(out_dir, "tokenizer.json"))
+
+    added_tokens_decoder = {
+        str(backend.token_to_id(token)): {
+            "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+            "special": True,
+        }
+        for token in TEST_SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": TEST_BOS_TOKEN,
+        "eos_token": TEST_EOS_TOKEN,
+        "pad_token": TEST_PAD_TOKEN,
+        "added_tokens_decoder": added_tokens_decoder,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 131072,
+    }
+    template_path = os.path.join(out_dir, "chat_template.jinja")
+    if chat_template_in_config:
+        config["chat_template"] = TEST_CHAT_TEMPLATE
+        if os.path.exists(template_path):
+            os.remove(template_path)  # it would take priority over the config's template
+    else:
+        with open(template_path, "w", encoding="utf-8") as f:
+            f.write(TEST_CHAT_TEMPLATE)
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
+
+    generation_config_path = os.path.join(out_dir, "generation_config.json")
+    if not os.path.exists(generation_config_path):  # a model helper may have written a fuller one
+        with open(generation_config_path, "w", encoding="utf-8") as f:
+            json.dump({
+                "bos_token_id": bos_id,
+                "eos_token_id": [backend.token_to_id(TEST_EOS_TOKEN), backend.token_to_id(TEST_CHAT_END_TOKEN)],
+                "pad_token_id": backend.token_to_id(TEST_PAD_TOKEN),
+            }, f, indent=2)
+    return out_dir

@@ -1,0 +1,431 @@
+"""Tokenizer: an HF tokenizer directory (tokenizer.json, tokenizer_config.json, chat templates,
+generation_config.json) behind encode / decode / chat-template rendering, plus `IncrementalDetokenizer`
+for streaming text that never emits half a UTF-8 character.
+
+Behaviour follows transformers 5 (`AutoTokenizer`, `apply_chat_template(..., tokenize=False)`) so that prompts
+are token-for-token what the model was trained and evaluated with.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import jinja2.utils
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as _BackendTokenizer
+
+# The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+# What transformers reads a message's reasoning from; the first is the name templates use.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens kept as left context for the first decoded output token (vLLM uses the same number).
+_DETOKENIZER_PROMPT_CONTEXT = 5
+
+
+class Tokenizer:
+    """Encode, decode and chat-format text for one model; built with `Tokenizer.from_pretrained(model_dir)`."""
+
+    def __init__(
+        self,
+        backend: _BackendTokenizer,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        chat_template: str | Mapping[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        bos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+    ):
+        self.backend = backend
+        # Only named tokens whose value is set, as strings: what transformers' `special_tokens_map` holds.
+        self.special_tokens = {k: str(v) for k, v in (special_tokens or {}).items() if v is not None}
+        self.chat_template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
+        self.bos_token_id = bos_token_id if bos_token_id is not None else self._token_id("bos_token")
+        self.pad_token_id = pad_token_id if pad_token_id is not None else self._token_id("pad_token")
+        # The tokenizer's own EOS first, then any extra stop tokens (e.g. from generation_config.json).
+        eos = [self._token_id("eos_token"), *eos_token_ids]
+        self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
+        self._special_ids = frozenset(
+            i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._compiled_templates: dict[str, jinja2.Template] = {}
+
+    # ----------------------------------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+        model_dir = os.fspath(model_dir)
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
+        tokenizer_path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.exists(tokenizer_path):
+            present = ", ".join(sorted(os.listdir(model_dir))) or "nothing"
+            raise FileNotFoundError(
+                f"no tokenizer.json in {model_dir!r} (found: {present}); meshserve needs the HF fast-tokenizer file, "
+                "convert a sentencepiece/tiktoken tokenizer with transformers' save_pretrained first")
+        backend = _BackendTokenizer.from_file(tokenizer_path)
+        config = _read_json(os.path.join(model_dir, "tokenizer_config.json")) or {}
+        generation_config = _read_json(os.path.join(model_dir, "generation_config.json")) or {}
+
+        if "added_tokens_decoder" not in config:
+            # Legacy layout: transformers only reads special_tokens_map.json when the config has no token table.
+            legacy_map = _read_json(os.path.join(model_dir, "special_tokens_map.json")) or {}
+            config = {**config, **legacy_map}
+        special_tokens = _named_special_tokens(config)
+        _add_missing_tokens(backend, config, special_tokens)
+        # A tokenizer saved with split_special_tokens encodes "<s>" in text as plain characters.
+        backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+
+        eos_from_generation = generation_config.get("eos_token_id")
+        if isinstance(eos_from_generation, int):
+            eos_from_generation = [eos_from_generation]
+        return cls(
+            backend,
+            special_tokens=special_tokens,
+            chat_template=_load_chat_template(model_dir, config),
+            eos_token_ids=tuple(eos_from_generation or ()),
+            bos_token_id=None if special_tokens["bos_token"] else generation_config.get("bos_token_id"),
+            pad_token_id=None if special_tokens["pad_token"] else generation_config.get("pad_token_id"),
+        )
+
+    # ----------------------------------------------------------------------------------------- ids
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included (what the embedding table must cover at least)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops."""
+        return self._special_ids
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def _token_id(self, name: str) -> int | None:
+        token = self.special_tokens.get(name)
+        return None if token is None else self.backend.token_to_id(token)
+
+    # ----------------------------------------------------------------------------------------- text
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with `add_special_tokens` the post-processor in tokenizer.json adds BOS/EOS.
+
+        tokenizer_config.json's `add_bos_token` is not consulted: transformers 5 ignores it whenever a
+        tokenizer.json exists, and matching `AutoTokenizer` token for token is the point.
+        """
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+    def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True
+                    ) -> "IncrementalDetokenizer":
+        """A streaming decoder for one request's output tokens; see `IncrementalDetokenizer`."""
+        return IncrementalDetokenizer(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+    # ----------------------------------------------------------------------------------------- chat
+    def get_chat_template(self, chat_template: str | None = None, tools: Sequence[Any] | None = None) -> str:
+        """The template source to render, chosen as transformers does (named templates, `tool_use` with tools)."""
+        if isinstance(self.chat_template, dict):
+            if chat_template is not None and chat_template in self.chat_template:
+                return self.chat_template[chat_template]
+            if chat_template is not None:
+                return chat_template
+            if tools is not None and "tool_use" in self.chat_template:
+                return self.chat_template["tool_use"]
+            if "default" in self.chat_template:
+                return self.chat_template["default"]
+            raise ValueError(f"the model has several chat templates and none is 'default'; pass one of "
+                             f"{sorted(self.chat_template)} as chat_template")
+        if chat_template is not None:
+            return chat_template
+        if self.chat_template is None:
+            raise ValueError("the tokenizer has no chat template (none in tokenizer_config.json or "
+                             f"{CHAT_TEMPLATE_FILE}); pass chat_template explicitly")
+        return self.chat_template
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render `messages` to the prompt string, equal to transformers' `apply_chat_template(tokenize=False)`.
+
+        Extra keyword arguments reach the template as variables (e.g. `enable_thinking=False`); they override
+        the special-token variables (`bos_token`, `eos_token`, ...) as in transformers. A template's
+        `raise_exception(...)` surfaces as `jinja2.TemplateError`.
+        """
+        if not messages:
+            raise ValueError("cannot apply a chat template to an empty conversation")
+        if tools is not None:
+            for tool in tools:
+                if not isinstance(tool, Mapping):
+                    raise TypeError(f"tools must be JSON-schema dicts, got {type(tool).__name__}: {tool!r}")
+        if documents is not None:
+            for document in documents:
+                if not isinstance(document, Mapping):
+                    raise TypeError(f"documents must be dicts with 'title' and 'text', got {document!r}")
+        source = self.get_chat_template(chat_template, tools)
+        template = self._compiled_templates.get(source)
+        if template is None:
+            template = self._compiled_templates[source] = _JINJA_ENV.from_string(source)
+        variables = {**self.special_tokens, **_plain_data(template_kwargs)}
+        return template.render(
+            messages=_normalize_messages(messages),
+            tools=_plain_data(tools),
+            documents=_plain_data(documents),
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat; the template supplies BOS itself, so no special tokens are added."""
+        return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text pieces as they arrive.
+
+    Text that ends in U+FFFD (a multi-byte character whose remaining bytes are still to come) is held back;
+    `flush()` at the end releases whatever is left. The pieces concatenated equal `tokenizer.decode(output_ids)`
+    (given the same `skip_special_tokens`), wherever the stream stops. Each step decodes only the tokens since the
+    last emission plus the window before it (vLLM's prefix/read offsets), so the cost per token is O(1)
+    amortised. `prompt_ids` give left context, so a first output token like "▁Hello" keeps its space.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids[-_DETOKENIZER_PROMPT_CONTEXT:]) if len(prompt_ids) else []
+        self._ids = context  # context + output ids not yet behind prefix_offset
+        self._prefix_offset = 0  # start of the window decoded for context
+        self._read_offset = len(context)  # end of what has already been emitted
+        self.output_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+
+    def add(self, token_ids: int | Iterable[int]) -> str:
+        """Append output token(s); returns the newly complete text (possibly "")."""
+        new_ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        self.output_ids.extend(new_ids)
+        self._ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        new_text = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""  # nothing new, or the last character is still incomplete
+        piece = new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if self._prefix_offset > 256:  # drop ids no window will look at again
+            del self._ids[:self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        """The text still held back (a trailing U+FFFD if the output really ends mid-character)."""
+        decode = self.tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
+        new_text = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
+        piece = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += piece
+        return piece
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    # Configs store tokens as strings or as serialised AddedToken dicts ({"content": ..., "__type": "AddedToken"}).
+    if isinstance(value, Mapping):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _named_special_tokens(config: Mapping[str, Any]) -> dict[str, str | None]:
+    """The token variables transformers hands chat templates: the standard names, plus any other `*_token`
+    string entry and the entries of a dict-valued `extra_special_tokens` (e.g. `image_token`)."""
+    named: dict[str, str | None] = {name: _token_content(config.get(name)) for name in SPECIAL_TOKEN_NAMES}
+    for key, value in config.items():
+        if key.endswith("_token") and key not in named and (
+                isinstance(value, str) or (isinstance(value, Mapping) and value.get("__type") == "AddedToken")):
+            named[key] = _token_content(value)
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, Mapping):
+        named.update({key: _token_content(value) for key, value in extra.items()})
+    return named
+
+
+def _add_missing_tokens(backend: _BackendTokenizer, config: Mapping[str, Any], special_tokens: Mapping[str, Any]):
+    """Add tokens that tokenizer_config.json declares but tokenizer.json lacks, as transformers does on load."""
+    vocab = backend.get_vocab(with_added_tokens=True)
+    extra: list[AddedToken] = []
+    for entry in (config.get("added_tokens_decoder") or {}).values():
+        if isinstance(entry, Mapping) and entry.get("content") not in vocab:
+            extra.append(AddedToken(
+                entry["content"], single_word=entry.get("single_word", False), lstrip=entry.get("lstrip", False),
+                rstrip=entry.get("rstrip", False), normalized=entry.get("normalized", True),
+                special=entry.get("special", False)))
+    named = [t for t in special_tokens.values() if t is not None]
+    listed = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
+    listed = listed.values() if isinstance(listed, Mapping) else listed
+    for token in [*named, *(_token_content(t) for t in listed)]:
+        if token is not None and token not in vocab and all(token != e.content for e in extra):
+            extra.append(AddedToken(token, special=True, normalized=False))
+    if extra:
+        backend.add_special_tokens([t for t in extra if t.special])
+        backend.add_tokens([t for t in extra if not t.special])
+
+
+def _load_chat_template(model_dir: str, config: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """Template files (transformers >= 4.50 layout) take priority over the config's `chat_template` entry."""
+    templates: dict[str, str] = {}
+    path = os.path.join(model_dir, CHAT_TEMPLATE_FILE)
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            templates["default"] = f.read()
+    extra_dir = os.path.join(model_dir, CHAT_TEMPLATE_DIR)
+    if os.path.isdir(extra_dir):
+        for name in sorted(os.listdir(extra_dir)):
+            if name.endswith(".jinja"):
+                with open(os.path.join(extra_dir, name), encoding="utf-8") as f:
+                    templates[name.removesuffix(".jinja")] = f.read()
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    entry = config.get("chat_template")
+    if isinstance(entry, list):  # [{"name": ..., "template": ...}, ...]
+        return {item["name"]: item["template"] for item in entry}
+    return entry
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    # As transformers: drop None-valued keys (OpenAI's content=None), alias reasoning fields.
+    normalized = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat messages must be dicts, got {type(message).__name__}: {message!r}")
+        message = _plain_data({k: v for k, v in message.items() if v is not None})
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        normalized.append(message)
+    return normalized
+
+
+def _plain_data(value: Any) -> Any:
+    """Rebuild template inputs from plain JSON types, so the sandbox never sees methods of richer objects."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain_data(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain_data(v) for v in value)
+    return f"<{type(value).__name__}>"
+
+
+# --------------------------------------------------------------------------------------------- jinja
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering ignores it."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):
+        return caller()
+
+
+def _raise_exception(message: str):
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    # transformers' version: no HTML escaping, json.dumps options exposed.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.datetime.now().strftime(format)
+
+
+class _TemplateDict:
+    """`dict(...)` for templates without exposing the dict type itself."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace(...)` that refuses underscore attributes, closing a route to CPython internals."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes, got {name!r}")
+
+
+def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    # Same settings as transformers: templates from the Hub are untrusted code, hence the sandbox.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+_JINJA_ENV = _make_jinja_env()

@@ -1,0 +1,195 @@
+"""Decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE) in Flax NNX.
+
+The forward takes a RaggedBatch (prefill chunks and decode tokens mixed) and the per-layer paged KV cache, and
+returns the hidden states of every token plus the updated cache. Every parameter carries its logical axes in
+the `axes` metadata (names from `sharding.axes`), so sharding only adds rules. Layers are kept as a list of
+per-layer arrays (slicing a stacked [L, ...] array copies it every step on CPU).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from models.batch import RaggedBatch
+from models.config import ModelConfig
+from models.rope import apply_rope, inverse_frequencies
+from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, MLP as MLP_AXIS, VOCAB
+
+
+def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02) -> nnx.Param:
+    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
+    return nnx.Param(value, axes=axes)
+
+
+def _ones(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.ones(shape, dtype), axes=axes)
+
+
+def _zeros(shape, axes, dtype) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis_name: str, dtype):
+        self.weight = _ones((dim,), (axis_name,), dtype)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = _param(rngs, (e, hq, d), (EMBED, HEADS, HEAD_DIM), dtype)
+        self.k_proj = _param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+        self.v_proj = _param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+        self.o_proj = _param(rngs, (hq, d, e), (HEADS, HEAD_DIM, EMBED), dtype)
+        if cfg.qkv_bias:
+            self.q_bias = _zeros((hq, d), (HEADS, HEAD_DIM), dtype)
+            self.k_bias = _zeros((hkv, d), (KV_HEADS, HEAD_DIM), dtype)
+            self.v_bias = _zeros((hkv, d), (KV_HEADS, HEAD_DIM), dtype)
+        if cfg.o_bias:
+            self.o_bias = _zeros((e,), (EMBED,), dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
+        self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
+        self.sm_scale = 1.0 / math.sqrt(d)
+        self.sliding_window = cfg.sliding_windows[layer]
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
+
+    def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
+        q = jnp.einsum("te,ehd->thd", x, self.q_proj[...])
+        k = jnp.einsum("te,ehd->thd", x, self.k_proj[...])
+        v = jnp.einsum("te,ehd->thd", x, self.v_proj[...])
+        if self.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        md = batch.attention
+        kv_pages = pallas_kernels.write_kv(kv_pages, k, v, md.slot_mapping)
+        out = pallas_kernels.ragged_paged_attention(
+            q, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+            sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+        y = jnp.einsum("thd,hde->te", out, self.o_proj[...])
+        if self.o_bias_on:
+            y = y + self.o_bias[...]
+        return y, kv_pages
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
+        self.gate_proj = _param(rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype)
+        self.up_proj = _param(rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype)
+        self.down_proj = _param(rngs, (intermediate, hidden), (MLP_AXIS, EMBED), dtype)
+
+    def __call__(self, x):
+        h = jax.nn.silu(x @ self.gate_proj[...]) * (x @ self.up_proj[...])
+        return h @ self.down_proj[...]
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts (softmax over all experts, then top-k, optionally renormalised), plus an optional
+    sigmoid-gated shared expert (Qwen2-MoE)."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        e, n, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = _param(rngs, (e, n), (EMBED, None), dtype)
+        self.gate_proj = _param(rngs, (n, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
+        self.up_proj = _param(rngs, (n, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
+        self.down_proj = _param(rngs, (n, i, e), (EXPERT, MLP_AXIS, EMBED), dtype)
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = MLP(e, cfg.shared_expert_intermediate_size, dtype, rngs)
+            self.shared_expert_gate = _param(rngs, (e, 1), (EMBED, None), dtype)
+
+    def routing(self, x) -> tuple[jax.Array, jax.Array]:
+        """Pure. Per token: the top-k expert ids [T, k] and their combine weights [T, k] (float32)."""
+        logits = (x @ self.router[...]).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return experts, weights
+
+    def __call__(self, x):
+        experts, weights = self.routing(x)
+        n = self.gate_proj.shape[0]
+        # Dense over experts: exact and simple; expert parallelism dispatches tokens instead.
+        combine = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32) * weights[..., None], axis=1)  # [T, N]
+        h = jax.nn.silu(jnp.einsum("te,nei->tni", x, self.gate_proj[...])) * jnp.einsum(
+            "te,nei->tni", x, self.up_proj[...])
+        y = jnp.einsum("tni,nie,tn->te", h, self.down_proj[...], combine.astype(x.dtype))
+        if self.has_shared:
+            gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
+            y = y + gate * self.shared_expert(x)
+        return y
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
+        self.self_attn = Attention(cfg, layer, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
+        if cfg.moe_layers[layer]:
+            self.mlp = MoE(cfg, dtype, rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+
+    def __call__(self, x, positions, kv_pages, batch):
+        h, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, batch)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv_pages
+
+
+class CausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = cfg
+        self.embed_tokens = _param(rngs, (cfg.vocab_size, cfg.hidden_size), (VOCAB, EMBED), dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), (EMBED, VOCAB), dtype)
+
+    def __call__(self, batch: RaggedBatch, kv_caches: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
+        """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches."""
+        x = self.embed_tokens[...][batch.input_ids]
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches):
+            x, kv = layer(x, batch.positions, kv, batch)
+            new_caches.append(kv)
+        return self.norm(x), new_caches
+
+    def compute_logits(self, hidden: jax.Array) -> jax.Array:
+        """Pure. Float32 logits [N, vocab] of hidden states [N, E]."""
+        if self.config.tie_word_embeddings:
+            logits = hidden @ self.embed_tokens[...].T
+        else:
+            logits = hidden @ self.lm_head[...]
+        return logits.astype(jnp.float32)
+
+
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+    """Shape of one layer's KV pages: K and V interleaved on the head axis."""
+    return (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+
+
+def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
+                   sharding=None) -> list[jax.Array]:
+    """One zeroed KV buffer per layer."""
+    shape = kv_cache_shape(cfg, num_pages, page_size)
+    return [jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)]

@@ -1,0 +1,228 @@
+"""Weights: HF safetensors -> model, tensor by tensor onto each parameter's target sharding; Orbax save/restore.
+
+Each parameter is read from the mmap-ed checkpoint, transposed/reshaped into our layout, cast, and handed to
+`jax.make_array_from_callback`, so every device receives only its own shard and the whole model is never
+materialised on one device. Mismatches raise CheckpointError naming the tensor.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from models.config import ModelConfig
+from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from models.transformer import CausalLM
+from sharding.rules import DEFAULT_RULES, ShardingRules
+
+log = logging.getLogger(__name__)
+
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.rotary_emb\.)")
+Source = tuple[list[str], Callable[..., np.ndarray]]
+
+
+def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
+    """The HF tensor names a parameter is built from, and how (numpy, our layout)."""
+    e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    p = tuple(str(x) for x in path)
+    ident = lambda w: w  # noqa: E731
+    transpose = lambda w: w.T  # noqa: E731  HF Linear is [out, in]; ours is [in, out]
+    if p == ("embed_tokens",):
+        return ["model.embed_tokens.weight"], ident
+    if p == ("lm_head",):
+        return ["lm_head.weight"], transpose
+    if p == ("norm", "weight"):
+        return ["model.norm.weight"], ident
+    if p[0] != "layers":
+        raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")
+    i, rest = int(p[1]), p[2:]
+    pre = f"model.layers.{i}"
+    if rest[0] in ("input_layernorm", "post_attention_layernorm"):
+        return [f"{pre}.{rest[0]}.weight"], ident
+    if rest[0] == "self_attn":
+        a = f"{pre}.self_attn"
+        heads = {"q": hq, "k": hkv, "v": hkv}
+        name = rest[1]
+        if name in ("q_proj", "k_proj", "v_proj"):
+            h = heads[name[0]]
+            return [f"{a}.{name}.weight"], lambda w: w.reshape(h, d, e).transpose(2, 0, 1)
+        if name == "o_proj":
+            return [f"{a}.o_proj.weight"], lambda w: w.reshape(e, hq, d).transpose(1, 2, 0)
+        if name in ("q_bias", "k_bias", "v_bias"):
+            h = heads[name[0]]
+            return [f"{a}.{name[0]}_proj.bias"], lambda b: b.reshape(h, d)
+        if name == "o_bias":
+            return [f"{a}.o_proj.bias"], ident
+        if name in ("q_norm", "k_norm"):
+            return [f"{a}.{name}.weight"], ident
+    if rest[0] == "mlp":
+        if not cfg.moe_layers[i]:
+            if rest[1] == "shared_expert":
+                raise CheckpointError(f"unexpected shared expert in dense layer {i}")
+            return [f"{pre}.mlp.{rest[1]}.weight"], transpose
+        return _moe_source(cfg, i, rest[1:])
+    raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")
+
+
+def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
+    n = cfg.num_experts
+    stack_t = lambda *ws: np.stack([w.T for w in ws])  # noqa: E731
+    if cfg.family == "mixtral":
+        m = f"model.layers.{i}.block_sparse_moe"
+        per_expert = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+        router = f"{m}.gate.weight"
+    else:
+        m = f"model.layers.{i}.mlp"
+        per_expert = {k: k for k in ("gate_proj", "up_proj", "down_proj")}
+        router = f"{m}.gate.weight"
+    name = rest[0]
+    if name == "router":
+        return [router], lambda w: w.T
+    if name in per_expert:
+        return [f"{m}.experts.{j}.{per_expert[name]}.weight" for j in range(n)], stack_t
+    if name == "shared_expert":
+        return [f"{m}.shared_expert.{rest[1]}.weight"], lambda w: w.T
+    if name == "shared_expert_gate":
+        return [f"{m}.shared_expert_gate.weight"], lambda w: w.T
+    raise CheckpointError(f"no HF source known for MoE parameter {name} of layer {i}")
+
+
+def _fused_expert_source(ckpt: SafetensorsCheckpoint, names: list[str], param: str) -> Source | None:
+    """transformers >= 5 in-memory layout: experts fused as gate_up_proj [N, 2I, E] and down_proj [N, E, I]."""
+    m = re.match(r"(.*)\.experts\.0\.", names[0])
+    if not m:
+        return None
+    base = m.group(1).replace("block_sparse_moe", "mlp")
+    gate_up, down = f"{base}.experts.gate_up_proj", f"{base}.experts.down_proj"
+    if param in ("gate_proj", "up_proj") and gate_up in ckpt:
+        half = 0 if param == "gate_proj" else 1
+        return [gate_up], lambda w: np.split(w, 2, axis=1)[half].transpose(0, 2, 1)
+    if param == "down_proj" and down in ckpt:
+        return [down], lambda w: w.transpose(0, 2, 1)
+    return None
+
+
+def param_sharding(axes, shape, mesh: Mesh | None, rules: ShardingRules):
+    if mesh is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    return rules.named_sharding(mesh, axes, shape)
+
+
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> CausalLM:
+    """The model with shapes and logical axes only; no memory allocated."""
+    return nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+                  rules: ShardingRules = DEFAULT_RULES, config: ModelConfig | None = None) -> CausalLM:
+    """Loads an HF safetensors checkpoint (single file or sharded) into a CausalLM placed on `mesh`."""
+    t0 = time.perf_counter()
+    cfg = config or ModelConfig.from_pretrained(model_dir)
+    ckpt = SafetensorsCheckpoint(model_dir)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    used: set[str] = set()
+    for path, var in nnx.to_flat_state(state):
+        names, fn = _hf_source(cfg, path)
+        if any(n not in ckpt for n in names) and str(path[-1]) in ("gate_proj", "up_proj", "down_proj"):
+            names, fn = _fused_expert_source(ckpt, names, str(path[-1])) or (names, fn)
+        missing = [n for n in names if n not in ckpt]
+        if missing:
+            raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir!r} "
+                                  f"(needed for parameter {'/'.join(map(str, path))})")
+        used.update(names)
+        try:
+            host = fn(*[ckpt.get(n) for n in names])
+        except ValueError as err:
+            shapes = {n: ckpt.shape(n) for n in names[:2]}
+            raise CheckpointError(f"tensor {names[0]!r} has shape {shapes[names[0]]}, which does not fit parameter "
+                                  f"{'/'.join(map(str, path))} of shape {tuple(var.shape)} ({err})") from None
+        if tuple(host.shape) != tuple(var.shape):
+            raise CheckpointError(f"tensor {names[0]!r} has shape {ckpt.shape(names[0])} -> {tuple(host.shape)} "
+                                  f"in our layout, expected {tuple(var.shape)} for {'/'.join(map(str, path))}")
+        if not (np.issubdtype(host.dtype, np.floating) or host.dtype == jnp.bfloat16):
+            raise CheckpointError(f"tensor {names[0]!r} has dtype {host.dtype}, which cannot be cast to {dtype}")
+        var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
+    unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n)
+              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if unused:
+        raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "
+                              f"{unused[:3]} — an option the config does not declare?")
+    model = nnx.merge(graphdef, state)
+    log.info("loaded %s from %s in %.2fs", cfg.family, model_dir, time.perf_counter() - t0)
+    return model
+
+
+def _place(host: np.ndarray, dtype, sharding) -> jax.Array:
+    def shard(index):
+        return np.ascontiguousarray(host[index]).astype(dtype)
+    return jax.make_array_from_callback(host.shape, sharding, shard)
+
+
+# --------------------------------------------------------------------------- Orbax
+
+_META = "meshserve_model.json"
+
+
+def save_orbax(model: CausalLM, out_dir: str, *, hf_dir: str | None = None) -> None:
+    """Saves parameters as an Orbax checkpoint under `out_dir/params`, with the config (and, from `hf_dir`,
+    tokenizer files) beside it."""
+    import orbax.checkpoint as ocp
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    state = nnx.state(model, nnx.Param)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.join(out_dir, "params"), nnx.to_pure_dict(state), force=True)
+    dtype = str(jax.tree.leaves(nnx.to_pure_dict(state))[0].dtype)
+    with open(os.path.join(out_dir, _META), "w") as f:
+        json.dump({"config": model.config.to_dict(), "param_dtype": dtype}, f, indent=1)
+    if hf_dir:
+        for name in os.listdir(hf_dir):
+            if name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template")) or \
+                    name == "config.json":
+                shutil.copy(os.path.join(hf_dir, name), out_dir)
+
+
+def is_orbax_dir(path: str) -> bool:
+    return os.path.exists(os.path.join(path, _META))
+
+
+def load_orbax_model(ckpt_dir: str, *, dtype=None, mesh: Mesh | None = None,
+                     rules: ShardingRules = DEFAULT_RULES) -> CausalLM:
+    """Restores an Orbax checkpoint onto `mesh` (any layout: each array is restored to its new sharding)."""
+    import orbax.checkpoint as ocp
+
+    t0 = time.perf_counter()
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    with open(os.path.join(ckpt_dir, _META)) as f:
+        meta = json.load(f)
+    cfg = ModelConfig.from_dict(meta["config"])
+    dtype = dtype or jnp.dtype(meta["param_dtype"])
+    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    target = {}
+    for path, var in nnx.to_flat_state(state):
+        sharding = param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)
+        target[path] = jax.ShapeDtypeStruct(var.shape, var.dtype, sharding=sharding)
+    target_tree = nnx.to_pure_dict(nnx.from_flat_state(target))
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(os.path.join(ckpt_dir, "params"), target_tree)
+    nnx.replace_by_pure_dict(state, restored)
+    log.info("restored %s from Orbax %s in %.2fs", cfg.family, ckpt_dir, time.perf_counter() - t0)
+    return nnx.merge(graphdef, state)
+
+
+def load_model(path: str, *, dtype=None, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES) -> CausalLM:
+    """An HF directory or an Orbax checkpoint made by `models.convert`."""
+    if is_orbax_dir(path):
+        return load_orbax_model(path, dtype=dtype, mesh=mesh, rules=rules)
+    return load_hf_model(path, dtype=dtype or jnp.float32, mesh=mesh, rules=rules)

@@ -1,0 +1,67 @@
+"""Logical-axis -> mesh-axis rules, as data.
+
+A rule set maps each logical axis name (see `sharding.axes`) to a mesh axis or None (replicated). Turning an
+array's logical axes into a PartitionSpec rejects a spec that would put two dimensions on one mesh axis, and
+replicates a dimension the mesh axis does not divide (e.g. fewer KV heads than the tensor-parallel degree).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, MLP, VOCAB
+
+MESH_AXES = ("data", "pipeline", "tensor", "expert")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    rules: Mapping[str, str | None]
+
+    def __post_init__(self):
+        for logical, mesh_axis in self.rules.items():
+            if logical not in LOGICAL_AXES:
+                raise ValueError(f"unknown logical axis {logical!r}; known: {LOGICAL_AXES}")
+            if mesh_axis is not None and mesh_axis not in MESH_AXES:
+                raise ValueError(f"logical axis {logical!r} maps to unknown mesh axis {mesh_axis!r}; "
+                                 f"mesh axes are {MESH_AXES}")
+
+    def partition_spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
+                       mesh: Mesh | None = None) -> PartitionSpec:
+        used: dict[str, str] = {}
+        spec = []
+        for i, logical in enumerate(axes):
+            mesh_axis = self.rules.get(logical) if logical is not None else None
+            if mesh_axis is not None and mesh is not None:
+                size = mesh.shape[mesh_axis]
+                if size == 1 or (shape is not None and shape[i] % size):
+                    mesh_axis = None  # replicate what the axis cannot divide
+            if mesh_axis is not None:
+                if mesh_axis in used:
+                    raise ValueError(f"logical axes {used[mesh_axis]!r} and {logical!r} of one array both map "
+                                     f"to mesh axis {mesh_axis!r}")
+                used[mesh_axis] = logical
+            spec.append(mesh_axis)
+        return PartitionSpec(*spec)
+
+    def named_sharding(self, mesh: Mesh, axes: Sequence[str | None], shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(mesh, self.partition_spec(axes, shape, mesh))
+
+
+DEFAULT_RULES = ShardingRules({
+    EMBED: None, HEAD_DIM: None, LAYERS: None,
+    HEADS: "tensor", KV_HEADS: "tensor", MLP: "tensor", VOCAB: "tensor", EXPERT: "expert",
+})
+
+
+def make_mesh(dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, devices=None) -> Mesh:
+    """A mesh over ('data', 'pipeline', 'tensor', 'expert') from the given degrees."""
+    devices = list(devices if devices is not None else jax.devices())
+    need = dp * pp * tp * ep
+    if need > len(devices):
+        raise ValueError(f"mesh dp={dp} pp={pp} tp={tp} ep={ep} needs {need} devices; {len(devices)} available")
+    return jax.make_mesh((dp, pp, tp, ep), MESH_AXES, devices=devices[:need],
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 4)
