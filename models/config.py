@@ -163,6 +163,9 @@ def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
 
 def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
     archs = hf.get("architectures") or []
+    if not archs:  # a bare config (no architectures) names its family by model_type
+        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+        archs = [by_type.get(hf.get("model_type"), f"model_type={hf.get('model_type')!r}")]
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise _unsupported(
             f"architecture {archs!r} (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")

@@ -97,19 +97,21 @@ def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
     raise CheckpointError(f"no HF source known for MoE parameter {name} of layer {i}")
 
 
-def _fused_expert_source(ckpt: SafetensorsCheckpoint, names: list[str], param: str) -> Source | None:
-    """transformers >= 5 in-memory layout: experts fused as gate_up_proj [N, 2I, E] and down_proj [N, E, I]."""
-    m = re.match(r"(.*)\.experts\.0\.", names[0])
-    if not m:
-        return None
-    base = m.group(1).replace("block_sparse_moe", "mlp")
-    gate_up, down = f"{base}.experts.gate_up_proj", f"{base}.experts.down_proj"
-    if param in ("gate_proj", "up_proj") and gate_up in ckpt:
-        half = 0 if param == "gate_proj" else 1
-        return [gate_up], lambda w: np.split(w, 2, axis=1)[half].transpose(0, 2, 1)
-    if param == "down_proj" and down in ckpt:
-        return [down], lambda w: w.transpose(0, 2, 1)
-    return None
+def _alternative_source(ckpt: SafetensorsCheckpoint, names: list[str], fn, param: str) -> Source:
+    """transformers >= 5 in-memory MoE layout: `mlp.` instead of `block_sparse_moe.`, and experts fused as
+    gate_up_proj [N, 2I, E] (gate rows first) and down_proj [N, E, I]."""
+    renamed = [n.replace(".block_sparse_moe.", ".mlp.") for n in names]
+    if all(n in ckpt for n in renamed):
+        return renamed, fn
+    m = re.match(r"(.*)\.experts\.0\.", renamed[0])
+    if m:
+        gate_up, down = f"{m.group(1)}.experts.gate_up_proj", f"{m.group(1)}.experts.down_proj"
+        if param in ("gate_proj", "up_proj") and gate_up in ckpt:
+            half = 0 if param == "gate_proj" else 1
+            return [gate_up], lambda w: np.split(w, 2, axis=1)[half].transpose(0, 2, 1)
+        if param == "down_proj" and down in ckpt:
+            return [down], lambda w: w.transpose(0, 2, 1)
+    return names, fn
 
 
 def param_sharding(axes, shape, mesh: Mesh | None, rules: ShardingRules):
@@ -133,8 +135,8 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
     used: set[str] = set()
     for path, var in nnx.to_flat_state(state):
         names, fn = _hf_source(cfg, path)
-        if any(n not in ckpt for n in names) and str(path[-1]) in ("gate_proj", "up_proj", "down_proj"):
-            names, fn = _fused_expert_source(ckpt, names, str(path[-1])) or (names, fn)
+        if any(n not in ckpt for n in names):
+            names, fn = _alternative_source(ckpt, names, fn, str(path[-1]))
         missing = [n for n in names if n not in ckpt]
         if missing:
             raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir!r} "

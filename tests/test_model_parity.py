@@ -50,3 +50,22 @@ def test_greedy_decode_matches_hf_generate(family, hf_dirs):
     # Staggered starts and 16-token prefill chunks: steps mix prefill chunks with decode tokens.
     got = runner.generate(prompts, DECODE_STEPS, chunk=16)
     assert got == expected
+
+
+def test_mistral_sliding_window_is_exercised(hf_dirs):
+    """The parity above covers the window only if it changes the result: without it, logits differ."""
+    import dataclasses
+
+    import transformers as tf
+
+    from models.config import ModelConfig
+    hf = tf.AutoModelForCausalLM.from_pretrained(hf_dirs["mistral"], attn_implementation="eager").eval()
+    prompt = hf_models.random_prompt(PROMPT_LEN, hf.config.vocab_size, seed=1)
+    ref = hf_models.hf_logits(hf, prompt)
+    cfg = ModelConfig.from_pretrained(hf_dirs["mistral"])
+    assert cfg.sliding_windows == (24, 24)
+    no_window = dataclasses.replace(cfg, sliding_windows=(None, None))
+    runner = PagedRunner(load_hf_model(hf_dirs["mistral"], config=no_window), page_size=8)
+    got = runner.token_logits([SeqChunk(prompt, 0, runner.alloc(PROMPT_LEN))])
+    assert np.max(np.abs(got[:24] - ref[:24])) < 1e-4  # inside the window nothing changes
+    assert np.max(np.abs(got[30:] - ref[30:])) > 1e-3
