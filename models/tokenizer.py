@@ -56,6 +56,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
         self._special_ids = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._byte_fallback_ids = _byte_fallback_ids(backend)
         self._compiled_templates: dict[str, jinja2.Template] = {}
 
     # ----------------------------------------------------------------------------------------- loading
@@ -109,6 +110,11 @@ class Tokenizer:
     def special_token_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` drops."""
         return self._special_ids
+
+    @property
+    def byte_fallback_ids(self) -> frozenset[int]:
+        """Ids of sentencepiece byte tokens `<0x00>`..`<0xFF>` when the decoder falls back to bytes, else empty."""
+        return self._byte_fallback_ids
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
@@ -212,7 +218,12 @@ class IncrementalDetokenizer:
     `flush()` at the end releases whatever is left. The pieces concatenated equal `tokenizer.decode(output_ids)`
     (given the same `skip_special_tokens`), wherever the stream stops. Each step decodes only the tokens since the
     last emission plus the window before it (vLLM's prefix/read offsets), so the cost per token is O(1)
-    amortised. `prompt_ids` give left context, so a first output token like "▁Hello" keeps its space.
+    amortised. `prompt_ids` give left context, so a first output token like sentencepiece's "▁Hello" keeps the
+    space that decoding the output alone would strip (byte-level BPE decodes the same either way).
+
+    Sentencepiece byte-fallback decoders turn a whole run of `<0xNN>` tokens into one U+FFFD per byte when
+    any byte in the run is invalid, so text is also held while the output ends in a byte token; otherwise an
+    emitted character could later become U+FFFD in the full decode.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
@@ -233,8 +244,9 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
         new_text = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
-            return ""  # nothing new, or the last character is still incomplete
+        if (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)
+                or self._ids[-1] in self.tokenizer.byte_fallback_ids):
+            return ""  # nothing new, or the last character (or byte run) may still change
         piece = new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         if self._prefix_offset > 256:  # drop ids no window will look at again
@@ -261,6 +273,14 @@ def _read_json(path: str) -> dict[str, Any] | None:
         return None
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def _byte_fallback_ids(backend: _BackendTokenizer) -> frozenset[int]:
+    decoder = backend.decoder
+    if decoder is None or b'"ByteFallback"' not in decoder.__getstate__():
+        return frozenset()
+    ids = (backend.token_to_id(f"<0x{byte:02X}>") for byte in range(256))
+    return frozenset(i for i in ids if i is not None)
 
 
 def _token_content(value: Any) -> str | None:
