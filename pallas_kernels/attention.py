@@ -1,0 +1,57 @@
+"""The entry points models call: `ragged_paged_attention` and `write_kv`, dispatched by backend at trace time.
+
+Backend = the default JAX platform (cpu -> pure-JAX fast path, gpu -> Triton kernel, tpu -> Mosaic kernel).
+MESHSERVE_ATTENTION=reference|cpu|gpu|tpu forces one (read at trace time, so it applies to new traces only).
+Kernels work on the heads they are given, so they can run per shard inside shard_map.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+
+from pallas_kernels import reference
+
+BACKENDS = ("reference", "cpu", "gpu", "tpu")
+ENV_VAR = "MESHSERVE_ATTENTION"
+
+
+def attention_backend() -> str:
+    """Trace-time. The backend the next trace will use."""
+    forced = os.environ.get(ENV_VAR, "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in BACKENDS:
+            raise ValueError(f"{ENV_VAR}={forced!r}; expected one of {BACKENDS} or 'auto'")
+        return forced
+    platform = jax.default_backend()
+    return {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform, "reference")
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, logit_soft_cap=None):
+    """Pure. Causal attention of a ragged batch `q[T, Hq, D]` over paged KV -> `[T, Hq, D]`.
+
+    Same contract as `reference.ragged_paged_attention_reference` (see `metadata.py` for the arrays).
+    """
+    backend = attention_backend()
+    if backend == "cpu":
+        from pallas_kernels.cpu import ragged_paged_attention_cpu as fn
+    elif backend == "gpu":
+        from pallas_kernels.gpu import ragged_paged_attention_gpu as fn
+    elif backend == "tpu":
+        from pallas_kernels.tpu import ragged_paged_attention_tpu as fn
+    else:
+        fn = reference.ragged_paged_attention_reference
+    return fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
+              sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+
+
+def write_kv(kv_pages, k, v, slot_mapping):
+    """Pure. Writes `k`/`v` `[T, Hkv, D]` into flat slots `slot_mapping[T]` (-1 = padding, dropped).
+
+    In place when the cache is donated: XLA's scatter on cpu/gpu, an aliased DMA kernel on tpu.
+    """
+    if attention_backend() == "tpu":
+        from pallas_kernels.tpu import write_kv_tpu
+        return write_kv_tpu(kv_pages, k, v, slot_mapping)
+    return reference.write_kv(kv_pages, k, v, slot_mapping)

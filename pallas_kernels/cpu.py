@@ -1,0 +1,101 @@
+"""CPU backend: ragged paged attention in pure JAX, written for XLA:CPU (what CI and the CPU server run).
+
+The batch is cut into query blocks of one sequence each (`plan.py`); a while loop visits only the real
+blocks, and for each block an inner loop streams just the pages its causal/sliding range needs, in chunks,
+with an online softmax. Memory is O(block * chunk), never O(T * L). Single-token blocks (decodes) take a
+narrow branch so a decode does no padded work.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import plan as plan_lib
+
+_NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
+
+
+def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, rows_per_token, chunk_pages,
+                  sm_scale, sliding_window, logit_soft_cap):
+    """Pure. One query block `[Hkv, R, D]` (rows token*G+g) against its sequence's pages -> `[Hkv, R, D]`."""
+    hkv, r, d = q_blk.shape
+    _, page_size, _, _ = kv_pages.shape
+    chunk = chunk_pages * page_size
+    q32 = q_blk.astype(jnp.float32) * sm_scale
+    row_pos = first_pos + jnp.arange(r, dtype=jnp.int32) // rows_per_token  # [R]
+    row_ok = jnp.arange(r, dtype=jnp.int32) // rows_per_token < q_len
+    hi = jnp.minimum(first_pos + q_len, kv_len)  # one past the last KV position any row may see
+    lo = jnp.maximum(first_pos - sliding_window + 1, 0) if sliding_window is not None else jnp.int32(0)
+    c_lo = lo // chunk
+    c_hi = (hi + chunk - 1) // chunk
+
+    def body(c, carry):
+        m, l, acc = carry
+        pages = lax.dynamic_slice_in_dim(pages_row, c * chunk_pages, chunk_pages)
+        kv = kv_pages[pages].reshape(chunk, hkv, 2, d)
+        k = kv[:, :, 0].astype(jnp.float32)
+        v = kv[:, :, 1].astype(jnp.float32)
+        s = jnp.einsum("hrd,chd->hrc", q32, k)
+        if logit_soft_cap is not None:
+            s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
+        kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        mask = (kv_pos[None, :] <= row_pos[:, None]) & (kv_pos[None, :] < kv_len) & row_ok[:, None]
+        if sliding_window is not None:
+            mask &= kv_pos[None, :] > row_pos[:, None] - sliding_window
+        s = jnp.where(mask[None], s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.sum(p, axis=-1)
+        acc = alpha[..., None] * acc + jnp.einsum("hrc,chd->hrd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((hkv, r), _NEG, jnp.float32), jnp.zeros((hkv, r), jnp.float32),
+            jnp.zeros((hkv, r, d), jnp.float32))
+    _, l, acc = lax.fori_loop(c_lo, c_hi, body, init)
+    return acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+
+def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                               sliding_window=None, logit_soft_cap=None, block_tokens=64, chunk_tokens=128):
+    """Pure. Same contract as `ragged_paged_attention_reference`; fast and memory-sane on XLA:CPU."""
+    t, hq, d = q.shape
+    _, page_size, h2, _ = kv_pages.shape
+    hkv = h2 // 2
+    g = hq // hkv
+    bt = max(1, min(block_tokens, t))
+    chunk_pages = max(1, min(chunk_tokens // page_size, page_indices.shape[1]))
+    plan = plan_lib.make_plan(cu_q_lens, kv_lens, num_seqs, t, bt)
+    pages = plan_lib.pad_page_indices(page_indices, chunk_pages)
+    attend = functools.partial(_attend_block, rows_per_token=g, chunk_pages=chunk_pages, sm_scale=sm_scale,
+                               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    q_pad = jnp.pad(q, ((0, bt), (0, 0), (0, 0)))  # so a block-sized window never runs off the end
+
+    sizes = sorted({1, min(8, bt), bt})  # query-block widths: decodes, short (speculative) chunks, prefill
+
+    def run_block(width, out, start, q_len, args):
+        q_blk = lax.dynamic_slice_in_dim(q_pad, start, width).reshape(width, hkv, g, d)
+        q_blk = q_blk.transpose(1, 0, 2, 3).reshape(hkv, width * g, d)
+        o = attend(q_blk, *args).reshape(hkv, width, g, d).transpose(1, 0, 2, 3).reshape(width, hq, d)
+        o = o.astype(out.dtype)
+        if width > 1:  # rows past the item belong to later items: keep what is there
+            keep = jnp.arange(width)[:, None, None] < q_len
+            o = jnp.where(keep, o, lax.dynamic_slice_in_dim(out, start, width))
+        return lax.dynamic_update_slice_in_dim(out, o, start, 0)
+
+    def item(i, out):
+        s = plan.item_seq[i]
+        start = plan.item_q_start[i]
+        q_len = plan.item_q_len[i]
+        args = (kv_pages, pages[s], kv_lens[s], plan.item_first_pos[i], q_len)
+        branches = [functools.partial(run_block, w, start=start, q_len=q_len, args=args) for w in sizes]
+        if len(branches) == 1:
+            return branches[0](out)
+        which = sum((q_len > w).astype(jnp.int32) for w in sizes[:-1])
+        return lax.switch(which, branches, out)
+
+    out = lax.fori_loop(0, plan.num_items, item, jnp.zeros_like(q_pad))
+    return out[:t]
