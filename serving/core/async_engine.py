@@ -1,0 +1,150 @@
+"""AsyncEngine: the Engine on a background thread, with an asyncio interface for servers.
+
+`generate(...)` is an async iterator of StepOutputs for one request; leaving it early (client cancel) aborts the
+request and frees its pages at once. The engine thread owns the Engine: admissions and aborts reach it as
+commands applied between steps, so nothing else ever touches scheduler state.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import threading
+import time
+from typing import AsyncIterator, Callable, Sequence
+
+from serving.core.engine import Engine, StepOutput
+from serving.core.request import FinishReason, Priority
+from serving.core.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: collections.deque[Callable[[], None]] = collections.deque()
+        self._wake = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._error: BaseException | None = None
+        self.step_listeners: list[Callable[[Engine, float], None]] = []  # called after each step (metrics)
+        self._thread = threading.Thread(target=self._run, name="meshserve-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public API
+    async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       priority: int = Priority.INTERACTIVE, deadline: float | None = None
+                       ) -> AsyncIterator[StepOutput]:
+        """Admits the request (raising ValueError / QueueFullError at once) and yields its outputs."""
+        request = self.engine.make_request(request_id, prompt, params, priority=priority, deadline=deadline)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        admitted = await asyncio.wrap_future(self._call(lambda: self._admit(request, loop, queue)))
+        del admitted
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
+        """Ends a request from any thread; its stream gets a final output with `reason`."""
+        self._call(lambda: self._abort(request_id, reason))
+
+    def call(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        """Runs fn(engine) on the engine thread between steps (for consistent stats snapshots)."""
+        return self._call(lambda: fn(self.engine))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ------------------------------------------------------------------ engine thread
+    def _call(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self._error is not None or self._stopping:
+            fut.set_exception(EngineDeadError(f"the engine is not running ({self._error or 'shut down'})"))
+            return fut
+
+        def run():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                fut.set_exception(e)
+        self._commands.append(run)
+        self._wake.set()
+        return fut
+
+    def _admit(self, request, loop, queue) -> bool:
+        self.engine.add_request(request)
+        self._streams[request.request_id] = (loop, queue)
+        return True
+
+    def _abort(self, request_id: str, reason: FinishReason) -> None:
+        out = self.engine.abort(request_id, reason)
+        if out is not None:
+            self._deliver(out)
+
+    def _deliver(self, out: StepOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        loop, queue = stream
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+    def _fail_all(self, err: BaseException) -> None:
+        for rid in list(self._streams):
+            loop, queue = self._streams.pop(rid)
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, err)
+            except RuntimeError:
+                pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping:
+                while self._commands:
+                    self._commands.popleft()()
+                if not engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    outputs = engine.step()
+                except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+                    log.exception("engine step failed; failing the requests in it")
+                    outputs = engine.fail_inflight(e)
+                for out in outputs:
+                    self._deliver(out)
+                for listener in self.step_listeners:
+                    listener(engine, time.perf_counter() - t0)
+        except BaseException as e:  # noqa: BLE001
+            log.exception("engine thread died")
+            self._error = e
+            self._fail_all(EngineDeadError(f"engine thread died: {e!r}"))

@@ -1,0 +1,381 @@
+"""Engine: the jit-compiled ragged step over the model, driven by the Scheduler.
+
+One jitted function runs a RaggedBatch (prefill chunks + decode tokens) through the model, writes new K/V into
+the donated per-layer page buffers, computes logits only at each sequence's last token and samples on device.
+Token counts are padded to power-of-two buckets (the sequence bucket follows the token bucket), all compiled
+at start-up by `warmup()`. The sampled tokens (and logprobs) are packed into one array and copied to the host
+once per step, asynchronously; while step N runs on the device, the host turns step N-1's tokens into text and
+delivers it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.batch import ragged_batch_from_arrays
+from models.config import ModelConfig
+from models.tokenizer import Tokenizer
+from models.transformer import CausalLM, init_kv_caches
+from serving.core import sampling
+from serving.core.batch_builder import build_batch_arrays
+from serving.core.request import FinishReason, Priority, Request
+from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(slots=True)
+class EngineConfig:
+    model: str  # HF directory or Orbax checkpoint (models.convert)
+    dtype: str = "float32"  # parameter and KV-cache dtype
+    page_size: int = 16
+    num_pages: int = 0  # 0: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_model_len: int | None = None  # default: the model's context, capped by the page pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    min_token_bucket: int = 16
+    max_prefill_chunk: int | None = None
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 22
+    long_prompt_threshold: int = 8192
+    max_long_prefills: int = 1
+    priority_ageing_s: float = 10.0
+    seed: int = 0
+    debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
+            raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
+
+    def token_buckets(self) -> list[int]:
+        out, t = [], min(self.min_token_bucket, self.max_num_batched_tokens)
+        while t < self.max_num_batched_tokens:
+            out.append(t)
+            t *= 2
+        return out + [self.max_num_batched_tokens]
+
+
+@dataclasses.dataclass(slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n alternatives, best first
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    """What one request gained in one step, with its text."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None
+    logprobs: list[Logprob] | None
+    request: Request
+
+
+class _Detok:
+    """Per-request text state: incremental detokenizer plus the stop-string search window."""
+    __slots__ = ("detok", "text", "emitted", "stops", "max_stop", "include_stop")
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids, params: SamplingParams):
+        self.detok = tokenizer.detokenizer(prompt_ids, params.skip_special_tokens) if tokenizer else None
+        self.text = ""
+        self.emitted = 0  # characters of self.text already delivered
+        self.stops = params.stop
+        self.max_stop = max((len(s) for s in params.stop), default=0)
+        self.include_stop = params.include_stop_str_in_output
+
+    def add(self, token_ids: list[int], final: bool) -> tuple[str, str | None]:
+        """Returns (new text to deliver, the stop string hit or None)."""
+        if self.detok is None:
+            return "", None
+        start = max(0, len(self.text) - self.max_stop + 1)
+        self.text += self.detok.add(token_ids)
+        if final:
+            self.text += self.detok.flush()
+        hit = None
+        if self.stops:
+            best = -1
+            for s in self.stops:
+                i = self.text.find(s, start)
+                if i >= 0 and (best < 0 or i < best):
+                    best, hit = i, s
+            if hit is not None:
+                self.text = self.text[:best + (len(hit) if self.include_stop else 0)]
+        # Hold back a tail that could still become a stop string.
+        hold = 0 if (final or hit is not None) else max(0, self.max_stop - 1)
+        end = max(self.emitted, len(self.text) - hold)
+        new = self.text[self.emitted:end]
+        self.emitted = end
+        return new, hit
+
+
+class Engine:
+    """Synchronous engine: `add_request`, then `step()` until idle. Not thread-safe; AsyncEngine wraps it."""
+
+    def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, tokenizer: Tokenizer | None = None,
+                 mesh=None):
+        self.config = config
+        t0 = time.perf_counter()
+        dtype = DTYPES[config.dtype]
+        if model is None:
+            from models.weights import load_model
+            model = load_model(config.model, dtype=dtype, mesh=mesh)
+        self.model_config: ModelConfig = model.config
+        if tokenizer is None:
+            try:
+                tokenizer = Tokenizer.from_pretrained(config.model)
+            except FileNotFoundError:
+                log.warning("no tokenizer in %s: token ids in and out only", config.model)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else self.model_config.eos_token_ids
+        self.load_time_s = time.perf_counter() - t0
+
+        mc = self.model_config
+        if config.num_pages:
+            num_pages = config.num_pages
+        else:
+            per_page = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize * \
+                config.page_size
+            num_pages = max(1, int(config.kv_cache_memory_gb * (1 << 30) // per_page))
+        max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                            num_pages * config.page_size)
+        self.max_model_len = max_model_len
+        self.num_pages = num_pages
+        self.max_pages = -(-max_model_len // config.page_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_model_len=max_model_len, num_pages=num_pages, page_size=config.page_size,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_prefill_chunk=config.max_prefill_chunk, enable_prefix_caching=config.enable_prefix_caching,
+            max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
+            long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
+            priority_ageing_s=config.priority_ageing_s))
+        self.buckets = config.token_buckets()
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype)
+        self._forward_fn = jax.jit(self._forward, donate_argnums=(1,))
+        self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
+        self._penalty_window = 1 << (max_model_len - 1).bit_length()
+        self._num_candidates = min(256, mc.vocab_size)
+        self._detoks: dict[str, _Detok] = {}
+        self._seed_rng = np.random.default_rng(config.seed)
+        self.compile_count = 0
+        self.compile_time_s = 0.0
+        self.step_count = 0
+        self.last_step_time_s = 0.0
+        self._pending: tuple | None = None  # (scheduler output, device result, start) of the step in flight
+        self._current: SchedulerOutput | None = None  # the step being launched
+
+    # ------------------------------------------------------------------ device side
+    def _forward(self, state, kv_caches, arrays):
+        """Pure. The model over a ragged batch: float32 logits at each sequence's last token, and the caches."""
+        model = nnx.merge(self.graphdef, state)
+        batch = ragged_batch_from_arrays(arrays)
+        hidden, kv_caches = model(batch, kv_caches)
+        return model.compute_logits(hidden[batch.logits_indices]), kv_caches
+
+    @staticmethod
+    def _sample(logits, sampling_tensors, max_logprobs):
+        """Pure. Sampling, packed into one float32 array [S, 2 + 2 * max_logprobs] for a single host copy:
+        token id, its logprob, then the top-n ids and their logprobs."""
+        out = sampling.sample(logits, sampling_tensors, max_logprobs=max_logprobs)
+        return jnp.concatenate([
+            out.token_ids.astype(jnp.float32)[:, None], out.logprobs[:, None],
+            out.top_logprob_ids.astype(jnp.float32), out.top_logprobs], axis=1)
+
+    def _sampling_tensors(self, requests: Sequence[Request], num_slots: int) -> sampling.SamplingTensors:
+        """Per-step sampling inputs, with the static variant canonicalised so that a bucket has only the few
+        programs `warmup` compiles (greedy or not, penalties or not)."""
+        params = [r.sampling_params for r in requests]
+        penalties = any(p.has_penalties for p in params)
+        st = sampling.build_sampling_tensors(
+            params, vocab_size=self.model_config.vocab_size, num_slots=num_slots,
+            token_ids=[r.token_ids for r in requests], num_prompt_tokens=[r.num_prompt_tokens for r in requests])
+        if not penalties:
+            st = dataclasses.replace(st, token_ids=None, num_prompt_tokens=None)
+        else:
+            window = np.full((num_slots, self._penalty_window), -1, np.int32)
+            window[:, :st.token_ids.shape[1]] = st.token_ids
+            st = dataclasses.replace(st, token_ids=window)
+        if not st.all_greedy:
+            st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
+        return st
+
+    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t, min(t, self.config.max_num_seqs)
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def warmup(self) -> None:
+        """Compiles every program a request can need (per token bucket: the forward, and the sampling variants
+        greedy/random x penalties/none x logprobs/none), so no request ever waits on a compile."""
+        t0 = time.perf_counter()
+        variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
+                    SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                    SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1)]
+        for t in self.buckets:
+            s = min(t, self.config.max_num_seqs)
+            arrays = build_batch_arrays([], page_size=self.config.page_size, num_tokens=t, num_seqs=s,
+                                        max_pages=self.max_pages)
+            logits, self.kv_caches = self._forward_fn(self.state, self.kv_caches, arrays)
+            self.compile_count += 1
+            for params in variants:
+                dummy = Request("warmup", [0], params, arrival_time=0.0)
+                st = self._sampling_tensors([dummy], s)
+                st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
+                for n in (0, MAX_LOGPROBS):
+                    self._sample_fn(logits, st, n).block_until_ready()
+                    self.compile_count += 1
+        self.compile_time_s = time.perf_counter() - t0
+        log.info("compiled %d programs for token buckets %s in %.1fs", self.compile_count, self.buckets,
+                 self.compile_time_s)
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                     priority: int = Priority.INTERACTIVE, deadline: float | None = None,
+                     arrival_time: float | None = None) -> Request:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.seed is None:
+            params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2 ** 31)))
+        now = time.monotonic() if arrival_time is None else arrival_time
+        return Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
+                       eos_token_ids=self.eos_token_ids)
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request (raises ValueError / PromptTooLongError / QueueFullError before queueing)."""
+        self.scheduler.add_request(request)
+        self._detoks[request.request_id] = _Detok(self.tokenizer, request.prompt_token_ids,
+                                                  request.sampling_params)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
+        out = self.scheduler.finish_request(request_id, reason)
+        return self._final(out) if out else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or self._pending is not None
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[StepOutput]:
+        """Runs one step: collects step N-1's tokens, schedules and launches step N, then turns N-1's tokens into
+        text (detokenisation, stop strings, delivery) while step N runs on the device."""
+        results: list[tuple[RequestOutput, np.ndarray]] = []
+        if self._pending is not None:
+            # The scheduler needs step N-1's tokens to plan step N (decode inputs, stop checks).
+            results = self._collect_pending()
+        sched = self.scheduler.schedule()
+        if sched.scheduled:
+            self._current = sched
+            self._launch(sched)
+            self._current = None
+        outputs = [self._process(o, row) for o, row in results]
+        outputs += [self._final(o) for o in sched.finished]
+        return outputs
+
+    def _launch(self, sched: SchedulerOutput) -> None:
+        cfg = self.config
+        t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
+        arrays = build_batch_arrays(sched.scheduled, page_size=cfg.page_size, num_tokens=t_bucket,
+                                    num_seqs=s_bucket, max_pages=self.max_pages)
+        sampled = sched.scheduled
+        st = self._sampling_tensors([s.request for s in sampled], s_bucket)
+        st = dataclasses.replace(st, valid=st.valid & np.array(
+            [s.sample for s in sampled] + [False] * (s_bucket - len(sampled))))
+        want_logprobs = any(s.request.sampling_params.logprobs is not None for s in sampled)
+        t0 = time.perf_counter()
+        logits, self.kv_caches = self._forward_fn(self.state, self.kv_caches, arrays)
+        packed = self._sample_fn(logits, st, MAX_LOGPROBS if want_logprobs else 0)
+        packed.copy_to_host_async()
+        self._pending = (sched, packed, t0)
+
+    def _collect_pending(self) -> list[tuple[RequestOutput, np.ndarray]]:
+        sched, packed, t0 = self._pending
+        self._pending = None
+        host = np.asarray(packed)
+        self.last_step_time_s = time.perf_counter() - t0
+        if self.config.debug_step_delay_s:
+            time.sleep(self.config.debug_step_delay_s)
+        self.step_count += 1
+        n = len(sched.scheduled)
+        results = self.scheduler.update(sched, host[:n, 0].astype(np.int64))
+        rows = {s.request_id: i for i, s in enumerate(sched.scheduled)}
+        return [(o, host[rows[o.request_id]]) for o in results]
+
+    def _process(self, out: RequestOutput, row: np.ndarray) -> StepOutput:
+        r = out.request
+        logprobs = None
+        if r.sampling_params.logprobs is not None and out.new_token_ids:
+            n = r.sampling_params.logprobs
+            top = [(int(row[2 + j]), float(row[2 + MAX_LOGPROBS + j])) for j in range(n)]
+            logprobs = [Logprob(int(row[0]), float(row[1]), top)]
+        d = self._detoks.get(r.request_id)
+        text, hit = d.add(out.new_token_ids, out.finished) if d else ("", None)
+        finished, reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
+        if hit is not None and not finished:
+            # The step in flight may hold a token for it; update() drops tokens of finished requests.
+            self.scheduler.finish_request(r.request_id, FinishReason.STOP, stop_reason=hit)
+            finished, reason, stop_reason = True, FinishReason.STOP, hit
+        if finished:
+            self._detoks.pop(r.request_id, None)
+        return StepOutput(r.request_id, out.new_token_ids, text, finished, reason, stop_reason, logprobs, r)
+
+    def _final(self, out: RequestOutput) -> StepOutput:
+        d = self._detoks.pop(out.request_id, None)
+        text = d.add([], True)[0] if d else ""
+        return StepOutput(out.request_id, [], text, True, out.finish_reason, out.stop_reason, None, out.request)
+
+    def fail_inflight(self, error: BaseException) -> list[StepOutput]:
+        """After a failed step: ends the requests of that step with finish reason `error` (if the donated KV
+        cache was lost with it, every running request too) and keeps the engine usable for the rest."""
+        victims: set[str] = set()
+        for sched in (self._pending[0] if self._pending else None, self._current):
+            if sched is not None:
+                victims.update(s.request_id for s in sched.scheduled)
+        self._pending = None
+        self._current = None
+        if any(kv.is_deleted() for kv in self.kv_caches):
+            victims.update(self.scheduler.requests)
+            self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
+                                            DTYPES[self.config.dtype])
+        outputs = []
+        for rid in victims:
+            out = self.scheduler.finish_request(rid, FinishReason.ERROR, stop_reason=f"{type(error).__name__}: {error}")
+            if out is not None:
+                outputs.append(self._final(out))
+        return outputs
+
+    def run_until_idle(self, on_output: Callable[[StepOutput], None] | None = None) -> None:
+        while self.has_unfinished():
+            for o in self.step():
+                if on_output:
+                    on_output(o)
