@@ -1,0 +1,1 @@
+"""Benchmarks: host-side overhead of the serving core (host_overhead); more to come."""

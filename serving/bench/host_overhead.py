@@ -1,0 +1,77 @@
+"""Host time per engine step with N running decode sequences: schedule(), batch arrays, update().
+
+A fake model returns fixed tokens, so only host work is timed: scheduling, block bookkeeping (a page is
+allocated every page_size steps per sequence, full blocks go to the prefix cache), batch preparation and
+output processing. Run: python -m serving.bench.host_overhead --num_seqs=256
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from absl import app, flags
+
+from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig
+
+_NUM_SEQS = flags.DEFINE_integer("num_seqs", 256, "running decode sequences")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens per sequence")
+_STEPS = flags.DEFINE_integer("steps", 1000, "timed steps")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "tokens per KV page")
+
+
+def measure_host_overhead(num_seqs: int = 256, prompt_len: int = 512, steps: int = 1000, page_size: int = 16,
+                          warmup: int = 20) -> dict[str, float]:
+    """Returns per-step host times in microseconds (mean and p50/p99 of schedule, build, update, total)."""
+    max_len = prompt_len + steps + warmup + 64
+    pages_per_seq = -(-max_len // page_size)
+    config = SchedulerConfig(max_model_len=max_len, num_pages=num_seqs * pages_per_seq + 8, page_size=page_size,
+                             max_num_batched_tokens=max(8192, num_seqs), max_num_seqs=num_seqs,
+                             max_waiting_requests=num_seqs)
+    sched = Scheduler(config)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    for i in range(num_seqs):
+        sched.add_request(Request(f"r{i}", rng.integers(1, 30000, prompt_len).tolist(), params,
+                                  arrival_time=0.0, eos_token_ids=(2,)))
+    tokens = np.full(num_seqs, 7, np.int32)
+    num_tokens, max_pages = 1 << (num_seqs - 1).bit_length(), pages_per_seq
+    now = 0.0
+    while any(r.num_computed_tokens + 1 != r.num_tokens for r in sched.running) or sched.waiting:  # prefill
+        now += 1
+        out = sched.schedule(now)
+        sched.update(out, tokens[:len(out.scheduled)], now)
+    builder = BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=num_seqs)
+    times = np.zeros((steps + warmup, 3), np.int64)
+    for i in range(steps + warmup):
+        now += 1
+        t0 = time.perf_counter_ns()
+        out = sched.schedule(now)
+        t1 = time.perf_counter_ns()
+        builder.build(out.scheduled, num_tokens=num_tokens, num_seqs=num_seqs)
+        t2 = time.perf_counter_ns()
+        sched.update(out, tokens, now)
+        t3 = time.perf_counter_ns()
+        assert len(out.scheduled) == num_seqs, "every sequence should decode every step"
+        times[i] = (t1 - t0, t2 - t1, t3 - t2)
+    us = times[warmup:] / 1e3
+    total = us.sum(axis=1)
+    result = {}
+    for name, col in (("schedule", us[:, 0]), ("build_batch", us[:, 1]), ("update", us[:, 2]),
+                      ("schedule+update", us[:, 0] + us[:, 2]), ("total", total)):
+        result[f"{name}_mean_us"] = float(col.mean())
+        result[f"{name}_p50_us"] = float(np.percentile(col, 50))
+        result[f"{name}_p99_us"] = float(np.percentile(col, 99))
+    return result
+
+
+def main(argv):
+    del argv
+    r = measure_host_overhead(_NUM_SEQS.value, _PROMPT_LEN.value, _STEPS.value, _PAGE_SIZE.value)
+    print(f"host time per step, {_NUM_SEQS.value} running decode sequences, {_STEPS.value} steps (microseconds)")
+    print(f"{'':18s} {'mean':>8s} {'p50':>8s} {'p99':>8s}")
+    for name in ("schedule", "build_batch", "update", "schedule+update", "total"):
+        print(f"{name:18s} {r[name + '_mean_us']:8.1f} {r[name + '_p50_us']:8.1f} {r[name + '_p99_us']:8.1f}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,452 @@
+"""Scheduler: which requests run in the next step, and what their sampled tokens do to them.
+
+Pure host code. `schedule(now)` fills a token budget: running decodes first, then running prefill chunks,
+then new admissions from the waiting queue (ordered by priority class with ageing, with a lane capping
+concurrent long prefills). When pages run out it preempts by recompute (victim: lowest priority, then newest).
+`update(output, sampled_token_ids, now)` appends the tokens the engine sampled and finishes requests on stop
+tokens, max_tokens and the context length. Not thread-safe: the engine loop owns it.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+import itertools
+import time
+from typing import Sequence
+
+import numpy as np
+
+from serving.core.block_manager import BlockManager
+from serving.core.request import FinishReason, Request, RequestStatus
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its bound: the instance is busy (gRPC RESOURCE_EXHAUSTED); retry elsewhere/later."""
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit the model's context (gRPC INVALID_ARGUMENT)."""
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerConfig:
+    max_model_len: int  # the model's context: prompt + output tokens never exceed it (finish reason `length`)
+    num_pages: int  # KV pages; from the memory ledger once it exists
+    page_size: int = 16
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_num_seqs: int = 256  # sequences per step (and running at once)
+    max_prefill_chunk: int | None = None  # per-request prefill chunk cap; None = the token budget
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024  # admission bound: requests queued
+    max_waiting_tokens: int = 1 << 22  # admission bound: prompt tokens queued
+    long_prompt_threshold: int = 8192  # a prompt above this many tokens goes through the long lane
+    max_long_prefills: int = 1  # long prompts in prefill at once
+    priority_ageing_s: float = 10.0  # a class-c request queues as if it had arrived c * this later
+    preempt_for_priority: bool = True  # a waiting request may preempt running ones of a lower class
+
+    def __post_init__(self):
+        for name in ("max_model_len", "num_pages", "page_size", "max_num_batched_tokens", "max_num_seqs",
+                     "max_waiting_requests", "max_waiting_tokens", "long_prompt_threshold", "max_long_prefills"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_prefill_chunk is not None and (not isinstance(self.max_prefill_chunk, int)
+                                                   or self.max_prefill_chunk < 1):
+            raise ValueError(f"SchedulerConfig.max_prefill_chunk must be None or >= 1, got {self.max_prefill_chunk!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"SchedulerConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                             f"max_num_seqs ({self.max_num_seqs}) so every running decode fits one step")
+        if self.num_pages * self.page_size < self.max_model_len:
+            raise ValueError(f"SchedulerConfig: {self.num_pages} pages of {self.page_size} tokens hold "
+                             f"{self.num_pages * self.page_size} tokens, less than max_model_len "
+                             f"({self.max_model_len}); lower max_model_len or add pages")
+        if not self.priority_ageing_s >= 0:
+            raise ValueError(f"SchedulerConfig.priority_ageing_s must be >= 0, got {self.priority_ageing_s!r}")
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.max_prefill_chunk or self.max_num_batched_tokens
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSequence:
+    """One sequence's share of a step; duck-types as models.batch.SeqChunk (token_ids, start, block_table)."""
+    request: Request
+    token_ids: list[int]  # fed this step, at positions start .. start+len-1
+    start: int  # tokens already in the KV cache
+    block_table: list[int]  # the request's page ids (covers start+len tokens)
+    sample: bool  # this step reaches the sequence's last token: sample one from its logits
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """What one request gained in one step (or how it ended)."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    stop_reason: int | str | None  # the stop token id (or stop string) that ended it
+    request: Request  # full state: token history and metrics (timestamps, preemptions, cached tokens)
+
+
+@dataclasses.dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence]  # run these this step, in this order
+    finished: list[RequestOutput]  # requests that ended inside schedule() without running (deadline passed)
+    preempted: list[str]  # request ids preempted this step (they wait to be recomputed)
+    num_scheduled_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None):
+        self.config = config
+        self.block_manager = block_manager or BlockManager(
+            config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: list[Request] = []  # sorted by _waiting_key
+        self.running: list[Request] = []  # sorted by _running_key; the tail is the next preemption victim
+        self.num_waiting_tokens = 0
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap; finished entries are skipped lazily
+        self._order = itertools.count()
+        # counters (Prometheus): prefix cache in tokens, as vLLM reports them
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+        # state of the step being scheduled
+        self._step: dict[str, ScheduledSequence] = {}
+        self._budget = 0
+        self._preempted: dict[str, None] = {}  # ordered set
+
+    # ---- ordering ------------------------------------------------------------------------------------------
+    def _waiting_key(self, r: Request) -> tuple[float, int]:
+        # Ageing: class c is served as if it arrived c * ageing later, so a batch request waits at most that long
+        # behind interactive work, and the order never changes while requests wait (a sorted list suffices).
+        return (r.metrics.arrival_time + r.priority * self.config.priority_ageing_s, r.order)
+
+    @staticmethod
+    def _running_key(r: Request) -> tuple[int, float, int]:
+        return (r.priority, r.metrics.arrival_time, r.order)
+
+    # ---- admission and cancellation ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request. Raises ValueError (bad parameters, prompt too long) or QueueFullError (busy)."""
+        cfg = self.config
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        request.sampling_params.validate()
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if n >= cfg.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {n} tokens but the model's context is {cfg.max_model_len} tokens; at most "
+                f"{cfg.max_model_len - 1} prompt tokens leave room to generate")
+        if request.priority < 0:
+            raise ValueError(f"priority must be >= 0 (0 = interactive, 1 = batch), got {request.priority}")
+        if len(self.waiting) >= cfg.max_waiting_requests:
+            raise QueueFullError(f"busy: {len(self.waiting)} requests are waiting (max_waiting_requests="
+                                 f"{cfg.max_waiting_requests})")
+        if self.num_waiting_tokens + n > cfg.max_waiting_tokens:
+            raise QueueFullError(f"busy: {self.num_waiting_tokens} prompt tokens are waiting and this request "
+                                 f"adds {n} (max_waiting_tokens={cfg.max_waiting_tokens})")
+        max_tokens = request.sampling_params.max_tokens
+        request.max_num_tokens = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
+        request.order = next(self._order)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, request.order, request))
+
+    def abort(self, request_id: str, now: float | None = None) -> RequestOutput | None:
+        return self.finish_request(request_id, FinishReason.ABORT, now=now)
+
+    def finish_request(self, request_id: str, reason: FinishReason, *, stop_reason: int | str | None = None,
+                       now: float | None = None) -> RequestOutput | None:
+        """Ends a request at once and frees its pages (abort, a stop string seen by the detokenizer, an error).
+
+        Returns its final output, or None if it is unknown or already finished. Tokens of an in-flight step
+        that update() later reports for it are dropped.
+        """
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, reason, time.monotonic() if now is None else now, stop_reason=stop_reason)
+        return RequestOutput(request_id, [], True, reason, stop_reason, request)
+
+    def truncate_computed(self, request_id: str, num_computed_tokens: int) -> int:
+        """Rolls a running request's K/V back (rejected speculative tokens); frees pages no longer needed.
+
+        Returns the new num_computed_tokens (it can be lower than asked when a shared cached block is cut).
+        """
+        request = self.requests[request_id]
+        if request.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {request_id!r} is not running")
+        return self.block_manager.truncate(request, num_computed_tokens)
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Chooses this step's sequences. Call update() with the step's sampled tokens before the next call."""
+        now = time.monotonic() if now is None else now
+        cfg, bm = self.config, self.block_manager
+        ps = cfg.page_size
+        finished = self._expire_deadlines(now)
+        self._step, self._budget, self._preempted = {}, cfg.max_num_batched_tokens, {}
+        step, running = self._step, self.running
+
+        # 1. Running decodes, in rank order; a missing page preempts from the tail (lowest priority, newest).
+        prefills: list[Request] = []
+        i = 0
+        while i < len(running):
+            r = running[i]
+            pos = r.num_computed_tokens
+            if pos + 1 != len(r.token_ids):
+                prefills.append(r)
+                i += 1
+                continue
+            if pos >= len(r.block_table) * ps and not self._allocate_or_preempt(r, pos + 1):
+                continue  # r itself was preempted; running[i] is now the next request
+            step[r.request_id] = ScheduledSequence(r, [r.token_ids[-1]], pos, r.block_table, True)
+            r.num_computed_tokens = pos + 1
+            i += 1
+        self._budget -= len(step)  # victims come from the unvisited tail, so none of these was refunded
+
+        # 2. Running prefills (chunked), in rank order.
+        for r in prefills:
+            if self._budget <= 0:
+                break
+            if r.status is RequestStatus.RUNNING:
+                self._schedule_running_prefill(r)
+
+        # 3. Admissions from the waiting queue.
+        long_in_prefill = sum(1 for r in prefills if r.status is RequestStatus.RUNNING
+                              and len(r.token_ids) > cfg.long_prompt_threshold)
+        i = 0
+        while i < len(self.waiting) and self._budget > 0 and len(running) < cfg.max_num_seqs:
+            r = self.waiting[i]
+            is_long = len(r.token_ids) > cfg.long_prompt_threshold
+            if is_long and long_in_prefill >= cfg.max_long_prefills or r.request_id in self._preempted:
+                i += 1  # the long lane is full (shorter requests behind may still go), or it was just preempted
+                continue
+            if not self._admit(r, now):
+                break  # not enough pages: later requests wait too, so big requests are not starved
+            long_in_prefill += is_long
+            # r left the queue; requests preempted for it may have entered before its place
+            i = bisect.bisect_left(self.waiting, self._waiting_key(r), key=self._waiting_key)
+        scheduled = list(step.values())
+        self._step = {}
+        return SchedulerOutput(scheduled, finished, list(self._preempted),
+                               cfg.max_num_batched_tokens - self._budget)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: Sequence | np.ndarray,
+               now: float | None = None) -> list[RequestOutput]:
+        """Applies one step's results. `sampled_token_ids[i]` belongs to `output.scheduled[i]`: a token id, or a
+        list of them (speculative decoding); entries of sequences with `sample=False` are ignored.
+
+        Returns an output for every sequence that sampled (new tokens, and whether and why it finished).
+        """
+        now = time.monotonic() if now is None else now
+        if isinstance(sampled_token_ids, np.ndarray):
+            sampled_token_ids = sampled_token_ids.tolist()
+        if len(sampled_token_ids) != len(output.scheduled):
+            raise ValueError(f"{len(sampled_token_ids)} sampled entries for {len(output.scheduled)} sequences")
+        bm, ps = self.block_manager, self.config.page_size
+        running_status = RequestStatus.RUNNING
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        for seq, tokens in zip(output.scheduled, sampled_token_ids):
+            r = seq.request
+            if r.status is not running_status:
+                continue  # finished (aborted, stop string) while the step ran
+            if r.num_computed_tokens // ps > len(r.block_prefix_ids):
+                bm.cache_full_blocks(r, r.num_computed_tokens)  # their K/V is written now
+            if not seq.sample:
+                continue
+            if type(tokens) is int:
+                tokens = (tokens,)
+            m, token_ids, stops = r.metrics, r.token_ids, r.stop_token_ids
+            if m.first_token_time is None:
+                m.first_token_time = now
+            reason = stop_reason = None
+            new = []
+            for t in tokens:
+                token_ids.append(t)
+                m.token_times.append(now)
+                new.append(t)
+                if t in stops and len(token_ids) - r.num_prompt_tokens >= r.sampling_params.min_tokens:
+                    reason, stop_reason = FinishReason.STOP, t
+                    break
+                if len(token_ids) >= r.max_num_tokens:
+                    reason = FinishReason.LENGTH
+                    break
+            if reason is not None:
+                self._finish(r, reason, now, stop_reason=stop_reason, remove_from_running=False)
+                any_finished = True
+            outputs.append(RequestOutput(r.request_id, new, reason is not None, reason, stop_reason, r))
+        if any_finished:
+            self.running = [r for r in self.running if r.status is running_status]
+        return outputs
+
+    # ---- helpers -------------------------------------------------------------------------------------------
+    def _enqueue(self, r: Request) -> None:
+        bisect.insort(self.waiting, r, key=self._waiting_key)
+        self.num_waiting_tokens += len(r.token_ids)
+
+    def _dequeue(self, r: Request) -> None:
+        self.waiting.remove(r)
+        self.num_waiting_tokens -= len(r.token_ids)
+
+    def _finish(self, r: Request, reason: FinishReason, now: float, *, stop_reason=None,
+                remove_from_running: bool = True) -> None:
+        if r.status is RequestStatus.WAITING:
+            self._dequeue(r)
+        elif r.status is RequestStatus.RUNNING:
+            self.block_manager.free(r)
+            if remove_from_running:
+                self.running.remove(r)
+            self._step.pop(r.request_id, None)
+        r.status = RequestStatus.FINISHED
+        r.finish_reason, r.stop_reason = reason, stop_reason
+        r.metrics.finished_time = now
+        del self.requests[r.request_id]
+
+    def _expire_deadlines(self, now: float) -> list[RequestOutput]:
+        out = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            _, _, r = heapq.heappop(heap)
+            if r.status is not RequestStatus.FINISHED:
+                self._finish(r, FinishReason.TIMEOUT, now)
+                out.append(RequestOutput(r.request_id, [], True, FinishReason.TIMEOUT, None, r))
+        return out
+
+    def _preempt(self, victim: Request) -> None:
+        """Preemption by recompute: free everything, queue again (its arrival keeps it near the front)."""
+        seq = self._step.pop(victim.request_id, None)
+        if seq is not None:
+            self._budget += len(seq.token_ids)
+        self.block_manager.free(victim)
+        if self.running and self.running[-1] is victim:
+            self.running.pop()
+        else:
+            self.running.remove(victim)
+        victim.status = RequestStatus.WAITING
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self._preempted[victim.request_id] = None
+        self._enqueue(victim)
+
+    def _allocate_or_preempt(self, r: Request, num_tokens: int) -> bool:
+        """Pages for a running request, preempting from the tail; False if `r` itself had to go."""
+        while not self.block_manager.allocate(r, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _schedule_running_prefill(self, r: Request) -> None:
+        bm, ps = self.block_manager, self.config.page_size
+        start = r.num_computed_tokens
+        chunk = min(len(r.token_ids) - start, self._budget, self.config.prefill_chunk)
+        if chunk <= 0:
+            return  # its last step was never update()d (the engine must finish_request it); nothing to feed
+        while not bm.allocate(r, start + chunk):
+            room = (len(r.block_table) + bm.num_free_pages) * ps - start
+            if room > 0:  # a smaller chunk fits in the pages there are
+                chunk = min(chunk, room)
+                continue
+            if self.running[-1] is r:
+                return  # nothing ranks below it; it keeps its pages and waits (higher ranks may preempt it)
+            self._preempt(self.running[-1])
+        end = start + chunk
+        self._step[r.request_id] = ScheduledSequence(r, r.token_ids[start:end], start, r.block_table,
+                                                     end == len(r.token_ids))
+        r.num_computed_tokens = end
+        self._budget -= chunk
+
+    def _admit(self, r: Request, now: float) -> bool:
+        """Moves a waiting request to running with its first chunk; False if its pages cannot be found."""
+        cfg, bm, ps = self.config, self.block_manager, self.config.page_size
+        n = len(r.token_ids)
+        pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps)  # at least one token is computed
+        cached = len(pages) * ps
+        chunk = min(n - cached, self._budget, cfg.prefill_chunk)
+        need = bm.pages_for(cached + chunk) - len(pages)
+        if need > bm.num_free_pages - bm.num_idle_among(pages) and not self._preempt_for_admission(r, pages, need):
+            return False
+        self._dequeue(r)
+        bm.acquire_cached(r, pages, prefix_ids)
+        ok = bm.allocate(r, cached + chunk)
+        assert ok, "pages vanished between the check and the allocation"
+        self.prefix_cache_queries += n
+        self.prefix_cache_hits += cached
+        m = r.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time = now
+            m.num_cached_prompt_tokens = min(cached, r.num_prompt_tokens)
+        r.status = RequestStatus.RUNNING
+        bisect.insort(self.running, r, key=self._running_key)
+        end = cached + chunk
+        self._step[r.request_id] = ScheduledSequence(r, r.token_ids[cached:end], cached, r.block_table, end == n)
+        r.num_computed_tokens = end
+        self._budget -= chunk
+        return True
+
+    def _preempt_for_admission(self, r: Request, pages: list[int], need: int) -> bool:
+        """Preempts running requests of a lower class than `r` if that frees enough pages for it."""
+        if not self.config.preempt_for_priority:
+            return False
+        bm = self.block_manager
+        victims = []
+        short = need - (bm.num_free_pages - bm.num_idle_among(pages))
+        hit = set(pages)
+        for v in reversed(self.running):
+            if v.priority <= r.priority or short <= 0:
+                break
+            victims.append(v)
+            short -= sum(1 for p in v.block_table if bm.ref_counts[p] == 1 and p not in hit)
+        if short > 0:
+            return False
+        for v in victims:
+            self._preempt(v)
+        return True
+
+    # ---- introspection -------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> dict[str, float]:
+        return dict(num_waiting=len(self.waiting), num_running=len(self.running),
+                    num_waiting_tokens=self.num_waiting_tokens, kv_cache_usage=self.block_manager.usage,
+                    prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+                    num_preemptions=self.num_preemptions)
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError if any book disagrees (tests call this after every step)."""
+        live = list(self.requests.values())
+        assert all(r.status is RequestStatus.RUNNING for r in self.running)
+        assert all(r.status is RequestStatus.WAITING for r in self.waiting)
+        assert len(self.running) + len(self.waiting) == len(live), "a live request is neither waiting nor running"
+        assert all(not r.block_table for r in self.waiting), "a waiting request holds pages"
+        assert self.num_waiting_tokens == sum(len(r.token_ids) for r in self.waiting)
+        assert self.running == sorted(self.running, key=self._running_key)
+        assert self.waiting == sorted(self.waiting, key=self._waiting_key)
+        self.block_manager.check_invariants(self.running)

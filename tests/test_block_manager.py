@@ -1,0 +1,189 @@
+"""BlockManager: allocation, reference counts, prefix cache (chain keys, exact hits, LRU eviction), roll-back.
+
+Every test ends with the idle invariant: every page free or held by the prefix cache, none leaked.
+"""
+import pytest
+
+from serving.core import BlockManager, Request, SamplingParams
+
+PS = 4
+
+
+@pytest.fixture
+def bm():
+    managers = []
+
+    def make(num_pages=16, **kw):
+        m = BlockManager(num_pages, PS, **kw)
+        managers.append(m)
+        return m
+    yield make
+    for m in managers:
+        m.check_idle()
+
+
+def req(tokens, rid="r"):
+    return Request(rid, tokens, SamplingParams(), arrival_time=0.0)
+
+
+def run_prefill(m, r):
+    """Admits `r` like the scheduler: prefix hits, then pages for the rest, then registers its full blocks."""
+    n = len(r.token_ids)
+    pages, ids = m.match_prefix(r.token_ids, (n - 1) // PS)
+    m.acquire_cached(r, pages, ids)
+    assert m.allocate(r, n)
+    r.num_computed_tokens = n
+    m.cache_full_blocks(r, n)
+    return len(pages) * PS
+
+
+def test_allocate_and_free(bm):
+    m = bm(num_pages=4)
+    r = req(list(range(10)))
+    assert m.allocate(r, 10) and len(r.block_table) == 3 and m.num_free_pages == 1
+    assert m.allocate(r, 12) and len(r.block_table) == 3  # still fits
+    assert not m.allocate(r, 17) and len(r.block_table) == 3  # all or nothing
+    m.check_invariants([r])
+    m.free(r)
+    assert r.block_table == [] and m.num_free_pages == 4
+
+
+def test_free_keeps_old_table_list_intact(bm):
+    m = bm()
+    r = req(list(range(8)))
+    m.allocate(r, 8)
+    table = r.block_table
+    m.free(r)
+    assert len(table) == 2  # a batch built from the old list is not corrupted
+
+
+def test_prefix_hit_shares_pages_and_counts_refs(bm):
+    m = bm()
+    a, b = req(list(range(13)), "a"), req(list(range(12)) + [99, 98], "b")
+    assert run_prefill(m, a) == 0
+    assert run_prefill(m, b) == 12  # three full blocks shared
+    assert a.block_table[:3] == b.block_table[:3] and a.block_table[3] != b.block_table[3]
+    assert [m.ref_counts[p] for p in a.block_table[:3]] == [2, 2, 2]
+    m.check_invariants([a, b])
+    m.free(a)
+    m.free(b)
+    assert len(m.evictable) == 3  # cached blocks stay, idle
+
+
+def test_hit_needs_at_least_one_token_left(bm):
+    m = bm()
+    a, b = req(list(range(8)), "a"), req(list(range(8)), "b")
+    run_prefill(m, a)
+    assert run_prefill(m, b) == 4  # the last block is recomputed so the step has a token to sample from
+    m.free(a)
+    m.free(b)
+
+
+def test_chain_key_distinguishes_same_block_after_different_prefix(bm):
+    m = bm()
+    a = req([1, 1, 1, 1, 5, 5, 5, 5, 0], "a")
+    b = req([2, 2, 2, 2, 5, 5, 5, 5, 0], "b")  # second block equal, first differs
+    run_prefill(m, a)
+    assert run_prefill(m, b) == 0
+    m.free(a)
+    m.free(b)
+
+
+def test_hit_compares_tokens_even_when_hash_collides(bm):
+    m = bm()
+    a = req([-1, -1, -1, -1, 0], "a")  # hash(-1) == hash(-2) in CPython: the two first blocks' keys collide
+    b = req([-2, -2, -2, -2, 0], "b")
+    run_prefill(m, a)
+    assert hash((0, (-1,) * 4)) == hash((0, (-2,) * 4))
+    assert run_prefill(m, b) == 0  # the token comparison rejects the colliding entry
+    m.free(a)
+    m.free(b)
+
+
+def test_lru_eviction_of_unreferenced_cached_pages(bm):
+    m = bm(num_pages=4)
+    a = req(list(range(9)), "a")  # 2 full blocks cached + 1 partial
+    run_prefill(m, a)
+    m.free(a)
+    assert len(m.evictable) == 2 and len(m.free_pages) == 2
+    b = req([50 + i for i in range(13)], "b")  # needs 4 pages: takes 2 free, evicts 2 cached (tail first)
+    run_prefill(m, b)
+    assert len(m.evictable) == 0 and m.match_prefix(list(range(9)), 2) == ([], [])
+    m.check_invariants([b])
+    m.free(b)
+
+
+def test_eviction_order_is_lru_and_tail_first(bm):
+    m = bm(num_pages=6)
+    a = req(list(range(9)), "a")
+    run_prefill(m, a)
+    first, second = a.block_table[:2]
+    m.free(a)
+    assert list(m.evictable) == [second, first]  # the tail block is evicted before the head block
+    c = req([70 + i for i in range(17)], "c")  # 5 pages: 4 free + evicts `second` only
+    run_prefill(m, c)
+    assert m.match_prefix(list(range(9)), 2)[0] == [first]
+    m.free(c)
+
+
+def test_duplicate_block_chains_through_existing_entry(bm):
+    m = bm()
+    a, b = req(list(range(9)), "a"), req(list(range(9)), "b")
+    # both computed without seeing each other's cache entries (same step)
+    for r in (a, b):
+        assert m.allocate(r, 9)
+        r.num_computed_tokens = 9
+    m.cache_full_blocks(a, 9)
+    m.cache_full_blocks(b, 9)
+    assert a.block_prefix_ids == b.block_prefix_ids and len(m.cache) == 2
+    m.check_invariants([a, b])
+    m.free(a)
+    m.free(b)
+    assert len(m.evictable) == 2 and len(m.free_pages) == 14
+
+
+def test_truncate_frees_tail_and_spares_shared_blocks(bm):
+    m = bm()
+    a = req(list(range(16)), "a")
+    run_prefill(m, a)  # 4 full blocks, all cached
+    assert m.truncate(a, 9) == 8  # block 2 is cached (shared-able): roll back to its start
+    assert len(a.block_table) == 2 and a.num_computed_tokens == 8 and len(a.block_prefix_ids) == 2
+    m.check_invariants([a])
+    b = req(list(range(100, 111)), "b")
+    assert m.allocate(b, 11)
+    b.num_computed_tokens = 11
+    assert m.truncate(b, 6) == 6 and len(b.block_table) == 2  # private partial page kept
+    m.check_invariants([a, b])
+    m.free(a)
+    m.free(b)
+
+
+def test_reset_prefix_cache(bm):
+    m = bm()
+    a = req(list(range(9)))
+    run_prefill(m, a)
+    m.free(a)
+    assert m.reset_prefix_cache() == 2 and not m.cache and m.num_free_pages == 16
+
+
+def test_prefix_caching_disabled(bm):
+    m = bm(enable_prefix_caching=False)
+    a, b = req(list(range(9)), "a"), req(list(range(9)), "b")
+    run_prefill(m, a)
+    assert run_prefill(m, b) == 0 and not m.cache
+    m.free(a)
+    m.free(b)
+    assert len(m.free_pages) == 16
+
+
+def test_check_invariants_catches_leak_and_bad_sharing():
+    m = BlockManager(4, PS)
+    a = req(list(range(4)))
+    m.allocate(a, 4)
+    with pytest.raises(AssertionError):
+        m.check_invariants([])  # a's page is referenced by nobody we know of
+    b = req(list(range(4)), "b")
+    b.block_table = list(a.block_table)
+    m.ref_counts[a.block_table[0]] += 1
+    with pytest.raises(AssertionError, match="not cached"):
+        m.check_invariants([a, b])

@@ -1,0 +1,142 @@
+"""Property test: random arrivals, aborts, stop strings, deadlines, roll-backs and page pressure.
+
+After every operation every book must agree (reference counts, free list, cache index, queues); no page is
+shared except through the prefix cache. At the end: no request lost (each ended with a finish reason), every
+output is the fake model's exact greedy continuation (preemption and prefix hits included), no page leaked.
+"""
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serving.core import (FinishReason, Priority, QueueFullError, Request, SamplingParams, Scheduler,
+                          SchedulerConfig)
+from serving.core.fake_model import FakeModel
+
+PS, MAX_LEN, EOS, VOCAB = 4, 64, 0, 40
+
+configs = st.builds(
+    dict,
+    num_pages=st.sampled_from([MAX_LEN // PS, MAX_LEN // PS + 2, 24, 40]),  # mostly tight: page pressure
+    max_num_seqs=st.integers(2, 8),
+    extra_budget=st.integers(0, 40),
+    max_prefill_chunk=st.none() | st.integers(1, 16),
+    long_prompt_threshold=st.integers(8, 60),
+    max_long_prefills=st.integers(1, 2),
+    max_waiting_requests=st.integers(2, 12),
+    priority_ageing_s=st.sampled_from([0.0, 3.0, 1e9]),
+    preempt_for_priority=st.booleans(),
+    enable_prefix_caching=st.booleans(),
+)
+adds = st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 8) | st.integers(20, 60) | st.none(),
+                 st.sampled_from(list(Priority)), st.none() | st.integers(1, 40), st.integers(0, 3), st.booleans())
+ops = st.lists(st.one_of(
+    adds, adds,
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 100)),
+    st.tuples(st.just("stop_string"), st.integers(0, 100)),
+    st.tuples(st.just("rollback"), st.integers(0, 100), st.integers(1, 9)),
+), min_size=20, max_size=60)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs, operations=ops)
+def test_random_traffic_keeps_every_invariant(cfg, operations):
+    extra = cfg.pop("extra_budget")
+    config = SchedulerConfig(max_model_len=MAX_LEN, page_size=PS,
+                             max_num_batched_tokens=cfg["max_num_seqs"] + extra, **cfg)
+    sched = Scheduler(config)
+    model = FakeModel(config.num_pages, PS, vocab_size=VOCAB)
+    families = [[(f * 13 + i) % (VOCAB - 1) + 1 for i in range(40)] for f in range(4)]
+    accepted: dict[str, Request] = {}
+    streamed: dict[str, list[int]] = {}
+    now = 0.0
+
+    def step():
+        nonlocal now
+        now += 1.0
+        out = sched.schedule(now)
+        sched.check_invariants()
+        assert out.num_scheduled_tokens <= config.max_num_batched_tokens
+        for o in sched.update(out, model.step(out.scheduled), now):
+            streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+        sched.check_invariants()
+
+    for op in operations:
+        kind = op[0]
+        if kind == "add":
+            _, n, max_tokens, priority, deadline, family, shared = op
+            prompt = families[family][:n] if shared else [(len(accepted) * 7 + i) % (VOCAB - 1) + 1
+                                                          for i in range(n)]
+            rid = f"r{len(accepted)}-{now}"
+            r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), priority=priority,
+                        arrival_time=now, deadline=None if deadline is None else now + deadline,
+                        eos_token_ids=(EOS,))
+            try:
+                sched.add_request(r)
+                accepted[rid] = r
+            except QueueFullError:
+                assert len(sched.waiting) >= config.max_waiting_requests
+        elif kind == "step":
+            for _ in range(op[1]):
+                step()
+        elif kind in ("abort", "stop_string", "rollback") and sched.requests:
+            rid = list(sched.requests)[op[1] % len(sched.requests)]
+            if kind == "abort":
+                assert sched.abort(rid, now).finish_reason is FinishReason.ABORT
+            elif kind == "stop_string":
+                sched.finish_request(rid, FinishReason.STOP, stop_reason="</s>", now=now)
+            elif sched.requests[rid].num_computed_tokens:
+                r = sched.requests[rid]
+                sched.truncate_computed(rid, max(0, r.num_computed_tokens - op[2]))
+        sched.check_invariants()
+
+    for _ in range(3000):
+        if not sched.has_unfinished_requests():
+            break
+        step()
+    assert not sched.has_unfinished_requests(), "a request never finished"
+    for rid, r in accepted.items():
+        assert r.is_finished and r.finish_reason is not None, f"{rid} lost"
+        assert r.num_tokens <= MAX_LEN
+        assert r.output_token_ids == model.greedy_continuation(r.prompt_token_ids, r.num_output_tokens)
+        assert streamed.get(rid, []) == r.output_token_ids
+        if r.finish_reason is FinishReason.LENGTH:
+            assert r.num_tokens == r.max_num_tokens
+        if r.finish_reason is FinishReason.STOP and r.stop_reason == EOS:
+            assert r.output_token_ids[-1] == EOS
+    sched.block_manager.check_idle()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_pages=st.integers(MAX_LEN // PS, 24), max_num_seqs=st.integers(2, 8),
+       enable_prefix_caching=st.booleans(), preempt_for_priority=st.booleans(),
+       arrivals=st.lists(st.tuples(st.integers(8, 50), st.integers(10, 60), st.sampled_from(list(Priority)),
+                                   st.integers(0, 3), st.integers(0, 3)), min_size=2, max_size=12))
+def test_page_pressure_preempts_and_outputs_stay_exact(num_pages, max_num_seqs, enable_prefix_caching,
+                                                       preempt_for_priority, arrivals):
+    config = SchedulerConfig(max_model_len=MAX_LEN, page_size=PS, num_pages=num_pages, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=16, enable_prefix_caching=enable_prefix_caching,
+                             preempt_for_priority=preempt_for_priority)
+    sched = Scheduler(config)
+    model = FakeModel(num_pages, PS, vocab_size=VOCAB)
+    families = [[(f * 13 + i) % (VOCAB - 1) + 1 for i in range(50)] for f in range(4)]
+    requests = []
+    now = 0.0
+    for i, (n, max_tokens, priority, family, gap) in enumerate(arrivals):
+        prompt = families[family][:n - 3] + [i % 7 + 1, i % 5 + 1, 1]
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                    priority=priority, arrival_time=now)
+        sched.add_request(r)
+        requests.append(r)
+        for _ in range(gap + 1 if i < len(arrivals) - 1 else 3000):
+            if not sched.has_unfinished_requests():
+                break
+            now += 1.0
+            out = sched.schedule(now)
+            sched.check_invariants()
+            sched.update(out, model.step(out.scheduled), now)
+            sched.check_invariants()
+    assert not sched.has_unfinished_requests()
+    for r in requests:
+        assert r.finish_reason is FinishReason.LENGTH and r.num_tokens == r.max_num_tokens
+        assert r.output_token_ids == model.greedy_continuation(r.prompt_token_ids, r.num_output_tokens)
+    sched.block_manager.check_idle()
