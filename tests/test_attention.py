@@ -1,0 +1,156 @@
+"""Ragged paged attention: every backend against a dense float64 NumPy oracle.
+
+Backends: the pure-JAX reference, the CPU fast path, and the GPU (Triton) and TPU (Mosaic) kernels in
+interpret mode. Named cases cover the issue's list; hypothesis adds random ragged batches.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import pallas_kernels
+from pallas_kernels import cpu, gpu, reference, tpu
+from pallas_kernels.testing import dense_attention, make_case
+
+BACKENDS = {
+    "reference": reference.ragged_paged_attention_reference,
+    "cpu": cpu.ragged_paged_attention_cpu,
+    "gpu_interpret": functools.partial(gpu.ragged_paged_attention_gpu, interpret=True),
+    "tpu_interpret": functools.partial(tpu.ragged_paged_attention_tpu, interpret=True),
+}
+
+# name: (seqs as (q_len, kv_len), dict(Hq, Hkv, D, page_size, T bucket, S bucket), options)
+CASES = {
+    # decode-only, KV ending exactly on a page boundary (16), just past it (17), and a 1-token context
+    "decode_only": ([(1, 16), (1, 17), (1, 1), (1, 40)], dict(hq=8, hkv=2, d=64, ps=8), {}),
+    # prefill-only: one-token prompt, prompts ending on / just past a page boundary
+    "prefill_only": ([(1, 1), (16, 16), (17, 17), (7, 7)], dict(hq=4, hkv=2, d=128, ps=16), {}),
+    # decodes mixed with a fresh prompt and a chunked-prefill continuation
+    "mixed_gqa8": ([(1, 33), (12, 12), (5, 37), (1, 8)], dict(hq=8, hkv=1, d=64, ps=8), {}),
+    "mixed_gqa1": ([(3, 20), (1, 9), (9, 9)], dict(hq=2, hkv=2, d=64, ps=32), {}),
+    "mixed_gqa4_page128": ([(1, 130), (6, 128), (2, 2)], dict(hq=8, hkv=2, d=64, ps=128), {}),
+    "sliding_window_soft_cap": ([(1, 40), (20, 27), (6, 6)], dict(hq=4, hkv=2, d=64, ps=8),
+                                dict(sliding_window=5, logit_soft_cap=4.0)),
+    # bucket padded past the real tokens and sequences
+    "padded_bucket": ([(1, 10), (4, 12)], dict(hq=4, hkv=1, d=64, ps=8, t=16, s=6), {}),
+}
+
+
+def _run(backend, case, options, dtype=None):
+    fn = jax.jit(functools.partial(BACKENDS[backend], sm_scale=case.q.shape[-1] ** -0.5, **options))
+    args = [jnp.asarray(a) for a in case.attention_args()]
+    return np.asarray(fn(*args).astype(jnp.float32))
+
+
+def _check(out, case, options, *, atol, rtol):
+    want = dense_attention(case, sm_scale=case.q.shape[-1] ** -0.5, **options)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", CASES)
+def test_named_case(backend, name):
+    seqs, shape, options = CASES[name]
+    case = make_case(np.random.default_rng(hash(name) % 2**32), seqs, num_q_heads=shape["hq"],
+                     num_kv_heads=shape["hkv"], head_dim=shape["d"], page_size=shape["ps"],
+                     num_tokens=shape.get("t"), num_seq_slots=shape.get("s"))
+    _check(_run(backend, case, options), case, options, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_within_bf16_tolerance(backend):
+    case = make_case(np.random.default_rng(7), [(1, 25), (9, 9), (4, 20)], num_q_heads=8, num_kv_heads=2,
+                     head_dim=128, page_size=16, dtype=jnp.bfloat16)
+    _check(_run(backend, case, {}), case, {}, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_does_not_disturb_real_sequences(backend):
+    seqs = [(1, 17), (6, 14)]
+    kw = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=8)
+    tight = make_case(np.random.default_rng(3), seqs, **kw)
+    padded = make_case(np.random.default_rng(3), seqs, num_tokens=16, num_seq_slots=5, **kw)
+    out_padded = _run(backend, padded, {})
+    assert np.isfinite(out_padded).all()
+    np.testing.assert_array_equal(out_padded[7:], 0.0)  # padding tokens give zeros
+    np.testing.assert_allclose(out_padded[:7], _run(backend, tight, {}), atol=1e-6, rtol=1e-6)
+
+
+@st.composite
+def ragged_batches(draw, max_seqs=4, max_q=12, max_kv=40):
+    n = draw(st.integers(1, max_seqs))
+    seqs = []
+    for _ in range(n):
+        q_len = draw(st.sampled_from([1, 1, draw(st.integers(1, max_q))]))
+        seqs.append((q_len, q_len + draw(st.integers(0, max_kv - q_len))))
+    g = draw(st.sampled_from([1, 2, 4, 8]))
+    hkv = draw(st.sampled_from([1, 2])) if g < 8 else 1
+    options = {}
+    if draw(st.booleans()):
+        options["sliding_window"] = draw(st.integers(1, 24))
+    if draw(st.booleans()):
+        options["logit_soft_cap"] = draw(st.sampled_from([2.0, 30.0]))
+    shape = dict(num_q_heads=g * hkv, num_kv_heads=hkv, head_dim=draw(st.sampled_from([64, 128])),
+                 page_size=draw(st.sampled_from([8, 16])))
+    # fixed buckets keep the number of distinct compiled programs small
+    return seqs, shape, options, draw(st.integers(0, 2**31 - 1))
+
+
+def _random_case_check(backend, batch):
+    seqs, shape, options, seed = batch
+    case = make_case(np.random.default_rng(seed), seqs, num_tokens=48, num_seq_slots=6, max_pages=6, **shape)
+    _check(_run(backend, case, options), case, options, atol=3e-5, rtol=3e-5)
+
+
+_SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@settings(max_examples=25, **_SETTINGS)
+@given(batch=ragged_batches())
+def test_random_batches_cpu(batch):
+    _random_case_check("cpu", batch)
+
+
+@settings(max_examples=10, **_SETTINGS)
+@given(batch=ragged_batches())
+def test_random_batches_reference(batch):
+    _random_case_check("reference", batch)
+
+
+@settings(max_examples=6, **_SETTINGS)
+@given(batch=ragged_batches())
+def test_random_batches_gpu_interpret(batch):
+    _random_case_check("gpu_interpret", batch)
+
+
+@settings(max_examples=6, **_SETTINGS)
+@given(batch=ragged_batches())
+def test_random_batches_tpu_interpret(batch):
+    _random_case_check("tpu_interpret", batch)
+
+
+@pytest.mark.parametrize("forced", ["reference", "cpu", "gpu", "tpu"])
+def test_env_var_forces_backend(monkeypatch, forced):
+    monkeypatch.setenv("MESHSERVE_ATTENTION", forced)
+    assert pallas_kernels.attention_backend() == forced
+
+
+def test_default_backend_on_cpu_is_fast_path(monkeypatch):
+    monkeypatch.delenv("MESHSERVE_ATTENTION", raising=False)
+    assert pallas_kernels.attention_backend() == "cpu"
+    monkeypatch.setenv("MESHSERVE_ATTENTION", "bogus")
+    with pytest.raises(ValueError, match="MESHSERVE_ATTENTION"):
+        pallas_kernels.attention_backend()
+
+
+def test_entry_point_matches_oracle_under_jit(monkeypatch):
+    monkeypatch.delenv("MESHSERVE_ATTENTION", raising=False)
+    case = make_case(np.random.default_rng(11), [(1, 9), (5, 5)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=8, num_tokens=8, num_seq_slots=3)
+    fn = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.125))
+    out = np.asarray(fn(*[jnp.asarray(a) for a in case.attention_args()]))
+    _check(out, case, {}, atol=2e-5, rtol=2e-5)
