@@ -192,4 +192,6 @@ def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.f
                    sharding=None) -> list[jax.Array]:
     """One zeroed KV buffer per layer."""
     shape = kv_cache_shape(cfg, num_pages, page_size)
+    # Committed to a device from the start, so the step's output caches match its inputs (one compile).
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     return [jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)]

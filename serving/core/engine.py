@@ -25,7 +25,7 @@ from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 from models.transformer import CausalLM, init_kv_caches
 from serving.core import sampling
-from serving.core.batch_builder import build_batch_arrays
+from serving.core.batch_builder import BatchBuilder, build_batch_arrays
 from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
@@ -175,6 +175,8 @@ class Engine:
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype)
         self._forward_fn = jax.jit(self._forward, donate_argnums=(1,))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
+        self._batch_builder = BatchBuilder(page_size=config.page_size, max_pages=self.max_pages,
+                                           max_seqs=config.max_num_seqs)
         self._penalty_window = 1 << (max_model_len - 1).bit_length()
         self._num_candidates = min(256, mc.vocab_size)
         self._detoks: dict[str, _Detok] = {}
@@ -305,8 +307,7 @@ class Engine:
     def _launch(self, sched: SchedulerOutput) -> None:
         cfg = self.config
         t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
-        arrays = build_batch_arrays(sched.scheduled, page_size=cfg.page_size, num_tokens=t_bucket,
-                                    num_seqs=s_bucket, max_pages=self.max_pages)
+        arrays = self._batch_builder.build(sched.scheduled, num_tokens=t_bucket, num_seqs=s_bucket)
         sampled = sched.scheduled
         st = self._sampling_tensors([s.request for s in sampled], s_bucket)
         st = dataclasses.replace(st, valid=st.valid & np.array(
@@ -358,6 +359,7 @@ class Engine:
         """After a failed step: ends the requests of that step with finish reason `error` (if the donated KV
         cache was lost with it, every running request too) and keeps the engine usable for the rest."""
         victims: set[str] = set()
+        lost = False
         for sched in (self._pending[0] if self._pending else None, self._current):
             if sched is not None:
                 victims.update(s.request_id for s in sched.scheduled)
@@ -365,6 +367,7 @@ class Engine:
         self._current = None
         if any(kv.is_deleted() for kv in self.kv_caches):
             victims.update(self.scheduler.requests)
+            lost = True
             self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
                                             DTYPES[self.config.dtype])
         outputs = []
@@ -372,6 +375,8 @@ class Engine:
             out = self.scheduler.finish_request(rid, FinishReason.ERROR, stop_reason=f"{type(error).__name__}: {error}")
             if out is not None:
                 outputs.append(self._final(out))
+        if lost:
+            self.scheduler.block_manager.reset_prefix_cache()  # cached blocks pointed into the lost pages
         return outputs
 
     def run_until_idle(self, on_output: Callable[[StepOutput], None] | None = None) -> None:

@@ -1,0 +1,157 @@
+"""Engine end to end on a real (small) model: continuous batching, chunked prefill, prefix cache and
+preemption all give HF's greedy tokens; warm-up compiles everything; sampling is reproducible per seed."""
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import transformers as tf
+
+from serving.core.async_engine import AsyncEngine
+from serving.core.engine import Engine, EngineConfig
+from serving.core.llm import LLM
+from serving.core.request import FinishReason
+from serving.core.sampling_params import SamplingParams
+from tests import hf_models
+
+N_REQUESTS = 32
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("engine") / "llama")
+    hf_models.save_hf_model("llama", d)
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+    return d, hf
+
+
+@pytest.fixture(scope="module")
+def workload(llama):
+    """32 requests, mixed prompt and output lengths, half sharing a 24-token system prompt, and HF's greedy
+    continuation of each, computed one request at a time."""
+    _, hf = llama
+    rng = np.random.default_rng(0)
+    system = hf_models.random_prompt(24, 160, seed=99)
+    prompts, lengths = [], []
+    for i in range(N_REQUESTS):
+        p = hf_models.random_prompt(int(rng.integers(2, 50)), 160, seed=100 + i)
+        prompts.append(system + p if i % 2 else p)
+        lengths.append(int(rng.integers(1, 24)))
+    expected = [hf_models.hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    return prompts, lengths, expected
+
+
+def _run(llm: LLM, workload):
+    prompts, lengths, expected = workload
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompts, params)
+    for o, n in zip(outs, lengths):
+        assert o.finish_reason is FinishReason.LENGTH and len(o.token_ids) == n
+    llm.engine.scheduler.block_manager.check_idle()
+    return outs
+
+
+@pytest.mark.parametrize("name, options", [
+    ("chunked_prefill", dict(max_num_batched_tokens=64, max_prefill_chunk=16, enable_prefix_caching=False)),
+    ("prefix_cache", dict(max_num_batched_tokens=128, enable_prefix_caching=True)),
+    ("preemption", dict(max_num_batched_tokens=64, num_pages=24, enable_prefix_caching=True)),
+])
+def test_concurrent_greedy_matches_hf(llama, workload, name, options):
+    options = {"page_size": 8, "num_pages": 256, "max_num_seqs": 16, **options}
+    llm = LLM(llama[0], warmup=False, **options)
+    outs = _run(llm, workload)
+    got = [o.token_ids for o in outs]
+    assert got == workload[2]
+    if name == "prefix_cache":
+        assert sum(o.metrics.num_cached_prompt_tokens for o in outs) >= 16 * 24 // 2
+    if name == "preemption":
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+    if name == "chunked_prefill":
+        assert llm.engine.scheduler.config.prefill_chunk == 16
+
+
+def test_warmup_compiles_every_program(llama, workload):
+    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    eng = llm.engine
+    assert eng.buckets == [16, 32, 64]
+    assert eng.compile_count == 3 * (1 + 8)
+    forward_programs = eng._forward_fn._cache_size()
+    sample_programs = eng._sample_fn._cache_size()
+    _run(llm, workload)
+    mixed = [SamplingParams(temperature=0.7, seed=3, top_p=0.9, max_tokens=5),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, max_tokens=5),
+             SamplingParams(temperature=1.0, seed=4, top_k=5, min_p=0.1, frequency_penalty=0.5, max_tokens=5)]
+    llm.generate(workload[0][:3], mixed)
+    assert eng._forward_fn._cache_size() == forward_programs
+    assert eng._sample_fn._cache_size() == sample_programs
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llama, workload):
+    llm = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    prompts = workload[0]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[0]], params)[0].token_ids
+    crowd = llm.generate(prompts[:8], [params] + [dataclasses.replace(params, seed=i) for i in range(7)])
+    assert crowd[0].token_ids == alone
+    assert len({tuple(o.token_ids) for o in crowd}) > 4
+
+
+def test_logprobs_and_stop_tokens(llama, workload):
+    llm = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    prompt, _, expected = workload[0][0], None, workload[2][0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 6
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.top[0][0] == tok  # greedy: the sampled token is the most likely
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and abs(lp.logprob - lp.top[0][1]) < 1e-5
+    stop_at = expected[2]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    first = expected.index(stop_at)
+    assert out.token_ids == expected[:first + 1] and out.finish_reason is FinishReason.STOP
+    assert out.stop_reason == stop_at
+
+
+def test_async_engine_abort_deadline_and_streaming(llama, workload):
+    engine = Engine(EngineConfig(model=llama[0], page_size=8, num_pages=128, max_num_seqs=8,
+                                 max_num_batched_tokens=32))
+    aeng = AsyncEngine(engine)
+    prompts, _, expected = workload
+
+    async def stream(i, n):
+        toks = []
+        async for out in aeng.generate(f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=n,
+                                                                             ignore_eos=True)):
+            toks += out.new_token_ids
+            last = out
+        return toks, last
+
+    async def cancelled(i):
+        gen = aeng.generate(f"c{i}", prompts[i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        async for out in gen:
+            if out.new_token_ids:
+                break
+        await gen.aclose()  # the client went away: the request is aborted, pages freed
+
+    async def timed_out():
+        outs = []
+        async for out in aeng.generate("late", prompts[1], SamplingParams(temperature=0, max_tokens=10_000,
+                                                                          ignore_eos=True),
+                                       deadline=time.monotonic() + 0.3):
+            outs.append(out)
+        return outs[-1]
+
+    async def main():
+        return await asyncio.gather(*[stream(i, 8) for i in range(6)], *[cancelled(i) for i in range(3)],
+                                    timed_out())
+
+    try:
+        results = asyncio.run(main())
+        for i in range(6):
+            toks, last = results[i]
+            assert toks == hf_models.hf_greedy(llama[1], prompts[i], 8) and last.finished
+        assert results[-1].finish_reason is FinishReason.TIMEOUT
+        idle = aeng.call(lambda e: (e.has_unfinished(), e.scheduler.block_manager.check_idle())).result(10)
+        assert idle[0] is False
+    finally:
+        aeng.shutdown()
