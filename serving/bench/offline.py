@@ -1,0 +1,258 @@
+"""Offline benchmarks of the serving core on a ~125M-parameter Llama built locally (random weights).
+
+    python -m serving.bench offline [--only=throughput,startup,batching,prefix,chunked,host,roofline]
+                                    [--dtypes=float32,bfloat16] [--quick]
+
+Every figure that is a comparison is measured side by side in one run (absolute times on a shared machine
+are noisy; ratios less so). Prints a table per benchmark.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import flags
+
+_ONLY = flags.DEFINE_list("only", ["throughput", "startup", "batching", "prefix", "chunked", "host", "roofline"],
+                          "benchmarks to run")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes for the throughput benchmark")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/meshserve-bench", "where the benchmark model is written")
+_QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (for a smoke run)")
+_HF_BASELINE = flags.DEFINE_bool("hf_baseline", True, "also time HF transformers generate")
+
+LLAMA_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=32768,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def model_dir(dtype: str) -> str:
+    d = os.path.join(_WORKDIR.value, f"llama125m-{dtype}")
+    if not os.path.exists(os.path.join(d, "config.json")):
+        import torch
+        import transformers as tf
+        torch.manual_seed(0)
+        tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_125M)).to(getattr(torch, dtype)).save_pretrained(d)
+    return d
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, LLAMA_125M["vocab_size"], length).tolist() for _ in range(n)]
+
+
+def _llm(dtype: str, **options):
+    from serving.core.llm import LLM
+    base = dict(dtype=dtype, page_size=16, num_pages=4096, max_num_seqs=16, max_num_batched_tokens=256)
+    base.update(options)
+    return LLM(model_dir(dtype), **base)
+
+
+def _greedy(max_tokens: int):
+    from serving.core.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _table(title: str, header: list[str], rows: list[list]) -> None:
+    print(f"\n## {title}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in r) + " |")
+    sys.stdout.flush()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bench_throughput():
+    """16 prompts x 128 tokens in, 128 out: all at once and one at a time; meshserve vs HF generate."""
+    n_in, n_out = 128, (32 if _QUICK.value else 128)
+    rows = []
+    for dtype in _DTYPES.value:
+        prompts = _prompts(16, n_in)
+        llm = _llm(dtype)
+        llm.generate(prompts[:2], _greedy(4))  # first-touch of pages and programs
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, _greedy(n_out))
+        ms16 = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for p in prompts[:4]:
+            llm.generate([p], _greedy(n_out))
+        ms1 = 4 * n_out / (time.perf_counter() - t0)
+        del llm
+        hf16 = hf1 = float("nan")
+        if _HF_BASELINE.value:
+            hf16, hf1 = _hf_throughput(dtype, prompts, n_out)
+        rows.append([dtype, ms16, hf16, ms16 / hf16, ms1, hf1, ms1 / hf1])
+    _table("Output tokens/s, 16 x (128 in, %d out), greedy" % n_out,
+           ["dtype", "meshserve b16", "HF b16", "ratio", "meshserve b1", "HF b1", "ratio"], rows)
+
+
+def _hf_throughput(dtype: str, prompts, n_out: int) -> tuple[float, float]:
+    import torch
+    import transformers as tf
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir(dtype), dtype=getattr(torch, dtype)).eval()
+    kw = dict(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor(prompts[:1]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        t0 = time.perf_counter()
+        model.generate(torch.tensor(prompts), **kw)
+        hf16 = 16 * n_out / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for p in prompts[:4]:
+            model.generate(torch.tensor([p]), **kw)
+        hf1 = 4 * n_out / (time.perf_counter() - t0)
+    return hf16, hf1
+
+
+def bench_startup():
+    """Process start to ready (weights loaded, every bucket compiled), in a fresh process."""
+    dtype = _DTYPES.value[0]
+    code = ("import time, psutil; from serving.core.llm import LLM; "
+            f"llm = LLM({model_dir(dtype)!r}, dtype={dtype!r}, page_size=16, num_pages=4096, max_num_seqs=16, "
+            "max_num_batched_tokens=256); "
+            "e = llm.engine; print('READY', time.time() - psutil.Process().create_time(), e.load_time_s, "
+            "e.compile_count, e.compile_time_s)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    _, total, load, count, compile_s = next(l for l in out.splitlines() if l.startswith("READY")).split()
+    _table("Start-up (fresh process)", ["dtype", "process start -> ready (s)", "weights load (s)", "programs",
+                                        "compile (s)"],
+           [[dtype, float(total), float(load), int(count), float(compile_s)]])
+
+
+def bench_batching():
+    """Continuous vs static batching (the same engine, waiting for a whole batch before admitting more)."""
+    n = 40 if _QUICK.value else 200
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(16, 513 if not _QUICK.value else 129, n).tolist()
+    prompts = _prompts(n, 32, seed=2)
+    from serving.core.sampling_params import SamplingParams
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    dtype = _DTYPES.value[0]
+    llm = _llm(dtype)
+    llm.generate(prompts[:2], _greedy(4))
+    t0 = time.perf_counter()
+    llm.generate(prompts, params)
+    continuous = sum(lengths) / (time.perf_counter() - t0)
+    batch = llm.engine.config.max_num_seqs
+    t0 = time.perf_counter()
+    for i in range(0, n, batch):
+        llm.generate(prompts[i:i + batch], params[i:i + batch])
+    static = sum(lengths) / (time.perf_counter() - t0)
+    _table(f"Continuous vs static batching, {n} requests, output 16-{max(lengths)} tokens, {batch} slots",
+           ["mode", "output tok/s"], [["continuous", continuous], ["static", static],
+                                      ["ratio", continuous / static]])
+
+
+def bench_prefix():
+    """TTFT with a 1,024-token shared system prompt, prefix cache on vs off (requests one at a time)."""
+    system = _prompts(1, 1024, seed=3)[0]
+    users = _prompts(9, 32, seed=4)
+    dtype = _DTYPES.value[0]
+    rows = []
+    for on in (False, True):
+        llm = _llm(dtype, enable_prefix_caching=on, max_num_batched_tokens=512)
+        llm.generate([system + users[0]], _greedy(1))
+        ttft = []
+        for u in users[1:]:
+            out = llm.generate([system + u], _greedy(1))[0]
+            ttft.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        rows.append(["on" if on else "off", statistics.mean(ttft) * 1e3,
+                     sum(o for o in [out.metrics.num_cached_prompt_tokens])])
+    rows.append(["ratio off/on", rows[0][1] / rows[1][1], ""])
+    _table("Prefix cache, 1,024-token shared system prompt + 32-token user turn",
+           ["prefix cache", "mean TTFT (ms)", "cached prompt tokens (last)"], rows)
+
+
+def bench_chunked():
+    """A 16k-token prompt arrives while 16 requests decode: their inter-token latency, chunked vs not."""
+    long_len = 2048 if _QUICK.value else 16384
+    dtype = _DTYPES.value[0]
+    rows = []
+    for chunked in (True, False):
+        budget = 512 if chunked else 1 << (long_len + 16 - 1).bit_length()
+        llm = _llm(dtype, max_num_batched_tokens=budget, max_model_len=long_len + 64, num_pages=2048,
+                   long_prompt_threshold=long_len - 1)
+        eng = llm.engine
+        decoders = [eng.make_request(f"d{i}", p, _greedy(64)) for i, p in enumerate(_prompts(16, 16, seed=5))]
+        for r in decoders:
+            eng.add_request(r)
+        steps = 0
+        while steps < 8:  # let them reach steady decode
+            eng.step()
+            steps += 1
+        eng.add_request(eng.make_request("long", _prompts(1, long_len, seed=6)[0], _greedy(1)))
+        while eng.has_unfinished():
+            eng.step()
+        itl = np.concatenate([np.diff(r.metrics.token_times) for r in decoders])
+        rows.append(["chunked (512/step)" if chunked else "whole prompt in one step", np.percentile(itl, 50) * 1e3,
+                     np.percentile(itl, 99) * 1e3, itl.max() * 1e3])
+        del llm, eng
+    _table(f"Inter-token latency of 16 decoding requests while a {long_len}-token prompt is prefilled",
+           ["mode", "ITL p50 (ms)", "ITL p99 (ms)", "ITL max (ms)"], rows)
+
+
+def bench_host():
+    """Host time per step with 256 running sequences, device work stubbed out."""
+    from serving.bench.host_overhead import measure_host_overhead
+    r = measure_host_overhead(num_seqs=256, steps=200 if _QUICK.value else 1000)
+    parts = [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]
+    _table("Host time per step, 256 running decodes (device stubbed)", ["part", "p50 (us)", "mean (us)", "p99 (us)"],
+           [[p, r[f"{p}_p50_us"], r[f"{p}_mean_us"], r.get(f"{p}_p99_us", float("nan"))] for p in parts])
+
+
+def copy_bandwidth(nbytes: int = 1 << 29) -> float:
+    """Bytes/s of a plain device copy (read + write), measured now."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones(nbytes // 4, jnp.float32)
+    f = jax.jit(lambda a: a * 1.0)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def bench_roofline():
+    """Decode step time at batch 1 and 32 vs the memory-bandwidth roofline (weight bytes / copy bandwidth)."""
+    import jax
+    rows = []
+    bw = copy_bandwidth()
+    for dtype in _DTYPES.value:
+        llm = _llm(dtype, max_num_seqs=32, max_num_batched_tokens=256)
+        eng = llm.engine
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.state))
+        for batch in (1, 32):
+            reqs = [eng.make_request(f"r{batch}-{i}", p, _greedy(40)) for i, p in enumerate(_prompts(batch, 64))]
+            for r in reqs:
+                eng.add_request(r)
+            times = []
+            while eng.has_unfinished():
+                eng.step()
+                if all(r.num_output_tokens >= 8 for r in reqs) and eng.last_step_time_s:
+                    times.append(eng.last_step_time_s)
+            step = statistics.median(times)
+            roof = weight_bytes / bw
+            rows.append([dtype, batch, step * 1e3, roof * 1e3, roof / step, batch / step])
+        del llm, eng
+    _table(f"Decode step vs roofline (copy bandwidth {bw / 1e9:.1f} GB/s)",
+           ["dtype", "batch", "step (ms)", "roofline (ms)", "roofline/step", "tok/s"], rows)
+
+
+BENCHES = dict(throughput=bench_throughput, startup=bench_startup, batching=bench_batching, prefix=bench_prefix,
+               chunked=bench_chunked, host=bench_host, roofline=bench_roofline)
+
+
+def main() -> None:
+    print(json.dumps({"benchmarks": _ONLY.value, "dtypes": _DTYPES.value, "quick": _QUICK.value,
+                      "cpus": os.cpu_count(), "load": os.getloadavg()}))
+    for name in _ONLY.value:
+        BENCHES[name]()
