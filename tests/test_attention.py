@@ -109,13 +109,13 @@ def _random_case_check(backend, batch):
 _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
-@settings(max_examples=25, **_SETTINGS)
+@settings(max_examples=15, **_SETTINGS)
 @given(batch=ragged_batches())
 def test_random_batches_cpu(batch):
     _random_case_check("cpu", batch)
 
 
-@settings(max_examples=10, **_SETTINGS)
+@settings(max_examples=6, **_SETTINGS)
 @given(batch=ragged_batches())
 def test_random_batches_reference(batch):
     _random_case_check("reference", batch)
