@@ -93,6 +93,16 @@ class StepOutput:
     request: Request
 
 
+@dataclasses.dataclass(slots=True)
+class StepRecord:
+    """One step whose results reached the host (Engine.last_step): what ran and when, for metrics and traces."""
+    scheduled: list  # the step's ScheduledSequences (prefill chunks and decodes)
+    num_scheduled_tokens: int
+    start_time: float  # time.monotonic() at launch
+    end_time: float  # time.monotonic() when its tokens were on the host
+    device_step_times_s: dict[str, float]  # per device: launch until its share of the result was ready
+
+
 class _Detok:
     """Per-request text state: incremental detokenizer plus the stop-string search window."""
     __slots__ = ("detok", "text", "emitted", "stops", "max_stop", "include_stop")
@@ -185,6 +195,7 @@ class Engine:
         self.compile_time_s = 0.0
         self.step_count = 0
         self.last_step_time_s = 0.0
+        self.last_step: StepRecord | None = None  # the step collected by the latest step() call
         self._pending: tuple | None = None  # (scheduler output, device result, start) of the step in flight
         self._current: SchedulerOutput | None = None  # the step being launched
 
@@ -322,10 +333,19 @@ class Engine:
     def _collect_pending(self) -> list[tuple[RequestOutput, np.ndarray]]:
         sched, packed, t0 = self._pending
         self._pending = None
+        device_times = {}
+        for shard in packed.addressable_shards:  # the copy to host is under way; this only waits for it
+            shard.data.block_until_ready()
+            device_times[str(shard.device)] = time.perf_counter() - t0
         host = np.asarray(packed)
         self.last_step_time_s = time.perf_counter() - t0
         if self.config.debug_step_delay_s:
             time.sleep(self.config.debug_step_delay_s)
+            # A simulated slow device: its step times include the delay.
+            device_times = {d: t + self.config.debug_step_delay_s for d, t in device_times.items()}
+        end = time.monotonic()
+        self.last_step = StepRecord(sched.scheduled, sched.num_scheduled_tokens,
+                                    end - (time.perf_counter() - t0), end, device_times)
         self.step_count += 1
         n = len(sched.scheduled)
         results = self.scheduler.update(sched, host[:n, 0].astype(np.int64))

@@ -1,0 +1,151 @@
+"""InstanceServer: one engine behind a grpc.aio server, with health, Prometheus metrics and traces.
+
+Start-up: open the ports (health NOT_SERVING), warm up every compiled bucket, then SERVING. Shutdown (SIGTERM or
+`stop()`): stop admitting (UNAVAILABLE, health NOT_SERVING), let accepted requests finish up to a grace period,
+abort what is left, close the ports.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from serving.core.async_engine import AsyncEngine
+from serving.core.engine import Engine, EngineConfig
+from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
+from serving.telemetry.metrics import ServerMetrics
+from serving.telemetry.tracing import RequestTracer, make_tracer_provider
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "meshserve.v1.Inference"
+
+
+@dataclasses.dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port (see InstanceServer.port / ready_file)
+    metrics_port: int = 9090  # -1: no metrics endpoint; 0: any free port
+    warmup: bool = True
+    drain_grace_s: float = 30.0
+    max_request_bytes: int = 1 << 20
+    retry_after_s: float = 1.0
+    instance_id: str = ""
+    otlp_endpoint: str = ""
+    service_name: str = "meshserve"
+    ready_file: str = ""  # written (JSON: ports, pid) once SERVING
+
+    def __post_init__(self):
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.drain_grace_s < 0:
+            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+
+
+class InstanceServer:
+    def __init__(self, engine: Engine, config: ServerConfig, *, span_exporter=None):
+        self.engine = engine
+        self.config = config
+        self.instance_id = config.instance_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.aengine = AsyncEngine(engine)
+        self.tracer = RequestTracer(make_tracer_provider(config.service_name, otlp_endpoint=config.otlp_endpoint,
+                                                         exporter=span_exporter))
+        self.metrics = ServerMetrics(os.path.basename(os.path.normpath(engine.config.model)) or "model",
+                                     engine.scheduler.stats)
+        self.load_tracker = LoadTracker(self.metrics, self.tracer)
+        self.aengine.step_listeners.append(self.load_tracker)
+        self.health = health.aio.HealthServicer()
+        self.servicer = InferenceServicer(
+            self.aengine, ServingOptions(instance_id=self.instance_id, max_request_bytes=config.max_request_bytes,
+                                         retry_after_s=config.retry_after_s),
+            metrics=self.metrics, tracer=self.tracer, load_tracker=self.load_tracker,
+            on_drain_change=lambda draining: asyncio.ensure_future(self._set_health(not draining)))
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self._metrics_http = None
+        self._stopped = asyncio.Event()
+        self._stopping = False
+
+    async def _set_health(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        cfg = self.config
+        # gRPC's own limit sits well above ours so an oversized prompt gets our INVALID_ARGUMENT naming it.
+        transport_limit = max(64 << 20, 4 * cfg.max_request_bytes)
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", transport_limit),
+                                               ("grpc.max_send_message_length", transport_limit),
+                                               ("grpc.so_reuseport", 0)])
+        pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+        await self._set_health(False)
+        await self.server.start()
+        if cfg.metrics_port >= 0:
+            self._metrics_http, self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
+        log.info("listening on %s:%d (metrics :%s); warming up", cfg.host, self.port, self.metrics_port or "off")
+        if cfg.warmup:
+            # On the engine thread, before any request: compiles every bucket's programs.
+            await asyncio.wrap_future(self.aengine.call(lambda e: e.warmup()))
+        self.metrics.set_compile_stats(self.engine.compile_count, self.engine.compile_time_s)
+        self.metrics.set_draining(False)
+        self.servicer.ready = True
+        await self._set_health(True)
+        log.info("SERVING on %s:%d: %d programs compiled in %.1fs", cfg.host, self.port, self.engine.compile_count,
+                 self.engine.compile_time_s)
+        if cfg.ready_file:
+            tmp = cfg.ready_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
+                           "instance_id": self.instance_id}, f)
+            os.replace(tmp, cfg.ready_file)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drains: admits nothing new, waits up to grace_s for accepted requests, aborts the rest, closes."""
+        if self._stopping:
+            await self._stopped.wait()
+            return
+        self._stopping = True
+        grace = self.config.drain_grace_s if grace_s is None else grace_s
+        self.servicer.set_draining(True)
+        await self._set_health(False)
+        t0 = time.monotonic()
+        n = len(self.servicer.inflight)
+        log.info("shutting down: draining %d requests (grace %.1fs)", n, grace)
+        if not await self.servicer.wait_idle(grace):
+            left = self.servicer.abort_all()
+            log.warning("grace period over: aborted %d requests", left)
+            await self.servicer.wait_idle(5.0)
+        log.info("drained in %.2fs", time.monotonic() - t0)
+        if self.server is not None:
+            await self.server.stop(1.0)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()
+            self._metrics_http.server_close()
+        self.aengine.shutdown()
+        self.tracer.shutdown()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> Engine:
+    tokenizer = None
+    if tokenizer_dir:
+        from models.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    return Engine(engine_config, tokenizer=tokenizer)

@@ -1,0 +1,433 @@
+"""The meshserve.v1.Inference servicer: requests in, validated and tokenized, through the AsyncEngine, tokens
+streamed back; load reports, drain. Knows serving.core only through AsyncEngine / Engine.
+
+Every accepted request ends with its last response or an explicit status: INVALID_ARGUMENT (the field named),
+RESOURCE_EXHAUSTED (+ `grpc-retry-pushback-ms`), DEADLINE_EXCEEDED, UNAVAILABLE (starting, draining, shut down
+before it finished), INTERNAL (the engine failed on its step). A client cancel aborts it and frees its pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+
+import grpc
+import jinja2
+
+from serving.core.async_engine import AsyncEngine, EngineDeadError
+from serving.core.request import FinishReason, Priority
+from serving.core.sampling_params import SamplingParams
+from serving.core.scheduler import PromptTooLongError, QueueFullError
+from serving.server.proto import meshserve_pb2 as pb
+from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.telemetry.metrics import ServerMetrics
+from serving.telemetry.tracing import RequestTracer
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP, FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT, FinishReason.TIMEOUT: pb.FINISH_REASON_TIMEOUT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server retry hint
+MAX_REQUEST_ID_CHARS = 256
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
+STEP_WINDOW_S = 10.0
+
+
+class InvalidArgument(ValueError):
+    """A bad field; the message starts with the field's name."""
+
+
+@dataclasses.dataclass(slots=True)
+class ServingOptions:
+    instance_id: str = ""
+    max_request_bytes: int = 1 << 20  # larger GenerateRequests get INVALID_ARGUMENT naming the prompt field
+    retry_after_s: float = 1.0  # the hint sent with RESOURCE_EXHAUSTED
+
+
+class LoadTracker:
+    """Engine step listener (runs on the engine thread): per-step metrics, trace chunk records, and a rolling
+    window of steps for tokens/s and step-time percentiles in load reports."""
+
+    def __init__(self, metrics: ServerMetrics | None, tracer: RequestTracer | None):
+        self.metrics = metrics
+        self.tracer = tracer
+        self.steps = 0
+        self.device_step_times_s: dict[str, float] = {}
+        self._window: collections.deque[tuple[float, float, int, int]] = collections.deque()
+        self._last = None
+        self._lock = threading.Lock()
+
+    def __call__(self, engine, wall_s: float) -> None:
+        record = engine.last_step
+        if record is None or record is self._last:
+            return
+        self._last = record
+        step_time = max(record.device_step_times_s.values(), default=record.end_time - record.start_time)
+        num_sampled = sum(1 for s in record.scheduled if s.sample)
+        with self._lock:
+            self.steps += 1
+            self.device_step_times_s = dict(record.device_step_times_s)
+            self._window.append((record.end_time, step_time, record.num_scheduled_tokens, num_sampled))
+            while self._window and self._window[0][0] < record.end_time - STEP_WINDOW_S:
+                self._window.popleft()
+        if self.metrics is not None:
+            self.metrics.observe_step(record.num_scheduled_tokens, record.device_step_times_s)
+        if self.tracer is not None:
+            self.tracer.on_step(record.scheduled, record.start_time, record.end_time)
+
+    def snapshot(self, now: float) -> dict:
+        with self._lock:
+            window = list(self._window)
+            devices = dict(self.device_step_times_s)
+            steps = self.steps
+        recent = [w for w in window if w[0] >= now - 1.0]
+        times = sorted(w[1] for w in window if w[0] >= now - STEP_WINDOW_S)
+
+        def pct(q):
+            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
+        return dict(tokens_per_s=float(sum(w[2] for w in recent)), generation_tokens_per_s=float(
+            sum(w[3] for w in recent)), step_time_p50_s=pct(0.5), step_time_p99_s=pct(0.99),
+            device_step_times_s=devices, steps=steps)
+
+
+class InferenceServicer(pb_grpc.InferenceServicer):
+    def __init__(self, aengine: AsyncEngine, options: ServingOptions, *, metrics: ServerMetrics | None = None,
+                 tracer: RequestTracer | None = None, load_tracker: LoadTracker | None = None,
+                 on_drain_change=None):
+        self.aengine = aengine
+        self.engine = aengine.engine
+        self.options = options
+        self.metrics = metrics
+        self.tracer = tracer or RequestTracer(None)
+        self.load_tracker = load_tracker or LoadTracker(metrics, self.tracer)
+        self.ready = False
+        self.draining = False
+        self.inflight: dict[str, float] = {}  # request id -> arrival (monotonic)
+        self._on_drain_change = on_drain_change
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ------------------------------------------------------------------ state
+    def set_draining(self, draining: bool) -> None:
+        if draining != self.draining:
+            self.draining = draining
+            log.info("draining" if draining else "admitting again")
+            if self.metrics is not None:
+                self.metrics.set_draining(draining)
+            if self._on_drain_change is not None:
+                self._on_drain_change(draining)
+
+    async def wait_idle(self, timeout: float | None) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def abort_all(self, reason: FinishReason = FinishReason.ABORT) -> int:
+        for rid in list(self.inflight):
+            self.aengine.abort(rid, reason)
+        return len(self.inflight)
+
+    # ------------------------------------------------------------------ parsing
+    def _tokenize_prompt(self, which: str, req) -> list[int]:
+        tok = self.engine.tokenizer
+        if which == "text":
+            if not req.text:
+                raise InvalidArgument("text: the prompt is empty")
+            if tok is None:
+                raise InvalidArgument("text: this model has no tokenizer; send token_ids")
+            add = req.add_special_tokens if req.HasField("add_special_tokens") else True
+            return tok.encode(req.text, add_special_tokens=add)
+        if which == "token_ids":
+            ids = list(req.token_ids.ids)
+            if not ids:
+                raise InvalidArgument("token_ids: the prompt is empty")
+            vocab = self.engine.model_config.vocab_size
+            for i, t in enumerate(ids):
+                if not 0 <= t < vocab:
+                    raise InvalidArgument(f"token_ids: token id {t} at position {i} is outside the vocabulary "
+                                          f"[0, {vocab})")
+            return ids
+        if which == "chat":
+            chat = req.chat
+            if not chat.messages:
+                raise InvalidArgument("chat.messages: the conversation is empty")
+            if tok is None:
+                raise InvalidArgument("chat: this model has no tokenizer; send token_ids")
+            for i, m in enumerate(chat.messages):
+                if not m.role:
+                    raise InvalidArgument(f"chat.messages[{i}].role: empty; use one of {', '.join(KNOWN_ROLES)}")
+            messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+            add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+            try:
+                return tok.encode_chat(messages, add_generation_prompt=add_gen)
+            except (jinja2.TemplateError, ValueError, TypeError) as e:
+                bad = next((i for i, m in enumerate(chat.messages) if m.role not in KNOWN_ROLES), None)
+                field = f"chat.messages[{bad}].role" if bad is not None else "chat.messages"
+                raise InvalidArgument(f"{field}: the model's chat template rejected the conversation: {e}") from e
+        raise InvalidArgument("prompt: empty; set one of text, token_ids or chat")
+
+    def _sampling_params(self, sp: pb.SamplingParameters) -> SamplingParams:
+        kw = dict(min_tokens=sp.min_tokens, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+                  frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop),
+                  stop_token_ids=tuple(sp.stop_token_ids), include_stop_str_in_output=sp.include_stop_str_in_output,
+                  ignore_eos=sp.ignore_eos)
+        for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs",
+                     "skip_special_tokens", "spaces_between_special_tokens"):
+            if sp.HasField(name):
+                kw[name] = getattr(sp, name)
+        vocab = self.engine.model_config.vocab_size
+        for t in kw["stop_token_ids"]:
+            if not 0 <= t < vocab:
+                raise InvalidArgument(f"sampling.stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise InvalidArgument(f"sampling.{e}") from e
+
+    def parse_generate(self, req: pb.GenerateRequest) -> tuple[list[int], SamplingParams, int]:
+        which = req.WhichOneof("prompt")
+        size = req.ByteSize()
+        if size > self.options.max_request_bytes:
+            field = {"text": "text", "token_ids": "token_ids", "chat": "chat.messages"}.get(which, "request")
+            raise InvalidArgument(f"{field}: the request is {size} bytes, over the server's limit of "
+                                  f"{self.options.max_request_bytes} bytes (--max_request_bytes)")
+        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"request_id: {len(req.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
+        if req.priority not in (p.value for p in Priority):
+            raise InvalidArgument(f"priority: unknown value {req.priority}; use PRIORITY_INTERACTIVE or "
+                                  "PRIORITY_BATCH")
+        params = self._sampling_params(req.sampling)
+        ids = self._tokenize_prompt(which, req)
+        if not ids:
+            raise InvalidArgument(f"{which}: the prompt has no tokens")
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise InvalidArgument(f"{which}: the prompt has {len(ids)} tokens but the model's context is {limit} "
+                                  f"tokens; at most {limit - 1} prompt tokens leave room to generate")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise InvalidArgument(f"sampling.max_tokens: the prompt ({len(ids)} tokens) + max_tokens "
+                                  f"({params.max_tokens}) = {len(ids) + params.max_tokens} exceeds the model's "
+                                  f"context of {limit} tokens; use max_tokens <= {limit - len(ids)}")
+        return ids, params, int(req.priority)
+
+    # ------------------------------------------------------------------ Generate
+    async def _refuse(self, context, code: grpc.StatusCode, details: str, trailing=()) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_error(code.name)
+        await context.abort(code, details, trailing_metadata=trailing)
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        if not self.ready:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE, "the server is starting (warming up); retry")
+        if self.draining:
+            await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
+                               "the server is draining and admits no new requests; send it elsewhere")
+        try:
+            prompt_ids, params, priority = self.parse_generate(request)
+        except ValueError as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        rid = request.request_id or uuid.uuid4().hex
+        if rid in self.inflight:
+            await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        span = self.tracer.start(rid, context.invocation_metadata(), {
+            "meshserve.request_id": rid, "meshserve.tenant": request.tenant or None,
+            "meshserve.priority": priority, "meshserve.prompt_tokens": len(prompt_ids)})
+        self.inflight[rid] = time.monotonic()
+        self._idle.clear()
+        last_request, final, failure = None, None, None  # failure: (code, details, trailing)
+        stream = self.aengine.generate(rid, prompt_ids, params, priority=priority, deadline=deadline)
+        try:
+            first = True
+            async for out in stream:
+                last_request = out.request
+                if out.finished:
+                    final = out
+                    self._record_finished(out)
+                    if out.finish_reason is FinishReason.TIMEOUT:
+                        failure = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed after "
+                                   f"{out.request.num_output_tokens} generated tokens", ())
+                        break
+                    if out.finish_reason is FinishReason.ERROR:
+                        failure = (grpc.StatusCode.INTERNAL, f"the engine failed on this request's step: "
+                                   f"{out.stop_reason}", ())
+                        break
+                    if out.finish_reason is FinishReason.ABORT:
+                        failure = (grpc.StatusCode.UNAVAILABLE,
+                                   "the server shut down before the request finished; retry elsewhere", ())
+                        break
+                yield self._response(rid, out, first)
+                first = False
+        except QueueFullError as e:
+            ms = int(self.options.retry_after_s * 1000)
+            failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry in {self.options.retry_after_s:g}s",
+                       ((RETRY_PUSHBACK_KEY, str(ms)),))
+        except PromptTooLongError as e:
+            failure = (grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {e}", ())
+        except ValueError as e:
+            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e), ())
+        except EngineDeadError as e:
+            failure = (grpc.StatusCode.INTERNAL, str(e), ())
+        finally:
+            # Reached on normal ends, errors and client cancels (CancelledError / GeneratorExit).
+            reason = final.finish_reason if final is not None else FinishReason.ABORT
+            if final is None:
+                # Cancelled by the client, or by gRPC when the deadline passed: free its pages now (a no-op if
+                # it never got in).
+                if deadline is not None and time.monotonic() >= deadline - 0.005:
+                    reason = FinishReason.TIMEOUT
+                self.aengine.abort(rid, reason)
+            await stream.aclose()
+            self.inflight.pop(rid, None)
+            if not self.inflight:
+                self._idle.set()
+            if final is None and last_request is not None:
+                self._record_abort(last_request, reason)
+            self.tracer.finish(span, rid, last_request, finish_reason=reason.value,
+                               error=None if failure is None else failure[1])
+        if failure is not None:
+            await self._refuse(context, *failure)
+
+    def _response(self, rid: str, out, first: bool) -> pb.GenerateResponse:
+        resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text)
+        if out.logprobs:
+            for lp in out.logprobs:
+                resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
+                                  top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+        r = out.request
+        if first:
+            resp.usage.prompt_tokens = r.num_prompt_tokens
+        if out.finished:
+            resp.finish_reason = FINISH_REASONS[out.finish_reason]
+            if isinstance(out.stop_reason, str):
+                resp.stop_string = out.stop_reason
+            elif out.stop_reason is not None:
+                resp.stop_token_id = int(out.stop_reason)
+            m = r.metrics
+            resp.usage.prompt_tokens = r.num_prompt_tokens
+            resp.usage.completion_tokens = r.num_output_tokens
+            resp.usage.cached_prompt_tokens = m.num_cached_prompt_tokens
+            resp.usage.num_preemptions = m.num_preemptions
+            end = m.finished_time if m.finished_time is not None else time.monotonic()
+            if m.first_scheduled_time is not None:
+                resp.timing.queue_time_s = m.first_scheduled_time - m.arrival_time
+            if m.first_token_time is not None:
+                resp.timing.time_to_first_token_s = m.first_token_time - m.arrival_time
+            resp.timing.e2e_latency_s = end - m.arrival_time
+        return resp
+
+    def _record_finished(self, out) -> None:
+        if self.metrics is None:
+            return
+        r, m = out.request, out.request.metrics
+        self.metrics.observe_finished(
+            finish_reason=out.finish_reason.value, num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens, arrival_time=m.arrival_time,
+            first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
+            token_times=list(m.token_times), finished_time=m.finished_time)
+
+    def _record_abort(self, r, reason: FinishReason) -> None:
+        if self.metrics is None:
+            return
+        m = r.metrics
+        self.metrics.observe_finished(
+            finish_reason=reason.value, num_prompt_tokens=r.num_prompt_tokens,
+            num_output_tokens=r.num_output_tokens, arrival_time=m.arrival_time,
+            first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
+            token_times=list(m.token_times), finished_time=time.monotonic())
+
+    # ------------------------------------------------------------------ other RPCs
+    async def Tokenize(self, request: pb.TokenizeRequest, context):
+        which = request.WhichOneof("prompt")
+        try:
+            if which is None:
+                raise InvalidArgument("prompt: empty; set text or chat")
+            ids = self._tokenize_prompt(which, request)
+        except ValueError as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        resp = pb.TokenizeResponse(token_ids=ids, max_model_len=self.engine.max_model_len)
+        if request.return_token_strings:
+            resp.token_strings.extend(self.engine.tokenizer.id_to_token(t) or "" for t in ids)
+        return resp
+
+    async def ModelInfo(self, request, context):
+        e, c = self.engine, self.engine.config
+        tok = e.tokenizer
+        return pb.ModelInfoResponse(
+            model=c.model, architecture=e.model_config.family, vocab_size=e.model_config.vocab_size,
+            max_model_len=e.max_model_len,
+            eos_token_ids=list(e.eos_token_ids), dtype=c.dtype, has_tokenizer=tok is not None,
+            has_chat_template=bool(tok is not None and tok.chat_template), page_size=c.page_size,
+            num_pages=e.num_pages, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            token_buckets=list(e.buckets), compile_count=e.compile_count, compile_time_s=e.compile_time_s,
+            devices=[str(d) for d in _devices(e)], instance_id=self.options.instance_id,
+            max_waiting_requests=c.max_waiting_requests, max_waiting_tokens=c.max_waiting_tokens,
+            max_request_bytes=self.options.max_request_bytes)
+
+    async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
+        def snapshot(engine):
+            s = engine.scheduler
+            error = ""
+            if check_invariants:
+                try:
+                    s.check_invariants()
+                    if not engine.has_unfinished():
+                        s.block_manager.check_idle()
+                except AssertionError as exc:
+                    error = f"AssertionError: {exc}"
+            bm = s.block_manager
+            return s.stats(), bm.num_pages, bm.num_free_pages, error
+        try:
+            stats, total, free, error = await asyncio.wrap_future(self.aengine.call(snapshot))
+        except EngineDeadError as e:
+            stats, total, free, error = self.engine.scheduler.stats(), self.engine.num_pages, 0, str(e)
+        load = self.load_tracker.snapshot(time.monotonic())
+        queries, hits = int(stats["prefix_cache_queries"]), int(stats["prefix_cache_hits"])
+        return pb.LoadReport(
+            instance_id=self.options.instance_id, timestamp=time.time(), num_waiting=int(stats["num_waiting"]),
+            num_running=int(stats["num_running"]), num_waiting_tokens=int(stats["num_waiting_tokens"]),
+            kv_pages_total=total, kv_pages_free=free, kv_cache_usage=float(stats["kv_cache_usage"]),
+            tokens_per_s=load["tokens_per_s"], generation_tokens_per_s=load["generation_tokens_per_s"],
+            step_time_p50_s=load["step_time_p50_s"], step_time_p99_s=load["step_time_p99_s"],
+            device_step_times=[pb.DeviceStepTime(device=d, step_time_s=t)
+                               for d, t in sorted(load["device_step_times_s"].items())],
+            prefix_cache_hit_rate=hits / queries if queries else 0.0, prefix_cache_queries=queries,
+            prefix_cache_hits=hits, num_preemptions=int(stats["num_preemptions"]), draining=self.draining,
+            serving=self.ready and not self.draining and self.aengine.is_alive,
+            max_num_seqs=self.engine.config.max_num_seqs,
+            max_waiting_requests=self.engine.config.max_waiting_requests, steps=load["steps"],
+            invariant_error=error)
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context):
+        return await self.load_report(request.check_invariants)
+
+    async def WatchLoad(self, request: pb.WatchLoadRequest, context):
+        interval = max(10, request.interval_ms or 1000) / 1000.0
+        while True:
+            yield await self.load_report()
+            await asyncio.sleep(interval)
+
+    async def Drain(self, request: pb.DrainRequest, context):
+        self.set_draining(not request.resume)
+        stats = self.engine.scheduler.stats()
+        return pb.DrainResponse(draining=self.draining, num_waiting=int(stats["num_waiting"]),
+                                num_running=int(stats["num_running"]))
+
+
+def _devices(engine) -> list:
+    import jax
+    try:
+        leaves = jax.tree_util.tree_leaves(engine.kv_caches)
+        return sorted(leaves[0].sharding.device_set, key=lambda d: d.id) if leaves else jax.devices()[:1]
+    except Exception:  # noqa: BLE001 - informational only
+        return jax.devices()[:1]

@@ -1,0 +1,90 @@
+"""Test helpers: a small random Llama with a real tokenizer (needs torch + transformers, the test extras), and
+`ServerProcess`, a `python -m serving.server` child process on 127.0.0.1 with free ports."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Shared by test server processes (and kept between runs): a restart loads its programs instead of compiling.
+COMPILATION_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"meshserve-test-jax-cache-{os.getuid()}")
+# Small engine settings that start fast: one token bucket of 32, so warm-up compiles 9 programs.
+SMALL_ENGINE_FLAGS = ("--page_size=8", "--num_pages=512", "--max_num_seqs=32", "--max_num_batched_tokens=32",
+                      "--min_token_bucket=32")
+
+
+def build_test_model(out_dir: str, seed: int = 0) -> str:
+    """A 2-layer random Llama (vocab 512, context 512) with the test BPE tokenizer and chat template."""
+    if os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        return out_dir
+    import torch
+    import transformers as tf
+
+    from models.testing import make_test_tokenizer
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    make_test_tokenizer(out_dir, vocab_size=512)
+    return out_dir
+
+
+class ServerProcess:
+    def __init__(self, model_dir: str, workdir: str, *flags: str, env: dict | None = None):
+        os.makedirs(workdir, exist_ok=True)
+        self.ready_file = os.path.join(workdir, "ready.json")
+        if os.path.exists(self.ready_file):
+            os.remove(self.ready_file)
+        self.log_path = os.path.join(workdir, "server.log")
+        args = [sys.executable, "-m", "serving.server", f"--model={model_dir}", "--host=127.0.0.1", "--port=0",
+                "--metrics_port=0", f"--ready_file={self.ready_file}",
+                f"--compilation_cache_dir={COMPILATION_CACHE_DIR}", *SMALL_ENGINE_FLAGS, *flags]
+        full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO_ROOT,
+                    "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **(env or {})}
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.port = self.metrics_port = 0
+
+    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            if os.path.exists(self.ready_file):
+                info = json.load(open(self.ready_file))
+                self.port, self.metrics_port = info["port"], info["metrics_port"]
+                return self
+            time.sleep(0.1)
+        raise TimeoutError(f"the server did not start in {timeout}s:\n{self.log()[-4000:]}")
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def log(self) -> str:
+        self._log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM and wait; returns the exit code (kills it after `timeout`)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            self._log.close()
