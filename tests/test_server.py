@@ -12,14 +12,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.server.client import AsyncClient, Client, ClientError
-from serving.server.testing import REPO_ROOT, ServerProcess, build_test_model
+from serving.server.testing import REPO_ROOT, ServerProcess, shared_test_model
 
 ENGINE_OPTIONS = dict(page_size=8, num_pages=512, max_num_seqs=32, max_num_batched_tokens=32, min_token_bucket=32)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_test_model(str(tmp_path_factory.mktemp("server") / "llama"))
+def model_dir():
+    return shared_test_model()
 
 
 @pytest.fixture(scope="module")

@@ -35,6 +35,20 @@ def build_test_model(out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
+def shared_test_model() -> str:
+    """build_test_model() once per machine and user (kept between test runs; built atomically)."""
+    path = os.path.join(tempfile.gettempdir(), f"meshserve-test-llama512-v1-{os.getuid()}")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        tmp = tempfile.mkdtemp(prefix="meshserve-test-llama512-", dir=tempfile.gettempdir())
+        build_test_model(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # built concurrently by another process: use theirs
+            import shutil
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 class ServerProcess:
     def __init__(self, model_dir: str, workdir: str, *flags: str, env: dict | None = None):
         os.makedirs(workdir, exist_ok=True)

@@ -1,0 +1,31 @@
+"""The committed meshserve.v1 stubs are what protoc generates from meshserve.proto today."""
+import os
+import re
+
+from serving.server.proto import generate as gen
+
+
+def _normalise(text: str) -> str:
+    # Tool and runtime versions stamped into the stubs may differ between machines; the content may not.
+    text = re.sub(r"# Protobuf Python Version: .*", "", text)
+    text = re.sub(r"_runtime_version\.ValidateProtobufRuntimeVersion\([^)]*\)", "", text)
+    return re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "", text)
+
+
+def test_generated_stubs_are_up_to_date(tmp_path):
+    fresh = gen.generate(str(tmp_path))
+    for path in fresh:
+        committed = os.path.join(gen.REPO_ROOT, os.path.dirname(gen.PROTO), os.path.basename(path))
+        with open(path) as f, open(committed) as g:
+            assert _normalise(f.read()) == _normalise(g.read()), (
+                f"{committed} is stale: run `python -m serving.server.proto.generate` and commit the result")
+
+
+def test_services_and_messages():
+    from serving.server.proto import meshserve_pb2 as pb
+    service = pb.DESCRIPTOR.services_by_name["Inference"]
+    assert pb.DESCRIPTOR.package == "meshserve.v1"
+    assert {m.name for m in service.methods} == {"Generate", "Tokenize", "ModelInfo", "GetLoad", "WatchLoad",
+                                                 "Drain"}
+    assert service.methods_by_name["Generate"].server_streaming
+    assert service.methods_by_name["WatchLoad"].server_streaming
