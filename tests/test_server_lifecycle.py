@@ -2,23 +2,53 @@
 4 waiting): queue overflow is RESOURCE_EXHAUSTED with a retry hint while accepted requests all finish; a deadline
 shorter than the generation is DEADLINE_EXCEEDED and frees the pages; SIGTERM drains without losing a request."""
 import asyncio
+import concurrent.futures
 import threading
 import time
 import urllib.request
 
 import grpc
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.server.client import AsyncClient, Client, ClientError
 from serving.server.testing import ServerProcess, shared_test_model
 
 
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace collector on 127.0.0.1 that keeps what it receives."""
+
+    def __init__(self):
+        self.spans = []
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                self.spans.extend(scope_spans.spans)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    proc = ServerProcess(shared_test_model(), str(tmp_path_factory.mktemp("slow_server")),
-                         "--debug_step_delay_s=0.05", "--max_num_seqs=4", "--max_waiting_requests=4",
-                         "--retry_after_s=0.25", "--drain_grace_s=30", "--log_format=json")
+def collector():
+    c = Collector()
+    yield c
+    c.server.stop(0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, collector):
+    workdir = tmp_path_factory.mktemp("slow_server")
+    flagfile = workdir / "server.flags"
+    flagfile.write_text("\n".join(["--debug_step_delay_s=0.05", "--max_num_seqs=4", "--max_waiting_requests=4",
+                                   "--retry_after_s=0.25", "--drain_grace_s=30", "--log_format=json",
+                                   f"--otlp_endpoint=127.0.0.1:{collector.port}"]) + "\n")
+    proc = ServerProcess(shared_test_model(), str(workdir), f"--flagfile={flagfile}",
+                         env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
     try:
         yield proc.wait_ready()
     finally:
@@ -78,6 +108,20 @@ def test_deadline_exceeded_frees_pages(server, client):
     assert timeouts == [1.0]
     # The slow device shows in the load report's step times.
     assert client.get_load().step_time_p50_s >= 0.05
+
+
+def test_traces_are_exported_over_otlp(server, client, collector):
+    client.complete([7] * 20, max_tokens=3, ignore_eos=True, request_id="otlp-1")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        roots = [s for s in collector.spans if s.name == "generate" and any(
+            a.key == "meshserve.request_id" and a.value.string_value == "otlp-1" for a in s.attributes)]
+        if roots:
+            break
+        time.sleep(0.05)
+    assert len(roots) == 1
+    children = {s.name for s in collector.spans if s.parent_span_id == roots[0].span_id}
+    assert children == {"queue", "prefill_chunk", "decode"}
 
 
 def test_sigterm_drains_without_losing_a_running_request(server, client):

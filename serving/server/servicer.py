@@ -38,6 +38,7 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server retry hi
 MAX_REQUEST_ID_CHARS = 256
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 STEP_WINDOW_S = 10.0
+LARGE_REQUEST_BYTES = 32 << 10  # parsed and tokenized off the event loop
 
 
 class InvalidArgument(ValueError):
@@ -232,7 +233,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
                                "the server is draining and admits no new requests; send it elsewhere")
         try:
-            prompt_ids, params, priority = self.parse_generate(request)
+            if request.ByteSize() > LARGE_REQUEST_BYTES:  # tokenizing it would stall every other stream
+                prompt_ids, params, priority = await asyncio.to_thread(self.parse_generate, request)
+            else:
+                prompt_ids, params, priority = self.parse_generate(request)
         except ValueError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex

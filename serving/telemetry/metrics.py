@@ -113,7 +113,7 @@ class ServerMetrics:
             return self._stats_cache.get(key, 0)
 
     def refresh(self) -> None:
-        """Reads the engine's gauges and counters; called before each scrape and after each step."""
+        """Reads the engine's gauges and counters; called before each scrape."""
         stats = self._engine_stats()
         with self._lock:
             self._stats_cache = stats
