@@ -65,3 +65,42 @@ def make_mesh(dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, devices=None) 
         raise ValueError(f"mesh dp={dp} pp={pp} tp={tp} ep={ep} needs {need} devices; {len(devices)} available")
     return jax.make_mesh((dp, pp, tp, ep), MESH_AXES, devices=devices[:need],
                          axis_types=(jax.sharding.AxisType.Explicit,) * 4)
+
+
+class _AxisSizes:
+    """Stands in for a Mesh where only the axis sizes matter (planning without devices)."""
+
+    def __init__(self, axis_sizes: Mapping[str, int]):
+        self.shape = {axis: int(axis_sizes.get(axis, 1)) for axis in MESH_AXES}
+
+
+def partition_spec_for_sizes(rules: ShardingRules, axes: Sequence[str | None], shape: Sequence[int],
+                             axis_sizes: Mapping[str, int]) -> PartitionSpec:
+    """`rules.partition_spec` for a mesh known only by its axis sizes, e.g. {'tensor': 8}; missing axes are 1."""
+    return rules.partition_spec(axes, shape, _AxisSizes(axis_sizes))  # type: ignore[arg-type]
+
+
+def shard_shape(spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """Per-device shape of an array of `shape` laid out by `spec` over mesh axes of `axis_sizes`."""
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    out = []
+    for dim, entry in zip(shape, entries):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        parts = 1
+        for name in names:
+            parts *= int(axis_sizes.get(name, 1))
+        out.append(-(-int(dim) // parts))  # an uneven split pads the last shard up to the others
+    return tuple(out)
+
+
+def kv_cache_partition_spec(num_kv_heads: int, axis_sizes: Mapping[str, int],
+                            rules: ShardingRules = DEFAULT_RULES) -> PartitionSpec:
+    """Layout of one layer's KV pages [num_pages, page_size, 2*kv_heads, head_dim]: pages split over 'data'
+    (each replica owns its own pool), K/V heads over the kv-head mesh axis when it divides `num_kv_heads`
+    (checked on the head count, not 2*heads, so a head's K and V never land on different devices), else
+    replicated."""
+    head_axis = rules.rules.get(KV_HEADS)
+    if head_axis is not None and (axis_sizes.get(head_axis, 1) == 1 or num_kv_heads % axis_sizes[head_axis]):
+        head_axis = None
+    data = "data" if axis_sizes.get("data", 1) > 1 else None
+    return PartitionSpec(data, None, head_axis, None)
