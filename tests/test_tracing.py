@@ -31,6 +31,7 @@ def traced():
     thread.start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(120)
     client = Client(f"127.0.0.1:{server.port}", timeout=120)
+    server.test_loop = loop
     try:
         yield server, exporter, client
     finally:
@@ -118,3 +119,29 @@ def test_otlp_exporter_is_configured_from_an_endpoint():
     assert provider is not None and provider.resource.attributes["service.name"] == "svc"
     provider.shutdown()
     assert make_tracer_provider("svc") is None
+
+
+def test_shutdown_after_the_grace_period_ends_requests_with_unavailable(traced):
+    """Runs last in this module: it stops the server."""
+    server, _, client = traced
+    server.engine.config.debug_step_delay_s = 0.01  # ~5 s for the request below: longer than the grace period
+    started, errors, got = threading.Event(), [], []
+
+    def stream():
+        try:
+            for r in client.generate([5] * 8, max_tokens=480, ignore_eos=True):
+                got.extend(r.token_ids)
+                started.set()
+        except ClientError as e:
+            errors.append(e)
+            started.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    assert started.wait(60)
+    asyncio.run_coroutine_threadsafe(server.stop(grace_s=0.3), server.test_loop).result(60)
+    t.join(30)
+    assert len(errors) == 1 and errors[0].code == grpc.StatusCode.UNAVAILABLE, (errors, len(got))
+    assert "shut down" in errors[0].details and 0 < len(got) < 480
+    assert not server.engine.has_unfinished()
+    server.engine.scheduler.block_manager.check_idle()

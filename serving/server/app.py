@@ -74,6 +74,7 @@ class InstanceServer:
         self._metrics_http = None
         self._stopped = asyncio.Event()
         self._stopping = False
+        self._watchdog: asyncio.Future | None = None
 
     async def _set_health(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -106,12 +107,23 @@ class InstanceServer:
         await self._set_health(True)
         log.info("SERVING on %s:%d: %d programs compiled in %.1fs", cfg.host, self.port, self.engine.compile_count,
                  self.engine.compile_time_s)
+        self._watchdog = asyncio.ensure_future(self._watch_engine())
         if cfg.ready_file:
             tmp = cfg.ready_file + ".tmp"
             with open(tmp, "w") as f:
                 json.dump({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
                            "instance_id": self.instance_id}, f)
             os.replace(tmp, cfg.ready_file)
+
+    async def _watch_engine(self) -> None:
+        """A dead engine thread cannot serve: say so on health, so orchestrators and the gateway move away."""
+        while not self._stopping:
+            if not self.aengine.is_alive:
+                log.error("the engine thread died; reporting NOT_SERVING")
+                self.servicer.ready = False
+                await self._set_health(False)
+                return
+            await asyncio.sleep(1.0)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Drains: admits nothing new, waits up to grace_s for accepted requests, aborts the rest, closes."""
@@ -130,6 +142,8 @@ class InstanceServer:
             log.warning("grace period over: aborted %d requests", left)
             await self.servicer.wait_idle(5.0)
         log.info("drained in %.2fs", time.monotonic() - t0)
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.server is not None:
             await self.server.stop(1.0)
         if self._metrics_http is not None:
