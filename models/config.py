@@ -62,6 +62,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
     moe_layers: tuple[bool, ...] = ()
+    num_expert_slots: int = 0  # physical expert slots (>= num_experts; spares hold replicas); 0 = num_experts
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None

@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import pallas_kernels
@@ -75,15 +76,56 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, self.inv_freq)
         k = apply_rope(k, positions, self.inv_freq)
-        md = batch.attention
-        kv_pages = pallas_kernels.write_kv(kv_pages, k, v, md.slot_mapping)
-        out = pallas_kernels.ragged_paged_attention(
-            q, kv_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-            sm_scale=self.sm_scale, sliding_window=self.sliding_window)
+        out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
+                                        sliding_window=self.sliding_window)
         y = jnp.einsum("thd,hde->te", out, self.o_proj[...])
         if self.o_bias_on:
             y = y + self.o_bias[...]
         return y, kv_pages
+
+
+def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
+    """Pure. Writes this step's K/V into the pages, then attends. Under a mesh with a 'tensor' axis it runs per
+    shard (heads are independent): q heads split over 'tensor'; KV heads split too when the degree divides
+    them, else replicated, each shard reading only the KV heads its q heads use."""
+    tp = tensor_parallel_size()
+    hq, hkv = q.shape[1], k.shape[1]
+
+    def local(q, k, v, kv_pages, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+        kv_pages = pallas_kernels.write_kv(kv_pages, k, v, slot_mapping)
+        view = kv_pages
+        if tp > 1 and k.shape[1] == hkv:  # KV replicated: slice the heads these q heads read
+            group = hq // hkv
+            hq_local = q.shape[1]
+            first = jax.lax.axis_index("tensor") * hq_local // group
+            view = jax.lax.dynamic_slice_in_dim(kv_pages, 2 * first, 2 * max(1, hq_local // group), axis=2)
+        out = pallas_kernels.ragged_paged_attention(q, view, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                                    sm_scale=sm_scale, sliding_window=sliding_window)
+        return out, kv_pages
+
+    args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    if tp == 1:
+        return local(*args)
+    if hq % tp:
+        raise ValueError(f"tensor parallelism {tp} does not divide the {hq} attention heads")
+    P = jax.sharding.PartitionSpec
+    heads = P(None, "tensor", None)
+    kv_heads = heads if hkv % tp == 0 else P()
+    pages = P(None, None, "tensor", None) if hkv % tp == 0 else P()
+    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, pages, P(), P(), P(), P(), P()),
+                         out_specs=(heads, pages), check_vma=False)(*args)
+
+
+def mesh_axis_size(axis: str) -> int:
+    """Trace-time. Size of `axis` in the mesh in context (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or axis not in mesh.axis_names:
+        return 1
+    return mesh.shape[axis]
+
+
+def tensor_parallel_size() -> int:
+    return mesh_axis_size("tensor")
 
 
 class MLP(nnx.Module):
@@ -99,16 +141,36 @@ class MLP(nnx.Module):
         return h @ self.down_proj[...]
 
 
+class ExpertMap(nnx.Variable):
+    """Non-trainable routing state: which physical slots hold each logical expert (see sharding.experts)."""
+
+
+class ExpertCounts(nnx.Intermediate):
+    """Tokens routed to each physical expert slot in the last forward (exported as expert load)."""
+
+
 class MoE(nnx.Module):
     """Top-k routed experts (softmax over all experts, then top-k, optionally renormalised), plus an optional
-    sigmoid-gated shared expert (Qwen2-MoE)."""
+    sigmoid-gated shared expert (Qwen2-MoE).
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    Expert weights are stored per physical slot ([num_slots, ...], num_slots >= num_experts; the extra slots
+    hold replicas of hot experts). Tokens are dispatched: each (token, expert) pair is sorted by slot and run
+    through grouped matmuls (`ragged_dot`), so a token costs k experts, not all of them. Under a mesh the slots
+    are split over 'expert' (and the expert MLP over 'tensor'); each device computes the pairs routed to its
+    slots and the partial outputs are summed across devices.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, num_slots: int | None = None):
         e, n, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        slots = num_slots or n
         self.router = _param(rngs, (e, n), (EMBED, None), dtype)
-        self.gate_proj = _param(rngs, (n, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
-        self.up_proj = _param(rngs, (n, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
-        self.down_proj = _param(rngs, (n, i, e), (EXPERT, MLP_AXIS, EMBED), dtype)
+        self.gate_proj = _param(rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
+        self.up_proj = _param(rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
+        self.down_proj = _param(rngs, (slots, i, e), (EXPERT, MLP_AXIS, EMBED), dtype)
+        table = np.zeros((n, max(1, slots - n + 1)), np.int32)
+        table[:, 0] = np.arange(n)
+        self.replica_slots = ExpertMap(jnp.asarray(table))
+        self.replica_count = ExpertMap(jnp.ones((n,), jnp.int32))
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
@@ -126,16 +188,50 @@ class MoE(nnx.Module):
 
     def __call__(self, x):
         experts, weights = self.routing(x)
-        n = self.gate_proj.shape[0]
-        # Dense over experts: exact and simple; expert parallelism dispatches tokens instead.
-        combine = jnp.sum(jax.nn.one_hot(experts, n, dtype=jnp.float32) * weights[..., None], axis=1)  # [T, N]
-        h = jax.nn.silu(jnp.einsum("te,nei->tni", x, self.gate_proj[...])) * jnp.einsum(
-            "te,nei->tni", x, self.up_proj[...])
-        y = jnp.einsum("tni,nie,tn->te", h, self.down_proj[...], combine.astype(x.dtype))
+        t, k = experts.shape
+        num_slots = self.gate_proj.shape[0]
+        # A replicated expert's pairs are split over its replicas, round robin over the pair index.
+        pair = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
+        replica = pair % self.replica_count[...][experts]
+        slots = self.replica_slots[...][experts, replica]  # [T, k]
+        self.sow(ExpertCounts, "counts", jnp.zeros((num_slots,), jnp.int32).at[slots.reshape(-1)].add(1))
+        y = expert_mlp(x, slots, weights.astype(x.dtype), self.gate_proj[...], self.up_proj[...],
+                       self.down_proj[...])
         if self.has_shared:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
             y = y + gate * self.shared_expert(x)
         return y
+
+
+def expert_mlp(x, slots, weights, gate, up, down):
+    """Pure. sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), dispatched by slot; sharded over the mesh's
+    'expert' (slots) and 'tensor' (expert MLP columns) axes when present."""
+    axes = [a for a in ("expert", "tensor") if mesh_axis_size(a) > 1]
+    t, k = slots.shape
+
+    def local(x, slots, weights, gate, up, down):
+        n_local = gate.shape[0]
+        first = jax.lax.axis_index("expert") * n_local if "expert" in axes else 0
+        flat = slots.reshape(-1) - first
+        mine = (flat >= 0) & (flat < n_local)
+        key = jnp.where(mine, flat, n_local)  # pairs for other devices' slots sort last and are not computed
+        order = jnp.argsort(key, stable=True)
+        group_sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]
+        token = order // k
+        xs = x[token]
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+        out = jax.lax.ragged_dot(h, down, group_sizes)
+        w = jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(out.dtype)
+        y = jnp.zeros_like(x).at[token].add(out * w[:, None])
+        return jax.lax.psum(y, tuple(axes)) if axes else y
+
+    if not axes:
+        return local(x, slots, weights, gate, up, down)
+    P = jax.sharding.PartitionSpec
+    e = "expert" if "expert" in axes else None
+    m = "tensor" if "tensor" in axes else None
+    return jax.shard_map(local, in_specs=(P(), P(), P(), P(e, None, m), P(e, None, m), P(e, m, None)),
+                         out_specs=P(), check_vma=False)(x, slots, weights, gate, up, down)
 
 
 class DecoderLayer(nnx.Module):
@@ -144,7 +240,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, layer, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
         if cfg.moe_layers[layer]:
-            self.mlp = MoE(cfg, dtype, rngs)
+            self.mlp = MoE(cfg, dtype, rngs, num_slots=cfg.num_expert_slots)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
 

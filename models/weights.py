@@ -89,7 +89,10 @@ def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
     if name == "router":
         return [router], lambda w: w.T
     if name in per_expert:
-        return [f"{m}.experts.{j}.{per_expert[name]}.weight" for j in range(n)], stack_t
+        # Physical slots beyond the experts start as replicas of experts 0, 1, ... (sharding.experts).
+        slots = cfg.num_expert_slots or n
+        fill = lambda *ws: stack_t(*ws)[np.arange(slots) % n]  # noqa: E731
+        return [f"{m}.experts.{j}.{per_expert[name]}.weight" for j in range(n)], fill
     if name == "shared_expert":
         return [f"{m}.shared_expert.{rest[1]}.weight"], lambda w: w.T
     if name == "shared_expert_gate":
@@ -106,11 +109,12 @@ def _alternative_source(ckpt: SafetensorsCheckpoint, names: list[str], fn, param
     m = re.match(r"(.*)\.experts\.0\.", renamed[0])
     if m:
         gate_up, down = f"{m.group(1)}.experts.gate_up_proj", f"{m.group(1)}.experts.down_proj"
+        n = len(names)
         if param in ("gate_proj", "up_proj") and gate_up in ckpt:
             half = 0 if param == "gate_proj" else 1
-            return [gate_up], lambda w: np.split(w, 2, axis=1)[half].transpose(0, 2, 1)
+            return [gate_up], lambda w: fn(*np.split(w, 2, axis=1)[half][:n])
         if param == "down_proj" and down in ckpt:
-            return [down], lambda w: w.transpose(0, 2, 1)
+            return [down], lambda w: fn(*w[:n])
     return names, fn
 
 
@@ -131,7 +135,7 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
     t0 = time.perf_counter()
     cfg = config or ModelConfig.from_pretrained(model_dir)
     ckpt = SafetensorsCheckpoint(model_dir)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    graphdef, state, rest = nnx.split(abstract_model(cfg, dtype), nnx.Param, ...)
     used: set[str] = set()
     for path, var in nnx.to_flat_state(state):
         names, fn = _hf_source(cfg, path)
@@ -159,9 +163,23 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
     if unused:
         raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "
                               f"{unused[:3]} — an option the config does not declare?")
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
     log.info("loaded %s from %s in %.2fs", cfg.family, model_dir, time.perf_counter() - t0)
     return model
+
+
+def _init_routing_state(rest, cfg: ModelConfig, mesh: Mesh | None):
+    """Concrete values for the non-parameter state (MoE expert maps: the identity placement)."""
+    from sharding.experts import identity_placement
+    sharding = SingleDeviceSharding(jax.devices()[0]) if mesh is None else \
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if cfg.num_experts:
+        slots = cfg.num_expert_slots or cfg.num_experts
+        table, count = identity_placement(cfg.num_experts, slots, 1).replica_table()
+    for path, var in nnx.to_flat_state(rest):
+        value = {"replica_slots": table, "replica_count": count}[str(path[-1])]
+        var.set_value(jax.device_put(value, sharding))
+    return rest
 
 
 def _place(host: np.ndarray, dtype, sharding) -> jax.Array:
@@ -210,7 +228,7 @@ def load_orbax_model(ckpt_dir: str, *, dtype=None, mesh: Mesh | None = None,
         meta = json.load(f)
     cfg = ModelConfig.from_dict(meta["config"])
     dtype = dtype or jnp.dtype(meta["param_dtype"])
-    graphdef, state = nnx.split(abstract_model(cfg, dtype))
+    graphdef, state, rest = nnx.split(abstract_model(cfg, dtype), nnx.Param, ...)
     target = {}
     for path, var in nnx.to_flat_state(state):
         sharding = param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)
@@ -220,7 +238,7 @@ def load_orbax_model(ckpt_dir: str, *, dtype=None, mesh: Mesh | None = None,
         restored = ckptr.restore(os.path.join(ckpt_dir, "params"), target_tree)
     nnx.replace_by_pure_dict(state, restored)
     log.info("restored %s from Orbax %s in %.2fs", cfg.family, ckpt_dir, time.perf_counter() - t0)
-    return nnx.merge(graphdef, state)
+    return nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
 
 
 def load_model(path: str, *, dtype=None, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES) -> CausalLM:

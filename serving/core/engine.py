@@ -9,6 +9,7 @@ delivers it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -28,6 +29,7 @@ from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder, build_batch_arrays
 from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from sharding.rules import MESH_AXES
 from serving.core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -55,11 +57,13 @@ class EngineConfig:
     priority_ageing_s: float = 10.0
     seed: int = 0
     debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
+    tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
+    ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket", "tp", "ep"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
@@ -71,6 +75,29 @@ class EngineConfig:
             out.append(t)
             t *= 2
         return out + [self.max_num_batched_tokens]
+
+
+def make_serving_mesh(*, tp: int = 1, ep: int = 1, devices=None) -> jax.sharding.Mesh:
+    """A ('data', 'pipeline', 'tensor', 'expert') mesh for one engine; Auto axes, so XLA propagates shardings
+    from the parameters and inserts the collectives (kernels run per shard inside shard_map)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tp * ep > len(devices):
+        raise ValueError(f"tp={tp} x ep={ep} needs {tp * ep} devices; {len(devices)} available")
+    return jax.make_mesh((1, 1, tp, ep), MESH_AXES, devices=devices[:tp * ep],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+
+
+def kv_cache_sharding(cfg: ModelConfig, mesh):
+    """One layer's KV pages: split on the head axis over 'tensor' when the degree divides the KV heads."""
+    if mesh is None:
+        return None
+    tp = mesh.shape["tensor"]
+    heads = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, heads, None))
+
+
+def mesh_context(mesh):
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
 
 
 @dataclasses.dataclass(slots=True)
@@ -148,6 +175,9 @@ class Engine:
         self.config = config
         t0 = time.perf_counter()
         dtype = DTYPES[config.dtype]
+        if mesh is None and config.tp * config.ep > 1:
+            mesh = make_serving_mesh(tp=config.tp, ep=config.ep)
+        self.mesh = mesh
         if model is None:
             from models.weights import load_model
             model = load_model(config.model, dtype=dtype, mesh=mesh)
@@ -182,7 +212,8 @@ class Engine:
             priority_ageing_s=config.priority_ageing_s))
         self.buckets = config.token_buckets()
         self.graphdef, self.state = nnx.split(model)
-        self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype)
+        self._kv_sharding = kv_cache_sharding(mc, mesh)
+        self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
         self._forward_fn = jax.jit(self._forward, donate_argnums=(1,))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
         self._batch_builder = BatchBuilder(page_size=config.page_size, max_pages=self.max_pages,
@@ -234,6 +265,14 @@ class Engine:
             st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
         return st
 
+    def _run_forward(self, arrays):
+        with mesh_context(self.mesh):
+            return self._forward_fn(self.state, self.kv_caches, arrays)
+
+    def _run_sample(self, logits, st, max_logprobs):
+        with mesh_context(self.mesh):
+            return self._sample_fn(logits, st, max_logprobs)
+
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
         for t in self.buckets:
             if t >= num_tokens:
@@ -251,14 +290,14 @@ class Engine:
             s = min(t, self.config.max_num_seqs)
             arrays = build_batch_arrays([], page_size=self.config.page_size, num_tokens=t, num_seqs=s,
                                         max_pages=self.max_pages)
-            logits, self.kv_caches = self._forward_fn(self.state, self.kv_caches, arrays)
+            logits, self.kv_caches = self._run_forward(arrays)
             self.compile_count += 1
             for params in variants:
                 dummy = Request("warmup", [0], params, arrival_time=0.0)
                 st = self._sampling_tensors([dummy], s)
                 st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
                 for n in (0, MAX_LOGPROBS):
-                    self._sample_fn(logits, st, n).block_until_ready()
+                    self._run_sample(logits, st, n).block_until_ready()
                     self.compile_count += 1
         self.compile_time_s = time.perf_counter() - t0
         log.info("compiled %d programs for token buckets %s in %.1fs", self.compile_count, self.buckets,
@@ -325,8 +364,8 @@ class Engine:
             [s.sample for s in sampled] + [False] * (s_bucket - len(sampled))))
         want_logprobs = any(s.request.sampling_params.logprobs is not None for s in sampled)
         t0 = time.perf_counter()
-        logits, self.kv_caches = self._forward_fn(self.state, self.kv_caches, arrays)
-        packed = self._sample_fn(logits, st, MAX_LOGPROBS if want_logprobs else 0)
+        logits, self.kv_caches = self._run_forward(arrays)
+        packed = self._run_sample(logits, st, MAX_LOGPROBS if want_logprobs else 0)
         packed.copy_to_host_async()
         self._pending = (sched, packed, t0)
 
@@ -389,7 +428,7 @@ class Engine:
             victims.update(self.scheduler.requests)
             lost = True
             self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
-                                            DTYPES[self.config.dtype])
+                                            DTYPES[self.config.dtype], self._kv_sharding)
         outputs = []
         for rid in victims:
             out = self.scheduler.finish_request(rid, FinishReason.ERROR, stop_reason=f"{type(error).__name__}: {error}")
