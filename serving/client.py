@@ -10,19 +10,23 @@ import sys
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "127.0.0.1:50051", "Instance server or gateway address.")
-flags.DEFINE_boolean("chat", False, "Send the prompt as a user message through the chat template.")
-flags.DEFINE_string("system", "", "With --chat: a system message first.")
-flags.DEFINE_list("token_ids", [], "Send these token ids instead of text.")
-flags.DEFINE_integer("max_tokens", 64, "Tokens to generate at most.")
-flags.DEFINE_float("temperature", 1.0, "0 = greedy.")
-flags.DEFINE_float("top_p", 1.0, "Nucleus sampling.")
-flags.DEFINE_integer("top_k", -1, "Top-k sampling; -1 = off.")
-flags.DEFINE_integer("seed", None, "Sampling seed.")
-flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
-flags.DEFINE_enum("priority", "interactive", ["interactive", "batch"], "Priority class.")
-flags.DEFINE_string("tenant", "", "Tenant name.")
-flags.DEFINE_float("timeout", None, "Deadline of the call in seconds.")
+
+
+def define_flags() -> None:
+    """Defined when the entry point runs, so importing this module defines nothing."""
+    flags.DEFINE_string("target", "127.0.0.1:50051", "Instance server or gateway address.")
+    flags.DEFINE_boolean("chat", False, "Send the prompt as a user message through the chat template.")
+    flags.DEFINE_string("system", "", "With --chat: a system message first.")
+    flags.DEFINE_list("token_ids", [], "Send these token ids instead of text.")
+    flags.DEFINE_integer("max_tokens", 64, "Tokens to generate at most.")
+    flags.DEFINE_float("temperature", 1.0, "0 = greedy.")
+    flags.DEFINE_float("top_p", 1.0, "Nucleus sampling.")
+    flags.DEFINE_integer("top_k", -1, "Top-k sampling; -1 = off.")
+    flags.DEFINE_integer("seed", None, "Sampling seed.")
+    flags.DEFINE_multi_string("stop", [], "Stop string (repeatable).")
+    flags.DEFINE_enum("priority", "interactive", ["interactive", "batch"], "Priority class.")
+    flags.DEFINE_string("tenant", "", "Tenant name.")
+    flags.DEFINE_float("timeout", None, "Deadline of the call in seconds.")
 
 
 def main(argv):
@@ -59,4 +63,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(lambda argv: sys.exit(main(argv)))

@@ -29,7 +29,8 @@ def server(model_dir, tmp_path_factory):
     try:
         yield proc.wait_ready()
     finally:
-        assert proc.terminate() == 0, proc.log()[-3000:]
+        rc = proc.terminate()
+        assert rc == 0, f"the server exited with {rc}:\n{proc.log()[-4000:]}"
 
 
 @pytest.fixture(scope="module")
