@@ -1,0 +1,1 @@
+"""The gateway: meshserve.v1.Inference in front of several instance pools (routing on load reports, slow-node isolation, long lane, admission, async jobs, auth)."""

@@ -1,0 +1,127 @@
+"""`python -m serving.gateway --config=FILE [--port=...]`: the gateway (meshserve.v1.Inference for clients,
+meshserve.gateway.v1 Jobs and GatewayAdmin, grpc.health.v1), Prometheus on --metrics_port, OTLP traces with
+--otlp_endpoint. The configuration file is re-read when it changes. SIGTERM stops admitting, lets running
+requests finish (up to --drain_grace_s) and exits 0. The routing benchmark is `python -m serving.gateway.bench`."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_string("config", None, "Gateway configuration file (YAML or JSON; docs/gateway.md).")
+flags.DEFINE_string("host", "0.0.0.0", "Address to listen on.")
+flags.DEFINE_integer("port", 8000, "gRPC port; 0: any free port.")
+flags.DEFINE_integer("metrics_port", 9100, "Prometheus port; 0: any free port; -1: none.")
+flags.DEFINE_string("jobs_db", "gateway-jobs.sqlite", "SQLite file of asynchronous jobs (kept across restarts).")
+flags.DEFINE_string("tls_cert", "", "PEM certificate chain: serve TLS (with --tls_key).")
+flags.DEFINE_string("tls_key", "", "PEM private key for --tls_cert.")
+flags.DEFINE_string("tls_client_ca", "", "PEM CA: require client certificates signed by it (mutual TLS).")
+flags.DEFINE_string("otlp_endpoint", "", "OTLP/gRPC collector for traces (host:port); empty: no tracing.")
+flags.DEFINE_string("service_name", "meshserve-gateway", "service.name of the traces.")
+flags.DEFINE_float("drain_grace_s", 30.0, "On SIGTERM: how long running requests may take to finish.")
+flags.DEFINE_enum("log_format", "text", ["text", "json"], "Log line format.")
+flags.DEFINE_string("ready_file", "", "Written (JSON: port, metrics_port, pid) once the gateway serves.")
+
+SERVICE_NAMES = ("", "meshserve.v1.Inference", "meshserve.gateway.v1.Jobs", "meshserve.gateway.v1.GatewayAdmin")
+
+
+async def _serve() -> int:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from serving.gateway.app import Gateway
+    from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
+    from serving.gateway.security import server_credentials
+    from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
+    from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+
+    gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, service_name=FLAGS.service_name)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    inference = InferenceServicer(gateway)
+    pb_grpc.add_InferenceServicer_to_server(inference, server)
+    gpb_grpc.add_JobsServicer_to_server(JobsServicer(gateway), server)
+    gpb_grpc.add_GatewayAdminServicer_to_server(AdminServicer(gateway), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{FLAGS.host}:{FLAGS.port}"
+    if FLAGS.tls_cert:
+        port = server.add_secure_port(address, server_credentials(FLAGS.tls_cert, FLAGS.tls_key, FLAGS.tls_client_ca))
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {address}")
+    await gateway.start()
+    await server.start()
+    metrics_http, metrics_port = None, 0
+    if FLAGS.metrics_port >= 0:
+        metrics_http, metrics_port = gateway.metrics.start_http_server(FLAGS.metrics_port, FLAGS.host)
+    for name in SERVICE_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log = logging.getLogger("serving.gateway")
+    log.info("gateway serving on %s:%d (%s; metrics :%s)", FLAGS.host, port, "TLS" if FLAGS.tls_cert else "plaintext",
+             metrics_port or "off")
+    if FLAGS.ready_file:
+        tmp = FLAGS.ready_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}, f)
+        os.replace(tmp, FLAGS.ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("stopping: draining for up to %.0fs", FLAGS.drain_grace_s)
+    inference.draining = True
+    for name in SERVICE_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(FLAGS.drain_grace_s)
+    await gateway.stop()
+    if metrics_http is not None:
+        metrics_http.shutdown()
+    return 0
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record):
+        out = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+               "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def _setup_logging(fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonFormatter() if fmt == "json" else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not FLAGS.config:
+        raise app.UsageError("--config is required")
+    _setup_logging(FLAGS.log_format)
+    import prometheus_client
+    prometheus_client.disable_created_metrics()
+    code = asyncio.run(_serve())
+    logging.getLogger("serving.gateway").info("exited cleanly")
+    logging.shutdown()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,436 @@
+"""Gateway: the configuration, instance pools, router, health tracker, admission and jobs, and the request path
+they share: authenticate, validate, rate-limit, choose a lane and a class, wait for a slot (bounded queue), route,
+stream from the instance, and retry once elsewhere if it fails before the first token."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.propagate import extract, inject
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from serving.gateway.admission import Admission, QueueFull, RateLimiter
+from serving.gateway.config import ConfigWatcher, GatewayConfig, TenantConfig
+from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker, Transition
+from serving.gateway.jobs import JobError, JobManager, JobStore
+from serving.gateway.metrics import GatewayMetrics
+from serving.gateway.pools import Instance, InstancePools
+from serving.gateway.routing import Router, prompt_blocks
+from serving.gateway.security import Authenticator
+from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate, estimate_prompt_tokens
+from serving.server.proto import meshserve_pb2 as pb
+from serving.telemetry.tracing import make_tracer_provider
+
+log = logging.getLogger(__name__)
+
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
+MAX_ATTEMPTS = 2  # the first try and one retry on another instance
+PROBE_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
+CONFIG_POLL_S = 1.0
+
+
+class GatewayError(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: tuple = ()):
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+        self.trailing = trailing
+
+
+@dataclasses.dataclass(slots=True)
+class Prepared:
+    request: pb.GenerateRequest  # as forwarded: max_tokens capped, tenant and priority set
+    tenant: str
+    cls: str  # interactive | long | batch (admission queue)
+    long: bool
+    pools: tuple[str, ...]
+    blocks: list
+
+
+@dataclasses.dataclass(slots=True)
+class Slot:
+    instance: Instance
+    long: bool
+    pool: str
+
+
+class Gateway:
+    def __init__(self, config_path: str, jobs_db: str, *, span_exporter=None, otlp_endpoint: str = "",
+                 service_name: str = "meshserve-gateway"):
+        self.watcher = ConfigWatcher(config_path)
+        cfg = self.watcher.config
+        self.metrics = GatewayMetrics()
+        self.router = Router(cfg.routing)
+        self.health = HealthTracker(cfg.isolation)
+        self.admission = Admission()
+        self.rate_limiter = RateLimiter()
+        self.auth = Authenticator(cfg)
+        self.pools = InstancePools(self._on_report, self._on_failure)
+        self.limits = ModelLimits()
+        self.tokenizer = None
+        self._tokenizer_dir = None
+        self.long_inflight = 0
+        self.provider = make_tracer_provider(service_name, otlp_endpoint=otlp_endpoint, exporter=span_exporter)
+        self.tracer = self.provider.get_tracer("meshserve.gateway") if self.provider else None
+        self.jobs = JobManager(JobStore(jobs_db), self._job_stream, lambda: self.config.callback_allowed_hosts,
+                               on_state=lambda s: self.metrics.jobs.labels(s).inc())
+        self._tasks: list[asyncio.Task] = []
+        self._probing: set[str] = set()
+        self._last_steps: dict[str, int] = {}
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self.watcher.config
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        self._apply(self.config)
+        self._tasks = [asyncio.ensure_future(self._window_loop()), asyncio.ensure_future(self._config_loop())]
+        n = self.jobs.start()
+        log.info("gateway started: %d pools, %d instances, policy %s, %d unfinished jobs resumed",
+                 len(self.config.pools), len(self.config.instances), self.config.routing.policy, n)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.jobs.stop()
+        self.jobs.store.close()
+        await self.pools.close()
+        if self.provider is not None:
+            self.provider.shutdown()
+
+    def _apply(self, cfg: GatewayConfig) -> None:
+        added, removed = self.pools.apply(cfg)
+        for inst in added:
+            self.health.add(inst.name)
+            self.metrics.set_state(inst.name, HEALTHY)
+        for inst in removed:
+            if inst.name not in self.pools.instances:
+                self.health.remove(inst.name)
+                self.router.prefix_index.forget(inst.name)
+                self.metrics.forget(inst.name)
+        self.router.reconfigure(cfg.routing)
+        self.health.config = cfg.isolation
+        self.auth.reconfigure(cfg)
+        if cfg.tokenizer != self._tokenizer_dir:
+            self._tokenizer_dir = cfg.tokenizer
+            self.tokenizer = None
+            if cfg.tokenizer:
+                try:
+                    from models.tokenizer import Tokenizer
+                    self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer)
+                except Exception as e:  # noqa: BLE001 - lengths fall back to estimates
+                    log.error("tokenizer %s: cannot load (%s); estimating prompt lengths", cfg.tokenizer, e)
+        self.admission.notify()
+
+    def reload_config(self, force: bool = False) -> tuple[bool, str]:
+        applied = self.watcher.poll(force=force)
+        if applied:
+            self._apply(self.config)
+            self.metrics.config_reloads.labels("applied").inc()
+        elif self.watcher.last_error:
+            self.metrics.config_reloads.labels("rejected").inc()
+        return applied, self.watcher.last_error
+
+    async def _config_loop(self) -> None:
+        last_error = ""
+        while True:
+            await asyncio.sleep(CONFIG_POLL_S)
+            try:
+                applied = self.watcher.poll()
+                if applied:
+                    self._apply(self.config)
+                    self.metrics.config_reloads.labels("applied").inc()
+                elif self.watcher.last_error and self.watcher.last_error != last_error:
+                    self.metrics.config_reloads.labels("rejected").inc()
+                last_error = self.watcher.last_error
+            except Exception:  # noqa: BLE001 - keep the loop alive
+                log.exception("configuration reload failed")
+
+    # ------------------------------------------------------------------ instance events
+    def _on_report(self, inst: Instance) -> None:
+        if not self.limits.vocab_size and inst.model_info is not None:
+            mi = inst.model_info
+            self.limits = ModelLimits(vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
+                                      max_request_bytes=mi.max_request_bytes or self.limits.max_request_bytes)
+        self.admission.notify()
+
+    def _on_failure(self, inst: Instance, reason: str) -> None:
+        self._record(self.health.mark_failed(inst.name, reason))
+
+    def _record(self, t: Transition | None) -> None:
+        if t is None:
+            return
+        level = logging.INFO if t.new == HEALTHY else logging.WARNING
+        log.log(level, "instance %s: %s -> %s (%s)", t.name, t.old, t.new, t.reason)
+        self.metrics.transitions.labels(t.name, t.old, t.new).inc()
+        self.metrics.set_state(t.name, t.new)
+        if t.new == HEALTHY:
+            self.admission.notify()
+
+    def drain(self, name: str, resume: bool) -> Instance:
+        inst = self.pools.instances.get(name)
+        if inst is None:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND, f"name: no instance {name!r}; instances: "
+                               f"{', '.join(sorted(self.pools.instances))}")
+        self._record(self.health.drain(name, resume))
+        return inst
+
+    async def _window_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.isolation.window_s)
+            try:
+                self._end_window()
+            except Exception:  # noqa: BLE001 - keep isolating
+                log.exception("health window failed")
+
+    def _end_window(self) -> None:
+        now = time.monotonic()
+        stale = self.config.routing.stale_after_s
+        fallback = {}
+        for name, inst in self.pools.instances.items():
+            r = inst.report
+            if r is not None and now - inst.report_time <= stale:
+                if r.steps > self._last_steps.get(name, r.steps) and r.num_running > 0:
+                    fallback[name] = r.step_time_p50_s
+                self._last_steps[name] = r.steps
+        for t in self.health.end_window(fallback):
+            self._record(t)
+        for name, inst in self.pools.instances.items():
+            state = self.health.state(name)
+            if state in (QUARANTINED, FAILED) and name not in self._probing:
+                self._probing.add(name)
+                asyncio.ensure_future(self._probe(inst, state))
+        cap = self.config.admission.max_inflight_per_instance
+        for pool in self.config.pools:
+            members = [i for i in self.pools.instances.values() if i.config.pool == pool]
+            self.metrics.pool_inflight.labels(pool).set(sum(i.inflight for i in members))
+            self.metrics.pool_capacity.labels(pool).set(cap * sum(1 for i in members if self.health.routable(i.name)))
+        self.admission.notify()
+
+    async def _probe(self, inst: Instance, state: str) -> None:
+        """Quarantined: a short generation, its inter-token gaps measured. Failed: a health check and a load
+        report."""
+        iso = self.config.isolation
+        try:
+            ok = await inst.health_check(iso.health_check_timeout_s)
+            if state == FAILED:
+                fresh = inst.report is not None and time.monotonic() - inst.report_time <= self.config.routing.stale_after_s
+                self.health.probe_result(inst.name, ok and fresh)
+                return
+            gaps, last = [], None
+            if ok:
+                req = pb.GenerateRequest(request_id=f"gw-probe-{uuid.uuid4().hex[:12]}", tenant="gateway-probe")
+                req.token_ids.ids.extend(PROBE_PROMPT)
+                req.sampling.max_tokens = iso.probe_max_tokens
+                req.sampling.temperature = 0.0
+                req.sampling.ignore_eos = True
+                try:
+                    async for _ in inst.stub.Generate(req, timeout=max(2.0, 4 * iso.window_s)):
+                        now = time.monotonic()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                except grpc.RpcError:
+                    ok = False
+            self.health.probe_result(inst.name, ok and bool(gaps), gaps)
+        finally:
+            self._probing.discard(inst.name)
+
+    # ------------------------------------------------------------------ request path
+    def prepare(self, request: pb.GenerateRequest, tenant: TenantConfig | None) -> Prepared:
+        """Validates every field (the server's codes and messages), caps max_tokens, picks lane and class."""
+        cfg = self.config
+        req = pb.GenerateRequest()
+        req.CopyFrom(request)
+        adm = cfg.admission
+        asked = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else adm.default_max_tokens
+        if adm.max_tokens_cap and asked > adm.max_tokens_cap:
+            req.sampling.max_tokens = adm.max_tokens_cap  # ends with finish reason length
+        elif not req.sampling.HasField("max_tokens"):
+            req.sampling.max_tokens = adm.default_max_tokens
+        try:
+            sampling, ids = check_generate(req, self.limits)
+        except InvalidArgument as e:
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        if tenant is not None:
+            req.tenant = tenant.name
+            if tenant.priority == "batch":
+                req.priority = pb.PRIORITY_BATCH
+        if not req.request_id:
+            req.request_id = "gw-" + uuid.uuid4().hex
+        lane = cfg.long_lane
+        prompt_tokens = len(ids) if ids is not None else estimate_prompt_tokens(req, self.tokenizer)
+        long = bool(lane.threshold_tokens) and prompt_tokens + (sampling.max_tokens or 0) > lane.threshold_tokens
+        cls = "long" if long else ("batch" if req.priority == pb.PRIORITY_BATCH else "interactive")
+        blocks = prompt_blocks(req, cfg.routing.prefix_block_chars) if cfg.routing.policy == "load_aware" else []
+        return Prepared(req, req.tenant, cls, long, tenant.pools if tenant is not None else (), blocks)
+
+    def check_rate(self, tenant: TenantConfig | None) -> None:
+        if tenant is None:
+            return
+        rl = tenant.rate_limit
+        wait = self.rate_limiter.allow(tenant.name, rl.requests_per_s, rl.burst)
+        if wait > 0:
+            self.metrics.rate_limited.labels(tenant.name).inc()
+            ms = max(1, int(wait * 1000))
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {tenant.name!r} is over its rate limit "
+                               f"of {rl.requests_per_s:g} requests/s; retry in {wait:.2f}s",
+                               ((RETRY_PUSHBACK_KEY, str(ms)),))
+
+    def _lane_members(self, p: Prepared, pool: str, now: float) -> list[Instance]:
+        stale = self.config.routing.stale_after_s
+        members = [i for i in self.pools.instances.values() if i.config.pool == pool and
+                   self.health.routable(i.name) and i.reporting_serving(now, stale)]
+        if p.long:
+            return [i for i in members if i.config.long_lane]
+        return [i for i in members if not i.config.long_lane] or members
+
+    def _try_route(self, p: Prepared, exclude: set[str]) -> Slot | None:
+        cfg = self.config
+        if p.long and self.long_inflight >= cfg.long_lane.max_concurrent:
+            return None
+        now = time.monotonic()
+        cap = cfg.admission.max_inflight_per_instance
+        for index, pool in enumerate(p.pools or cfg.pools):
+            free = [i for i in self._lane_members(p, pool, now) if i.inflight < cap and i.name not in exclude]
+            if not free:
+                continue  # full (or empty): spill over to the next pool
+            by_name = {i.name: i for i in free}
+            chosen = self.router.choose([i.view(now, cap) for i in free], p.blocks)
+            inst = by_name[chosen.name]
+            self.router.record(p.blocks, inst.name)
+            inst.inflight += 1
+            inst.sent_since_report += 1
+            inst.routed_total += 1
+            if p.long:
+                inst.long_inflight += 1
+                self.long_inflight += 1
+                self.metrics.long_inflight.set(self.long_inflight)
+            self.metrics.routed.labels(inst.name, pool).inc()
+            self.metrics.inflight.labels(inst.name).set(inst.inflight)
+            if index > 0:
+                self.metrics.spillovers.labels(pool).inc()
+            return Slot(inst, p.long, pool)
+        return None
+
+    def _release(self, slot: Slot) -> None:
+        inst = slot.instance
+        inst.inflight -= 1
+        if slot.long:
+            inst.long_inflight -= 1
+            self.long_inflight -= 1
+            self.metrics.long_inflight.set(self.long_inflight)
+        self.metrics.inflight.labels(inst.name).set(inst.inflight)
+        self.admission.notify()
+
+    async def _acquire(self, p: Prepared, exclude: set[str], deadline: float) -> Slot:
+        cfg = self.config
+        now = time.monotonic()
+        if not any(i.name not in exclude for pool in (p.pools or cfg.pools) for i in self._lane_members(p, pool, now)):
+            lane = "long-lane " if p.long else ""
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {lane}instance"
+                               + (" left to retry on" if exclude else "") + "; retry later")
+        bound = cfg.long_lane.max_queue if p.cls == "long" else cfg.admission.queue_bound(p.cls)
+        try:
+            slot = await self.admission.acquire(p.cls, bound, lambda: self._try_route(p, exclude),
+                                                max(0.0, deadline - now), self._release)
+        except QueueFull as e:
+            ms = cfg.admission.retry_pushback_ms
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry in {ms / 1000:g}s",
+                               ((RETRY_PUSHBACK_KEY, str(ms)),)) from None
+        except asyncio.TimeoutError:
+            raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while the request waited "
+                               "in the gateway's queue for a free instance") from None
+        finally:
+            for c in ("interactive", "long", "batch"):
+                self.metrics.queue_depth.labels(c).set(self.admission.depth(c))
+        return slot
+
+    async def stream(self, p: Prepared, deadline: float, parent=None) -> AsyncIterator[pb.GenerateResponse]:
+        """Routes and streams; retries once on another instance if the first fails before its first token.
+        Raises GatewayError."""
+        exclude: set[str] = set()
+        span = None
+        if self.tracer is not None:
+            span = self.tracer.start_span("gateway.generate", context=parent, kind=SpanKind.SERVER, attributes={
+                "meshserve.request_id": p.request.request_id, "meshserve.tenant": p.tenant,
+                "meshserve.class": p.cls})
+        error = None
+        try:
+            for attempt in range(1, MAX_ATTEMPTS + 1):
+                slot = await self._acquire(p, exclude, deadline)
+                inst = slot.instance
+                metadata = []
+                if span is not None:
+                    span.add_event("routed", {"meshserve.instance": inst.name, "meshserve.attempt": attempt})
+                    carrier: dict[str, str] = {}
+                    inject(carrier, context=trace.set_span_in_context(span))
+                    metadata = list(carrier.items())
+                started, last, call = False, None, None
+                try:
+                    call = inst.stub.Generate(p.request, timeout=max(0.001, deadline - time.monotonic()),
+                                              metadata=metadata)
+                    async for r in call:
+                        now = time.monotonic()
+                        if last is not None:
+                            gap = now - last
+                            self.health.observe_latency(inst.name, gap)
+                            inst.observe_latency(gap)
+                        last = now
+                        started = True
+                        yield r
+                    return
+                except grpc.RpcError as e:
+                    code, details = e.code(), e.details() or ""
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self._record(self.health.mark_failed(inst.name, f"Generate: UNAVAILABLE: {details}"))
+                    if started:
+                        if code in RETRIABLE or code == grpc.StatusCode.CANCELLED:
+                            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"instance {inst.name} failed after the "
+                                               f"response had started ({code.name}: {details}); not retried, since "
+                                               "part of the answer was already sent") from None
+                        raise GatewayError(code, details) from None
+                    if code in RETRIABLE and attempt < MAX_ATTEMPTS and time.monotonic() < deadline:
+                        log.warning("request %s: %s failed before its first token (%s: %s); retrying elsewhere",
+                                    p.request.request_id, inst.name, code.name, details)
+                        self.metrics.retries.labels(code.name).inc()
+                        exclude.add(inst.name)
+                        continue
+                    trailing = tuple((k, v) for k, v in (e.trailing_metadata() or ()) if k == RETRY_PUSHBACK_KEY)
+                    raise GatewayError(code, details, trailing) from None
+                finally:
+                    if call is not None:
+                        call.cancel()
+                    self._release(slot)
+        except GatewayError as e:
+            error = e
+            raise
+        finally:
+            if span is not None:
+                if error is not None:
+                    span.set_status(Status(StatusCode.ERROR, error.details))
+                span.end()
+
+    def parent_context(self, metadata):
+        return extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})
+
+    # ------------------------------------------------------------------ jobs
+    async def _job_stream(self, request: pb.GenerateRequest, tenant_name: str) -> AsyncIterator[pb.GenerateResponse]:
+        tenant = next((t for t in self.config.tenants if t.name == tenant_name), None)
+        try:
+            p = self.prepare(request, tenant)
+            deadline = time.monotonic() + self.config.admission.request_timeout_s
+            async for r in self.stream(p, deadline):
+                yield r
+        except GatewayError as e:
+            raise JobError(e.code, e.details) from None

@@ -1,0 +1,355 @@
+"""The gateway's configuration file (the configuration centre): pools of instances with labels, routing policy
+and score weights, slow-node isolation, long lane, admission bounds, tenants with API keys, rate limits and
+priorities, admin keys, callback allow-list. YAML or JSON (JSON is YAML). `ConfigWatcher` re-reads the file when
+its mtime (or size) changes; an invalid file is logged and the previous configuration kept. Format: docs/gateway.md.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from typing import Any
+
+import yaml
+
+log = logging.getLogger(__name__)
+
+POLICIES = ("load_aware", "least_requests", "round_robin")
+PRIORITY_CLASSES = ("interactive", "batch")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the key (a dotted path) and what would be valid."""
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class InstanceConfig:
+    name: str
+    target: str  # host:port of its meshserve.v1.Inference
+    pool: str
+    long_lane: bool = False
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ScoreWeights:
+    waiting: float = 1.0  # (waiting + requests sent since the report) / max_num_seqs
+    running: float = 0.5  # running / max_num_seqs
+    kv: float = 1.0  # KV-cache usage in [0, 1]
+    slowness: float = 2.0  # step time relative to the fleet's median, minus 1 (0 when not slower)
+    throughput: float = 0.5  # 1 - (tokens/s per running request) / the fleet's best
+    affinity: float = 0.5  # subtracted: fraction of the prompt's leading blocks last sent there
+    unknown: float = 0.5  # added when the instance's report is stale (its load is unknown)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RoutingConfig:
+    policy: str = "load_aware"
+    load_interval_ms: int = 200  # WatchLoad interval asked of instances
+    stale_after_s: float = 2.0  # a report older than this is unknown load
+    weights: ScoreWeights = ScoreWeights()
+    prefix_block_chars: int = 64  # text prompts: affinity index granularity (token prompts: 16 tokens)
+    prefix_index_size: int = 100_000  # entries kept (LRU)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class IsolationConfig:
+    enabled: bool = True
+    window_s: float = 1.0
+    slow_ratio: float = 3.0  # abnormal: window latency > slow_ratio x the peers' median ...
+    slow_min_delta_s: float = 0.05  # ... and more than this above it (noise floor)
+    abnormal_windows: int = 3  # N: consecutive abnormal windows before quarantine
+    healthy_windows: int = 3  # M: consecutive healthy windows (probed) before readmission
+    probe_max_tokens: int = 4
+    health_check_timeout_s: float = 1.0
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class LongLaneConfig:
+    threshold_tokens: int = 0  # prompt + max_tokens above this goes to long_lane instances; 0: no lane
+    max_concurrent: int = 4  # long requests running at once through this gateway
+    max_queue: int = 16  # long requests waiting for a slot (RESOURCE_EXHAUSTED beyond)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class AdmissionConfig:
+    max_inflight_per_instance: int = 64  # the gateway's own requests on one instance; more wait in the queue
+    queue_bounds: tuple[tuple[str, int], ...] = (("interactive", 256), ("batch", 1024))
+    max_tokens_cap: int = 0  # every request's max_tokens is capped to this (finish reason length); 0: none
+    default_max_tokens: int = 16  # a request without max_tokens gets this (the instance's default)
+    request_timeout_s: float = 600.0  # deadline for requests that bring none
+    retry_pushback_ms: int = 1000
+
+    def queue_bound(self, cls: str) -> int:
+        return dict(self.queue_bounds)[cls]
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RateLimit:
+    requests_per_s: float = 0.0  # 0: unlimited
+    burst: int = 0  # bucket size (default: max(1, requests_per_s))
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class TenantConfig:
+    name: str
+    api_keys: tuple[str, ...] = ()
+    priority: str = "interactive"  # the highest class its requests get (a request may ask for batch)
+    pools: tuple[str, ...] = ()  # preference order; spill-over to the next when one is full; () = all pools
+    rate_limit: RateLimit = RateLimit()
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class GatewayConfig:
+    pools: tuple[str, ...] = ()
+    instances: tuple[InstanceConfig, ...] = ()
+    routing: RoutingConfig = RoutingConfig()
+    isolation: IsolationConfig = IsolationConfig()
+    long_lane: LongLaneConfig = LongLaneConfig()
+    admission: AdmissionConfig = AdmissionConfig()
+    tenants: tuple[TenantConfig, ...] = ()  # none: auth off, requests name their tenant
+    admin_keys: tuple[str, ...] = ()
+    callback_allowed_hosts: tuple[str, ...] = ()
+    tokenizer: str = ""  # optional tokenizer directory: exact prompt lengths for the long lane
+    instance_tls: tuple[tuple[str, str], ...] = ()  # ca / cert / key files for (mutual) TLS to instances
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.tenants or self.admin_keys)
+
+
+def _section(raw: dict, key: str) -> dict:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _build(cls, raw: dict, path: str, **fixed):
+    """cls(**raw) with unknown keys and wrong types named."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kw = dict(fixed)
+    for key, value in raw.items():
+        if key not in fields or key in fixed:
+            known = sorted(set(fields) - set(fixed))
+            raise ConfigError(f"{path}.{key}: unknown key; known: {', '.join(known)}")
+        default = fields[key].default
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{path}.{key}: expected true or false, got {value!r}")
+        elif isinstance(default, int) and not isinstance(default, bool):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{path}.{key}: expected an integer, got {value!r}")
+        elif isinstance(default, float):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ConfigError(f"{path}.{key}: expected a number, got {value!r}")
+            value = float(value)
+        elif isinstance(default, str) and not isinstance(value, str):
+            raise ConfigError(f"{path}.{key}: expected a string, got {value!r}")
+        kw[key] = value
+    return cls(**kw)
+
+
+def _positive(path: str, value, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{path}: must be {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+
+def _str_list(raw, path: str) -> tuple[str, ...]:
+    if raw is None:
+        return ()
+    if isinstance(raw, str) or not isinstance(raw, list) or not all(isinstance(x, str) and x for x in raw):
+        raise ConfigError(f"{path}: expected a list of non-empty strings, got {raw!r}")
+    return tuple(raw)
+
+
+def parse_config(raw: Any) -> GatewayConfig:
+    """A GatewayConfig from the file's parsed contents; raises ConfigError naming the bad key."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
+    known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
+             "tokenizer", "instance_tls"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
+    pools_raw = raw.get("pools") or []
+    if not isinstance(pools_raw, list):
+        raise ConfigError("pools: expected a list of {name, instances}")
+    pools, instances, names, targets = [], [], set(), set()
+    for i, p in enumerate(pools_raw):
+        if not isinstance(p, dict) or not isinstance(p.get("name"), str) or not _NAME.match(p["name"]):
+            raise ConfigError(f"pools[{i}].name: expected a name of letters, digits, _ . : -")
+        if set(p) - {"name", "instances"}:
+            raise ConfigError(f"pools[{i}].{sorted(set(p) - {'name', 'instances'})[0]}: unknown key; known: "
+                              "name, instances")
+        if p["name"] in pools:
+            raise ConfigError(f"pools[{i}].name: {p['name']!r} is defined twice")
+        pools.append(p["name"])
+        for j, inst in enumerate(p.get("instances") or []):
+            path = f"pools[{i}].instances[{j}]"
+            if not isinstance(inst, dict):
+                raise ConfigError(f"{path}: expected a mapping with name and target")
+            labels = inst.get("labels") or {}
+            if not isinstance(labels, dict):
+                raise ConfigError(f"{path}.labels: expected a mapping")
+            ic = _build(InstanceConfig, {k: v for k, v in inst.items() if k != "labels"}, path, pool=p["name"],
+                        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())))
+            if not _NAME.match(ic.name or ""):
+                raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {ic.name!r}")
+            if ic.name in names:
+                raise ConfigError(f"{path}.name: instance {ic.name!r} is defined twice")
+            if not re.match(r"^[^\s:]+:\d+$", ic.target or ""):
+                raise ConfigError(f"{path}.target: expected host:port, got {ic.target!r}")
+            if ic.target in targets:
+                raise ConfigError(f"{path}.target: {ic.target} is listed twice")
+            names.add(ic.name)
+            targets.add(ic.target)
+            instances.append(ic)
+
+    r = _section(raw, "routing")
+    weights = _build(ScoreWeights, r.get("weights") or {}, "routing.weights")
+    routing = _build(RoutingConfig, {k: v for k, v in r.items() if k != "weights"}, "routing", weights=weights)
+    if routing.policy not in POLICIES:
+        raise ConfigError(f"routing.policy: {routing.policy!r}; use one of {', '.join(POLICIES)}")
+    _positive("routing.load_interval_ms", routing.load_interval_ms)
+    if routing.load_interval_ms < 10:
+        raise ConfigError(f"routing.load_interval_ms: at least 10, got {routing.load_interval_ms}")
+    _positive("routing.stale_after_s", routing.stale_after_s)
+    _positive("routing.prefix_block_chars", routing.prefix_block_chars)
+    _positive("routing.prefix_index_size", routing.prefix_index_size)
+
+    iso = _build(IsolationConfig, _section(raw, "isolation"), "isolation")
+    _positive("isolation.window_s", iso.window_s)
+    if iso.slow_ratio < 1:
+        raise ConfigError(f"isolation.slow_ratio: must be >= 1, got {iso.slow_ratio}")
+    _positive("isolation.slow_min_delta_s", iso.slow_min_delta_s, zero_ok=True)
+    _positive("isolation.abnormal_windows", iso.abnormal_windows)
+    _positive("isolation.healthy_windows", iso.healthy_windows)
+    _positive("isolation.probe_max_tokens", iso.probe_max_tokens)
+
+    lane = _build(LongLaneConfig, _section(raw, "long_lane"), "long_lane")
+    _positive("long_lane.threshold_tokens", lane.threshold_tokens, zero_ok=True)
+    _positive("long_lane.max_concurrent", lane.max_concurrent)
+    _positive("long_lane.max_queue", lane.max_queue, zero_ok=True)
+    if lane.threshold_tokens and not any(i.long_lane for i in instances):
+        raise ConfigError("long_lane.threshold_tokens: set, but no instance has long_lane: true")
+
+    a = dict(_section(raw, "admission"))
+    bounds = a.pop("queue_bounds", None) or {}
+    if not isinstance(bounds, dict) or set(bounds) - set(PRIORITY_CLASSES):
+        raise ConfigError(f"admission.queue_bounds: expected a mapping of {', '.join(PRIORITY_CLASSES)} to sizes")
+    merged = dict(AdmissionConfig().queue_bounds)
+    for k, v in bounds.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"admission.queue_bounds.{k}: expected an integer >= 0, got {v!r}")
+        merged[k] = v
+    adm = _build(AdmissionConfig, a, "admission", queue_bounds=tuple(merged.items()))
+    _positive("admission.max_inflight_per_instance", adm.max_inflight_per_instance)
+    _positive("admission.max_tokens_cap", adm.max_tokens_cap, zero_ok=True)
+    _positive("admission.default_max_tokens", adm.default_max_tokens)
+    _positive("admission.request_timeout_s", adm.request_timeout_s)
+
+    tenants, keys = [], {}
+    tenants_raw = raw.get("tenants") or []
+    if not isinstance(tenants_raw, list):
+        raise ConfigError("tenants: expected a list of {name, api_keys, priority, pools, rate_limit}")
+    admin_keys = _str_list(raw.get("admin_keys"), "admin_keys")
+    for i, t in enumerate(tenants_raw):
+        path = f"tenants[{i}]"
+        if not isinstance(t, dict):
+            raise ConfigError(f"{path}: expected a mapping")
+        t = dict(t)
+        rl = _build(RateLimit, t.pop("rate_limit", None) or {}, f"{path}.rate_limit")
+        _positive(f"{path}.rate_limit.requests_per_s", rl.requests_per_s, zero_ok=True)
+        _positive(f"{path}.rate_limit.burst", rl.burst, zero_ok=True)
+        api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys")
+        tpools = _str_list(t.pop("pools", None), f"{path}.pools")
+        tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl)
+        if not _NAME.match(tc.name or ""):
+            raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {tc.name!r}")
+        if tc.priority not in PRIORITY_CLASSES:
+            raise ConfigError(f"{path}.priority: {tc.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}")
+        for p in tpools:
+            if p not in pools:
+                raise ConfigError(f"{path}.pools: unknown pool {p!r}; pools: {', '.join(pools)}")
+        for k in api_keys:
+            if k in keys or k in admin_keys:
+                raise ConfigError(f"{path}.api_keys: a key is listed twice (also for {keys.get(k, 'admin')})")
+            keys[k] = tc.name
+        tenants.append(tc)
+
+    cb = _section(raw, "callbacks")
+    if set(cb) - {"allowed_hosts"}:
+        raise ConfigError("callbacks: the only key is allowed_hosts")
+    tls = raw.get("instance_tls") or {}
+    if not isinstance(tls, dict) or set(tls) - {"ca", "cert", "key"}:
+        raise ConfigError("instance_tls: expected a mapping with ca, and cert + key for mutual TLS")
+    if ("cert" in tls) != ("key" in tls):
+        raise ConfigError("instance_tls: cert and key go together")
+    for k, v in tls.items():
+        if not isinstance(v, str) or not os.path.isfile(v):
+            raise ConfigError(f"instance_tls.{k}: not a readable file: {v!r}")
+    tokenizer = raw.get("tokenizer") or ""
+    if not isinstance(tokenizer, str):
+        raise ConfigError("tokenizer: expected a directory path")
+    return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
+                         long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
+                         callback_allowed_hosts=tuple(h.lower() for h in _str_list(cb.get("allowed_hosts"),
+                                                                                   "callbacks.allowed_hosts")),
+                         tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())))
+
+
+def load_config(path: str) -> GatewayConfig:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML/JSON: {e}") from e
+    return parse_config(raw)
+
+
+class ConfigWatcher:
+    """Holds the current configuration and re-reads the file when it changes (`poll`, called periodically)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.config = load_config(path)  # the first file must be valid
+        self.version = 1
+        self.last_error = ""
+        self._stamp = self._file_stamp()
+
+    def _file_stamp(self):
+        try:
+            st = os.stat(self.path)
+            return (st.st_mtime_ns, st.st_size, st.st_ino)
+        except OSError:
+            return None
+
+    def poll(self, force: bool = False) -> bool:
+        """Reloads if the file changed (or `force`); True when a new configuration was applied."""
+        stamp = self._file_stamp()
+        if not force and stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            config = load_config(self.path)
+        except ConfigError as e:
+            self.last_error = str(e)
+            log.error("configuration %s rejected, keeping version %d: %s", self.path, self.version, e)
+            return False
+        self.last_error = ""
+        if config == self.config:
+            return False
+        self.config = config
+        self.version += 1
+        log.info("configuration %s applied (version %d): %d pools, %d instances, policy %s", self.path,
+                 self.version, len(config.pools), len(config.instances), config.routing.policy)
+        return True

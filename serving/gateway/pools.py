@@ -1,0 +1,150 @@
+"""Instances and pools at run time: one gRPC channel per instance, a WatchLoad stream keeping its latest load
+report, the gateway's own counters (in flight, routed), and `InstancePools.apply` reconciling the set with a new
+configuration (instances removed from the file keep their channel until their running requests finish)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.gateway.config import GatewayConfig, InstanceConfig
+from serving.gateway.routing import InstanceView
+from serving.gateway.security import instance_channel_credentials
+from serving.server.proto import meshserve_pb2 as pb
+from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+LATENCY_EWMA_ALPHA = 0.2
+
+
+class Instance:
+    def __init__(self, config: InstanceConfig, credentials: grpc.ChannelCredentials | None):
+        self.config = config
+        self.name = config.name
+        if credentials is None:
+            self.channel = grpc.aio.insecure_channel(config.target, options=_CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.secure_channel(config.target, credentials, options=_CHANNEL_OPTIONS)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
+        self.report: pb.LoadReport | None = None
+        self.report_time = 0.0  # monotonic, when received
+        self.sent_since_report = 0
+        self.inflight = 0
+        self.long_inflight = 0
+        self.routed_total = 0
+        self.latency_ewma_s = 0.0
+        self.step_time_s = 0.0  # last reported step-time p50 with steps behind it
+        self.watch_task: asyncio.Task | None = None
+        self.removed = False
+        self.model_info: pb.ModelInfoResponse | None = None
+
+    def view(self, now: float, capacity: int) -> InstanceView:
+        return InstanceView(self.name, self.inflight, self.sent_since_report, self.report,
+                            now - self.report_time if self.report is not None else float("inf"),
+                            self.latency_ewma_s, capacity, self.step_time_s)
+
+    def observe_latency(self, seconds: float) -> None:
+        self.latency_ewma_s = seconds if self.latency_ewma_s == 0 else (
+            (1 - LATENCY_EWMA_ALPHA) * self.latency_ewma_s + LATENCY_EWMA_ALPHA * seconds)
+
+    def reporting_serving(self, now: float, stale_after_s: float) -> bool:
+        """False only when a fresh report says it is not admitting (starting, draining)."""
+        r = self.report
+        return r is None or now - self.report_time > stale_after_s or (r.serving and not r.draining)
+
+    async def health_check(self, timeout: float) -> bool:
+        try:
+            resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+class InstancePools:
+    """The instances of every pool; `on_report` / `on_failure` are the gateway's hooks."""
+
+    def __init__(self, on_report: Callable[[Instance], None], on_failure: Callable[[Instance, str], None]):
+        self.instances: dict[str, Instance] = {}
+        self.pools: tuple[str, ...] = ()
+        self._on_report = on_report
+        self._on_failure = on_failure
+        self._interval_ms = 200
+        self._credentials = None
+        self._tls = ()
+
+    def apply(self, config: GatewayConfig) -> tuple[list[Instance], list[Instance]]:
+        """Adds, replaces and removes instances to match `config`; returns (added, removed)."""
+        if config.instance_tls != self._tls:
+            self._tls = config.instance_tls
+            self._credentials = instance_channel_credentials(dict(config.instance_tls))
+            recreate = True
+        else:
+            recreate = False
+        self._interval_ms = config.routing.load_interval_ms
+        wanted = {i.name: i for i in config.instances}
+        added, removed = [], []
+        for name, inst in list(self.instances.items()):
+            new = wanted.get(name)
+            if new is None or new.target != inst.config.target or recreate:
+                removed.append(self.instances.pop(name))
+            elif new != inst.config:
+                inst.config = new  # labels, pool or lane changed: same connection
+        for name, cfg in wanted.items():
+            if name not in self.instances:
+                inst = Instance(cfg, self._credentials)
+                self.instances[name] = inst
+                inst.watch_task = asyncio.ensure_future(self._watch(inst))
+                added.append(inst)
+        for inst in removed:
+            inst.removed = True
+            if inst.watch_task is not None:
+                inst.watch_task.cancel()
+            asyncio.ensure_future(self._close_when_idle(inst))
+        self.pools = config.pools
+        return added, removed
+
+    async def _close_when_idle(self, inst: Instance) -> None:
+        while inst.inflight > 0:
+            await asyncio.sleep(0.2)
+        await inst.channel.close()
+
+    async def close(self) -> None:
+        for inst in self.instances.values():
+            if inst.watch_task is not None:
+                inst.watch_task.cancel()
+        await asyncio.gather(*(i.channel.close() for i in self.instances.values()), return_exceptions=True)
+
+    async def _watch(self, inst: Instance) -> None:
+        """Keeps inst.report fresh from its WatchLoad stream; reconnects with backoff; a broken stream is a
+        failure (the health tracker removes the instance and readmits it once it serves again)."""
+        backoff = 0.2
+        while not inst.removed:
+            try:
+                if inst.model_info is None:
+                    inst.model_info = await inst.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0)
+                call = inst.stub.WatchLoad(pb.WatchLoadRequest(interval_ms=self._interval_ms))
+                async for report in call:
+                    inst.report = report
+                    inst.report_time = time.monotonic()
+                    inst.sent_since_report = 0
+                    if report.step_time_p50_s > 0:
+                        inst.step_time_s = report.step_time_p50_s
+                    backoff = 0.2
+                    self._on_report(inst)
+            except asyncio.CancelledError:
+                raise
+            except grpc.RpcError as e:
+                if not inst.removed:
+                    self._on_failure(inst, f"load stream: {e.code().name}: {e.details()}")
+            except Exception as e:  # noqa: BLE001 - keep watching
+                log.exception("instance %s: load stream", inst.name)
+                self._on_failure(inst, f"load stream: {e}")
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)

@@ -1,0 +1,1 @@
+"""The gateway's gRPC API (meshserve.gateway.v1: Jobs, GatewayAdmin) and generated stubs."""

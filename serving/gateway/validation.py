@@ -1,0 +1,144 @@
+"""GenerateRequest checks the gateway runs before routing, with the instance server's codes and messages
+(serving.server.servicer.parse_generate): size, request_id, priority, every sampling field (the shared
+serving.validation checks), the prompt's shape, token ids against the vocabulary and prompt + max_tokens against
+the context when the prompt is token ids. Text and chat prompts are tokenized by the instance, which checks their
+length; the gateway estimates it (or counts it with a configured tokenizer) only to choose a lane."""
+from __future__ import annotations
+
+import dataclasses
+
+from serving.server.proto import meshserve_pb2 as pb
+from serving.validation import check_sampling
+
+MAX_REQUEST_ID_CHARS = 256
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
+PRIORITY_VALUES = (pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH)
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
+             "spaces_between_special_tokens")
+
+
+class InvalidArgument(ValueError):
+    """A bad field; the message starts with the field's name."""
+
+
+@dataclasses.dataclass(slots=True)
+class ModelLimits:
+    """What the gateway knows of the model behind its instances (from ModelInfo); 0 = not known yet."""
+    vocab_size: int = 0
+    max_model_len: int = 0
+    max_request_bytes: int = 1 << 20
+
+
+@dataclasses.dataclass(slots=True)
+class _Sampling:  # SamplingParams' fields with its defaults, for check_sampling
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple = ()
+    stop_token_ids: tuple = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+
+def check_sampling_fields(sp: pb.SamplingParameters, limits: ModelLimits) -> _Sampling:
+    s = _Sampling(min_tokens=sp.min_tokens, top_k=-1 if sp.top_k == 0 else sp.top_k, min_p=sp.min_p,
+                  presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop),
+                  stop_token_ids=tuple(sp.stop_token_ids), include_stop_str_in_output=sp.include_stop_str_in_output,
+                  ignore_eos=sp.ignore_eos)
+    for name in _OPTIONAL:
+        if sp.HasField(name):
+            setattr(s, name, getattr(sp, name))
+    if limits.vocab_size:
+        for t in s.stop_token_ids:
+            if not 0 <= t < limits.vocab_size:
+                raise InvalidArgument(f"sampling.stop_token_ids: token id {t} is outside the vocabulary "
+                                      f"[0, {limits.vocab_size})")
+    try:
+        check_sampling(s)
+    except ValueError as e:
+        raise InvalidArgument(f"sampling.{e}") from e
+    return s
+
+
+def check_prompt(which: str | None, req: pb.GenerateRequest, limits: ModelLimits) -> list[int] | None:
+    """The prompt's shape (and token ids); returns the ids of a token_ids prompt, None for text and chat."""
+    if which == "text":
+        if not req.text:
+            raise InvalidArgument("text: the prompt is empty")
+        return None
+    if which == "token_ids":
+        ids = list(req.token_ids.ids)
+        if not ids:
+            raise InvalidArgument("token_ids: the prompt is empty")
+        if limits.vocab_size:
+            for i, t in enumerate(ids):
+                if not 0 <= t < limits.vocab_size:
+                    raise InvalidArgument(f"token_ids: token id {t} at position {i} is outside the vocabulary "
+                                          f"[0, {limits.vocab_size})")
+        return ids
+    if which == "chat":
+        if not req.chat.messages:
+            raise InvalidArgument("chat.messages: the conversation is empty")
+        for i, m in enumerate(req.chat.messages):
+            if not m.role:
+                raise InvalidArgument(f"chat.messages[{i}].role: empty; use one of {', '.join(KNOWN_ROLES)}")
+        return None
+    raise InvalidArgument("prompt: empty; set one of text, token_ids or chat")
+
+
+def check_generate(req: pb.GenerateRequest, limits: ModelLimits) -> tuple[_Sampling, list[int] | None]:
+    """Every field in the server's order; raises InvalidArgument. Returns the sampling fields and the prompt's
+    token ids (None unless the prompt is token ids)."""
+    which = req.WhichOneof("prompt")
+    size = req.ByteSize()
+    if size > limits.max_request_bytes:
+        field = {"text": "text", "token_ids": "token_ids", "chat": "chat.messages"}.get(which, "request")
+        raise InvalidArgument(f"{field}: the request is {size} bytes, over the server's limit of "
+                              f"{limits.max_request_bytes} bytes (--max_request_bytes)")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id: {len(req.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
+    if req.priority not in PRIORITY_VALUES:
+        raise InvalidArgument(f"priority: unknown value {req.priority}; use PRIORITY_INTERACTIVE or "
+                              "PRIORITY_BATCH")
+    sampling = check_sampling_fields(req.sampling, limits)
+    ids = check_prompt(which, req, limits)
+    limit = limits.max_model_len
+    if ids is not None and limit:
+        if len(ids) >= limit:
+            raise InvalidArgument(f"token_ids: the prompt has {len(ids)} tokens but the model's context is {limit} "
+                                  f"tokens; at most {limit - 1} prompt tokens leave room to generate")
+        if sampling.max_tokens is not None and len(ids) + sampling.max_tokens > limit:
+            raise InvalidArgument(f"sampling.max_tokens: the prompt ({len(ids)} tokens) + max_tokens "
+                                  f"({sampling.max_tokens}) = {len(ids) + sampling.max_tokens} exceeds the model's "
+                                  f"context of {limit} tokens; use max_tokens <= {limit - len(ids)}")
+    return sampling, ids
+
+
+def estimate_prompt_tokens(req: pb.GenerateRequest, tokenizer=None) -> int:
+    """Prompt length for lane choice: exact for token ids (or with a tokenizer), else ~4 bytes per token."""
+    which = req.WhichOneof("prompt")
+    if which == "token_ids":
+        return len(req.token_ids.ids)
+    if which == "text":
+        if tokenizer is not None:
+            return len(tokenizer.encode(req.text))
+        return len(req.text.encode()) // 4 + 1
+    if which == "chat":
+        if tokenizer is not None:
+            try:
+                return len(tokenizer.encode_chat([{"role": m.role, "content": m.content}
+                                                  for m in req.chat.messages], add_generation_prompt=True))
+            except Exception:  # noqa: BLE001 - the instance reports the template's error
+                pass
+        return sum(len(m.content.encode()) // 4 + 4 for m in req.chat.messages) + 1
+    return 0

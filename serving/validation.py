@@ -1,0 +1,61 @@
+"""Sampling-parameter checks shared by the instance server (serving.core.SamplingParams) and the gateway, which
+must not import serving.core: pure Python, no gRPC, no NumPy. Every invalid value raises ValueError naming the
+field, the value and the valid range."""
+from __future__ import annotations
+
+import math
+
+MAX_LOGPROBS = 20  # top-n alternatives returned per token; the sampler's static top-n is this wide
+_INT64_MIN, _UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
+BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_sampling(p) -> None:
+    """Raises ValueError naming the first invalid field of `p` (any object with SamplingParams' attributes,
+    after its normalisation: stop and stop_token_ids are tuples, top_k 0 is -1)."""
+    if p.max_tokens is not None and (not _is_int(p.max_tokens) or p.max_tokens < 1):
+        raise ValueError(f"max_tokens must be an integer >= 1 (or None), got {p.max_tokens!r}")
+    if not _is_int(p.min_tokens) or p.min_tokens < 0:
+        raise ValueError(f"min_tokens must be an integer >= 0, got {p.min_tokens!r}")
+    if p.max_tokens is not None and p.min_tokens > p.max_tokens:
+        raise ValueError(f"min_tokens must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
+    check_float("temperature", p.temperature, lo=0.0)
+    if not _is_int(p.top_k) or p.top_k < -1:
+        raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {p.top_k!r}")
+    check_float("top_p", p.top_p, lo=0.0, hi=1.0, lo_open=True)
+    check_float("min_p", p.min_p, lo=0.0, hi=1.0)
+    check_float("repetition_penalty", p.repetition_penalty, lo=0.0, lo_open=True)
+    check_float("presence_penalty", p.presence_penalty, lo=-2.0, hi=2.0)
+    check_float("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
+    if p.seed is not None and (not _is_int(p.seed) or not _INT64_MIN <= p.seed <= _UINT64_MAX):
+        raise ValueError(f"seed must be None or a 64-bit integer, got {p.seed!r}")
+    for s in p.stop:
+        if not isinstance(s, str) or not s:
+            raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+    for t in p.stop_token_ids:
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
+    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
+    for name in BOOL_FIELDS:
+        if not isinstance(getattr(p, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(p, name)!r}")
+
+
+def check_float(name: str, value, *, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False) -> None:
+    if not _is_number(value) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if lo is not None and (value <= lo if lo_open else value < lo) or hi is not None and value > hi:
+        left = "(" if lo_open else "["
+        rng = f"{left}{lo}, {hi}]" if hi is not None else (f"> {lo}" if lo_open else f">= {lo}")
+        raise ValueError(f"{name} must be in {rng}, got {value!r}" if hi is not None
+                         else f"{name} must be {rng}, got {value!r}")
