@@ -5,6 +5,7 @@ import asyncio
 import random
 import subprocess
 import sys
+import time
 import urllib.request
 
 import grpc
@@ -41,7 +42,6 @@ def client(server):
 
 def wait_idle(client: Client, timeout: float = 10.0):
     """The load report once nothing runs or waits; its books checked (no page leaked)."""
-    import time
     t0 = time.monotonic()
     while True:
         load = client.get_load(check_invariants=True)
@@ -184,21 +184,30 @@ def test_metrics_parse_and_counters_match(server, client):
     outs = [client.complete(p, max_tokens=3 + i, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
     with pytest.raises(ClientError):
         client.complete("hi", temperature=-1.0)
-    after = scrape(server)
+    stream = client.generate([4] * 9, max_tokens=400, ignore_eos=True)
+    next(stream)
+    stream.close()  # a client cancel counts as finished_reason="abort"
+    deadline = time.monotonic() + 10
+    while True:
+        after = scrape(server)
+        key = ("meshserve:request_success_total", (("finished_reason", "abort"),))
+        if after.get(key, 0) - before.get(key, 0) >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
 
     def delta(name, **labels):
         key = (name, tuple(sorted(labels.items())))
         return after.get(key, 0.0) - before.get(key, 0.0)
 
     assert delta("meshserve:request_success_total", finished_reason="length") == 6
-    assert delta("meshserve:prompt_tokens_total") == sum(len(p) for p in prompts)
-    assert delta("meshserve:generation_tokens_total") == sum(o.completion_tokens for o in outs) == sum(
-        3 + i for i in range(6))
+    assert delta("meshserve:request_success_total", finished_reason="abort") == 1
+    assert delta("meshserve:prompt_tokens_total") == sum(len(p) for p in prompts) + 9
+    assert delta("meshserve:generation_tokens_total") >= sum(o.completion_tokens for o in outs) == sum(
+        3 + i for i in range(6))  # plus what the cancelled stream had generated
     assert delta("meshserve:request_errors_total", code="INVALID_ARGUMENT") == 1
-    assert delta("meshserve:time_to_first_token_seconds_count") == 6
-    assert delta("meshserve:e2e_request_latency_seconds_count") == 6
-    assert delta("meshserve:request_queue_time_seconds_count") == 6
-    assert delta("meshserve:inter_token_latency_seconds_count") == sum(2 + i for i in range(6))
+    assert delta("meshserve:time_to_first_token_seconds_count") == 7
+    assert delta("meshserve:e2e_request_latency_seconds_count") == 7
+    assert delta("meshserve:request_queue_time_seconds_count") == 7
     assert delta("meshserve:prefix_cache_queries_total") >= sum(len(p) for p in prompts)
     assert delta("meshserve:step_time_seconds_count", device="cpu:0") > 0
     for name in ("meshserve:num_requests_waiting", "meshserve:num_requests_running",

@@ -247,7 +247,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         span = self.tracer.start(rid, context.invocation_metadata(), {
             "meshserve.request_id": rid, "meshserve.tenant": request.tenant or None,
             "meshserve.priority": priority, "meshserve.prompt_tokens": len(prompt_ids)})
-        self.inflight[rid] = time.monotonic()
+        arrival = self.inflight[rid] = time.monotonic()
         self._idle.clear()
         last_request, final, failure = None, None, None  # failure: (code, details, trailing)
         stream = self.aengine.generate(rid, prompt_ids, params, priority=priority, deadline=deadline)
@@ -263,6 +263,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                    f"{out.request.num_output_tokens} generated tokens", ())
                         break
                     if out.finish_reason is FinishReason.ERROR:
+                        log.error("request %s failed inside the engine: %s", rid, out.stop_reason)
                         failure = (grpc.StatusCode.INTERNAL, f"the engine failed on this request's step: "
                                    f"{out.stop_reason}", ())
                         break
@@ -295,9 +296,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             self.inflight.pop(rid, None)
             if not self.inflight:
                 self._idle.set()
-            if final is None and last_request is not None:
-                self._record_abort(last_request, reason)
-            self.tracer.finish(span, rid, last_request, finish_reason=reason.value,
+            if final is None and failure is None:  # cancelled: count it, with what it had got
+                self._record_abort(last_request, reason, num_prompt_tokens=len(prompt_ids), arrival_time=arrival)
+            label = "rejected" if final is None and failure is not None else reason.value
+            self.tracer.finish(span, rid, last_request, finish_reason=label,
                                error=None if failure is None else failure[1])
         if failure is not None:
             await self._refuse(context, *failure)
@@ -340,8 +342,16 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             token_times=list(m.token_times), finished_time=m.finished_time)
 
-    def _record_abort(self, r, reason: FinishReason) -> None:
+    def _record_abort(self, r, reason: FinishReason, *, num_prompt_tokens: int, arrival_time: float) -> None:
+        """A request that ended without its last output (client cancel, gRPC deadline); `r` is None if it had
+        no output yet."""
         if self.metrics is None:
+            return
+        if r is None:
+            self.metrics.observe_finished(
+                finish_reason=reason.value, num_prompt_tokens=num_prompt_tokens, num_output_tokens=0,
+                arrival_time=arrival_time, first_scheduled_time=None, first_token_time=None, token_times=[],
+                finished_time=time.monotonic())
             return
         m = r.metrics
         self.metrics.observe_finished(
