@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 from absl import app, flags
 
@@ -125,15 +126,29 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
 
 async def _serve() -> int:
     from serving.server.app import InstanceServer, build_engine
-    engine_config, server_config = configs_from_flags(FLAGS)
-    engine = build_engine(engine_config, FLAGS.tokenizer)
-    server = InstanceServer(engine, server_config)
+    log = logging.getLogger("serving.server")
     loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+
+    def on_signal(sig):
+        log.info("%s: draining", signal.Signals(sig).name)
+        stop_requested.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (logging.getLogger("serving.server").info(
-            "%s: draining", signal.Signals(s).name), asyncio.ensure_future(server.stop())))
-    await server.start()
-    await server.wait_stopped()
+        loop.add_signal_handler(sig, on_signal, sig)
+    engine_config, server_config = configs_from_flags(FLAGS)
+    engine = await asyncio.to_thread(build_engine, engine_config, FLAGS.tokenizer)  # signals still handled
+    if stop_requested.is_set():
+        return 0
+    server = InstanceServer(engine, server_config)
+    starting = asyncio.ensure_future(server.start())
+    stopping = asyncio.ensure_future(stop_requested.wait())
+    await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        starting.result()  # start-up errors end the process here
+        await stopping
+    await server.stop()
+    if not starting.done():  # stopped during warm-up
+        starting.cancel()
     return 0
 
 
@@ -153,6 +168,12 @@ def main(argv):
     code = asyncio.run(_serve())
     logging.getLogger("serving.server").info("exited cleanly")
     logging.shutdown()
+    if any(t.name == "meshserve-engine" and t.is_alive() for t in threading.enumerate()):
+        # Stopped during warm-up: the engine thread is inside an XLA compile, which interpreter teardown would
+        # abort; everything worth keeping is flushed, so leave at once.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 
