@@ -64,7 +64,8 @@ def test_health_model_info_tokenize(client, model_dir):
     assert client.health() == "SERVING" and client.health("meshserve.v1.Inference") == "SERVING"
     info = client.model_info()
     assert info.vocab_size == 512 and info.max_model_len == 512 and info.architecture == "llama"
-    assert list(info.token_buckets) == [32] and info.compile_count == 9  # every bucket compiled at start-up
+    assert list(info.token_buckets) == [32]
+    assert info.compile_count >= len(info.token_buckets) and info.compile_time_s > 0  # warmed up before SERVING
     from models.tokenizer import Tokenizer
     tok = Tokenizer.from_pretrained(model_dir)
     assert client.tokenize("Hello, world!") == tok.encode("Hello, world!")
@@ -213,7 +214,7 @@ def test_metrics_parse_and_counters_match(server, client):
     for name in ("meshserve:num_requests_waiting", "meshserve:num_requests_running",
                  "meshserve:kv_cache_usage_perc"):
         assert after[(name, ())] == 0.0
-    assert after[("meshserve:compile_count", ())] == 9
+    assert after[("meshserve:compile_count", ())] == client.model_info().compile_count > 0
     for name in ("meshserve:num_preemptions_total", "meshserve:prefix_cache_hits_total",
                  "meshserve:request_prefill_time_seconds_count", "meshserve:request_decode_time_seconds_count"):
         assert any(k[0] == name for k in after), name
