@@ -41,7 +41,7 @@ class HealthTracker:
     def __init__(self, config: IsolationConfig):
         self.config = config
         self.nodes: dict[str, _Node] = {}
-        self.baseline_s = 0.0  # EWMA of the fastest healthy window latency: the reference when no peer has data
+        self.baseline_s = 0.0  # EWMA of the fastest normal window latency: the reference when no peer has data
 
     def add(self, name: str) -> None:
         self.nodes.setdefault(name, _Node())
@@ -109,19 +109,16 @@ class HealthTracker:
             elif node.state == HEALTHY and fallback_latency.get(name, 0) > 0:
                 measured[name] = fallback_latency[name]
             node.window_latency_s = measured.get(name, 0.0)
-        healthy_now = [measured[n] for n, node in self.nodes.items() if node.state == HEALTHY and n in measured]
-        if healthy_now:
-            # The fastest healthy instance: a slow one must not drag the reference up with it when it is the
-            # only one measured in a window (all traffic stuck on it).
-            m = min(healthy_now)
-            self.baseline_s = m if self.baseline_s == 0 else 0.8 * self.baseline_s + 0.2 * m
         transitions = []
+        normal: list[float] = []  # healthy instances judged normal: what the baseline learns from
         num_healthy = sum(1 for node in self.nodes.values() if node.state == HEALTHY)
         for name, node in self.nodes.items():
             latency = measured.get(name)
             peers = [measured[n] for n, p in self.nodes.items() if p.state == HEALTHY and n != name and n in measured]
             reference = statistics.median(peers) if peers else self.baseline_s
             if node.state == HEALTHY:
+                if latency is not None and reference <= 0:
+                    normal.append(latency)  # nothing to compare with yet
                 if not c.enabled or latency is None or reference <= 0:
                     pass
                 elif self._abnormal(latency, reference):
@@ -133,6 +130,7 @@ class HealthTracker:
                         num_healthy -= 1
                 else:
                     node.abnormal_streak = 0
+                    normal.append(latency)
             elif node.state == QUARANTINED:
                 ok = node.probe_ok
                 if ok is not None:
@@ -150,4 +148,9 @@ class HealthTracker:
                         transitions.append(self._move(name, HEALTHY, f"serving again for {c.healthy_windows} windows"))
             node.samples.clear()
             node.probe_ok = None
+        if normal:
+            # The fastest normal instance: a slow one never drags the reference up with it, even in windows where
+            # it is the only one measured (all traffic stuck on it).
+            m = min(normal)
+            self.baseline_s = m if self.baseline_s == 0 else 0.8 * self.baseline_s + 0.2 * m
         return transitions
