@@ -22,6 +22,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "model", None, "HF model directory or Orbax checkpoint (models.convert).")
     d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory (default: the model directory).")
     d(flags.DEFINE_enum, "dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and KV-cache dtype.")
+    d(flags.DEFINE_integer, "tp", 1, "Tensor-parallel degree (devices on the mesh's 'tensor' axis).")
+    d(flags.DEFINE_integer, "ep", 1, "Expert-parallel degree (MoE models; devices on the 'expert' axis).")
     d(flags.DEFINE_integer, "page_size", 16, "Tokens per KV page.")
     d(flags.DEFINE_integer, "num_pages", 0,
       "KV pages; 0: sized from --kv_cache_memory_fraction or --kv_cache_memory_gb.")
@@ -81,7 +83,7 @@ def _setup_logging(fmt: str) -> None:
 
 
 def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page_size: int,
-                            max_num_batched_tokens: int, max_num_seqs: int) -> int:
+                            max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1, ep: int = 1) -> int:
     """KV pages that fit in this instance's share of the device, `fraction` of its memory (vLLM's per-instance
     gpu_memory_utilization; at most what is free now), after the weights and the largest step's activations and
     buffers (sharding.ledger)."""
@@ -90,7 +92,8 @@ def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page
     mem = device_memory()
     budget = min(int(fraction * mem.total), mem.free)  # this instance's share, as far as it is free
     try:
-        return plan_kv_pages(model_config, dtype=dtype, page_size=page_size, free_bytes=budget, mesh_shape={},
+        return plan_kv_pages(model_config, dtype=dtype, page_size=page_size, free_bytes=budget,
+                             mesh_shape={"tensor": tp, "expert": ep},
                              weights_loaded=False, reserve_fraction=0.0, max_batched_tokens=max_num_batched_tokens,
                              max_seqs=max_num_seqs)
     except ValueError as e:
@@ -105,7 +108,7 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
     if f.kv_cache_memory_fraction > 0 and not num_pages:
         num_pages = num_pages_from_fraction(
             f.kv_cache_memory_fraction, f.model, dtype=f.dtype, page_size=f.page_size,
-            max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs)
+            max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs, tp=f.tp, ep=f.ep)
         logging.getLogger("serving.server").info("--kv_cache_memory_fraction=%g: %d KV pages",
                                                  f.kv_cache_memory_fraction, num_pages)
     engine_config = EngineConfig(
@@ -116,7 +119,7 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         enable_prefix_caching=f.enable_prefix_caching, max_waiting_requests=f.max_waiting_requests,
         max_waiting_tokens=f.max_waiting_tokens, long_prompt_threshold=f.long_prompt_threshold,
         max_long_prefills=f.max_long_prefills, priority_ageing_s=f.priority_ageing_s, seed=f.seed,
-        debug_step_delay_s=f.debug_step_delay_s)
+        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep)
     server_config = ServerConfig(
         host=f.host, port=f.port, metrics_port=f.metrics_port, warmup=f.warmup, drain_grace_s=f.drain_grace_s,
         max_request_bytes=f.max_request_bytes, retry_after_s=f.retry_after_s, instance_id=f.instance_id,
