@@ -186,15 +186,19 @@ class MoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return experts, weights
 
-    def __call__(self, x):
+    def __call__(self, x, valid=None):
+        """`valid[T]` marks real tokens; padding tokens are neither computed nor counted."""
         experts, weights = self.routing(x)
         t, k = experts.shape
         num_slots = self.gate_proj.shape[0]
-        # A replicated expert's pairs are split over its replicas, round robin over the pair index.
-        pair = jnp.arange(t * k, dtype=jnp.int32).reshape(t, k)
-        replica = pair % self.replica_count[...][experts]
+        # A replicated expert's tokens are split over its replicas, round robin over the token index.
+        token = jnp.arange(t, dtype=jnp.int32)[:, None]
+        replica = token % self.replica_count[...][experts]
         slots = self.replica_slots[...][experts, replica]  # [T, k]
-        self.sow(ExpertCounts, "counts", jnp.zeros((num_slots,), jnp.int32).at[slots.reshape(-1)].add(1))
+        if valid is not None:
+            slots = jnp.where(valid[:, None], slots, -1)
+        counted = jnp.where(slots < 0, num_slots, slots).reshape(-1)  # padding -> out of range (negative wraps)
+        self.sow(ExpertCounts, "counts", jnp.zeros((num_slots,), jnp.int32).at[counted].add(1, mode="drop"))
         y = expert_mlp(x, slots, weights.astype(x.dtype), self.gate_proj[...], self.up_proj[...],
                        self.down_proj[...])
         if self.has_shared:
@@ -213,7 +217,7 @@ def expert_mlp(x, slots, weights, gate, up, down):
         n_local = gate.shape[0]
         first = jax.lax.axis_index("expert") * n_local if "expert" in axes else 0
         flat = slots.reshape(-1) - first
-        mine = (flat >= 0) & (flat < n_local)
+        mine = (flat >= 0) & (flat < n_local) & (slots.reshape(-1) >= 0)
         key = jnp.where(mine, flat, n_local)  # pairs for other devices' slots sort last and are not computed
         order = jnp.argsort(key, stable=True)
         group_sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]
@@ -247,7 +251,13 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, kv_pages, batch):
         h, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, batch)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MoE):
+            md = batch.attention
+            valid = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
+            x = x + self.mlp(h, valid)
+        else:
+            x = x + self.mlp(h)
         return x, kv_pages
 
 

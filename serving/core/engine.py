@@ -24,7 +24,7 @@ from flax import nnx
 from models.batch import ragged_batch_from_arrays
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
-from models.transformer import CausalLM, init_kv_caches
+from models.transformer import CausalLM, MoE, init_kv_caches
 from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder, build_batch_arrays
 from serving.core.request import FinishReason, Priority, Request
@@ -59,6 +59,7 @@ class EngineConfig:
     debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
     tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
     ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
+    spare_expert_slots: int = 0  # MoE: extra physical slots per layer for replicas of hot experts
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -179,8 +180,15 @@ class Engine:
             mesh = make_serving_mesh(tp=config.tp, ep=config.ep)
         self.mesh = mesh
         if model is None:
-            from models.weights import load_model
-            model = load_model(config.model, dtype=dtype, mesh=mesh)
+            from models.weights import is_orbax_dir, load_hf_model, load_model
+            if config.spare_expert_slots and not is_orbax_dir(config.model):
+                cfg = ModelConfig.from_pretrained(config.model)
+                cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
+                model = load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg)
+            elif config.spare_expert_slots:
+                raise ValueError("spare_expert_slots needs an HF checkpoint (Orbax stores the slots it was saved with)")
+            else:
+                model = load_model(config.model, dtype=dtype, mesh=mesh)
         self.model_config: ModelConfig = model.config
         if tokenizer is None:
             try:
@@ -214,7 +222,15 @@ class Engine:
         self.graphdef, self.state = nnx.split(model)
         self._kv_sharding = kv_cache_sharding(mc, mesh)
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
-        self._forward_fn = jax.jit(self._forward, donate_argnums=(1,))
+        self._forward_fn = jax.jit(self._forward, donate_argnums=(1, 3))
+        self._placements = {}
+        self._expert_load = None
+        if mc.is_moe:
+            from sharding.experts import identity_placement
+            slots = mc.num_expert_slots or mc.num_experts
+            self._placements = {i: identity_placement(mc.num_experts, slots, config.ep)
+                                for i in self.moe_layer_indices()}
+            self._expert_load = jnp.zeros((len(self._placements), slots), jnp.int32)
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
         self._batch_builder = BatchBuilder(page_size=config.page_size, max_pages=self.max_pages,
                                            max_seqs=config.max_num_seqs)
@@ -231,12 +247,16 @@ class Engine:
         self._current: SchedulerOutput | None = None  # the step being launched
 
     # ------------------------------------------------------------------ device side
-    def _forward(self, state, kv_caches, arrays):
-        """Pure. The model over a ragged batch: float32 logits at each sequence's last token, and the caches."""
+    def _forward(self, state, kv_caches, arrays, expert_load):
+        """Pure. The model over a ragged batch: float32 logits at each sequence's last token, the caches, and
+        (MoE) the running per-slot expert token counts [moe_layers, slots] plus this step's."""
         model = nnx.merge(self.graphdef, state)
         batch = ragged_batch_from_arrays(arrays)
         hidden, kv_caches = model(batch, kv_caches)
-        return model.compute_logits(hidden[batch.logits_indices]), kv_caches
+        if expert_load is not None:
+            counts = [layer.mlp.counts.get_value()[0] for layer in model.layers if isinstance(layer.mlp, MoE)]
+            expert_load = expert_load + jnp.stack(counts)
+        return model.compute_logits(hidden[batch.logits_indices]), kv_caches, expert_load
 
     @staticmethod
     def _sample(logits, sampling_tensors, max_logprobs):
@@ -267,7 +287,60 @@ class Engine:
 
     def _run_forward(self, arrays):
         with mesh_context(self.mesh):
-            return self._forward_fn(self.state, self.kv_caches, arrays)
+            logits, kv, self._expert_load = self._forward_fn(self.state, self.kv_caches, arrays, self._expert_load)
+        return logits, kv
+
+    # ------------------------------------------------------------------ expert load (MoE)
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i, moe in enumerate(self.model_config.moe_layers) if moe]
+
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens routed to each physical expert slot since the last reset, [moe_layers, slots]."""
+        return None if self._expert_load is None else np.asarray(self._expert_load)
+
+    def expert_device_load(self) -> np.ndarray | None:
+        """Tokens per expert-parallel device since the last reset, [moe_layers, ep]."""
+        load = self.expert_load()
+        if load is None:
+            return None
+        return load.reshape(load.shape[0], self.config.ep, -1).sum(axis=2)
+
+    def reset_expert_load(self) -> None:
+        if self._expert_load is not None:
+            self._expert_load = jnp.zeros_like(self._expert_load)
+
+    def rebalance_experts(self) -> dict[str, float]:
+        """Rebuilds every MoE layer's logical -> physical expert map from the load observed since the last
+        reset (hot experts get the spare slots, replicas spread over devices) and moves the expert weights to
+        match, between steps. Returns the per-device load variance the new placement predicts, before/after."""
+        from sharding.experts import ExpertPlacement, balanced_placement
+        load = self.expert_load()
+        if load is None:
+            raise ValueError("rebalance_experts: the model has no MoE layers")
+        before, after = [], []
+        for row, layer in zip(load, self.moe_layer_indices()):
+            old = self._placements[layer]
+            logical = np.bincount(old.slot_to_expert, weights=row, minlength=old.num_experts)
+            new = balanced_placement(logical, old.num_slots, old.num_devices)
+            # Predicted per-slot load under the new map: each expert's load split over its replicas.
+            per_replica = logical / np.bincount(new.slot_to_expert, minlength=old.num_experts)
+            before.append(np.var(old.device_load(row)))
+            after.append(np.var(new.device_load(per_replica[new.slot_to_expert])))
+            source = np.array([np.flatnonzero(old.slot_to_expert == e)[0] for e in new.slot_to_expert], np.int32)
+            mlp = self.state["layers"][layer]["mlp"]
+            with mesh_context(self.mesh):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    w = mlp[name].get_value()
+                    gather = jax.jit(lambda w, i: w[i], out_shardings=w.sharding, donate_argnums=(0,))
+                    mlp[name].set_value(gather(w, jnp.asarray(source)))
+                table, count = new.replica_table(mlp["replica_slots"].get_value().shape[1])
+                for name, value in (("replica_slots", table), ("replica_count", count)):
+                    old_value = mlp[name].get_value()
+                    mlp[name].set_value(jax.device_put(value, old_value.sharding))
+            self._placements[layer] = new
+        self.reset_expert_load()
+        return {"variance_before": float(np.mean(before)), "variance_after": float(np.mean(after))}
+
 
     def _run_sample(self, logits, st, max_logprobs):
         with mesh_context(self.mesh):
