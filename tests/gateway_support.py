@@ -120,7 +120,8 @@ class GatewayProcess:
     def instances(self, key: str = "") -> dict[str, gpb.InstanceStatus]:
         channel, stub, md = self.admin(key)
         try:
-            return {i.name: i for i in stub.ListInstances(gpb.ListInstancesRequest(), metadata=md, timeout=10).instances}
+            listed = stub.ListInstances(gpb.ListInstancesRequest(), metadata=md, timeout=10)
+            return {i.name: i for i in listed.instances}
         finally:
             channel.close()
 

@@ -192,7 +192,8 @@ def test_slow_instance_is_quarantined_then_readmitted(instances, gateways):
     log = gw.log()
     assert "i1: healthy -> quarantined" in log and "i1: quarantined -> healthy" in log
     metrics = urllib.request.urlopen(gw.metrics_url).read().decode()
-    assert 'meshserve:gateway_instance_transitions_total{from_state="healthy",instance="i1",to_state="quarantined"} 1.0' in metrics
+    assert ('meshserve:gateway_instance_transitions_total{from_state="healthy",instance="i1",to_state="quarantined"} '
+            '1.0') in metrics
 
 
 def test_long_lane_routing_cap_and_max_tokens_cap(instances, gateways):

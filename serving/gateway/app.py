@@ -224,7 +224,8 @@ class Gateway:
         try:
             ok = await inst.health_check(iso.health_check_timeout_s)
             if state == FAILED:
-                fresh = inst.report is not None and time.monotonic() - inst.report_time <= self.config.routing.stale_after_s
+                age = time.monotonic() - inst.report_time
+                fresh = inst.report is not None and age <= self.config.routing.stale_after_s
                 self.health.probe_result(inst.name, ok and fresh)
                 return
             gaps, last = [], None
@@ -333,10 +334,15 @@ class Gateway:
         self.metrics.inflight.labels(inst.name).set(inst.inflight)
         self.admission.notify()
 
+    def _has_candidates(self, p: Prepared, exclude: set[str]) -> bool:
+        now = time.monotonic()
+        return any(i.name not in exclude for pool in (p.pools or self.config.pools)
+                   for i in self._lane_members(p, pool, now))
+
     async def _acquire(self, p: Prepared, exclude: set[str], deadline: float) -> Slot:
         cfg = self.config
         now = time.monotonic()
-        if not any(i.name not in exclude for pool in (p.pools or cfg.pools) for i in self._lane_members(p, pool, now)):
+        if not self._has_candidates(p, exclude):
             lane = "long-lane " if p.long else ""
             raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"no healthy {lane}instance"
                                + (" left to retry on" if exclude else "") + "; retry later")
@@ -400,7 +406,8 @@ class Gateway:
                                                f"response had started ({code.name}: {details}); not retried, since "
                                                "part of the answer was already sent") from None
                         raise GatewayError(code, details) from None
-                    if code in RETRIABLE and attempt < MAX_ATTEMPTS and time.monotonic() < deadline:
+                    if (code in RETRIABLE and attempt < MAX_ATTEMPTS and time.monotonic() < deadline
+                            and self._has_candidates(p, exclude | {inst.name})):
                         log.warning("request %s: %s failed before its first token (%s: %s); retrying elsewhere",
                                     p.request.request_id, inst.name, code.name, details)
                         self.metrics.retries.labels(code.name).inc()

@@ -46,9 +46,10 @@ class Instance:
         self.model_info: pb.ModelInfoResponse | None = None
 
     def view(self, now: float, capacity: int) -> InstanceView:
-        return InstanceView(self.name, self.inflight, self.sent_since_report, self.report,
-                            now - self.report_time if self.report is not None else float("inf"),
-                            self.latency_ewma_s, capacity, self.step_time_s)
+        return InstanceView(self.name, inflight=self.inflight, sent_since_report=self.sent_since_report,
+                            report=self.report,
+                            report_age_s=now - self.report_time if self.report is not None else float("inf"),
+                            latency_ewma_s=self.latency_ewma_s, step_time_s=self.step_time_s, capacity=capacity)
 
     def observe_latency(self, seconds: float) -> None:
         self.latency_ewma_s = seconds if self.latency_ewma_s == 0 else (

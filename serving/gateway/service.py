@@ -98,10 +98,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         out = pb.LoadReport(instance_id="gateway", timestamp=time.time(), serving=not self.draining,
                             draining=self.draining)
         now = time.monotonic()
-        usage = []
         for inst in gw.pools.instances.values():
             r = inst.report
-            if r is None or now - inst.report_time > gw.config.routing.stale_after_s or not gw.health.routable(inst.name):
+            stale = r is None or now - inst.report_time > gw.config.routing.stale_after_s
+            if stale or not gw.health.routable(inst.name):
                 continue
             out.num_waiting += r.num_waiting
             out.num_running += r.num_running
@@ -114,7 +114,6 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             out.max_waiting_requests += r.max_waiting_requests
             out.steps += r.steps
             out.num_preemptions += r.num_preemptions
-            usage.append(r.kv_cache_usage)
         out.kv_cache_usage = 1 - out.kv_pages_free / out.kv_pages_total if out.kv_pages_total else 0.0
         return out
 
