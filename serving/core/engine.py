@@ -60,6 +60,14 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
     ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
     spare_expert_slots: int = 0  # MoE: extra physical slots per layer for replicas of hot experts
+    # Speculative decoding (serving.core.speculative): "" = off, "draft" (speculative_model) or "ngram"
+    speculative_method: str = ""
+    speculative_model: str = ""
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 0
+    speculative_min_acceptance: float = -1.0  # < 0: the break-even rate for k and the draft's cost
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -69,6 +77,19 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
+        if self.speculative_method:
+            self.speculative_config()  # validates
+
+    def speculative_config(self):
+        """The SpeculativeConfig of these settings, or None when speculation is off."""
+        if not self.speculative_method:
+            return None
+        from serving.core.speculative import SpeculativeConfig
+        return SpeculativeConfig(
+            method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
+            model=self.speculative_model, prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max, disable_by_batch_size=self.speculative_disable_by_batch_size,
+            min_acceptance=self.speculative_min_acceptance)
 
     def token_buckets(self) -> list[int]:
         out, t = [], min(self.min_token_bucket, self.max_num_batched_tokens)
@@ -244,6 +265,11 @@ class Engine:
         self.last_step_time_s = 0.0
         self.last_step: StepRecord | None = None  # the step collected by the latest step() call
         self._pending: tuple | None = None  # (scheduler output, device result, start) of the step in flight
+        self._pending_spec = None  # the SpecPlan of the step in flight when it speculated
+        self.spec = None  # SpeculativeDecoder when speculative decoding is on
+        if config.speculative_method:
+            from serving.core.speculative import SpeculativeDecoder
+            self.spec = SpeculativeDecoder(self, config.speculative_config())
         self._current: SchedulerOutput | None = None  # the step being launched
 
     # ------------------------------------------------------------------ device side
@@ -372,6 +398,8 @@ class Engine:
                 for n in (0, MAX_LOGPROBS):
                     self._run_sample(logits, st, n).block_until_ready()
                     self.compile_count += 1
+        if self.spec is not None:
+            self.compile_count += self.spec.warmup()
         self.compile_time_s = time.perf_counter() - t0
         log.info("compiled %d programs for token buckets %s in %.1fs", self.compile_count, self.buckets,
                  self.compile_time_s)
@@ -429,6 +457,14 @@ class Engine:
 
     def _launch(self, sched: SchedulerOutput) -> None:
         cfg = self.config
+        if self.spec is not None:
+            t0 = time.perf_counter()
+            launched = self.spec.launch(sched)
+            if launched is not None:
+                packed, self._pending_spec = launched
+                packed.copy_to_host_async()
+                self._pending = (sched, packed, t0)
+                return
         t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
         arrays = self._batch_builder.build(sched.scheduled, num_tokens=t_bucket, num_seqs=s_bucket)
         sampled = sched.scheduled
@@ -460,6 +496,12 @@ class Engine:
                                     end - (time.perf_counter() - t0), end, device_times)
         self.step_count += 1
         n = len(sched.scheduled)
+        plan, self._pending_spec = self._pending_spec, None
+        if plan is not None:  # speculative step: several tokens per sequence, rejected K/V rolled back
+            results = self.scheduler.update(sched, self.spec.accept(sched, plan, host))
+            self.spec.after_update(plan)
+            no_logprobs = np.zeros(2, np.float32)
+            return [(o, no_logprobs) for o in results]
         results = self.scheduler.update(sched, host[:n, 0].astype(np.int64))
         rows = {s.request_id: i for i, s in enumerate(sched.scheduled)}
         return [(o, host[rows[o.request_id]]) for o in results]
@@ -496,7 +538,10 @@ class Engine:
             if sched is not None:
                 victims.update(s.request_id for s in sched.scheduled)
         self._pending = None
+        self._pending_spec = None
         self._current = None
+        if self.spec is not None:
+            self.spec.on_failure()
         if any(kv.is_deleted() for kv in self.kv_caches):
             victims.update(self.scheduler.requests)
             lost = True
