@@ -406,3 +406,28 @@ def test_kill9_under_load_retries_unstarted_and_fails_started(model_dir, instanc
     finally:
         victim.proc.kill()
         victim.proc.wait()
+
+
+def test_tenant_pools_spill_over_and_draining_instance_removed(instances, gateways):
+    gw = gateways({"pools": [{"name": "p1", "instances": [{"name": "i0", "target": instances[0].target}]},
+                             {"name": "p2", "instances": [{"name": "i1", "target": instances[1].target}]}],
+                   "tenants": [{"name": "t", "api_keys": ["kt"], "pools": ["p1", "p2"]}], "admin_keys": ["ka"],
+                   "admission": {"max_inflight_per_instance": 1},
+                   "isolation": {"window_s": 0.3, "healthy_windows": 2}})
+    wait_reports(gw, ["i0", "i1"], "ka")
+    instances[0].set_delay(0.05)
+    results = _stream_all(gw.target, [dict(prompt=prompt(500 + k), max_tokens=10, ignore_eos=True)
+                                      for k in range(2)], metadata=_md("kt"))
+    assert all(not isinstance(r[0], ClientError) for r in results), results
+    listed = gw.instances("ka")
+    assert listed["i0"].routed_total == 1 and listed["i1"].routed_total == 1  # p1 full: spilled to p2
+    metrics = urllib.request.urlopen(gw.metrics_url).read().decode()
+    assert 'meshserve:gateway_spillovers_total{pool="p2"} 1.0' in metrics
+    # An instance that drains (its own Drain RPC: health NOT_SERVING) is taken out, and back after resuming.
+    with Client(instances[1].target) as c:
+        c.drain()
+        try:
+            wait_for(lambda: gw.instances("ka")["i1"].state == "failed", 10, what="draining instance removed")
+        finally:
+            c.drain(resume=True)
+    wait_for(lambda: gw.instances("ka")["i1"].state == "healthy", 10, what="readmitted")

@@ -158,6 +158,11 @@ class Gateway:
 
     # ------------------------------------------------------------------ instance events
     def _on_report(self, inst: Instance) -> None:
+        r = inst.report
+        if not r.serving and self.health.state(inst.name) == HEALTHY:
+            # Starting, draining or its engine died: out until it serves again for M windows.
+            self._record(self.health.mark_failed(inst.name, "its load report says not serving" + (
+                " (draining)" if r.draining else "")))
         if not self.limits.vocab_size and inst.model_info is not None:
             mi = inst.model_info
             self.limits = ModelLimits(vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
@@ -225,7 +230,7 @@ class Gateway:
             ok = await inst.health_check(iso.health_check_timeout_s)
             if state == FAILED:
                 age = time.monotonic() - inst.report_time
-                fresh = inst.report is not None and age <= self.config.routing.stale_after_s
+                fresh = inst.report is not None and age <= self.config.routing.stale_after_s and inst.report.serving
                 self.health.probe_result(inst.name, ok and fresh)
                 return
             gaps, last = [], None
