@@ -56,7 +56,8 @@ def _greedy(engine):
     while engine.has_unfinished():
         for o in engine.step():
             outs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    engine.scheduler.block_manager.check_idle()
+    for e in getattr(engine, "replicas", [engine]):
+        e.scheduler.block_manager.check_idle()
     return [outs[f"r{i}"] for i in range(len(PROMPTS))]
 
 
@@ -119,3 +120,19 @@ def test_hot_expert_replicas_lower_device_load_variance(models, reference):
     assert load_before.sum() == load_after.sum()
     assert var_after < 0.5 * var_before
     assert _greedy(engine) == reference["mixtral"][1]
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, tp=2), dict(dp=4, tp=2)])
+def test_data_parallel_replicas(models, reference, layout):
+    """Independent replicas on the 'data' axis, each with its own sequences, give the single-device outputs."""
+    from serving.core.data_parallel import DataParallelEngine
+    engine = DataParallelEngine(EngineConfig(model=models["llama"], page_size=8, num_pages=128, max_num_seqs=8,
+                                             max_num_batched_tokens=64, min_token_bucket=64,
+                                             enable_prefix_caching=False, **layout))
+    devices = [set(r.kv_caches[0].sharding.device_set) for r in engine.replicas]
+    assert len(devices) == layout["dp"] and all(len(d) == layout.get("tp", 1) for d in devices)
+    assert not set.intersection(*devices)
+    tokens = _greedy(engine)
+    assert tokens == reference["llama"][1]
+    for r in engine.replicas:
+        assert r.step_count > 0  # every replica served some of the requests

@@ -26,7 +26,12 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str, *, warmup: bool = True, **engine_options):
-        self.engine = Engine(EngineConfig(model=model, **engine_options))
+        config = EngineConfig(model=model, **engine_options)
+        if config.dp > 1:
+            from serving.core.data_parallel import DataParallelEngine
+            self.engine = DataParallelEngine(config)
+        else:
+            self.engine = Engine(config)
         if warmup:
             self.engine.warmup()
         self._ids = itertools.count()
