@@ -59,6 +59,7 @@ class EngineConfig:
     debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
     tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
     ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
+    dp: int = 1  # data-parallel replicas inside the instance (serving.core.data_parallel)
     spare_expert_slots: int = 0  # MoE: extra physical slots per layer for replicas of hot experts
     # Speculative decoding (serving.core.speculative): "" = off, "draft" (speculative_model) or "ngram"
     speculative_method: str = ""
@@ -72,7 +73,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket", "tp", "ep"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket", "tp", "ep", "dp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
