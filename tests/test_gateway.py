@@ -262,6 +262,9 @@ def test_callback_allow_list_and_job_store(tmp_path):
     store.close()
     store = JobStore(str(tmp_path / "jobs.sqlite"))  # reopened: as after a restart
     assert store.unfinished() == ["j1"] and store.get("j1").attempts == 1
+    store.insert("j2", "acme", generate_request([3]), "http://hooks.x/cb")
+    store.update("j2", state=gpb.JOB_STATE_SUCCEEDED)
+    assert store.undelivered() == ["j2"]  # its callback is sent at the next start
     assert list(store.request("j1").token_ids.ids) == [1, 2]
     assert store.get("nope") is None
 

@@ -85,6 +85,12 @@ class JobStore:
         row = self.db.execute("SELECT request FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         return pb.GenerateRequest.FromString(row[0])
 
+    def undelivered(self) -> list[str]:
+        """Finished jobs whose callback was never attempted (the gateway stopped in between)."""
+        return [r[0] for r in self.db.execute("SELECT job_id FROM jobs WHERE state IN (?, ?) AND callback_url != '' "
+                                              "AND callback_status = '' ORDER BY created",
+                                              (gpb.JOB_STATE_SUCCEEDED, gpb.JOB_STATE_FAILED))]
+
     def unfinished(self) -> list[str]:
         return [r[0] for r in self.db.execute("SELECT job_id FROM jobs WHERE state IN (?, ?) ORDER BY created",
                                               (gpb.JOB_STATE_QUEUED, gpb.JOB_STATE_RUNNING))]
@@ -119,6 +125,11 @@ class JobManager:
         for job_id in ids:
             log.info("job %s: resumed after a restart", job_id)
             self._spawn(job_id)
+        for job_id in self.store.undelivered():
+            log.info("job %s: callback sent after a restart", job_id)
+            task = asyncio.ensure_future(self._callback(self.store.get(job_id)))
+            self._tasks[job_id] = task
+            task.add_done_callback(lambda _, j=job_id: self._tasks.pop(j, None))
         return len(ids)
 
     async def stop(self) -> None:
@@ -166,7 +177,7 @@ class JobManager:
     def _spawn(self, job_id: str) -> None:
         task = asyncio.ensure_future(self._execute(job_id))
         self._tasks[job_id] = task
-        task.add_done_callback(lambda _: self._tasks.pop(job_id, None))
+        task.add_done_callback(lambda _, j=job_id: self._tasks.pop(j, None))
 
     async def _execute(self, job_id: str) -> None:
         job = self.store.get(job_id)
