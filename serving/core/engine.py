@@ -60,6 +60,8 @@ class EngineConfig:
     tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
     ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
     dp: int = 1  # data-parallel replicas inside the instance (serving.core.data_parallel)
+    pp: int = 1  # pipeline stages (serving.core.pipeline_engine)
+    micro_batches: int = 0  # pipeline micro-batches per step; 0 = pp
     spare_expert_slots: int = 0  # MoE: extra physical slots per layer for replicas of hot experts
     # Speculative decoding (serving.core.speculative): "" = off, "draft" (speculative_model) or "ngram"
     speculative_method: str = ""
@@ -73,7 +75,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket", "tp", "ep", "dp"):
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "min_token_bucket", "tp", "ep", "dp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
@@ -373,6 +375,10 @@ class Engine:
         with mesh_context(self.mesh):
             return self._sample_fn(logits, st, max_logprobs)
 
+    def _step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
+        """Host-side. The step's input arrays, padded to the bucket (subclasses lay them out differently)."""
+        return self._batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs)
+
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
         for t in self.buckets:
             if t >= num_tokens:
@@ -388,8 +394,7 @@ class Engine:
                     SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1)]
         for t in self.buckets:
             s = min(t, self.config.max_num_seqs)
-            arrays = build_batch_arrays([], page_size=self.config.page_size, num_tokens=t, num_seqs=s,
-                                        max_pages=self.max_pages)
+            arrays = self._step_arrays([], t, s)
             logits, self.kv_caches = self._run_forward(arrays)
             self.compile_count += 1
             for params in variants:
@@ -467,7 +472,7 @@ class Engine:
                 self._pending = (sched, packed, t0)
                 return
         t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
-        arrays = self._batch_builder.build(sched.scheduled, num_tokens=t_bucket, num_seqs=s_bucket)
+        arrays = self._step_arrays(sched.scheduled, t_bucket, s_bucket)
         sampled = sched.scheduled
         st = self._sampling_tensors([s.request for s in sampled], s_bucket)
         st = dataclasses.replace(st, valid=st.valid & np.array(

@@ -27,7 +27,10 @@ class Completion:
 class LLM:
     def __init__(self, model: str, *, warmup: bool = True, **engine_options):
         config = EngineConfig(model=model, **engine_options)
-        if config.dp > 1:
+        if config.pp > 1:
+            from serving.core.pipeline_engine import PipelineEngine
+            self.engine = PipelineEngine(config)
+        elif config.dp > 1:
             from serving.core.data_parallel import DataParallelEngine
             self.engine = DataParallelEngine(config)
         else:

@@ -1,0 +1,106 @@
+"""PipelineEngine: the Engine with its decoder layers split into stages over the mesh's 'pipeline' axis.
+
+Each step's flat token batch is cut into micro-batches that flow through the stages (sharding.pipeline);
+embedding, final norm and logits run outside the pipeline on the whole step. Everything else (scheduler,
+sampling, buckets, warm-up) is the Engine's. The bubble fraction of the schedule is exported as
+`bubble_fraction`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.batch import RaggedBatch
+from pallas_kernels.metadata import AttentionMetadata
+from serving.core.batch_builder import build_batch_arrays
+from serving.core.engine import Engine, EngineConfig
+from sharding import pipeline
+from sharding.rules import MESH_AXES
+
+_MD_FIELDS = ("positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
+
+
+def make_pipeline_mesh(pp: int, tp: int = 1, devices=None) -> jax.sharding.Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if pp * tp > len(devices):
+        raise ValueError(f"pp={pp} x tp={tp} needs {pp * tp} devices; {len(devices)} available")
+    return jax.make_mesh((1, pp, tp, 1), MESH_AXES, devices=devices[:pp * tp],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+
+
+class PipelineEngine(Engine):
+    def __init__(self, config: EngineConfig, mesh=None):
+        pp = config.pp
+        self.num_micro = config.micro_batches or pp
+        if config.ep > 1 or config.dp > 1:
+            raise ValueError("pipeline parallelism combines with tensor parallelism only (pp x tp)")
+        mesh = mesh or make_pipeline_mesh(pp, config.tp)
+        if config.min_token_bucket < self.num_micro:
+            config = dataclasses.replace(config, min_token_bucket=self.num_micro)
+        super().__init__(config, mesh=mesh)
+        mc = self.model_config
+        if mc.is_moe:
+            raise ValueError("pipeline parallelism is not implemented for MoE models; use ep (and tp)")
+        self.stages = pipeline.stage_layers(mc.num_layers, pp)
+        model = nnx.merge(self.graphdef, self.state)
+        layer_graphdefs = {str(nnx.split(layer)[0]) for layer in model.layers}
+        if len(layer_graphdefs) != 1:
+            raise ValueError("pipeline parallelism needs identical layers (e.g. no per-layer sliding windows)")
+        self.layer_graphdef = nnx.split(model.layers[0])[0]
+        outer = {"embed_tokens": model.embed_tokens, "norm": model.norm}
+        if not mc.tie_word_embeddings:
+            outer["lm_head"] = model.lm_head
+        self.norm_graphdef = nnx.split(model.norm)[0]
+        layer_states = [nnx.split(layer)[1] for layer in model.layers]
+        self.state = {"outer": {"embed": model.embed_tokens.get_value(), "norm": nnx.split(model.norm)[1],
+                                "lm_head": None if mc.tie_word_embeddings else model.lm_head.get_value()},
+                      "slots": pipeline.stack_stage_slots(layer_states, pp, mesh)}
+        # One KV buffer per slot: [pp, pages, page_size, 2*kv_heads, head_dim], the stage axis over 'pipeline'.
+        heads = self._kv_sharding.spec[2] if self._kv_sharding is not None else None
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pipeline", None, None, heads, None))
+        shape = (pp,) + self.kv_caches[0].shape
+        self.kv_caches = [jnp.zeros(shape, self.kv_caches[0].dtype, device=sharding)
+                          for _ in range(len(self.stages[0]))]
+        self._kv_sharding = sharding
+        self.bubble_fraction = pipeline.bubble_fraction(pp, self.num_micro)
+        self._run = pipeline.pipelined(self._stage, pp, self.num_micro)
+        del model
+
+    def _stage(self, params, caches, x, md, valid):
+        """Pure. This device's stage layers on one micro-batch."""
+        attention = AttentionMetadata(slot_mapping=jnp.where(valid, md["slot_mapping"], -1), kv_lens=md["kv_lens"],
+                                      page_indices=md["page_indices"], cu_q_lens=md["cu_q_lens"],
+                                      num_seqs=md["num_seqs"])
+        batch = RaggedBatch(input_ids=md["positions"], positions=md["positions"], attention=attention,
+                            logits_indices=md["kv_lens"])
+        new = []
+        for state, kv in zip(params, caches):
+            layer = nnx.merge(self.layer_graphdef, state)
+            x, kv = layer(x, md["positions"], kv, batch)
+            new.append(kv)
+        return x, new
+
+    def _forward(self, state, kv_caches, arrays, expert_load):
+        outer, micro = state["outer"], arrays["micro"]
+        m, tm = micro["positions"].shape
+        x = outer["embed"][arrays["input_ids"]].reshape(m, tm, -1)
+        y, kv_caches = self._run(state["slots"], kv_caches, x, {k: micro[k] for k in _MD_FIELDS})
+        hidden = nnx.merge(self.norm_graphdef, outer["norm"])(y.reshape(m * tm, -1))[arrays["logits_indices"]]
+        head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
+        return (hidden @ head).astype(jnp.float32), kv_caches, expert_load
+
+    def _step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
+        """The whole step's input ids and logits rows, plus per-micro-batch metadata stacked on [M]."""
+        cfg = self.config
+        full = build_batch_arrays(chunks, page_size=cfg.page_size, num_tokens=num_tokens, num_seqs=num_seqs,
+                                  max_pages=self.max_pages)
+        tm = num_tokens // self.num_micro
+        sm = min(tm, cfg.max_num_seqs)
+        parts = [build_batch_arrays(p, page_size=cfg.page_size, num_tokens=tm, num_seqs=sm, max_pages=self.max_pages)
+                 for p in pipeline.split_micro_batches(chunks, num_tokens, self.num_micro)]
+        micro = {k: np.stack([p[k] for p in parts]) for k in _MD_FIELDS}
+        return {"input_ids": full["input_ids"], "logits_indices": full["logits_indices"], "micro": micro}
