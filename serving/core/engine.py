@@ -229,6 +229,9 @@ class Engine:
         else:
             per_page = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * jnp.dtype(dtype).itemsize * \
                 config.page_size
+            if config.speculative_method == "draft":  # the draft's pages share the budget (same page ids)
+                from serving.core.speculative import draft_kv_bytes_per_page
+                per_page += draft_kv_bytes_per_page(config.speculative_model, config.dtype, config.page_size)
             num_pages = max(1, int(config.kv_cache_memory_gb * (1 << 30) // per_page))
         max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                             num_pages * config.page_size)
@@ -520,8 +523,15 @@ class Engine:
             top = [(int(row[2 + j]), float(row[2 + MAX_LOGPROBS + j])) for j in range(n)]
             logprobs = [Logprob(int(row[0]), float(row[1]), top)]
         d = self._detoks.get(r.request_id)
-        text, hit = d.add(out.new_token_ids, out.finished) if d else ("", None)
+        trimmed = False
+        if d is not None and d.stops and len(out.new_token_ids) > 1:
+            # speculative: several tokens, none past a stop string
+            text, hit, trimmed = self._add_until_stop(d, out)
+        else:
+            text, hit = d.add(out.new_token_ids, out.finished) if d else ("", None)
         finished, reason, stop_reason = out.finished, out.finish_reason, out.stop_reason
+        if trimmed and finished:  # it ended on a later token (EOS, length): the stop string came first
+            reason, stop_reason = r.finish_reason, r.stop_reason = FinishReason.STOP, hit
         if hit is not None and not finished:
             # The step in flight may hold a token for it; update() drops tokens of finished requests.
             self.scheduler.finish_request(r.request_id, FinishReason.STOP, stop_reason=hit)
@@ -529,6 +539,25 @@ class Engine:
         if finished:
             self._detoks.pop(r.request_id, None)
         return StepOutput(r.request_id, out.new_token_ids, text, finished, reason, stop_reason, logprobs, r)
+
+    @staticmethod
+    def _add_until_stop(d: _Detok, out: RequestOutput) -> tuple[str, str | None, bool]:
+        """Detokenizes a multi-token step one token at a time; at a stop string the tokens after it are dropped
+        (from the output and the request) so a speculative step never emits past it."""
+        tokens = out.new_token_ids
+        pieces = []
+        for i, t in enumerate(tokens):
+            text, hit = d.add([t], out.finished and i == len(tokens) - 1)
+            pieces.append(text)
+            if hit is not None:
+                extra = len(tokens) - i - 1
+                if extra:
+                    r = out.request
+                    del r.token_ids[len(r.token_ids) - extra:]
+                    del r.metrics.token_times[len(r.metrics.token_times) - extra:]
+                    del tokens[i + 1:]
+                return "".join(pieces), hit, extra > 0
+        return "".join(pieces), None, False
 
     def _final(self, out: RequestOutput) -> StepOutput:
         d = self._detoks.pop(out.request_id, None)

@@ -92,6 +92,25 @@ def ngram_propose(token_ids: Sequence[int] | np.ndarray, k: int, n_min: int, n_m
     return []
 
 
+def draft_kv_bytes_per_page(draft_model: str, dtype: str, page_size: int) -> int:
+    """KV bytes one page costs in the draft's cache (the draft keeps a buffer per layer, with the target's pages)."""
+    from sharding.ledger import ModelMemory, load_config
+    _, cfg = load_config(model=draft_model)
+    return ModelMemory(cfg, dtype).kv_bytes_per_token * page_size
+
+
+def draft_memory(draft_model: str, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None) -> dict:
+    """The draft's memory per device from the ledger (sharding.ledger): weights and its KV buffers for
+    `num_pages` pages, bytes."""
+    from sharding.ledger import Layout, ModelMemory, load_config
+    _, cfg = load_config(model=draft_model)
+    mm = ModelMemory(cfg, dtype)
+    layout = Layout.of(mesh_shape or {})
+    weights = mm.stage_weight_bytes(layout, 0)
+    kv = num_pages // layout.dp * page_size * mm.stage_kv_bytes_per_token(layout, 0)
+    return dict(weights=weights, kv_cache=kv, total=weights + kv, params=mm.num_params)
+
+
 # ------------------------------------------------------------------------------------------------ device side
 def _expand_rows(t: sampling.SamplingTensors, repeats: int) -> sampling.SamplingTensors:
     """Pure. Each slot's parameters repeated for `repeats` consecutive positions (step + j for position j)."""

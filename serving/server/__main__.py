@@ -46,6 +46,17 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_float, "priority_ageing_s", 10.0, "Ageing of lower priority classes, seconds per class.")
     d(flags.DEFINE_integer, "seed", 0, "Seed for requests that bring none.")
     d(flags.DEFINE_float, "debug_step_delay_s", 0.0, "Adds this much to every engine step (simulates a slow device).")
+    d(flags.DEFINE_enum, "speculative_method", "", ["", "draft", "ngram"],
+      "Speculative decoding: 'draft' (--speculative_model proposes), 'ngram' (prompt lookup); empty: off.")
+    d(flags.DEFINE_string, "speculative_model", "", "Draft model directory (same tokenizer as --model).")
+    d(flags.DEFINE_integer, "num_speculative_tokens", 4, "Draft tokens per speculating sequence per step (k).")
+    d(flags.DEFINE_integer, "prompt_lookup_min", 1, "Shortest n-gram prompt lookup matches (--speculative_method=ngram).")
+    d(flags.DEFINE_integer, "prompt_lookup_max", 4, "Longest n-gram prompt lookup matches (--speculative_method=ngram).")
+    d(flags.DEFINE_integer, "speculative_disable_by_batch_size", 0,
+      "No speculation while this many requests or more are running; 0: never switched off by batch size.")
+    d(flags.DEFINE_float, "speculative_min_acceptance", -1.0,
+      "A request stops speculating (for a back-off period) when its acceptance rate falls below this; < 0: the "
+      "break-even rate for k and the draft's cost.")
     d(flags.DEFINE_string, "host", "0.0.0.0", "Address to listen on.")
     d(flags.DEFINE_integer, "port", 50051, "gRPC port; 0: any free port.")
     d(flags.DEFINE_integer, "metrics_port", 9090, "Prometheus port; 0: any free port; -1: none.")
@@ -83,19 +94,27 @@ def _setup_logging(fmt: str) -> None:
 
 
 def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page_size: int,
-                            max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1, ep: int = 1) -> int:
+                            max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1, ep: int = 1,
+                            draft_model: str = "") -> int:
     """KV pages that fit in this instance's share of the device, `fraction` of its memory (vLLM's per-instance
     gpu_memory_utilization; at most what is free now), after the weights and the largest step's activations and
-    buffers (sharding.ledger)."""
-    from sharding.ledger import device_memory, load_config, plan_kv_pages
+    buffers (sharding.ledger); with a draft model, after its weights too, each page paying for both caches."""
+    from sharding.ledger import Layout, ModelMemory, device_memory, load_config, plan_kv_pages
     _, model_config = load_config(model=model_dir)
     mem = device_memory()
     budget = min(int(fraction * mem.total), mem.free)  # this instance's share, as far as it is free
+    mesh_shape = {"tensor": tp, "expert": ep}
+    share = 1.0
+    if draft_model:
+        from serving.core.speculative import draft_memory
+        draft = draft_memory(draft_model, dtype=dtype, page_size=page_size, num_pages=1, mesh_shape=mesh_shape)
+        budget -= draft["weights"]
+        target_kv = ModelMemory(model_config, dtype).stage_kv_bytes_per_token(Layout.of(mesh_shape), 0)
+        share = target_kv / (target_kv + draft["kv_cache"] / page_size)
     try:
-        return plan_kv_pages(model_config, dtype=dtype, page_size=page_size, free_bytes=budget,
-                             mesh_shape={"tensor": tp, "expert": ep},
-                             weights_loaded=False, reserve_fraction=0.0, max_batched_tokens=max_num_batched_tokens,
-                             max_seqs=max_num_seqs)
+        return int(share * plan_kv_pages(model_config, dtype=dtype, page_size=page_size, free_bytes=budget,
+                                         mesh_shape=mesh_shape, weights_loaded=False, reserve_fraction=0.0,
+                                         max_batched_tokens=max_num_batched_tokens, max_seqs=max_num_seqs))
     except ValueError as e:
         raise app.UsageError(f"--kv_cache_memory_fraction={fraction}: {e}") from e
 
@@ -108,7 +127,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
     if f.kv_cache_memory_fraction > 0 and not num_pages:
         num_pages = num_pages_from_fraction(
             f.kv_cache_memory_fraction, f.model, dtype=f.dtype, page_size=f.page_size,
-            max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs, tp=f.tp, ep=f.ep)
+            max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs, tp=f.tp, ep=f.ep,
+            draft_model=f.speculative_model if f.speculative_method == "draft" else "")
         logging.getLogger("serving.server").info("--kv_cache_memory_fraction=%g: %d KV pages",
                                                  f.kv_cache_memory_fraction, num_pages)
     engine_config = EngineConfig(
@@ -119,7 +139,11 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         enable_prefix_caching=f.enable_prefix_caching, max_waiting_requests=f.max_waiting_requests,
         max_waiting_tokens=f.max_waiting_tokens, long_prompt_threshold=f.long_prompt_threshold,
         max_long_prefills=f.max_long_prefills, priority_ageing_s=f.priority_ageing_s, seed=f.seed,
-        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep)
+        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep,
+        speculative_method=f.speculative_method, speculative_model=f.speculative_model,
+        num_speculative_tokens=f.num_speculative_tokens, prompt_lookup_min=f.prompt_lookup_min,
+        prompt_lookup_max=f.prompt_lookup_max, speculative_disable_by_batch_size=f.speculative_disable_by_batch_size,
+        speculative_min_acceptance=f.speculative_min_acceptance)
     server_config = ServerConfig(
         host=f.host, port=f.port, metrics_port=f.metrics_port, warmup=f.warmup, drain_grace_s=f.drain_grace_s,
         max_request_bytes=f.max_request_bytes, retry_after_s=f.retry_after_s, instance_id=f.instance_id,

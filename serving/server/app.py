@@ -58,8 +58,12 @@ class InstanceServer:
         self.aengine = AsyncEngine(engine)
         self.tracer = RequestTracer(make_tracer_provider(config.service_name, otlp_endpoint=config.otlp_endpoint,
                                                          exporter=span_exporter))
-        self.metrics = ServerMetrics(os.path.basename(os.path.normpath(engine.config.model)) or "model",
-                                     engine.scheduler.stats)
+        stats = engine.scheduler.stats
+        spec = getattr(engine, "spec", None)
+        if spec is not None:
+            stats = lambda: {**engine.scheduler.stats(), **spec.stats()}  # noqa: E731
+        self.metrics = ServerMetrics(os.path.basename(os.path.normpath(engine.config.model)) or "model", stats,
+                                     num_speculative_tokens=spec.k if spec is not None else 0)
         self.load_tracker = LoadTracker(self.metrics, self.tracer)
         self.aengine.step_listeners.append(self.load_tracker)
         self.health = health.aio.HealthServicer()

@@ -29,8 +29,10 @@ FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None):
-        """engine_stats() returns the scheduler's stats() (read at scrape time; plain integer reads)."""
+    def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None,
+                 num_speculative_tokens: int = 0):
+        """engine_stats() returns the scheduler's stats() (read at scrape time; plain integer reads), plus the
+        speculative decoder's stats() when num_speculative_tokens > 0 (then the spec_decode_* series exist)."""
         self.registry = registry or CollectorRegistry()
         self._engine_stats = engine_stats
         self._lock = threading.Lock()
@@ -107,6 +109,21 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         self._mirrored = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        self._spec_counters: dict[str, Counter] = {}
+        self._spec_per_pos = None
+        if num_speculative_tokens:  # vLLM's spec-decode series (created only when speculation is on, as there)
+            for key, doc in (("spec_decode_num_drafts", "Speculative rounds (sequences that proposed drafts)."),
+                             ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+                             ("spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.")):
+                self._spec_counters[key] = Counter(PREFIX + key, doc, labels, registry=r)
+                self._spec_counters[key].labels(model_name)
+                self._mirrored[key] = 0
+            self._spec_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in the draft (0 = first).",
+                                         labels + ["position"], registry=r)
+            for pos in range(num_speculative_tokens):
+                self._spec_per_pos.labels(model_name, str(pos))
+            self._mirrored_per_pos = [0] * num_speculative_tokens
 
     def _stat(self, key: str) -> float:
         with self._lock:
@@ -124,6 +141,17 @@ class ServerMetrics:
                 if delta > 0:
                     counter.labels(self.model_name).inc(delta)
                     self._mirrored[key] += delta
+            for key, counter in self._spec_counters.items():
+                delta = int(stats.get(key, 0)) - self._mirrored[key]
+                if delta > 0:
+                    counter.labels(self.model_name).inc(delta)
+                    self._mirrored[key] += delta
+            if self._spec_per_pos is not None:
+                for pos, value in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos", ())):
+                    delta = int(value) - self._mirrored_per_pos[pos]
+                    if delta > 0:
+                        self._spec_per_pos.labels(self.model_name, str(pos)).inc(delta)
+                        self._mirrored_per_pos[pos] += delta
 
     def observe_step(self, num_tokens: int, device_step_times_s: dict[str, float]) -> None:
         self.step_tokens.labels(self.model_name).inc(num_tokens)
