@@ -6,7 +6,6 @@ import torch
 import transformers as tf
 
 from models.batch import SeqChunk
-from serving.core.batch_builder import build_batch_arrays
 from serving.core.engine import Engine, EngineConfig
 from serving.core.sampling_params import SamplingParams
 from tests import hf_models
@@ -29,6 +28,8 @@ def models(tmp_path_factory):
     return {
         # 8 query heads, 2 KV heads: TP 4 and 8 replicate the KV heads.
         "llama": _save(root / "llama", tf.LlamaConfig(**common)),
+        # 4 layers, so that 4 pipeline stages hold one layer each.
+        "llama4": _save(root / "llama4", tf.LlamaConfig(**{**common, "num_hidden_layers": 4})),
         "mixtral": _save(root / "mixtral", tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)),
         "qwen2_moe": _save(root / "qwen2_moe", tf.Qwen2MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
@@ -44,8 +45,7 @@ def _engine(path, **kw):
 
 def _prompt_logits(engine):
     chunks = [SeqChunk(p, 0, list(range(i * 6, i * 6 + 6))) for i, p in enumerate(PROMPTS[:2])]
-    arrays = build_batch_arrays(chunks, page_size=8, num_tokens=64, num_seqs=8, max_pages=engine.max_pages)
-    logits, engine.kv_caches = engine._run_forward(arrays)
+    logits, engine.kv_caches = engine._run_forward(engine._step_arrays(chunks, 64, 8))
     return np.asarray(logits)[:2]
 
 
@@ -136,3 +136,27 @@ def test_data_parallel_replicas(models, reference, layout):
     assert tokens == reference["llama"][1]
     for r in engine.replicas:
         assert r.step_count > 0  # every replica served some of the requests
+
+
+@pytest.mark.parametrize("name, layout", [("llama", dict(pp=2)), ("llama4", dict(pp=4)), ("llama4", dict(pp=2, tp=2)),
+                                          ("llama", dict(pp=2, micro_batches=4))])
+def test_pipeline_parallel(models, reference, name, layout):
+    """Stages over 'pipeline' with micro-batches: the single-device logits and greedy tokens."""
+    from serving.core.pipeline_engine import PipelineEngine
+    from sharding.pipeline import bubble_fraction
+    cfg = EngineConfig(model=models[name], page_size=8, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
+                       min_token_bucket=64, enable_prefix_caching=False, **layout)
+    engine = PipelineEngine(cfg)
+    pp = layout["pp"]
+    m = layout.get("micro_batches", pp)
+    assert engine.bubble_fraction == bubble_fraction(pp, m) == (pp - 1) / (m + pp - 1)
+    kv = engine.kv_caches[0]
+    assert kv.sharding.spec[0] == "pipeline" and kv.addressable_shards[0].data.shape[0] == 1
+    w = engine.state["slots"][0]["self_attn"]["q_proj"].get_value()
+    assert w.shape[0] == pp and w.sharding.spec[0] == "pipeline"
+    if name not in reference:
+        eng = _engine(models[name])
+        reference[name] = (_prompt_logits(eng), _greedy(_engine(models[name])))
+    logits_ref, tokens_ref = reference[name]
+    np.testing.assert_allclose(_prompt_logits(engine), logits_ref, atol=1e-4, rtol=1e-4)
+    assert _greedy(PipelineEngine(cfg)) == tokens_ref
