@@ -1,0 +1,121 @@
+"""`python -m serving.bench serve --sweep`: the serving benchmark at several request rates against a local server
+on the ~125M Llama (float32, random weights), then the same workload through the offline engine in-process, for
+the overhead of the gRPC path (output throughput, gRPC at rate inf / offline). Prints both tables.
+
+Prefix caching is off on both sides so repeating the prompts at every rate measures the same work each time.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+
+from serving.bench import serve
+
+# The engine of both sides (as serving/bench/offline.py runs it, with fewer pages: 32 x 192 tokens fit in 512).
+ENGINE_OPTIONS = dict(dtype="float32", page_size=16, num_pages=1024, max_num_seqs=16, max_num_batched_tokens=256,
+                      min_token_bucket=16, enable_prefix_caching=False)
+
+
+def _server_flags() -> list[str]:
+    out = []
+    for k, v in ENGINE_OPTIONS.items():
+        out.append(f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}")
+    return out
+
+
+def _cell(c) -> str:
+    if not isinstance(c, float):
+        return str(c)
+    return f"{c:.0f}" if abs(c) >= 100 else f"{c:.1f}" if abs(c) >= 10 else f"{c:.3g}"
+
+
+def _table(title: str, header: list[str], rows: list[list]) -> None:
+    print(f"\n## {title}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(_cell(c) for c in r) + " |")
+    sys.stdout.flush()
+
+
+def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
+    """The requests all at once through LLM.generate (after one warm-up request), as the gRPC run at rate inf."""
+    import jax
+
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    from serving.server.testing import COMPILATION_CACHE_DIR
+    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR)  # the server compiled the same programs
+    llm = LLM(model, **ENGINE_OPTIONS)
+    params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    llm.generate([requests[0].prompt], params[:1])
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in requests], params)
+    duration = time.perf_counter() - t0
+    total_out = sum(len(o.token_ids) for o in outs)
+    total_in = sum(r.prompt_len for r in requests)
+    return {"duration": duration, "total_output_tokens": total_out, "output_throughput": total_out / duration,
+            "total_token_throughput": (total_in + total_out) / duration, "request_throughput": len(outs) / duration}
+
+
+def main() -> None:
+    from serving.bench.offline import model_dir
+    from serving.server.testing import ServerProcess
+    rates = [float(x) for x in serve._SWEEP_RATES.value]
+    n, n_in, n_out = serve._SWEEP_NUM_PROMPTS.value, serve._SWEEP_INPUT_LEN.value, serve._SWEEP_OUTPUT_LEN.value
+    model = model_dir("float32")
+    print(json.dumps({"sweep_rates": serve._SWEEP_RATES.value, "num_prompts": n, "input_len": n_in,
+                      "output_len": n_out, "engine": ENGINE_OPTIONS, "cpus": os.cpu_count(),
+                      "load": os.getloadavg()}), flush=True)
+    workdir = tempfile.mkdtemp(prefix="meshserve-sweep-")
+    t_start = time.perf_counter()
+    # The platform the caller chose (ServerProcess pins CPU for tests).
+    server = ServerProcess(model, workdir, *_server_flags(), env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")})
+    results = []
+    try:
+        server.wait_ready(timeout=1800)
+        print(f"server ready in {time.perf_counter() - t_start:.0f} s at {server.target}", flush=True)
+        requests = serve.load_requests(server.target, "random", n, seed=serve._SEED.value, input_len=n_in,
+                                       output_len=n_out)
+        for rate in rates:
+            r = serve.benchmark(server.target, requests, request_rate=rate, seed=serve._SEED.value,
+                                goodput=serve._GOODPUT.value, progress=not serve._DISABLE_TQDM.value)
+            print(f"\nrate {r['request_rate']} req/s:\n{serve.format_table(r)}", flush=True)
+            results.append(r)
+    finally:
+        rc = server.terminate()
+        if rc != 0:
+            print(f"the server exited with {rc}; its log: {server.log_path}", flush=True)
+    rows = [[r["request_rate"], r["completed"], r["failed"], r["median_ttft_ms"], r["p99_ttft_ms"],
+             r["median_tpot_ms"], r["p99_tpot_ms"], r["request_throughput"], r["output_throughput"],
+             r["total_token_throughput"]] for r in results]
+    _table(f"Serving sweep over gRPC: ~125M Llama float32, {n} requests x ({n_in} in, {n_out} out), "
+           f"max_num_seqs {ENGINE_OPTIONS['max_num_seqs']}",
+           ["rate (req/s)", "completed", "failed", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)",
+            "req/s", "output tok/s", "total tok/s"], rows)
+
+    offline = offline_throughput(model, requests)
+    # The all-at-once run is the offline engine's workload; without one, the fastest rate.
+    inf_runs = [r for r in results if r["request_rate"] == "inf"]
+    grpc = inf_runs[-1] if inf_runs else max(results, key=lambda r: r["output_throughput"])
+    ratio = grpc["output_throughput"] / offline["output_throughput"]
+    _table("gRPC path vs offline engine, same workload all at once",
+           ["path", "duration (s)", "output tok/s", "total tok/s"],
+           [[f"gRPC (rate {grpc['request_rate']})", grpc["duration"], grpc["output_throughput"],
+             grpc["total_token_throughput"]],
+            ["offline LLM.generate", offline["duration"], offline["output_throughput"],
+             offline["total_token_throughput"]],
+            ["ratio gRPC / offline", grpc["duration"] / offline["duration"], ratio,
+             grpc["total_token_throughput"] / offline["total_token_throughput"]]])
+    print(f"\nsweep took {time.perf_counter() - t_start:.0f} s; load average now {os.getloadavg()}", flush=True)
+    if serve._RESULT_JSON.value:
+        summary = {"runs": [{k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "goodput_slos_ms"}
+                            for r in results],
+                   "offline": offline, "grpc_over_offline_output_throughput": ratio,
+                   "rates": [x if not math.isinf(x) else "inf" for x in rates]}
+        with open(serve._RESULT_JSON.value, "w") as f:
+            json.dump(summary, f, indent=1)
