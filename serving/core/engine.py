@@ -29,6 +29,7 @@ from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder, build_batch_arrays
 from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from sharding.multihost import local_value, to_global
 from sharding.rules import MESH_AXES
 from serving.core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -270,6 +271,8 @@ class Engine:
         self.step_count = 0
         self.last_step_time_s = 0.0
         self.last_step: StepRecord | None = None  # the step collected by the latest step() call
+        self.multihost = jax.process_count() > 1
+        self.channel = None  # multi-host leader: the LeaderChannel to the followers (sharding.multihost)
         self._pending: tuple | None = None  # (scheduler output, device result, start) of the step in flight
         self._pending_spec = None  # the SpecPlan of the step in flight when it speculated
         self.spec = None  # SpeculativeDecoder when speculative decoding is on
@@ -318,9 +321,27 @@ class Engine:
         return st
 
     def _run_forward(self, arrays):
+        if self.channel is not None:  # multi-host leader: the followers run the same call
+            self.channel.broadcast(("forward", arrays))
+        if self.multihost:
+            arrays = to_global(arrays, self.mesh)
         with mesh_context(self.mesh):
             logits, kv, self._expert_load = self._forward_fn(self.state, self.kv_caches, arrays, self._expert_load)
         return logits, kv
+
+    def follow(self, channel) -> None:
+        """Multi-host follower: runs each jitted call the leader announces, until it says stop."""
+        logits = None
+        while True:
+            message = channel.recv()
+            if message[0] == "forward":
+                logits, self.kv_caches = self._run_forward(message[1])
+            elif message[0] == "sample":
+                self._run_sample(logits, message[1], message[2])
+            elif message[0] == "stop":
+                return
+            else:
+                raise ValueError(f"unknown step-channel message {message[0]!r}")
 
     # ------------------------------------------------------------------ expert load (MoE)
     def moe_layer_indices(self) -> list[int]:
@@ -375,6 +396,10 @@ class Engine:
 
 
     def _run_sample(self, logits, st, max_logprobs):
+        if self.channel is not None:
+            self.channel.broadcast(("sample", st, max_logprobs))
+        if self.multihost:
+            st = to_global(st, self.mesh)
         with mesh_context(self.mesh):
             return self._sample_fn(logits, st, max_logprobs)
 
@@ -494,7 +519,7 @@ class Engine:
         for shard in packed.addressable_shards:  # the copy to host is under way; this only waits for it
             shard.data.block_until_ready()
             device_times[str(shard.device)] = time.perf_counter() - t0
-        host = np.asarray(packed)
+        host = local_value(packed)
         self.last_step_time_s = time.perf_counter() - t0
         if self.config.debug_step_delay_s:
             time.sleep(self.config.debug_step_delay_s)

@@ -1,0 +1,87 @@
+"""Two real processes x 4 CPU devices joined by jax.distributed (gloo) run one tp=8 instance: the leader
+schedules, the follower runs the same steps; outputs equal one process's. Killing the follower makes the
+leader fail its requests with UNAVAILABLE and exit non-zero instead of hanging."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from serving.core.llm import LLM
+from serving.core.sampling_params import SamplingParams
+from tests import hf_models
+
+WORKER = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import torch
+    import transformers as tf
+    d = tmp_path_factory.mktemp("multihost") / "llama"
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**{**hf_models.COMMON, "hidden_size": 128, "num_attention_heads": 8,
+                                          "num_key_value_heads": 2})).save_pretrained(d)
+    return str(d)
+
+
+def _start(model_dir, out, max_tokens, log_dir):
+    coord, step = _free_port(), _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = ROOT
+    procs = []
+    for pid in (0, 1):
+        log = open(os.path.join(log_dir, f"p{pid}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, "-u", WORKER, str(pid), str(coord), str(step), model_dir, out,
+                                       str(max_tokens)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
+    return procs
+
+
+def test_two_processes_match_one(model_dir, tmp_path):
+    out = str(tmp_path / "out.json")
+    leader, follower = _start(model_dir, out, 10, str(tmp_path))
+    try:
+        assert leader.wait(timeout=600) == 0, open(tmp_path / "p0.log").read()[-3000:]
+        assert follower.wait(timeout=60) == 0, open(tmp_path / "p1.log").read()[-3000:]
+    finally:
+        for p in (leader, follower):
+            p.kill()
+    result = json.load(open(out))
+    assert result["devices"] == 8 and result["processes"] == 2
+    llm = LLM(model_dir, warmup=False, page_size=8, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
+              min_token_bucket=64, enable_prefix_caching=False)
+    prompts = [hf_models.random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
+    expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
+                                                                           ignore_eos=True))]
+    assert result["tokens"] == expected
+
+
+def test_killed_follower_fails_requests_instead_of_hanging(model_dir, tmp_path):
+    out = str(tmp_path / "out.json")
+    leader, follower = _start(model_dir, out, 400, str(tmp_path))
+    log = tmp_path / "p0.log"
+    try:
+        deadline = time.monotonic() + 600
+        while "LEADER: step 5" not in open(log).read():  # mid-generation
+            assert leader.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+            time.sleep(0.5)
+        follower.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        code = leader.wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - killed_at < 60
+        assert json.load(open(out))["error"] == "UNAVAILABLE"
+    finally:
+        for p in (leader, follower):
+            p.kill()
