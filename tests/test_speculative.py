@@ -102,6 +102,18 @@ def test_greedy_identical_to_plain(models, workload, reference, method, options)
     assert sum(stats_["spec_decode_num_accepted_tokens_per_pos"]) == stats_["spec_decode_num_accepted_tokens"]
 
 
+def test_tensor_parallel_draft(models, workload, reference):
+    """tp=2: the target and the draft (and its KV pages) sharded over 'tensor'; greedy output unchanged."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    prompts, params = workload
+    engine = Engine(EngineConfig(model=models[0], **OPTIONS, tp=2, speculative_method="draft",
+                                 speculative_model=models[1], num_speculative_tokens=K, speculative_min_acceptance=0.0))
+    got = _run_checked(engine, prompts[:4], params[:4])
+    assert got == {i: reference[i] for i in range(4)}
+    assert engine.spec.stats()["spec_decode_num_drafts"] > 0
+
+
 def test_aborts_and_max_tokens_leave_no_pages(models, workload):
     prompts, params = workload
     engine = Engine(EngineConfig(model=models[0], **OPTIONS, speculative_method="draft",

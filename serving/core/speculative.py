@@ -243,6 +243,8 @@ class SpeculativeDecoder:
     `after_update` restores the accepted K/V length once the scheduler has appended the tokens."""
 
     def __init__(self, engine, config: SpeculativeConfig):
+        if getattr(engine.config, "pp", 1) > 1:
+            raise ValueError("speculative decoding does not run with pipeline parallelism (pp > 1) yet")
         self.engine = engine
         self.config = config
         self.k = config.num_speculative_tokens
