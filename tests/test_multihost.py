@@ -85,3 +85,56 @@ def test_killed_follower_fails_requests_instead_of_hanging(model_dir, tmp_path):
     finally:
         for p in (leader, follower):
             p.kill()
+
+
+@pytest.fixture(scope="module")
+def served_model(tmp_path_factory):
+    """8 attention heads (tp=8 over both processes) and the test tokenizer."""
+    import torch
+    import transformers as tf
+
+    from models.testing import make_test_tokenizer
+    d = str(tmp_path_factory.mktemp("multihost_served") / "llama")
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                                       bos_token_id=0, eos_token_id=1, pad_token_id=2)).save_pretrained(d)
+    make_test_tokenizer(d, vocab_size=512)
+    return d
+
+
+def test_grpc_server_across_two_processes(served_model, tmp_path):
+    """`python -m serving.server --num_processes=2`: process 0 serves gRPC, process 1 follows; streams equal one
+    process's; killing the follower gives the client UNAVAILABLE and the leader exits non-zero."""
+    import grpc
+
+    from serving.server.client import Client, ClientError
+    from serving.server.testing import ServerProcess
+    coord = _free_port()
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    common = (f"--coordinator_address=127.0.0.1:{coord}", "--num_processes=2", "--tp=8", "--min_token_bucket=32",
+              "--enable_prefix_caching=false")
+    leader = ServerProcess(served_model, str(tmp_path / "p0"), *common, "--process_id=0", env=env)
+    follower = ServerProcess(served_model, str(tmp_path / "p1"), *common, "--process_id=1", env=env)
+    try:
+        leader.wait_ready(600)
+        prompts = ["def main():", "import os\n", "hello world"]
+        single = LLM(served_model, warmup=False, page_size=8, num_pages=512, max_num_seqs=32,
+                     max_num_batched_tokens=32, min_token_bucket=32, enable_prefix_caching=False)
+        expected = [o.token_ids for o in single.generate(prompts, SamplingParams(temperature=0, max_tokens=8,
+                                                                                  ignore_eos=True))]
+        with Client(leader.target) as client:
+            got = [client.complete(p, max_tokens=8, temperature=0.0, ignore_eos=True).token_ids for p in prompts]
+            assert got == expected
+            stream = client.generate("a long one", max_tokens=400, temperature=0.0, ignore_eos=True)
+            next(stream)
+            follower.proc.send_signal(signal.SIGKILL)
+            with pytest.raises(ClientError) as err:
+                for _ in stream:
+                    pass
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        assert leader.proc.wait(timeout=60) != 0
+    finally:
+        for p in (leader, follower):
+            if p.proc.poll() is None:
+                p.proc.kill()

@@ -74,6 +74,14 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout)
 
+    def kill(self, error: BaseException) -> None:
+        """From any thread: the engine can no longer run (e.g. a multi-host follower died). Every open stream
+        fails with EngineDeadError and no new request is admitted; the engine thread is not waited for."""
+        self._error = error
+        self._stopping = True
+        self._fail_all(EngineDeadError(f"the engine stopped: {error}"))
+        self._wake.set()
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None

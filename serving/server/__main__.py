@@ -57,6 +57,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_float, "speculative_min_acceptance", -1.0,
       "A request stops speculating (for a back-off period) when its acceptance rate falls below this; < 0: the "
       "break-even rate for k and the draft's cost.")
+    d(flags.DEFINE_string, "coordinator_address", "",
+      "Multi-host: host:port of the JAX coordination service (process 0); empty: one process.")
+    d(flags.DEFINE_integer, "num_processes", 1, "Multi-host: processes in the instance (one per host).")
+    d(flags.DEFINE_integer, "process_id", 0, "Multi-host: this process; 0 leads (gRPC + scheduler), others follow.")
+    d(flags.DEFINE_integer, "step_channel_port", 0,
+      "Multi-host: leader port for step messages to the followers; 0: the coordinator port + 1.")
     d(flags.DEFINE_string, "host", "0.0.0.0", "Address to listen on.")
     d(flags.DEFINE_integer, "port", 50051, "gRPC port; 0: any free port.")
     d(flags.DEFINE_integer, "metrics_port", 9090, "Prometheus port; 0: any free port; -1: none.")
@@ -151,7 +157,28 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
     return engine_config, server_config
 
 
-async def _serve() -> int:
+def _distributed_config():
+    from sharding.multihost import DistributedConfig
+    if FLAGS.num_processes <= 1:
+        return None
+    if not FLAGS.coordinator_address:
+        raise app.UsageError("--num_processes > 1 needs --coordinator_address (host:port of process 0)")
+    port = FLAGS.step_channel_port or int(FLAGS.coordinator_address.rsplit(":", 1)[1]) + 1
+    return DistributedConfig(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, port)
+
+
+def _follow(dist) -> int:
+    """A follower process: the same engine, running the steps the leader sends, no gRPC."""
+    from serving.server.app import build_engine
+    from sharding.multihost import FollowerChannel, shutdown
+    engine_config, _ = configs_from_flags(FLAGS)
+    engine = build_engine(engine_config, FLAGS.tokenizer)
+    engine.follow(FollowerChannel(dist.leader_host, dist.step_channel_port, dist.process_id))
+    shutdown()
+    return 0
+
+
+async def _serve(dist=None) -> int:
     from serving.server.app import InstanceServer, build_engine
     log = logging.getLogger("serving.server")
     loop = asyncio.get_running_loop()
@@ -167,6 +194,15 @@ async def _serve() -> int:
     if stop_requested.is_set():
         return 0
     server = InstanceServer(engine, server_config)
+    if dist is not None:
+        from sharding.multihost import LeaderChannel
+
+        def follower_lost(pid, err):
+            # Steps can no longer complete: fail every request (UNAVAILABLE) and leave, rather than hang.
+            server.aengine.kill(err)
+            threading.Timer(1.0, lambda: os._exit(4)).start()
+        engine.channel = await asyncio.to_thread(LeaderChannel, dist.step_channel_port, dist.num_processes - 1,
+                                                 on_follower_lost=follower_lost)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
@@ -192,7 +228,13 @@ def main(argv):
         jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    code = asyncio.run(_serve())
+    dist = _distributed_config()
+    if dist is not None:
+        from sharding.multihost import initialize
+        initialize(dist)  # before any other JAX call
+        if not dist.is_leader:
+            sys.exit(_follow(dist))
+    code = asyncio.run(_serve(dist))
     logging.getLogger("serving.server").info("exited cleanly")
     logging.shutdown()
     if any(t.name == "meshserve-engine" and t.is_alive() for t in threading.enumerate()):

@@ -282,7 +282,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except ValueError as e:
             failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e), ())
         except EngineDeadError as e:
-            failure = (grpc.StatusCode.INTERNAL, str(e), ())
+            failure = (grpc.StatusCode.UNAVAILABLE, str(e), ())  # the instance cannot serve: retry elsewhere
         finally:
             # Reached on normal ends, errors and client cancels (CancelledError / GeneratorExit).
             reason = final.finish_reason if final is not None else FinishReason.ABORT
