@@ -33,7 +33,7 @@ def make_pipeline_mesh(pp: int, tp: int = 1, devices=None) -> jax.sharding.Mesh:
 
 
 class PipelineEngine(Engine):
-    def __init__(self, config: EngineConfig, mesh=None):
+    def __init__(self, config: EngineConfig, mesh=None, tokenizer=None):
         pp = config.pp
         self.num_micro = config.micro_batches or pp
         if config.ep > 1 or config.dp > 1:
@@ -41,7 +41,7 @@ class PipelineEngine(Engine):
         mesh = mesh or make_pipeline_mesh(pp, config.tp)
         if config.min_token_bucket < self.num_micro:
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
-        super().__init__(config, mesh=mesh)
+        super().__init__(config, mesh=mesh, tokenizer=tokenizer)
         mc = self.model_config
         if mc.is_moe:
             raise ValueError("pipeline parallelism is not implemented for MoE models; use ep (and tp)")

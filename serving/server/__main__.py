@@ -24,6 +24,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_enum, "dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and KV-cache dtype.")
     d(flags.DEFINE_integer, "tp", 1, "Tensor-parallel degree (devices on the mesh's 'tensor' axis).")
     d(flags.DEFINE_integer, "ep", 1, "Expert-parallel degree (MoE models; devices on the 'expert' axis).")
+    d(flags.DEFINE_integer, "pp", 1, "Pipeline stages (devices on the mesh's 'pipeline' axis; dense models).")
+    d(flags.DEFINE_integer, "micro_batches", 0, "Pipeline micro-batches per step; 0: --pp.")
+    d(flags.DEFINE_integer, "spare_expert_slots", 0, "MoE: extra expert slots per layer for replicas of hot experts.")
     d(flags.DEFINE_integer, "page_size", 16, "Tokens per KV page.")
     d(flags.DEFINE_integer, "num_pages", 0,
       "KV pages; 0: sized from --kv_cache_memory_fraction or --kv_cache_memory_gb.")
@@ -145,7 +148,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         enable_prefix_caching=f.enable_prefix_caching, max_waiting_requests=f.max_waiting_requests,
         max_waiting_tokens=f.max_waiting_tokens, long_prompt_threshold=f.long_prompt_threshold,
         max_long_prefills=f.max_long_prefills, priority_ageing_s=f.priority_ageing_s, seed=f.seed,
-        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep,
+        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep, pp=f.pp, micro_batches=f.micro_batches,
+        spare_expert_slots=f.spare_expert_slots,
         speculative_method=f.speculative_method, speculative_model=f.speculative_model,
         num_speculative_tokens=f.num_speculative_tokens, prompt_lookup_min=f.prompt_lookup_min,
         prompt_lookup_max=f.prompt_lookup_max, speculative_disable_by_batch_size=f.speculative_disable_by_batch_size,

@@ -58,10 +58,16 @@ class InstanceServer:
         self.aengine = AsyncEngine(engine)
         self.tracer = RequestTracer(make_tracer_provider(config.service_name, otlp_endpoint=config.otlp_endpoint,
                                                          exporter=span_exporter))
-        stats = engine.scheduler.stats
         spec = getattr(engine, "spec", None)
-        if spec is not None:
-            stats = lambda: {**engine.scheduler.stats(), **spec.stats()}  # noqa: E731
+
+        def stats() -> dict:
+            out = engine.scheduler.stats()
+            if spec is not None:
+                out.update(spec.stats())
+            out["pipeline_bubble_fraction"] = getattr(engine, "bubble_fraction", 0.0)
+            if engine.model_config.is_moe and self.aengine.is_alive:
+                out.update(self.aengine.call(expert_stats).result(30))  # between steps, on the engine thread
+            return out
         self.metrics = ServerMetrics(os.path.basename(os.path.normpath(engine.config.model)) or "model", stats,
                                      num_speculative_tokens=spec.k if spec is not None else 0)
         self.load_tracker = LoadTracker(self.metrics, self.tracer)
@@ -161,9 +167,20 @@ class InstanceServer:
         await self._stopped.wait()
 
 
+def expert_stats(engine: Engine) -> dict:
+    """MoE expert load for metrics: tokens per physical slot and their variance over expert-parallel devices."""
+    load, per_device = engine.expert_load(), engine.expert_device_load()
+    layers = engine.moe_layer_indices()
+    return {"expert_tokens": {(layers[i], slot): int(v) for i, row in enumerate(load) for slot, v in enumerate(row)},
+            "expert_load_variance": float(per_device.var(axis=1).mean())}
+
+
 def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> Engine:
     tokenizer = None
     if tokenizer_dir:
         from models.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    if engine_config.pp > 1:
+        from serving.core.pipeline_engine import PipelineEngine
+        return PipelineEngine(engine_config, tokenizer=tokenizer)
     return Engine(engine_config, tokenizer=tokenizer)

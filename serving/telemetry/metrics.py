@@ -58,6 +58,15 @@ class ServerMetrics:
                                    labels, registry=r)
         self.compile_time = Gauge(PREFIX + "compile_time_seconds", "Time spent compiling at start-up.", labels,
                                   registry=r)
+        # Parallelism (sharding): pipeline bubble and expert load, read at scrape time.
+        self.pipeline_bubble_fraction = gauge(
+            "pipeline_bubble_fraction", "Idle share of each pipeline stage per step: (pp-1)/(micro_batches+pp-1).",
+            "pipeline_bubble_fraction")
+        self.expert_load_variance = gauge(
+            "expert_load_variance", "Variance over expert-parallel devices of the tokens routed to each (mean over "
+            "MoE layers, since start or the last rebalance).", "expert_load_variance")
+        self.expert_tokens = Gauge(PREFIX + "expert_tokens", "Tokens routed to each physical expert slot since start "
+                                   "or the last rebalance.", labels + ["layer", "slot"], registry=r)
         # Counters the engine keeps; mirrored at scrape time by a small collector below.
         self.prefix_cache_queries = Counter(PREFIX + "prefix_cache_queries",
                                             "Prompt tokens looked up in the prefix cache.", labels, registry=r)
@@ -134,6 +143,8 @@ class ServerMetrics:
         stats = self._engine_stats()
         with self._lock:
             self._stats_cache = stats
+            for (layer, slot), tokens in stats.get("expert_tokens", {}).items():
+                self.expert_tokens.labels(self.model_name, str(layer), str(slot)).set(tokens)
             for key, counter in (("prefix_cache_queries", self.prefix_cache_queries),
                                  ("prefix_cache_hits", self.prefix_cache_hits),
                                  ("num_preemptions", self.num_preemptions)):
