@@ -1,31 +1,47 @@
-"""The README's main job: meshserve generating text on the embedded default model.
+"""The README's main job: a gateway and two instance servers on 127.0.0.1 serving the embedded default model.
 
-    python -m serving.demo [--model=DIR]
+    python -m serving.demo [--serve] [--model=DIR]
 
-Uses the shipped tiny model (models/tiny/target) when present; otherwise builds a small random-weight Llama
-with a locally trained tokenizer under --workdir (its text is noise, but every part of the engine runs).
-Prints each request's text as it streams, with time to first token and tokens/s.
+Starts two `serving.server` instances and a `serving.gateway` in front of them, sends a handful of streamed
+requests through the gateway (two sharing a long system prompt, one at batch priority), prints each as it
+streams with its time to first token and tokens/s, prints where the metrics and traces are, and shuts
+everything down (or, with --serve, keeps serving and prints how to query it). Exits non-zero if any request
+did not complete with text.
 """
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 
 from absl import app, flags
 
 _MODEL = flags.DEFINE_string("model", None, "HF or Orbax model directory (default: the embedded model)")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/meshserve-demo", "where a fallback model is built")
+_SERVE = flags.DEFINE_bool("serve", False, "keep serving after the demo requests (Ctrl-C stops)")
+_WORKDIR = flags.DEFINE_string("workdir", "", "logs, configuration and fallback model (default: a temp dir)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "tokens to generate per request")
 
-EMBEDDED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "tiny", "target")
-PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "class Request:\n    \"\"\"", "# Copyright"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED = os.path.join(REPO, "models", "tiny", "target")
+SYSTEM = ("# A small utility module from the standard library.\n# It is careful about edge cases, documents every "
+          "public function and raises ValueError with a clear message on bad input.\n\n")
+REQUESTS = [  # (label, prompt, priority)
+    ("interactive", "def fibonacci(n):\n    \"\"\"", "interactive"),
+    ("shared prefix 1", SYSTEM + "def parse_header(line):\n", "interactive"),
+    ("shared prefix 2", SYSTEM + "def format_size(num_bytes):\n", "interactive"),
+    ("batch priority", "class LRUCache:\n    def __init__(self, capacity):\n", "batch"),
+    ("imports", "import os\nimport sys\n\n\ndef main(argv):\n", "interactive"),
+]
 
 
 def default_model_dir(workdir: str) -> str:
     if os.path.exists(os.path.join(EMBEDDED, "config.json")):
         return EMBEDDED
-    d = os.path.join(workdir, "random-llama")
+    d = os.path.join(workdir, "random-llama")  # no shipped model: a random one (its text is noise)
     if not os.path.exists(os.path.join(d, "config.json")):
         import torch
         import transformers as tf
@@ -40,42 +56,119 @@ def default_model_dir(workdir: str) -> str:
     return d
 
 
+class Process:
+    def __init__(self, name: str, args: list[str], workdir: str):
+        self.name = name
+        self.ready_file = os.path.join(workdir, f"{name}.ready.json")
+        self.log_path = os.path.join(workdir, f"{name}.log")
+        env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        self.proc = subprocess.Popen([sys.executable, *args, f"--ready_file={self.ready_file}"], cwd=REPO, env=env,
+                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
+        self.info: dict = {}
+
+    def wait_ready(self, timeout: float = 600.0) -> dict:
+        t0 = time.monotonic()
+        while not os.path.exists(self.ready_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n"
+                                   + open(self.log_path, errors="replace").read()[-3000:])
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
+            time.sleep(0.2)
+        self.info = json.load(open(self.ready_file))
+        return self.info
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) -> tuple[bool, str]:
+    print(f"\n=== {label} ({priority}) ===")
+    print(prompt, end="", flush=True)
+    t0 = time.perf_counter()
+    first = None
+    text, n, finish, cached = "", 0, None, 0
+    for r in client.generate(prompt, max_tokens=max_tokens, temperature=0.0, priority=priority):
+        if r.token_ids and first is None:
+            first = time.perf_counter()
+        n += len(r.token_ids)
+        text += r.text
+        print(r.text, end="", flush=True)
+        if r.finish_reason:
+            finish = r.finish_reason
+            cached = r.usage.cached_prompt_tokens
+    end = time.perf_counter()
+    ttft = (first - t0) * 1e3 if first else float("nan")
+    rate = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
+    from serving.server.proto import meshserve_pb2 as pb
+    reason = pb.FinishReason.Name(finish) if finish is not None else "none"
+    print(f"\n--- {n} tokens, TTFT {ttft:.0f} ms, {rate:.1f} tok/s, finish {reason}, "
+          f"{cached} prompt tokens from the prefix cache ---")
+    return bool(text.strip()) and finish is not None, text
+
+
 def main(argv):
     del argv
-    from serving.core.engine import Engine, EngineConfig
-    from serving.core.sampling_params import SamplingParams
-
-    model_dir = _MODEL.value or default_model_dir(_WORKDIR.value)
+    workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="meshserve-demo-")
+    os.makedirs(workdir, exist_ok=True)
+    model = _MODEL.value or default_model_dir(workdir)
+    print(f"meshserve demo: model {model}\n  logs and configuration in {workdir}")
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=model_dir, page_size=16, num_pages=256, max_num_seqs=8,
-                                 max_num_batched_tokens=128))
-    engine.warmup()
-    print(f"model {model_dir}: loaded in {engine.load_time_s:.1f}s, {engine.compile_count} programs compiled in "
-          f"{engine.compile_time_s:.1f}s (ready {time.perf_counter() - t0:.1f}s after start)")
-    params = SamplingParams(temperature=0.0, max_tokens=_MAX_TOKENS.value)
-    texts: dict[str, str] = {}
-    for i, prompt in enumerate(PROMPTS):
-        req = engine.make_request(f"demo-{i}", prompt, params)
-        engine.add_request(req)
-        texts[req.request_id] = prompt
-    done = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            texts[out.request_id] += out.new_text
-            if out.finished:
-                m = out.request.metrics
-                ttft = m.first_token_time - m.arrival_time
-                n = out.request.num_output_tokens
-                rate = (n - 1) / (m.finished_time - m.first_token_time) if n > 1 and m.finished_time and \
-                    m.finished_time > m.first_token_time else float("nan")
-                done.append(out.request_id)
-                print(f"\n--- {out.request_id} ({out.finish_reason.value}; TTFT {ttft * 1e3:.0f} ms, "
-                      f"{rate:.1f} tok/s, {n} tokens) ---\n{texts[out.request_id]}")
-    if len(done) != len(PROMPTS):
-        print(f"error: {len(PROMPTS) - len(done)} requests did not finish", file=sys.stderr)
+    instances = [Process(f"instance{i}", ["-m", "serving.server", f"--model={model}", "--host=127.0.0.1", "--port=0",
+                                          "--metrics_port=0", "--page_size=16", "--num_pages=512",
+                                          "--max_num_seqs=16", "--max_num_batched_tokens=128",
+                                          f"--instance_id=instance{i}"], workdir) for i in range(2)]
+    procs = list(instances)
+    ok = False
+    try:
+        for p in instances:
+            p.wait_ready()
+        config = {"pools": [{"name": "local", "instances": [
+            {"name": p.name, "target": f"127.0.0.1:{p.info['port']}"} for p in instances]}],
+            "routing": {"policy": "load_aware"}}
+        config_path = os.path.join(workdir, "gateway.json")
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=1)
+        gateway = Process("gateway", ["-m", "serving.gateway", f"--config={config_path}", "--host=127.0.0.1",
+                                      "--port=0", "--metrics_port=0", f"--jobs_db={os.path.join(workdir, 'jobs.db')}"],
+                          workdir)
+        procs.append(gateway)
+        gateway.wait_ready()
+        target = f"127.0.0.1:{gateway.info['port']}"
+        print(f"ready in {time.perf_counter() - t0:.1f}s: gateway {target} -> "
+              + ", ".join(f"{p.name} 127.0.0.1:{p.info['port']}" for p in instances))
+
+        from serving.server.client import Client
+        results = []
+        with Client(target) as client:
+            for label, prompt, priority in REQUESTS:
+                results.append(stream_one(client, label, prompt, priority, _MAX_TOKENS.value)[0])
+        ok = all(results)
+        print(f"\n{sum(results)}/{len(results)} requests completed with text")
+        print("metrics (Prometheus text):")
+        for p in procs:
+            print(f"  {p.name}: http://127.0.0.1:{p.info['metrics_port']}/metrics")
+        print("traces: OpenTelemetry spans per request (gateway route, queue, prefill chunks, decode with per-token "
+              "events); start with --otlp_endpoint=HOST:4317 on the servers and gateway to export them")
+        if _SERVE.value:
+            print(f"\nserving; query it with:\n  python -m serving.client --target={target} --temperature=0 "
+                  f"'def main():'\nCtrl-C stops.")
+            try:
+                while all(p.proc.poll() is None for p in procs):
+                    time.sleep(1)
+            except KeyboardInterrupt:
+                pass
+    finally:
+        codes = [p.stop() for p in reversed(procs)]
+        print(f"shut down: exit codes {dict(zip([p.name for p in reversed(procs)], codes))}")
+    if not ok:
         sys.exit(1)
-    engine.scheduler.block_manager.check_idle()
-    print(f"\nall {len(done)} requests completed; KV pages all free")
 
 
 if __name__ == "__main__":
