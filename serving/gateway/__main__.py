@@ -13,6 +13,8 @@ import sys
 
 from absl import app, flags
 
+from serving.telemetry.logs import setup_logging
+
 FLAGS = flags.FLAGS
 
 flags.DEFINE_string("config", None, "Gateway configuration file (YAML or JSON; docs/gateway.md).")
@@ -89,32 +91,12 @@ async def _serve() -> int:
     return 0
 
 
-class _JsonFormatter(logging.Formatter):
-    def format(self, record):
-        out = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-               "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
-
-
-def _setup_logging(fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-
-
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.config:
         raise app.UsageError("--config is required")
-    _setup_logging(FLAGS.log_format)
+    setup_logging(FLAGS.log_format)
     import prometheus_client
     prometheus_client.disable_created_metrics()
     code = asyncio.run(_serve())

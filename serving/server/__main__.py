@@ -3,7 +3,6 @@ Prometheus on --metrics_port, OTLP traces with --otlp_endpoint). SIGTERM drains 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -11,6 +10,8 @@ import sys
 import threading
 
 from absl import app, flags
+
+from serving.telemetry.logs import setup_logging
 
 FLAGS = flags.FLAGS
 
@@ -80,26 +81,6 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_boolean, "warmup", True, "Compile every bucket before SERVING (never turn off in production).")
     d(flags.DEFINE_string, "compilation_cache_dir", "", "JAX persistent compilation cache (faster restarts).")
     d(flags.DEFINE_string, "ready_file", "", "Written (JSON: port, metrics_port, pid) once the server is SERVING.")
-
-
-class _JsonFormatter(logging.Formatter):
-    def format(self, record):
-        out = {"ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
-               "level": record.levelname, "logger": record.name, "msg": record.getMessage()}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, ensure_ascii=False)
-
-
-def _setup_logging(fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
 
 
 def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page_size: int,
@@ -224,7 +205,7 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     if not FLAGS.model:
         raise app.UsageError("--model is required")
-    _setup_logging(FLAGS.log_format)
+    setup_logging(FLAGS.log_format)
     import prometheus_client
     prometheus_client.disable_created_metrics()  # the *_created series only add noise to every scrape
     if FLAGS.compilation_cache_dir:
