@@ -159,6 +159,7 @@ def test_ngram_propose():
     assert ngram_propose([5, 1, 2, 7, 1, 2], 3, 1, 2) == [7, 1, 2]
     assert ngram_propose([1, 2, 3], 2, 1, 3) == []
     assert ngram_propose([4, 4], 5, 1, 3) == [4]
+    assert ngram_propose([7, 7, 7, 7, 7, 7], 3, 1, 2) == [7, 7, 7]  # not the match right before the end
     assert break_even_acceptance(4, 0.0) == pytest.approx(0.0, abs=1e-6)
     assert 0.3 < break_even_acceptance(4, 0.25) < 0.6 and break_even_acceptance(2, 1.0) == 1.0
 

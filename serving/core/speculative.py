@@ -77,8 +77,8 @@ def break_even_acceptance(k: int, cost_per_draft: float) -> float:
 
 
 def ngram_propose(token_ids: Sequence[int] | np.ndarray, k: int, n_min: int, n_max: int) -> list[int]:
-    """Prompt lookup: the `k` tokens after the latest earlier occurrence of the longest suffix n-gram
-    (n_max down to n_min) of `token_ids`; [] if none occurs."""
+    """Prompt lookup: the `k` tokens after an earlier occurrence of the longest suffix n-gram (n_max down to
+    n_min) of `token_ids`: the latest one with k tokens after it, else the earliest; [] if none occurs."""
     tokens = np.asarray(token_ids, np.int64)
     length = len(tokens)
     if k <= 0:
@@ -87,7 +87,8 @@ def ngram_propose(token_ids: Sequence[int] | np.ndarray, k: int, n_min: int, n_m
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:length - 1], n)
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= length]  # the latest match followed by k tokens, else the earliest
+            start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start:start + k].tolist()
     return []
 
