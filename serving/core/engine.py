@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from typing import Callable, Sequence
 
@@ -26,7 +25,7 @@ from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 from models.transformer import CausalLM, MoE, init_kv_caches
 from serving.core import sampling
-from serving.core.batch_builder import BatchBuilder, build_batch_arrays
+from serving.core.batch_builder import BatchBuilder
 from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from sharding.multihost import local_value, to_global
@@ -366,7 +365,7 @@ class Engine:
         """Rebuilds every MoE layer's logical -> physical expert map from the load observed since the last
         reset (hot experts get the spare slots, replicas spread over devices) and moves the expert weights to
         match, between steps. Returns the per-device load variance the new placement predicts, before/after."""
-        from sharding.experts import ExpertPlacement, balanced_placement
+        from sharding.experts import balanced_placement
         load = self.expert_load()
         if load is None:
             raise ValueError("rebalance_experts: the model has no MoE layers")
@@ -490,7 +489,6 @@ class Engine:
         return outputs
 
     def _launch(self, sched: SchedulerOutput) -> None:
-        cfg = self.config
         if self.spec is not None:
             t0 = time.perf_counter()
             launched = self.spec.launch(sched)

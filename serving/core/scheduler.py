@@ -197,7 +197,7 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> SchedulerOutput:
         """Chooses this step's sequences. Call update() with the step's sampled tokens before the next call."""
         now = time.monotonic() if now is None else now
-        cfg, bm = self.config, self.block_manager
+        cfg = self.config
         ps = cfg.page_size
         finished = self._expire_deadlines(now)
         self._step, self._budget, self._preempted = {}, cfg.max_num_batched_tokens, {}

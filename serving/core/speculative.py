@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-import time
 from typing import Sequence
 
 import jax
