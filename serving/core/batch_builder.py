@@ -5,7 +5,6 @@ dict of numpy arrays, built with a handful of NumPy calls instead of a Python lo
 """
 from __future__ import annotations
 
-import itertools
 from typing import Sequence
 
 import numpy as np
@@ -13,51 +12,9 @@ import numpy as np
 
 def build_batch_arrays(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: int,
                        max_pages: int) -> dict[str, np.ndarray]:
-    s = len(chunks)
-    lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, s)
-    starts = np.fromiter((c.start for c in chunks), np.int64, s)
-    table_lens = np.fromiter((len(c.block_table) for c in chunks), np.int64, s)
-    total = int(lens.sum())
-    if total > num_tokens or s > num_seqs:
-        raise ValueError(f"{total} tokens / {s} seqs do not fit bucket ({num_tokens}, {num_seqs})")
-    if s and lens.min() == 0:
-        raise ValueError(f"sequence {int(np.argmin(lens))} schedules no tokens")
-    ends = starts + lens
-    pages_needed = -(-ends // page_size)
-    bad = (pages_needed > max_pages) | (pages_needed > table_lens)
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(f"sequence {i} needs {pages_needed[i]} pages; block table has {table_lens[i]},"
-                         f" max_pages={max_pages}")
-
-    input_ids = np.zeros(num_tokens, np.int32)
-    positions = np.zeros(num_tokens, np.int32)
-    slot_mapping = np.full(num_tokens, -1, np.int32)
-    kv_lens = np.zeros(num_seqs, np.int32)
-    page_indices = np.zeros((num_seqs, max_pages), np.int32)
-    cu_q_lens = np.zeros(num_seqs + 1, np.int32)
-    logits_indices = np.zeros(num_seqs, np.int32)
-    if s:
-        cu = np.cumsum(lens)
-        cu_q_lens[1:s + 1] = cu
-        cu_q_lens[s + 1:] = total
-        input_ids[:total] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, total)
-        seq_of_token = np.repeat(np.arange(s), lens)
-        pos = np.arange(total) - (cu - lens)[seq_of_token] + starts[seq_of_token]
-        positions[:total] = pos
-        needed = pages_needed.tolist()
-        num_flat = int(pages_needed.sum())
-        flat_pages = np.fromiter(itertools.chain.from_iterable(
-            itertools.islice(c.block_table, n) for c, n in zip(chunks, needed)), np.int32, num_flat)
-        rows = np.repeat(np.arange(s), pages_needed)
-        cols = np.arange(num_flat) - np.repeat(np.cumsum(pages_needed) - pages_needed, pages_needed)
-        page_indices[rows, cols] = flat_pages
-        slot_mapping[:total] = page_indices[seq_of_token, pos // page_size] * page_size + pos % page_size
-        kv_lens[:s] = ends
-        logits_indices[:s] = cu - 1
-    return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
-                page_indices=page_indices, cu_q_lens=cu_q_lens, num_seqs=np.array([s], np.int32),
-                logits_indices=logits_indices)
+    """Stateless: a fresh BatchBuilder's arrays (the engine loop keeps one BatchBuilder across steps)."""
+    return BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=max(num_seqs, len(chunks), 1)).build(
+        chunks, num_tokens=num_tokens, num_seqs=num_seqs)
 
 
 class BatchBuilder:
