@@ -238,6 +238,15 @@ class Engine:
         self.max_model_len = max_model_len
         self.num_pages = num_pages
         self.max_pages = -(-max_model_len // config.page_size)
+        try:
+            from sharding.ledger import ledger_summary
+            log.info("%s", ledger_summary(mc, dtype=config.dtype, page_size=config.page_size, num_pages=num_pages,
+                                          mesh_shape={"tensor": config.tp, "expert": config.ep,
+                                                      "pipeline": config.pp},
+                                          max_batched_tokens=config.max_num_batched_tokens,
+                                          max_seqs=config.max_num_seqs))
+        except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
+            log.warning("memory ledger unavailable: %s", e)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=max_model_len, num_pages=num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
