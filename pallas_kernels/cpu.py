@@ -18,13 +18,27 @@ from pallas_kernels import plan as plan_lib
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
 
-def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, rows_per_token, chunk_pages,
-                  sm_scale, sliding_window, logit_soft_cap):
+def gather_source(kv_pages: jax.Array) -> jax.Array:
+    """Pure. What to gather pages from. XLA:CPU has no 16-bit float gather: it upcasts the operand, converting the
+    whole cache to f32 on every call; the same bits as uint16 gather as a plain copy (view taken once per call)."""
+    if jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 2:
+        return lax.bitcast_convert_type(kv_pages, jnp.uint16)
+    return kv_pages
+
+
+def take_pages(source: jax.Array, pages: jax.Array, dtype) -> jax.Array:
+    """Pure. `kv_pages[pages]` in `dtype`, from `gather_source(kv_pages)`."""
+    out = source[pages]
+    return out if out.dtype == dtype else lax.bitcast_convert_type(out, dtype)
+
+
+def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dtype, rows_per_token,
+                  chunk_pages, sm_scale, sliding_window, logit_soft_cap):
     """Pure. One query block `[Hkv, R, D]` (rows token*G+g) against its sequence's pages -> `[Hkv, R, D]`."""
     hkv, r, d = q_blk.shape
     _, page_size, _, _ = kv_pages.shape
     chunk = chunk_pages * page_size
-    q32 = q_blk.astype(jnp.float32) * sm_scale
+    q_blk = q_blk.astype(kv_dtype)  # dots in the cache's dtype, accumulated in f32
     row_pos = first_pos + jnp.arange(r, dtype=jnp.int32) // rows_per_token  # [R]
     row_ok = jnp.arange(r, dtype=jnp.int32) // rows_per_token < q_len
     hi = jnp.minimum(first_pos + q_len, kv_len)  # one past the last KV position any row may see
@@ -35,10 +49,9 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, rows_
     def body(c, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(pages_row, c * chunk_pages, chunk_pages)
-        kv = kv_pages[pages].reshape(chunk, hkv, 2, d)
-        k = kv[:, :, 0].astype(jnp.float32)
-        v = kv[:, :, 1].astype(jnp.float32)
-        s = jnp.einsum("hrd,chd->hrc", q32, k)
+        kv = take_pages(kv_pages, pages, kv_dtype).reshape(chunk, hkv, 2, d)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+        s = jnp.einsum("hrd,chd->hrc", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
         if logit_soft_cap is not None:
             s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
         kv_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
@@ -50,7 +63,8 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, rows_
         p = jnp.where(mask[None], jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + jnp.sum(p, axis=-1)
-        acc = alpha[..., None] * acc + jnp.einsum("hrc,chd->hrd", p, v)
+        acc = alpha[..., None] * acc + jnp.einsum("hrc,chd->hrd", p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
         return m_new, l, acc
 
     init = (jnp.full((hkv, r), _NEG, jnp.float32), jnp.zeros((hkv, r), jnp.float32),
@@ -70,8 +84,9 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     chunk_pages = max(1, min(chunk_tokens // page_size, page_indices.shape[1]))
     plan = plan_lib.make_plan(cu_q_lens, kv_lens, num_seqs, t, bt)
     pages = plan_lib.pad_page_indices(page_indices, chunk_pages)
-    attend = functools.partial(_attend_block, rows_per_token=g, chunk_pages=chunk_pages, sm_scale=sm_scale,
-                               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    attend = functools.partial(_attend_block, kv_dtype=kv_pages.dtype, rows_per_token=g, chunk_pages=chunk_pages,
+                               sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+    source = gather_source(kv_pages)
     q_pad = jnp.pad(q, ((0, bt), (0, 0), (0, 0)))  # so a block-sized window never runs off the end
 
     sizes = sorted({1, min(8, bt), bt})  # query-block widths: decodes, short (speculative) chunks, prefill
@@ -90,7 +105,7 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         s = plan.item_seq[i]
         start = plan.item_q_start[i]
         q_len = plan.item_q_len[i]
-        args = (kv_pages, pages[s], kv_lens[s], plan.item_first_pos[i], q_len)
+        args = (source, pages[s], kv_lens[s], plan.item_first_pos[i], q_len)
         branches = [functools.partial(run_block, w, start=start, q_len=q_len, args=args) for w in sizes]
         if len(branches) == 1:
             return branches[0](out)

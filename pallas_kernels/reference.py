@@ -13,11 +13,18 @@ def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.
     """Pure. Writes k/v `[T, kv_heads, D]` into flat slots `slot_mapping[T]`; slots < 0 are dropped."""
     num_pages, page_size, h2, d = kv_pages.shape
     t = k.shape[0]
-    kv = jnp.stack([k, v], axis=2).reshape(t, h2, d).astype(kv_pages.dtype)
+    dtype = kv_pages.dtype
+    kv = jnp.stack([k, v], axis=2).reshape(t, h2, d).astype(dtype)
+    # XLA:CPU upcasts a 16-bit float scatter (converting the whole cache every step); the same bits scattered
+    # as uint16 are a plain in-place copy.
+    as_bits = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
+    if as_bits:
+        kv, kv_pages = jax.lax.bitcast_convert_type(kv, jnp.uint16), jax.lax.bitcast_convert_type(kv_pages, jnp.uint16)
     flat = kv_pages.reshape(num_pages * page_size, h2, d)
     idx = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     flat = flat.at[idx].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(num_pages, page_size, h2, d)
+    out = flat.reshape(num_pages, page_size, h2, d)
+    return jax.lax.bitcast_convert_type(out, dtype) if as_bits else out
 
 
 def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):

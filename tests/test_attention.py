@@ -154,3 +154,22 @@ def test_entry_point_matches_oracle_under_jit(monkeypatch):
     fn = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.125))
     out = np.asarray(fn(*[jnp.asarray(a) for a in case.attention_args()]))
     _check(out, case, {}, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("fn", ["attention", "write_kv"])
+def test_bf16_cache_is_never_converted_whole_on_cpu(fn):
+    """XLA:CPU upcasts 16-bit float gathers/scatters, i.e. converted the whole cache to f32 on every call (the
+    bf16 step ran ~10x slower than f32); the CPU path moves the cache's bits as uint16 instead."""
+    num_pages = 1000  # a size no other array in the program has
+    kv = jax.ShapeDtypeStruct((num_pages, 16, 4, 64), jnp.bfloat16)
+    if fn == "attention":
+        f = functools.partial(cpu.ragged_paged_attention_cpu, sm_scale=0.125)
+        args = (jax.ShapeDtypeStruct((16, 4, 64), jnp.bfloat16), kv, jax.ShapeDtypeStruct((4,), jnp.int32),
+                jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32),
+                jax.ShapeDtypeStruct((1,), jnp.int32))
+    else:
+        f = reference.write_kv
+        kv_new = jax.ShapeDtypeStruct((16, 2, 64), jnp.bfloat16)
+        args = (kv, kv_new, kv_new, jax.ShapeDtypeStruct((16,), jnp.int32))
+    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cpu",)).compile().as_text()
+    assert f"f32[{num_pages}," not in hlo and f"f32[{num_pages * 16}," not in hlo
