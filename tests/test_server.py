@@ -168,7 +168,7 @@ def test_concurrent_streams_with_client_cancels_leak_no_pages(server, client):
         return "cancelled" if cancel else "short"
 
     async def main():
-        async with AsyncClient(server.target, timeout=120) as c:
+        async with AsyncClient(server.target, timeout=600) as c:
             return await asyncio.gather(*[one(c, i, p) for i, p in enumerate(plans)])
 
     results = asyncio.run(main())
