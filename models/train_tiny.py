@@ -68,17 +68,26 @@ TRAIN_CONFIGS = {
 }
 
 FLAGS = flags.FLAGS
-_OUT = flags.DEFINE_string("out", "models/tiny", "Directory that receives target/ and draft/.")
-_WHICH = flags.DEFINE_enum("which", "both", ["target", "draft", "both"], "Which model(s) to train.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the initialisation and the data order.")
-_STEPS = flags.DEFINE_integer("steps", None, "Optimiser steps (default: the preset of each model).")
-_BATCH = flags.DEFINE_integer("batch_size", None, "Windows per step (default: the preset).")
-_CORPUS_MAX_BYTES = flags.DEFINE_integer("corpus_max_bytes", 16_000_000, "Byte budget of the corpus.")
-_HELDOUT_EVERY = flags.DEFINE_integer("heldout_every", 40, "Hold out files with sha256(path) % N == 0.")
-_MAX_HELDOUT_BYTES = flags.DEFINE_integer("max_heldout_bytes", 120_000, "Byte budget of heldout.txt.")
-_LOG_EVERY = flags.DEFINE_integer("log_every", 20, "Steps between progress lines.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between quick validation losses.")
-_SAMPLE_TOKENS = flags.DEFINE_integer("sample_tokens", 48, "Greedy tokens per sample in the report.")
+_OUT = _WHICH = _SEED = _STEPS = _BATCH = _CORPUS_MAX_BYTES = _HELDOUT_EVERY = _MAX_HELDOUT_BYTES = None
+_LOG_EVERY = _EVAL_EVERY = _SAMPLE_TOKENS = None
+
+
+def define_flags() -> None:
+    """The command line's flags; defined only when run as a program, so importing this module (tests) adds
+    no global flags that could collide with another module's."""
+    global _OUT, _WHICH, _SEED, _STEPS, _BATCH, _CORPUS_MAX_BYTES, _HELDOUT_EVERY, _MAX_HELDOUT_BYTES
+    global _LOG_EVERY, _EVAL_EVERY, _SAMPLE_TOKENS
+    _OUT = flags.DEFINE_string("out", "models/tiny", "Directory that receives target/ and draft/.")
+    _WHICH = flags.DEFINE_enum("which", "both", ["target", "draft", "both"], "Which model(s) to train.")
+    _SEED = flags.DEFINE_integer("seed", 0, "Seed of the initialisation and the data order.")
+    _STEPS = flags.DEFINE_integer("steps", None, "Optimiser steps (default: the preset of each model).")
+    _BATCH = flags.DEFINE_integer("batch_size", None, "Windows per step (default: the preset).")
+    _CORPUS_MAX_BYTES = flags.DEFINE_integer("corpus_max_bytes", 16_000_000, "Byte budget of the corpus.")
+    _HELDOUT_EVERY = flags.DEFINE_integer("heldout_every", 40, "Hold out files with sha256(path) % N == 0.")
+    _MAX_HELDOUT_BYTES = flags.DEFINE_integer("max_heldout_bytes", 120_000, "Byte budget of heldout.txt.")
+    _LOG_EVERY = flags.DEFINE_integer("log_every", 20, "Steps between progress lines.")
+    _EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "Steps between quick validation losses.")
+    _SAMPLE_TOKENS = flags.DEFINE_integer("sample_tokens", 48, "Greedy tokens per sample in the report.")
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -312,4 +321,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
