@@ -68,6 +68,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "step_channel_port", 0,
       "Multi-host: leader port for step messages to the followers; 0: the coordinator port + 1.")
     d(flags.DEFINE_string, "host", "0.0.0.0", "Address to listen on.")
+    d(flags.DEFINE_string, "tls_cert", "", "PEM certificate chain: serve TLS (with --tls_key).")
+    d(flags.DEFINE_string, "tls_key", "", "PEM private key for --tls_cert.")
+    d(flags.DEFINE_string, "tls_client_ca", "", "PEM CA: require client certificates signed by it (mutual TLS).")
     d(flags.DEFINE_integer, "port", 50051, "gRPC port; 0: any free port.")
     d(flags.DEFINE_integer, "metrics_port", 9090, "Prometheus port; 0: any free port; -1: none.")
     d(flags.DEFINE_enum, "log_format", "text", ["text", "json"], "Log line format.")
@@ -138,7 +141,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
     server_config = ServerConfig(
         host=f.host, port=f.port, metrics_port=f.metrics_port, warmup=f.warmup, drain_grace_s=f.drain_grace_s,
         max_request_bytes=f.max_request_bytes, retry_after_s=f.retry_after_s, instance_id=f.instance_id,
-        otlp_endpoint=f.otlp_endpoint, service_name=f.service_name, ready_file=f.ready_file)
+        otlp_endpoint=f.otlp_endpoint, service_name=f.service_name, ready_file=f.ready_file,
+        tls_cert=f.tls_cert, tls_key=f.tls_key, tls_client_ca=f.tls_client_ca)
     return engine_config, server_config
 
 

@@ -42,10 +42,15 @@ class ServerConfig:
     otlp_endpoint: str = ""
     service_name: str = "meshserve"
     ready_file: str = ""  # written (JSON: ports, pid) once SERVING
+    tls_cert: str = ""  # PEM chain: serve TLS (with tls_key)
+    tls_key: str = ""
+    tls_client_ca: str = ""  # PEM CA: require client certificates signed by it (mutual TLS, e.g. from the gateway)
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
+            raise ValueError("TLS: tls_cert and tls_key go together; tls_client_ca needs them")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
@@ -100,7 +105,17 @@ class InstanceServer:
                                                ("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if cfg.tls_cert:
+            def read(path):
+                with open(path, "rb") as f:
+                    return f.read()
+            credentials = grpc.ssl_server_credentials(
+                [(read(cfg.tls_key), read(cfg.tls_cert))],
+                root_certificates=read(cfg.tls_client_ca) if cfg.tls_client_ca else None,
+                require_client_auth=bool(cfg.tls_client_ca))
+            self.port = self.server.add_secure_port(f"{cfg.host}:{cfg.port}", credentials)
+        else:
+            self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
         await self._set_health(False)
