@@ -10,15 +10,23 @@ GENERATED = ("meshserve_pb2.py", "meshserve_pb2.pyi", "meshserve_pb2_grpc.py")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+def generate_stubs(proto: str, out_root: str = REPO_ROOT) -> list[str]:
+    """Runs protoc on `proto` (a repo-relative path) and writes the _pb2, .pyi and _pb2_grpc files beside it under
+    out_root (imports stay `serving.*.proto.*`); returns their paths."""
+    from grpc_tools import protoc
+    os.makedirs(os.path.join(out_root, os.path.dirname(proto)), exist_ok=True)
+    rc = protoc.main(["protoc", f"-I{REPO_ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}",
+                      f"--grpc_python_out={out_root}", os.path.join(REPO_ROOT, proto)])
+    if rc != 0:
+        raise RuntimeError(f"protoc failed on {proto} (exit {rc})")
+    stem = os.path.splitext(os.path.basename(proto))[0]
+    return [os.path.join(out_root, os.path.dirname(proto), f"{stem}{suffix}")
+            for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
+
+
 def generate(out_root: str = REPO_ROOT) -> list[str]:
     """Writes the stubs under out_root/serving/server/proto/ (imports stay `serving.server.proto.*`)."""
-    from grpc_tools import protoc
-    os.makedirs(os.path.join(out_root, os.path.dirname(PROTO)), exist_ok=True)
-    rc = protoc.main(["protoc", f"-I{REPO_ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}",
-                      f"--grpc_python_out={out_root}", os.path.join(REPO_ROOT, PROTO)])
-    if rc != 0:
-        raise RuntimeError(f"protoc failed on {PROTO} (exit {rc})")
-    return [os.path.join(out_root, os.path.dirname(PROTO), name) for name in GENERATED]
+    return generate_stubs(PROTO, out_root)
 
 
 if __name__ == "__main__":
