@@ -9,8 +9,9 @@ from __future__ import annotations
 import json
 import os
 
-from tokenizers import Tokenizer as _BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import processors
+
+from models.tokenizer import train_byte_level_bpe
 
 TEST_BOS_TOKEN = "<s>"
 TEST_EOS_TOKEN = "</s>"
@@ -70,17 +71,8 @@ def make_test_tokenizer(
     os.makedirs(out_dir, exist_ok=True)
     texts = list(_BUILTIN_CORPUS if corpus is None else corpus)
 
-    backend = _BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(TEST_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
     # Repetition gives multi-byte sequences enough counts to be merged into whole-character tokens.
-    backend.train_from_iterator(texts * 4, trainer=trainer)
+    backend = train_byte_level_bpe(texts * 4, vocab_size, TEST_SPECIAL_TOKENS)
     bos_id = backend.token_to_id(TEST_BOS_TOKEN)
     backend.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),

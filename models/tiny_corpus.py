@@ -13,7 +13,9 @@ import platform
 import sysconfig
 
 from tokenizers import Tokenizer as _BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import processors
+
+from models.tokenizer import train_byte_level_bpe
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 CHAT_START_TOKEN, CHAT_END_TOKEN = "<|im_start|>", "<|im_end|>"
@@ -140,16 +142,7 @@ def load_corpus(*, max_bytes: int, heldout_every: int, max_heldout_bytes: int, r
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> _BackendTokenizer:
     """Byte-level BPE (GPT-2 pre-tokenisation) with <s> prepended by the post-processor. Deterministic."""
-    backend = _BackendTokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(texts, trainer=trainer)
+    backend = train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
     for token, expected in zip(SPECIAL_TOKENS, range(len(SPECIAL_TOKENS))):
         if backend.token_to_id(token) != expected:
             raise AssertionError(f"special token {token!r} got id {backend.token_to_id(token)}, expected {expected}")

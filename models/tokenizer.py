@@ -211,6 +211,19 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
+def train_byte_level_bpe(texts, vocab_size: int, special_tokens) -> _BackendTokenizer:
+    """A byte-level BPE (GPT-2 pre-tokenisation) trained on `texts`, special tokens first (ids 0..n-1).
+    Deterministic; callers add their post-processor. Used by the test tokenizer and the tiny models' trainer."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    backend = _BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator(texts, trainer=trainer)
+    return backend
+
+
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text pieces as they arrive.
 
