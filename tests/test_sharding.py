@@ -1,5 +1,8 @@
 """Tensor and expert parallelism on the 8 fake CPU devices: every layout gives the single-device engine's
-logits (float32 tolerance) and greedy tokens; hot-expert replicas lower the per-device load variance."""
+logits (float32 tolerance) and greedy tokens (tp: seeded sampling and logprobs too); hot-expert replicas lower the
+per-device load variance."""
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -92,6 +95,42 @@ def test_layout_matches_single_device(models, reference, name, layout):
     logits_ref, tokens_ref = reference[name]
     np.testing.assert_allclose(_prompt_logits(engine), logits_ref, atol=1e-4, rtol=1e-4)
     assert _greedy(_engine(models[name], **layout)) == tokens_ref
+
+
+SAMPLED = [SamplingParams(temperature=1.0, seed=1, logprobs=5), SamplingParams(temperature=0.8, top_k=10, seed=2),
+           SamplingParams(temperature=1.0, top_p=0.8, seed=3, logprobs=2),
+           SamplingParams(temperature=1.2, min_p=0.1, seed=4),
+           SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3,
+                          seed=5, logprobs=3)]
+
+
+def _sampled(engine):
+    outs = {}
+    for i, (p, params) in enumerate(zip(PROMPTS, SAMPLED)):
+        params = dataclasses.replace(params, max_tokens=10, ignore_eos=True)
+        engine.add_request(engine.make_request(f"s{i}", p, params))
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens, logprobs = outs.setdefault(o.request_id, ([], []))
+            tokens.extend(o.new_token_ids)
+            logprobs.extend((lp.token_id, lp.logprob, lp.top) for lp in o.logprobs or ())
+    return [outs[f"s{i}"] for i in range(len(SAMPLED))]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_sampling_matches_single_device(models, tp):
+    """Seeded temperature / top-k / top-p / min-p / penalty sampling and logprobs on the vocabulary-sharded
+    logits (per-shard candidates merged, no gather): the single-device tokens, logprobs within tolerance."""
+    reference = _sampled(_engine(models["llama"]))
+    got = _sampled(_engine(models["llama"], tp=tp))
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
+        assert tokens == ref_tokens
+        assert [(t, [i for i, _ in top]) for t, _, top in logprobs] == \
+            [(t, [i for i, _ in top]) for t, _, top in ref_logprobs]
+        np.testing.assert_allclose([lp for _, lp, _ in logprobs], [lp for _, lp, _ in ref_logprobs], atol=1e-4)
+        np.testing.assert_allclose([[v for _, v in top] for _, _, top in logprobs],
+                                   [[v for _, v in top] for _, _, top in ref_logprobs], atol=1e-4)
+    assert sum(len(lp) for _, lp in got) == 3 * 10
 
 
 def test_hot_expert_replicas_lower_device_load_variance(models, reference):

@@ -20,6 +20,14 @@ Design notes (CPU costs measured on 2 cores at S = 256, V = 32000):
   A batch without penalties carries `token_ids=None` and compiles without that work.
 - Log-probabilities are of the raw model distribution (log_softmax of the unprocessed logits), as vLLM's
   default: the sampled token's, plus the top `max_logprobs` alternatives sorted descending.
+- Vocabulary-sharded logits (tensor parallelism shards the LM head over 'tensor'): when the mesh in context has
+  'tensor' > 1 dividing V, `sample` runs per shard inside `jax.shard_map` and never gathers [S, V]. Every
+  reduction over the vocabulary goes through a `_Rows` object; its sharded form exchanges only per-row
+  partials: max / argmax / logsumexp [S, tp], the local top-K candidates with global ids [S, tp * K] (merged
+  into the exact global top-K), the inverse CDF's block masses [S, V / _BLOCK], and psums of [S] values.
+  Penalties are applied per shard to the ids the shard owns. The results equal the unsharded path's: the same
+  candidates, thresholds and block masses (bit-identical when V / tp is a multiple of _BLOCK), so the same
+  tokens for the same seeds; logprobs differ only by the rounding of the combined logsumexp.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ _MIN_CANDIDATES = 64  # smallest lax.top_k width compiled, so small top_k values
 _TOP_P_CANDIDATES = 256  # top-p mass is looked for among this many candidates before the bisection fallback
 _MAX_CANDIDATES = 1024  # wider top_k values use the bisection (lax.top_k(K) grows ~linearly in K on CPU)
 _MIN_WINDOW = 16  # smallest token-id window for penalties
+VOCAB_AXIS = "tensor"  # the mesh axis that shards the LM head, hence the logits' vocabulary
 
 
 @dataclasses.dataclass(slots=True)
@@ -165,14 +174,18 @@ def build_sampling_tensors(params: Sequence[SamplingParams | None], *, vocab_siz
         use_min_p=bool(np.any(active & (min_p > 0.0))))
 
 
-def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+def apply_penalties(logits: jax.Array, t: SamplingTensors, offset: jax.Array | int = 0) -> jax.Array:
     """Pure, jit-able. Repetition penalty (HF/vLLM: over prompt and output tokens, a positive logit is divided
     by it, a negative one multiplied), then OpenAI frequency/presence penalties over output tokens only.
-    Cost: two scatters of [S, W] ids into [S, V] on device and one fused [S, V] elementwise pass."""
+    Cost: two scatters of [S, W] ids into [S, V] on device and one fused [S, V] elementwise pass.
+    `logits` may be the vocabulary shard [S, V / tp] of ids offset .. offset + V / tp - 1; ids elsewhere are
+    left to the shards that own them."""
     if t.token_ids is None:
         return logits
     num_slots, vocab = logits.shape
-    ids = jnp.where(t.token_ids < 0, vocab, t.token_ids)  # padding goes out of range and is dropped
+    local = t.token_ids - offset
+    # Padding (and ids of other shards) goes out of range and is dropped.
+    ids = jnp.where((t.token_ids < 0) | (local < 0), vocab, local)
     rows = jnp.arange(num_slots)[:, None]
     is_output = jnp.arange(ids.shape[1])[None, :] >= t.num_prompt_tokens[:, None]
     output_counts = jnp.zeros((num_slots, vocab), jnp.int32).at[rows, ids].add(
@@ -182,6 +195,88 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
     return (logits - t.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
             - t.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype))
+
+
+class _Rows:
+    """Reductions over the vocabulary (axis 1) of [S, V] arrays whose rows are whole on this device."""
+    offset = 0  # global id of local column 0
+
+    def max(self, a: jax.Array) -> jax.Array:
+        return jnp.max(a, axis=1)
+
+    def sum(self, a: jax.Array) -> jax.Array:
+        return jnp.sum(a, axis=1)
+
+    def argmax(self, a: jax.Array) -> jax.Array:
+        return jnp.argmax(a, axis=1).astype(jnp.int32)
+
+    def logsumexp(self, a: jax.Array) -> jax.Array:
+        return jax.nn.logsumexp(a, axis=1)
+
+    def top_k(self, a: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """The row's k largest values, descending (lower id first on ties), and their global ids."""
+        return lax.top_k(a, k)
+
+    def take(self, a: jax.Array, ids: jax.Array) -> jax.Array:
+        """a[i, ids[i]] for global ids [S]."""
+        return jnp.take_along_axis(a, ids[:, None], axis=1)[:, 0]
+
+    def gather(self, a: jax.Array) -> jax.Array:
+        """Per-shard columns [S, c] -> every shard's, in shard order [S, tp * c]."""
+        return a
+
+    def from_shard(self, shard: jax.Array, value: jax.Array) -> jax.Array:
+        """value as computed on shard `shard[i]` of each row (everywhere)."""
+        return value
+
+
+class _ShardedRows(_Rows):
+    """The same reductions inside shard_map over `axis`, each device holding the columns
+    [offset, offset + V / tp) of every row; only per-row partials cross devices."""
+
+    def __init__(self, axis: str, local_vocab: int):
+        self.axis = axis
+        self.index = lax.axis_index(axis)
+        self.local_vocab = local_vocab
+        self.offset = self.index * local_vocab
+
+    def max(self, a):
+        return lax.pmax(jnp.max(a, axis=1), self.axis)
+
+    def sum(self, a):
+        return lax.psum(jnp.sum(a, axis=1), self.axis)
+
+    def argmax(self, a):  # the first shard holding the maximum, its first index: the global first argmax
+        best = lax.all_gather(jnp.max(a, axis=1), self.axis, axis=1)
+        ids = lax.all_gather(jnp.argmax(a, axis=1).astype(jnp.int32) + self.offset, self.axis, axis=1)
+        return jnp.take_along_axis(ids, jnp.argmax(best, axis=1)[:, None], axis=1)[:, 0]
+
+    def logsumexp(self, a):
+        return jax.nn.logsumexp(lax.all_gather(jax.nn.logsumexp(a, axis=1), self.axis, axis=1), axis=1)
+
+    def top_k(self, a, k):
+        # The global top-k is inside the union of the shards' top-k; ties go to the lower shard, then the lower
+        # local id (lax.top_k is stable), i.e. to the lower global id, as in the unsharded top_k.
+        values, ids = lax.top_k(a, min(k, a.shape[1]))
+        values = lax.all_gather(values, self.axis, axis=1, tiled=True)
+        ids = lax.all_gather(ids + self.offset, self.axis, axis=1, tiled=True)
+        values, position = lax.top_k(values, k)
+        return values, jnp.take_along_axis(ids, position, axis=1)
+
+    def take(self, a, ids):
+        local = ids - self.offset
+        mine = (local >= 0) & (local < self.local_vocab)
+        value = jnp.take_along_axis(a, jnp.clip(local, 0, self.local_vocab - 1)[:, None], axis=1)[:, 0]
+        return lax.psum(jnp.where(mine, value, 0), self.axis)
+
+    def gather(self, a):
+        return lax.all_gather(a, self.axis, axis=1, tiled=True)
+
+    def from_shard(self, shard, value):
+        return lax.psum(jnp.where(shard == self.index, value, 0), self.axis)
+
+
+_LOCAL_ROWS = _Rows()
 
 
 def _ordered_key(x: jax.Array) -> jax.Array:
@@ -195,7 +290,8 @@ def _key_to_float(key: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def _largest_threshold(x: jax.Array, weights: jax.Array, target: jax.Array) -> jax.Array:
+def _largest_threshold(x: jax.Array, weights: jax.Array, target: jax.Array, rows: _Rows = _LOCAL_ROWS
+                       ) -> jax.Array:
     """Per row, the largest value v of x such that sum(weights[x >= v]) >= target: exact, 32 halvings of the
     uint32 key range, each one [S, V] reduction. Needs sum(weights) >= target (the smallest key satisfies it)."""
     keys = _ordered_key(x)
@@ -204,7 +300,7 @@ def _largest_threshold(x: jax.Array, weights: jax.Array, target: jax.Array) -> j
         lo, hi = bounds  # invariant: lo satisfies; the answer is in [lo, hi]
         span = hi - lo
         mid = lo + span // 2 + (span & 1)  # ceil of the midpoint, without overflowing uint32
-        ok = jnp.sum(jnp.where(keys >= mid[:, None], weights, 0), axis=1) >= target
+        ok = rows.sum(jnp.where(keys >= mid[:, None], weights, 0)) >= target
         return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
 
     lo = jnp.zeros(x.shape[:1], jnp.uint32)
@@ -213,30 +309,30 @@ def _largest_threshold(x: jax.Array, weights: jax.Array, target: jax.Array) -> j
     return _key_to_float(lo)
 
 
-def _filter_threshold(x: jax.Array, t: SamplingTensors) -> jax.Array:
+def _filter_threshold(x: jax.Array, t: SamplingTensors, rows: _Rows = _LOCAL_ROWS) -> jax.Array:
     """Per-row threshold on the temperature-scaled logits x: min-p, then top-k, then top-p over the
     renormalised survivors. Tokens with x >= threshold are kept; the row maximum always is."""
-    num_slots, vocab = x.shape
-    row_max = jnp.max(x, axis=1)
+    num_slots = x.shape[0]
+    row_max = rows.max(x)
     threshold = jnp.full((num_slots,), -jnp.inf, x.dtype)
     if t.use_min_p:  # p >= min_p * p_max  <=>  x >= x_max + log(min_p)
         threshold = jnp.maximum(threshold, row_max + jnp.log(t.min_p))
     if not t.num_candidates:
         return threshold
-    candidates = lax.top_k(x, t.num_candidates)[0]  # [S, K], descending
+    candidates = rows.top_k(x, t.num_candidates)[0]  # [S, K], descending
     k_in_candidates = t.top_k <= t.num_candidates
     kth = jnp.take_along_axis(candidates, jnp.clip(t.top_k - 1, 0, t.num_candidates - 1)[:, None], axis=1)[:, 0]
     wide_k = t.valid & (t.top_k > t.num_candidates)
     kth = lax.cond(jnp.any(wide_k),
-                   lambda: jnp.where(k_in_candidates, kth, _largest_threshold(x, jnp.ones_like(x), t.top_k)),
+                   lambda: jnp.where(k_in_candidates, kth, _largest_threshold(x, jnp.ones_like(x), t.top_k, rows)),
                    lambda: kth)
     threshold = jnp.where(t.top_k > 0, jnp.maximum(threshold, kth), threshold)
 
     # Top-p on the survivors: the largest value whose cumulative (descending) kept mass reaches top_p.
     kept = x >= threshold[:, None]
     shifted = jnp.where(kept, x - row_max[:, None], -jnp.inf)
-    total = jnp.sum(jnp.exp(shifted), axis=1)
-    num_kept = jnp.sum(kept, axis=1)
+    total = rows.sum(jnp.exp(shifted))
+    num_kept = rows.sum(kept.astype(jnp.int32))
     candidate_probs = jnp.where(candidates >= threshold[:, None],
                                 jnp.exp(candidates - row_max[:, None]), 0) / total[:, None]
     cumulative = jnp.cumsum(candidate_probs, axis=1)
@@ -251,7 +347,7 @@ def _filter_threshold(x: jax.Array, t: SamplingTensors) -> jax.Array:
 
     def bisect_top_p():
         probs = jnp.exp(shifted) / total[:, None]
-        exact = _largest_threshold(x, probs, t.top_p * jnp.sum(probs, axis=1))
+        exact = _largest_threshold(x, probs, t.top_p * rows.sum(probs), rows)
         return jnp.where(in_candidates, top_p_value, exact)
 
     top_p_value = lax.cond(jnp.any(wide_p), bisect_top_p, lambda: top_p_value)
@@ -259,28 +355,33 @@ def _filter_threshold(x: jax.Array, t: SamplingTensors) -> jax.Array:
     return jnp.minimum(threshold, row_max)  # never drop the most likely token, whatever the rounding
 
 
-def _inverse_cdf(weights: jax.Array, uniform: jax.Array) -> jax.Array:
+def _pick(masses: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per row, the first index whose cumulative mass exceeds target (rounding: the last positive one), and the
+    mass before it."""
+    cumulative = jnp.cumsum(masses, axis=-1)
+    index = jnp.sum(cumulative <= target[:, None], axis=-1)
+    positions = jnp.arange(masses.shape[-1])
+    last_positive = jnp.max(jnp.where(masses > 0, positions, 0), axis=-1)
+    index = jnp.minimum(index, last_positive)
+    before = jnp.take_along_axis(cumulative, jnp.maximum(index - 1, 0)[:, None], axis=-1)[:, 0]
+    return index, jnp.where(index > 0, before, 0)
+
+
+def _inverse_cdf(weights: jax.Array, uniform: jax.Array, rows: _Rows = _LOCAL_ROWS) -> jax.Array:
     """Per row, index i drawn with probability weights[i] / sum(weights) (weights >= 0, some > 0), by the
-    cumulative sum at uniform * total: first over blocks of _BLOCK tokens, then inside the chosen block."""
+    cumulative sum at uniform * total: first over blocks of _BLOCK tokens, then inside the chosen block.
+    Vocabulary-sharded: each shard's blocks (its last one zero-padded) are gathered, [S, V / _BLOCK], every
+    shard picks the same block, and the shard owning it picks inside it."""
     num_slots, vocab = weights.shape
     num_blocks = -(-vocab // _BLOCK)
     blocks = jnp.pad(weights, ((0, 0), (0, num_blocks * _BLOCK - vocab))).reshape(num_slots, num_blocks, _BLOCK)
-
-    def pick(masses, target):  # first index whose cumulative mass exceeds target; rounding -> last positive
-        cumulative = jnp.cumsum(masses, axis=-1)
-        index = jnp.sum(cumulative <= target[:, None], axis=-1)
-        positions = jnp.arange(masses.shape[-1])
-        last_positive = jnp.max(jnp.where(masses > 0, positions, 0), axis=-1)
-        index = jnp.minimum(index, last_positive)
-        before = jnp.take_along_axis(cumulative, jnp.maximum(index - 1, 0)[:, None], axis=-1)[:, 0]
-        return index, jnp.where(index > 0, before, 0)
-
-    block_mass = jnp.sum(blocks, axis=-1)
+    block_mass = rows.gather(jnp.sum(blocks, axis=-1))
     target = uniform * jnp.sum(block_mass, axis=-1)
-    block, mass_before = pick(block_mass, target)
-    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0, :]
-    offset, _ = pick(inside, target - mass_before)
-    return (block * _BLOCK + offset).astype(jnp.int32)
+    block, mass_before = _pick(block_mass, target)
+    shard, local_block = block // num_blocks, block % num_blocks
+    inside = jnp.take_along_axis(blocks, local_block[:, None, None], axis=1)[:, 0, :]
+    offset = rows.from_shard(shard, _pick(inside, target - mass_before)[0])
+    return (shard * vocab + local_block * _BLOCK + offset).astype(jnp.int32)
 
 
 def _row_uniforms(t: SamplingTensors) -> jax.Array:
@@ -291,30 +392,53 @@ def _row_uniforms(t: SamplingTensors) -> jax.Array:
     return jax.vmap(one)(t.seed, t.step)
 
 
+def vocab_parallel_mesh(vocab_size: int):
+    """Trace-time. The mesh in context when it shards the vocabulary (VOCAB_AXIS > 1, dividing vocab_size)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or VOCAB_AXIS not in mesh.axis_names:
+        return None
+    n = mesh.shape[VOCAB_AXIS]
+    return mesh if n > 1 and vocab_size % n == 0 else None
+
+
 def sample(logits: jax.Array, t: SamplingTensors, *, max_logprobs: int = 0) -> SamplerOutput:
     """Pure, jit-able (max_logprobs static). One token per slot from float32 logits [S, V].
 
     Greedy slots (temperature 0) take exactly the argmax of the penalised logits (first index on ties). Others
     draw from softmax(penalised / temperature) restricted by min-p, top-k, top-p. Padding slots return zeros.
+    Under a mesh whose 'tensor' axis shards the vocabulary, runs per vocabulary shard (see the module notes).
     """
+    mesh = vocab_parallel_mesh(logits.shape[1])
+    if mesh is None:
+        return _sample(logits, t, max_logprobs, _LOCAL_ROWS)
+    P = jax.sharding.PartitionSpec
+
+    def local(logits, t):
+        return _sample(logits, t, max_logprobs, _ShardedRows(VOCAB_AXIS, logits.shape[1]))
+    # Every output is computed identically on every shard from exchanged partials: replicated.
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, VOCAB_AXIS), P()), out_specs=P(),
+                         check_vma=False)(logits, t)
+
+
+def _sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, rows: _Rows) -> SamplerOutput:
     raw = logits.astype(jnp.float32)
-    penalised = apply_penalties(raw, t)
-    greedy_ids = jnp.argmax(penalised, axis=1).astype(jnp.int32)
+    penalised = apply_penalties(raw, t, rows.offset)
+    greedy_ids = rows.argmax(penalised)
     if t.all_greedy:
         token_ids = greedy_ids
     else:
         greedy = t.temperature <= 0
         x = penalised / jnp.where(greedy, 1.0, t.temperature)[:, None]
-        threshold = _filter_threshold(x, t)
-        row_max = jnp.max(x, axis=1, keepdims=True)
+        threshold = _filter_threshold(x, t, rows)
+        row_max = rows.max(x)[:, None]
         weights = jnp.where(x >= threshold[:, None], jnp.exp(x - row_max), 0)
-        token_ids = jnp.where(greedy, greedy_ids, _inverse_cdf(weights, _row_uniforms(t)))
+        token_ids = jnp.where(greedy, greedy_ids, _inverse_cdf(weights, _row_uniforms(t), rows))
     token_ids = jnp.where(t.valid, token_ids, 0)
 
-    normaliser = jax.nn.logsumexp(raw, axis=1)
-    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=1)[:, 0] - normaliser
+    normaliser = rows.logsumexp(raw)
+    logprobs = rows.take(raw, token_ids) - normaliser
     if max_logprobs:
-        top_values, top_ids = lax.top_k(raw, max_logprobs)
+        top_values, top_ids = rows.top_k(raw, max_logprobs)
         top_logprobs = top_values - normaliser[:, None]
     else:
         top_ids = jnp.zeros((raw.shape[0], 0), jnp.int32)
