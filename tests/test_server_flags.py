@@ -1,5 +1,5 @@
 """Server flags: a --flagfile becomes the engine and server configs; --kv_cache_memory_fraction is sized by the
-memory ledger and refuses a fraction that holds no page."""
+memory ledger and refuses a fraction that holds no page; --dp refuses the layouts it does not combine with."""
 import pytest
 from absl import app, flags
 
@@ -36,3 +36,13 @@ def test_memory_fraction_is_sized_by_the_ledger():
     assert engine_config.num_pages > 100
     with pytest.raises(app.UsageError, match="kv_cache_memory_fraction"):
         server_main.configs_from_flags(parse(f"--model={model}", "--kv_cache_memory_fraction=1e-9"))
+
+
+def test_data_parallel_flags():
+    engine_config, _ = server_main.configs_from_flags(parse("--model=/models/llama", "--dp=2", "--tp=2"))
+    assert (engine_config.dp, engine_config.tp) == (2, 2)
+    for other in ("--pp=2", "--speculative_method=ngram", "--num_processes=2"):
+        with pytest.raises(app.UsageError, match="--dp=2 does not combine with"):
+            server_main.configs_from_flags(parse("--model=/models/llama", "--dp=2", other))
+    with pytest.raises(app.UsageError, match="--dp must be >= 1"):
+        server_main.configs_from_flags(parse("--model=/models/llama", "--dp=0"))

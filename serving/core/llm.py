@@ -27,12 +27,12 @@ class Completion:
 class LLM:
     def __init__(self, model: str, *, warmup: bool = True, **engine_options):
         config = EngineConfig(model=model, **engine_options)
-        if config.pp > 1:
-            from serving.core.pipeline_engine import PipelineEngine
-            self.engine = PipelineEngine(config)
-        elif config.dp > 1:
+        if config.dp > 1:  # refuses pp and speculative decoding with a clear error
             from serving.core.data_parallel import DataParallelEngine
             self.engine = DataParallelEngine(config)
+        elif config.pp > 1:
+            from serving.core.pipeline_engine import PipelineEngine
+            self.engine = PipelineEngine(config)
         else:
             self.engine = Engine(config)
         if warmup:

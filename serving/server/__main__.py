@@ -26,6 +26,10 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "tp", 1, "Tensor-parallel degree (devices on the mesh's 'tensor' axis).")
     d(flags.DEFINE_integer, "ep", 1, "Expert-parallel degree (MoE models; devices on the 'expert' axis).")
     d(flags.DEFINE_integer, "pp", 1, "Pipeline stages (devices on the mesh's 'pipeline' axis; dense models).")
+    d(flags.DEFINE_integer, "dp", 1,
+      "Data-parallel replicas inside the instance, each on its own --tp x --ep devices with its own scheduler and "
+      "KV pages (--num_pages / --kv_cache_memory_gb are split over them; --max_num_seqs and the queue bounds are "
+      "per replica). Not with --pp, speculative decoding or multi-host.")
     d(flags.DEFINE_integer, "micro_batches", 0, "Pipeline micro-batches per step; 0: --pp.")
     d(flags.DEFINE_integer, "spare_expert_slots", 0, "MoE: extra expert slots per layer for replicas of hot experts.")
     d(flags.DEFINE_integer, "page_size", 16, "Tokens per KV page.")
@@ -37,7 +41,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
       "free); the KV cache gets what the weights and activations leave (vLLM's gpu_memory_utilization; sized "
       "by sharding.ledger).")
     d(flags.DEFINE_integer, "max_model_len", 0, "Context cap in tokens; 0: the model's.")
-    d(flags.DEFINE_integer, "max_num_seqs", 64, "Sequences running at once.")
+    d(flags.DEFINE_integer, "max_num_seqs", 64, "Sequences running at once (per --dp replica).")
     d(flags.DEFINE_integer, "max_num_batched_tokens", 512, "Token budget per step (the largest compiled bucket).")
     d(flags.DEFINE_integer, "min_token_bucket", 16, "Smallest compiled token bucket.")
     d(flags.DEFINE_integer, "max_prefill_chunk", 0, "Per-request prefill chunk cap; 0: the token budget.")
@@ -116,9 +120,17 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
     """(EngineConfig, ServerConfig) from parsed flags."""
     from serving.core.engine import EngineConfig
     from serving.server.app import ServerConfig
+    if f.dp < 1:
+        raise app.UsageError(f"--dp must be >= 1, got {f.dp}")
+    if f.dp > 1:
+        other = ("--pp" if f.pp > 1 else "--speculative_method" if f.speculative_method else
+                 "--num_processes" if f.num_processes > 1 else "")
+        if other:
+            raise app.UsageError(f"--dp={f.dp} does not combine with {other}: data-parallel replicas take "
+                                 "--tp/--ep only, on one host")
     num_pages = f.num_pages
     if f.kv_cache_memory_fraction > 0 and not num_pages:
-        num_pages = num_pages_from_fraction(
+        num_pages = f.dp * num_pages_from_fraction(  # the fraction of each replica's own devices
             f.kv_cache_memory_fraction, f.model, dtype=f.dtype, page_size=f.page_size,
             max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs, tp=f.tp, ep=f.ep,
             draft_model=f.speculative_model if f.speculative_method == "draft" else "")
@@ -132,7 +144,7 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         enable_prefix_caching=f.enable_prefix_caching, max_waiting_requests=f.max_waiting_requests,
         max_waiting_tokens=f.max_waiting_tokens, long_prompt_threshold=f.long_prompt_threshold,
         max_long_prefills=f.max_long_prefills, priority_ageing_s=f.priority_ageing_s, seed=f.seed,
-        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep, pp=f.pp, micro_batches=f.micro_batches,
+        debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep, dp=f.dp, pp=f.pp, micro_batches=f.micro_batches,
         spare_expert_slots=f.spare_expert_slots,
         speculative_method=f.speculative_method, speculative_model=f.speculative_model,
         num_speculative_tokens=f.num_speculative_tokens, prompt_lookup_min=f.prompt_lookup_min,

@@ -195,6 +195,9 @@ def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> Engine
     if tokenizer_dir:
         from models.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
+    if engine_config.dp > 1:  # refuses pp and speculative decoding with a clear error
+        from serving.core.data_parallel import DataParallelEngine
+        return DataParallelEngine(engine_config, tokenizer=tokenizer)
     if engine_config.pp > 1:
         from serving.core.pipeline_engine import PipelineEngine
         return PipelineEngine(engine_config, tokenizer=tokenizer)

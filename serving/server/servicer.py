@@ -382,10 +382,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             max_model_len=e.max_model_len,
             eos_token_ids=list(e.eos_token_ids), dtype=c.dtype, has_tokenizer=tok is not None,
             has_chat_template=bool(tok is not None and tok.chat_template), page_size=c.page_size,
-            num_pages=e.num_pages, max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
+            num_pages=e.num_pages, max_num_seqs=c.max_num_seqs * c.dp, max_num_batched_tokens=c.max_num_batched_tokens,
             token_buckets=list(e.buckets), compile_count=e.compile_count, compile_time_s=e.compile_time_s,
             devices=[str(d) for d in _devices(e)], instance_id=self.options.instance_id,
-            max_waiting_requests=c.max_waiting_requests, max_waiting_tokens=c.max_waiting_tokens,
+            max_waiting_requests=c.max_waiting_requests * c.dp, max_waiting_tokens=c.max_waiting_tokens * c.dp,
             max_request_bytes=self.options.max_request_bytes)
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
@@ -418,8 +418,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             prefix_cache_hit_rate=hits / queries if queries else 0.0, prefix_cache_queries=queries,
             prefix_cache_hits=hits, num_preemptions=int(stats["num_preemptions"]), draining=self.draining,
             serving=self.ready and not self.draining and self.aengine.is_alive,
-            max_num_seqs=self.engine.config.max_num_seqs,
-            max_waiting_requests=self.engine.config.max_waiting_requests, steps=load["steps"],
+            # Instance-wide: each data-parallel replica runs max_num_seqs and queues max_waiting_requests.
+            max_num_seqs=self.engine.config.max_num_seqs * self.engine.config.dp,
+            max_waiting_requests=self.engine.config.max_waiting_requests * self.engine.config.dp, steps=load["steps"],
             invariant_error=error)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context):
@@ -440,6 +441,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 def _devices(engine) -> list:
     import jax
+    if hasattr(engine, "devices"):  # data parallel: every replica's devices
+        return engine.devices
     try:
         leaves = jax.tree_util.tree_leaves(engine.kv_caches)
         return sorted(leaves[0].sharding.device_set, key=lambda d: d.id) if leaves else jax.devices()[:1]
