@@ -46,6 +46,12 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
 
 
+def kv_storage_dtype(dtype):
+    """Trace-time. The dtype the next trace's backend stores a KV cache of logical `dtype` in (see
+    `reference.kv_storage_dtype`)."""
+    return reference.kv_storage_dtype(dtype, attention_backend())
+
+
 def write_kv(kv_pages, k, v, slot_mapping):
     """Pure. Writes `k`/`v` `[T, Hkv, D]` into flat slots `slot_mapping[T]` (-1 = padding, dropped).
 

@@ -14,22 +14,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_kernels import plan as plan_lib
+from pallas_kernels import reference
 
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
 
 
-def gather_source(kv_pages: jax.Array) -> jax.Array:
-    """Pure. What to gather pages from. XLA:CPU has no 16-bit float gather: it upcasts the operand, converting the
-    whole cache to f32 on every call; the same bits as uint16 gather as a plain copy (view taken once per call)."""
-    if jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 2:
-        return lax.bitcast_convert_type(kv_pages, jnp.uint16)
-    return kv_pages
-
-
-def take_pages(source: jax.Array, pages: jax.Array, dtype) -> jax.Array:
-    """Pure. `kv_pages[pages]` in `dtype`, from `gather_source(kv_pages)`."""
-    out = source[pages]
-    return out if out.dtype == dtype else lax.bitcast_convert_type(out, dtype)
+def take_pages(kv_pages: jax.Array, pages: jax.Array, dtype) -> jax.Array:
+    """Pure. `kv_pages[pages]` in `dtype`. A 16-bit float cache should be stored as uint16 bits
+    (`reference.kv_storage_dtype`); then only the gathered pages are bitcast."""
+    return reference.kv_values(kv_pages[pages], dtype)
 
 
 def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dtype, rows_per_token,
@@ -84,9 +77,9 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     chunk_pages = max(1, min(chunk_tokens // page_size, page_indices.shape[1]))
     plan = plan_lib.make_plan(cu_q_lens, kv_lens, num_seqs, t, bt)
     pages = plan_lib.pad_page_indices(page_indices, chunk_pages)
-    attend = functools.partial(_attend_block, kv_dtype=kv_pages.dtype, rows_per_token=g, chunk_pages=chunk_pages,
+    kv_dtype = q.dtype if kv_pages.dtype == jnp.uint16 else kv_pages.dtype
+    attend = functools.partial(_attend_block, kv_dtype=kv_dtype, rows_per_token=g, chunk_pages=chunk_pages,
                                sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
-    source = gather_source(kv_pages)
     q_pad = jnp.pad(q, ((0, bt), (0, 0), (0, 0)))  # so a block-sized window never runs off the end
 
     sizes = sorted({1, min(8, bt), bt})  # query-block widths: decodes, short (speculative) chunks, prefill
@@ -105,7 +98,7 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         s = plan.item_seq[i]
         start = plan.item_q_start[i]
         q_len = plan.item_q_len[i]
-        args = (source, pages[s], kv_lens[s], plan.item_first_pos[i], q_len)
+        args = (kv_pages, pages[s], kv_lens[s], plan.item_first_pos[i], q_len)
         branches = [functools.partial(run_block, w, start=start, q_len=q_len, args=args) for w in sizes]
         if len(branches) == 1:
             return branches[0](out)

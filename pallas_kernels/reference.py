@@ -10,21 +10,38 @@ import jax.numpy as jnp
 
 
 def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
-    """Pure. Writes k/v `[T, kv_heads, D]` into flat slots `slot_mapping[T]`; slots < 0 are dropped."""
+    """Pure. Writes k/v `[T, kv_heads, D]` into flat slots `slot_mapping[T]`; slots < 0 are dropped.
+
+    A cache stored as uint16 bits (`kv_storage_dtype`: 16-bit floats on CPU) receives k/v's bits; k/v must then
+    be in the cache's logical 16-bit float dtype."""
     num_pages, page_size, h2, d = kv_pages.shape
     t = k.shape[0]
-    dtype = kv_pages.dtype
-    kv = jnp.stack([k, v], axis=2).reshape(t, h2, d).astype(dtype)
-    # XLA:CPU upcasts a 16-bit float scatter (converting the whole cache every step); the same bits scattered
-    # as uint16 are a plain in-place copy.
-    as_bits = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2
-    if as_bits:
-        kv, kv_pages = jax.lax.bitcast_convert_type(kv, jnp.uint16), jax.lax.bitcast_convert_type(kv_pages, jnp.uint16)
+    kv = jnp.stack([k, v], axis=2).reshape(t, h2, d)
+    if kv_pages.dtype == jnp.uint16:
+        if kv.dtype.itemsize != 2 or not jnp.issubdtype(kv.dtype, jnp.floating):
+            raise TypeError(f"write_kv: a uint16-stored cache takes 16-bit float K/V, got {kv.dtype}")
+        kv = jax.lax.bitcast_convert_type(kv, jnp.uint16)
+    else:
+        kv = kv.astype(kv_pages.dtype)
     flat = kv_pages.reshape(num_pages * page_size, h2, d)
     idx = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     flat = flat.at[idx].set(kv, mode="drop", unique_indices=False)
-    out = flat.reshape(num_pages, page_size, h2, d)
-    return jax.lax.bitcast_convert_type(out, dtype) if as_bits else out
+    return flat.reshape(num_pages, page_size, h2, d)
+
+
+def kv_storage_dtype(dtype, backend: str):
+    """The dtype a KV cache of logical `dtype` is stored in for `backend`. XLA:CPU has no in-place 16-bit float
+    gather/scatter: on a bf16/f16 array it converts (or, bitcast, copies) the whole cache on every call, so the
+    CPU backend stores 16-bit float caches as uint16 bits and the kernels bitcast only the pages they touch."""
+    dtype = jnp.dtype(dtype)
+    if backend == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
+        return jnp.dtype(jnp.uint16)
+    return dtype
+
+
+def kv_values(kv: jax.Array, dtype) -> jax.Array:
+    """Pure. KV data read from a cache, in the logical `dtype` (bitcast when the cache stores uint16 bits)."""
+    return jax.lax.bitcast_convert_type(kv, dtype) if kv.dtype == jnp.uint16 else kv
 
 
 def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
@@ -60,7 +77,7 @@ def ragged_paged_attention_reference(
     hkv = h2 // 2
     s, max_pages = page_indices.shape
     seq, pos, valid = token_positions(cu_q_lens, kv_lens, num_seqs, t)
-    kv = kv_pages[page_indices].reshape(s, max_pages * page_size, hkv, 2, d)
+    kv = kv_values(kv_pages[page_indices], q.dtype).reshape(s, max_pages * page_size, hkv, 2, d)
     k = kv[seq, :, :, 0].astype(jnp.float32)  # [T, L, Hkv, D]
     v = kv[seq, :, :, 1].astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)

@@ -72,7 +72,7 @@ def test_concurrent_greedy_matches_hf(llama, workload, name, options):
 
 
 def test_warmup_compiles_every_program(llama, workload):
-    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64, min_token_bucket=16)
     eng = llm.engine
     assert eng.buckets == [16, 32, 64]
     assert eng.compile_count == 3 * (1 + 8)
@@ -85,6 +85,18 @@ def test_warmup_compiles_every_program(llama, workload):
     llm.generate(workload[0][:3], mixed)
     assert eng._forward_fn._cache_size() == forward_programs
     assert eng._sample_fn._cache_size() == sample_programs
+
+
+def test_default_token_buckets_follow_the_platform_and_dtype():
+    from serving.core.engine import default_min_token_bucket
+    assert default_min_token_bucket("float32", "cpu") == 1  # a lone decode is not padded on CPU
+    assert default_min_token_bucket("bfloat16", "cpu") == 8  # XLA:CPU's fast bf16 matmuls start at ~8 rows
+    assert default_min_token_bucket("bfloat16", "tpu") == 8
+    assert EngineConfig(model="/m", max_num_batched_tokens=48).token_buckets() == [1, 2, 4, 8, 16, 32, 48]
+    assert EngineConfig(model="/m", dtype="bfloat16", max_num_batched_tokens=64).token_buckets() == [8, 16, 32, 64]
+    assert EngineConfig(model="/m", min_token_bucket=16, max_num_batched_tokens=64).token_buckets() == [16, 32, 64]
+    with pytest.raises(ValueError, match="min_token_bucket"):
+        EngineConfig(model="/m", min_token_bucket=-1)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llama, workload):

@@ -15,9 +15,10 @@ import numpy as np
 from flax import nnx
 
 from models.batch import RaggedBatch
+from models.transformer import embed_lookup
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core.batch_builder import build_batch_arrays
-from serving.core.engine import Engine, EngineConfig
+from serving.core.engine import Engine, EngineConfig, default_min_token_bucket
 from sharding import pipeline
 from sharding.rules import MESH_AXES
 
@@ -39,7 +40,8 @@ class PipelineEngine(Engine):
         if config.ep > 1 or config.dp > 1:
             raise ValueError("pipeline parallelism combines with tensor parallelism only (pp x tp)")
         mesh = mesh or make_pipeline_mesh(pp, config.tp)
-        if config.min_token_bucket < self.num_micro:
+        smallest = config.min_token_bucket or default_min_token_bucket(config.dtype)
+        if smallest < self.num_micro:
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
         super().__init__(config, mesh=mesh, tokenizer=tokenizer)
         mc = self.model_config
@@ -87,11 +89,11 @@ class PipelineEngine(Engine):
     def _forward(self, state, kv_caches, arrays, expert_load):
         outer, micro = state["outer"], arrays["micro"]
         m, tm = micro["positions"].shape
-        x = outer["embed"][arrays["input_ids"]].reshape(m, tm, -1)
+        x = embed_lookup(outer["embed"], arrays["input_ids"]).reshape(m, tm, -1)
         y, kv_caches = self._run(state["slots"], kv_caches, x, {k: micro[k] for k in _MD_FIELDS})
         hidden = nnx.merge(self.norm_graphdef, outer["norm"])(y.reshape(m * tm, -1))[arrays["logits_indices"]]
         head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
-        return (hidden @ head).astype(jnp.float32), kv_caches, expert_load
+        return jnp.dot(hidden, head, preferred_element_type=jnp.float32), kv_caches, expert_load
 
     def _step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
         """The whole step's input ids and logits rows, plus per-micro-batch metadata stacked on [M]."""
