@@ -44,12 +44,8 @@ def _table(title: str, header: list[str], rows: list[list]) -> None:
 
 def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
     """The requests all at once through LLM.generate (after one warm-up request), as the gRPC run at rate inf."""
-    import jax
-
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
-    from serving.server.testing import COMPILATION_CACHE_DIR
-    jax.config.update("jax_compilation_cache_dir", COMPILATION_CACHE_DIR)  # the server compiled the same programs
     llm = LLM(model, **ENGINE_OPTIONS)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate([requests[0].prompt], params[:1])

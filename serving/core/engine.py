@@ -456,10 +456,20 @@ class Engine:
         return self._batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs)
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        """(token bucket, sequence bucket) of a step of `num_tokens` tokens."""
         for t in self.buckets:
             if t >= num_tokens:
-                return t, min(t, self.config.max_num_seqs)
+                return t, self.seq_bucket(t)
         raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        """Sequence slots of a token bucket: the next power of 4 (capped by max_num_seqs), so token buckets share
+        sampling programs (a padded slot costs one row of logits; each sampling variant is a separate program,
+        and compiling them dominated start-up)."""
+        s = 1
+        while s < token_bucket:
+            s *= 4
+        return min(s, self.config.max_num_seqs)
 
     def warmup(self) -> None:
         """Compiles every program a request can need (per token bucket: the forward, and the sampling variants
@@ -469,7 +479,7 @@ class Engine:
                     SamplingParams(temperature=0.0, repetition_penalty=1.1),
                     SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1)]
         for t in self.buckets:
-            s = min(t, self.config.max_num_seqs)
+            s = self.seq_bucket(t)
             arrays = self._step_arrays([], t, s)
             logits, self.kv_caches = self._run_forward(arrays)
             self.compile_count += 1

@@ -384,7 +384,7 @@ class SpeculativeDecoder:
         e = self.engine
         count = 0
         for t in e.buckets:
-            s = min(t, e.config.max_num_seqs)
+            s = e.seq_bucket(t)
             empty = build_batch_arrays([], page_size=e.config.page_size, num_tokens=t, num_seqs=s,
                                        max_pages=e.max_pages)
             spec = self._spec_arrays([], s, t)

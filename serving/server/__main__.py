@@ -91,7 +91,6 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "otlp_endpoint", "", "OTLP/gRPC collector for traces (host:port); empty: no tracing.")
     d(flags.DEFINE_string, "service_name", "meshserve", "service.name of the traces.")
     d(flags.DEFINE_boolean, "warmup", True, "Compile every bucket before SERVING (never turn off in production).")
-    d(flags.DEFINE_string, "compilation_cache_dir", "", "JAX persistent compilation cache (faster restarts).")
     d(flags.DEFINE_string, "ready_file", "", "Written (JSON: port, metrics_port, pid) once the server is SERVING.")
 
 
@@ -230,11 +229,6 @@ def main(argv):
     setup_logging(FLAGS.log_format)
     import prometheus_client
     prometheus_client.disable_created_metrics()  # the *_created series only add noise to every scrape
-    if FLAGS.compilation_cache_dir:
-        import jax
-        jax.config.update("jax_compilation_cache_dir", FLAGS.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     dist = _distributed_config()
     if dist is not None:
         from sharding.multihost import initialize

@@ -11,8 +11,6 @@ import tempfile
 import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Shared by test server processes (and kept between runs): a restart loads its programs instead of compiling.
-COMPILATION_CACHE_DIR = os.path.join(tempfile.gettempdir(), f"meshserve-test-jax-cache-{os.getuid()}")
 # Small engine settings that start fast: one token bucket of 32, so warm-up compiles 9 programs.
 SMALL_ENGINE_FLAGS = ("--page_size=8", "--num_pages=512", "--max_num_seqs=32", "--max_num_batched_tokens=32",
                       "--min_token_bucket=32")
@@ -58,7 +56,7 @@ class ServerProcess:
         self.log_path = os.path.join(workdir, "server.log")
         args = [sys.executable, "-m", "serving.server", f"--model={model_dir}", "--host=127.0.0.1", "--port=0",
                 "--metrics_port=0", f"--ready_file={self.ready_file}",
-                f"--compilation_cache_dir={COMPILATION_CACHE_DIR}", *SMALL_ENGINE_FLAGS, *flags]
+                *SMALL_ENGINE_FLAGS, *flags]
         full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO_ROOT,
                     "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **(env or {})}
         self._log = open(self.log_path, "wb")
