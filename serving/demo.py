@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
 from absl import app, flags
 
+from serving.process import REPO_ROOT as REPO, ReadyFileProcess
+
 _MODEL = flags.DEFINE_string("model", None, "HF or Orbax model directory (default: the embedded model)")
 _SERVE = flags.DEFINE_bool("serve", False, "keep serving after the demo requests (Ctrl-C stops)")
 _WORKDIR = flags.DEFINE_string("workdir", "", "logs, configuration and fallback model (default: a temp dir)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "tokens to generate per request")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(REPO, "models", "tiny", "target")
 SYSTEM = ("# A small utility module from the standard library.\n# It is careful about edge cases, documents every "
           "public function and raises ValueError with a clear message on bad input.\n\n")
@@ -56,38 +55,10 @@ def default_model_dir(workdir: str) -> str:
     return d
 
 
-class Process:
-    def __init__(self, name: str, args: list[str], workdir: str):
-        self.name = name
-        self.ready_file = os.path.join(workdir, f"{name}.ready.json")
-        self.log_path = os.path.join(workdir, f"{name}.log")
-        if os.path.exists(self.ready_file):  # from an earlier run in the same workdir
-            os.remove(self.ready_file)
-        env = {**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        self.proc = subprocess.Popen([sys.executable, *args, f"--ready_file={self.ready_file}"], cwd=REPO, env=env,
-                                     stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT)
-        self.info: dict = {}
-
-    def wait_ready(self, timeout: float = 600.0) -> dict:
-        t0 = time.monotonic()
-        while not os.path.exists(self.ready_file):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}:\n"
-                                   + open(self.log_path, errors="replace").read()[-3000:])
-            if time.monotonic() - t0 > timeout:
-                raise TimeoutError(f"{self.name} not ready after {timeout}s; see {self.log_path}")
-            time.sleep(0.2)
-        self.info = json.load(open(self.ready_file))
-        return self.info
-
-    def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+def Process(name: str, args: list[str], workdir: str) -> ReadyFileProcess:
+    """A started child process that writes <workdir>/<name>.ready.json when it serves."""
+    return ReadyFileProcess(name, args, workdir, env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+                            ready_timeout_s=600.0).start()
 
 
 def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) -> tuple[bool, str]:

@@ -12,14 +12,13 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 from absl import app, flags
+
+from serving.process import ReadyFileProcess
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "", "Model directory; empty: the 2-layer test Llama (built once, needs the test extras).")
@@ -64,19 +63,12 @@ def _start_gateway(workdir: str, targets: list[str], policy: str):
     path = os.path.join(workdir, "gateway.yaml")
     with open(path, "w") as f:
         yaml.safe_dump(config, f)
-    ready = os.path.join(workdir, "ready.json")
-    log = open(os.path.join(workdir, "gateway.log"), "wb")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.Popen([sys.executable, "-m", "serving.gateway", f"--config={path}", "--host=127.0.0.1",
-                             "--port=0", "--metrics_port=-1", f"--jobs_db={os.path.join(workdir, 'jobs.sqlite')}",
-                             f"--ready_file={ready}"], cwd=root, env={**os.environ, "PYTHONPATH": root},
-                            stdout=log, stderr=subprocess.STDOUT)
-    t0 = time.monotonic()
-    while not os.path.exists(ready):
-        if proc.poll() is not None or time.monotonic() - t0 > 60:
-            raise RuntimeError(f"gateway did not start; see {workdir}/gateway.log")
-        time.sleep(0.05)
-    return proc, json.load(open(ready))["port"]
+    gateway = ReadyFileProcess("gateway", ["-m", "serving.gateway", f"--config={path}", "--host=127.0.0.1",
+                                           "--port=0", "--metrics_port=-1",
+                                           f"--jobs_db={os.path.join(workdir, 'jobs.sqlite')}"], workdir,
+                               ready_timeout_s=60.0)
+    gateway.start().wait_ready()
+    return gateway, gateway.port
 
 
 def _stream(seed: int, n: int):
@@ -161,7 +153,7 @@ def main(argv):
         warm = _stream(FLAGS.seed + 1, FLAGS.warmup_requests)
         measured = _stream(FLAGS.seed, FLAGS.num_requests)
         for policy in FLAGS.policies:
-            proc, port = _start_gateway(os.path.join(workdir, policy), [p.target for p in instances], policy)
+            gateway, port = _start_gateway(os.path.join(workdir, policy), [p.target for p in instances], policy)
             try:
                 loop.run_until_complete(asyncio.sleep(1.0))  # first load reports
                 loop.run_until_complete(_replay(f"127.0.0.1:{port}", warm))
@@ -171,8 +163,7 @@ def main(argv):
                 wall = time.monotonic() - t0
                 to_bad = _routed_to(port, bad) - before
             finally:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(30)
+                gateway.stop(timeout=30)
             ttft = [r[0] for r in res if r[2] == "OK"]
             e2e = [r[1] for r in res if r[2] == "OK"]
             rows.append(dict(policy=policy, ok=len(ttft), errors=len(res) - len(ttft), to_bad=to_bad,

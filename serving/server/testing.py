@@ -2,15 +2,12 @@
 `ServerProcess`, a `python -m serving.server` child process on 127.0.0.1 with free ports."""
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from serving.process import REPO_ROOT, ReadyFileProcess
+
+__all__ = ["REPO_ROOT", "SMALL_ENGINE_FLAGS", "ServerProcess", "build_test_model", "shared_test_model"]
 # Small engine settings that start fast: one token bucket of 32, so warm-up compiles 9 programs.
 SMALL_ENGINE_FLAGS = ("--page_size=8", "--num_pages=512", "--max_num_seqs=32", "--max_num_batched_tokens=32",
                       "--min_token_bucket=32")
@@ -47,57 +44,19 @@ def shared_test_model() -> str:
     return path
 
 
-class ServerProcess:
-    def __init__(self, model_dir: str, workdir: str, *flags: str, env: dict | None = None):
-        os.makedirs(workdir, exist_ok=True)
-        self.ready_file = os.path.join(workdir, "ready.json")
-        if os.path.exists(self.ready_file):
-            os.remove(self.ready_file)
-        self.log_path = os.path.join(workdir, "server.log")
-        args = [sys.executable, "-m", "serving.server", f"--model={model_dir}", "--host=127.0.0.1", "--port=0",
-                "--metrics_port=0", f"--ready_file={self.ready_file}",
+class ServerProcess(ReadyFileProcess):
+    """`python -m serving.server` on 127.0.0.1 with the small engine settings (and `flags`), one CPU device unless
+    `env` says otherwise; started at construction."""
+
+    def __init__(self, model_dir: str, workdir: str, *flags: str, env: dict | None = None,
+                 module: str = "serving.server"):
+        args = ["-m", module, f"--model={model_dir}", "--host=127.0.0.1", "--port=0", "--metrics_port=0",
                 *SMALL_ENGINE_FLAGS, *flags]
-        full_env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO_ROOT,
-                    "XLA_FLAGS": "--xla_force_host_platform_device_count=1", **(env or {})}
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT)
-        self.port = self.metrics_port = 0
-
-    def wait_ready(self, timeout: float = 300.0) -> "ServerProcess":
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            if os.path.exists(self.ready_file):
-                info = json.load(open(self.ready_file))
-                self.port, self.metrics_port = info["port"], info["metrics_port"]
-                return self
-            time.sleep(0.1)
-        raise TimeoutError(f"the server did not start in {timeout}s:\n{self.log()[-4000:]}")
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @property
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics"
-
-    def log(self) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
+        super().__init__("server", args, workdir, env={"JAX_PLATFORMS": "cpu",
+                                                       "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+                                                       **(env or {})})
+        self.start()
 
     def terminate(self, timeout: float = 60.0) -> int:
-        """SIGTERM and wait; returns the exit code (kills it after `timeout`)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise
-        finally:
-            self._log.close()
+        """SIGTERM and wait; returns the exit code (killed after `timeout`)."""
+        return self.stop(timeout=timeout)
