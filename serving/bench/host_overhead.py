@@ -1,17 +1,24 @@
-"""Host time per engine step with N running decode sequences: schedule(), batch arrays, update().
+"""Host time per engine step with N running decode sequences: schedule(), batch arrays, update(), outputs.
 
-A fake model returns fixed tokens, so only host work is timed: scheduling, block bookkeeping (a page is
-allocated every page_size steps per sequence, full blocks go to the prefix cache), batch preparation and
-output processing. Run: python -m serving.bench.host_overhead --num_seqs=256
+A fake model returns random tokens, so only host work is timed: scheduling, block bookkeeping (a page is
+allocated every page_size steps per sequence, full blocks go to the prefix cache), batch and sampling-tensor
+preparation (these run before the step is launched), and output processing (incremental detokenisation and the
+stop-string check with the shipped tokenizer), which the engine does for step N-1 while step N runs. Run: python -m serving.bench.host_overhead --num_seqs=256
 """
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 from absl import app, flags
 
-from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig
+from models.tokenizer import Tokenizer
+from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, sampling
+from serving.core.engine import _Detok
+
+TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                             "models", "tiny", "target")
 
 _NUM_SEQS = flags.DEFINE_integer("num_seqs", 256, "running decode sequences")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 512, "prompt tokens per sequence")
@@ -33,7 +40,7 @@ def measure_host_overhead(num_seqs: int = 256, prompt_len: int = 512, steps: int
     for i in range(num_seqs):
         sched.add_request(Request(f"r{i}", rng.integers(1, 30000, prompt_len).tolist(), params,
                                   arrival_time=0.0, eos_token_ids=(2,)))
-    tokens = np.full(num_seqs, 7, np.int32)
+    tokens = np.full(num_seqs, 7, np.int32)  # during prefill
     num_tokens, max_pages = 1 << (num_seqs - 1).bit_length(), pages_per_seq
     now = 0.0
     while any(r.num_computed_tokens + 1 != r.num_tokens for r in sched.running) or sched.waiting:  # prefill
@@ -41,23 +48,34 @@ def measure_host_overhead(num_seqs: int = 256, prompt_len: int = 512, steps: int
         out = sched.schedule(now)
         sched.update(out, tokens[:len(out.scheduled)], now)
     builder = BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=num_seqs)
-    times = np.zeros((steps + warmup, 3), np.int64)
+    tokenizer = Tokenizer.from_pretrained(TOKENIZER_DIR)
+    detoks = {r.request_id: _Detok(tokenizer, r.prompt_token_ids, r.sampling_params) for r in sched.running}
+    times = np.zeros((steps + warmup, 5), np.int64)
     for i in range(steps + warmup):
         now += 1
+        tokens = rng.integers(10, tokenizer.vocab_size, num_seqs)
         t0 = time.perf_counter_ns()
         out = sched.schedule(now)
         t1 = time.perf_counter_ns()
         builder.build(out.scheduled, num_tokens=num_tokens, num_seqs=num_seqs)
+        requests = [s.request for s in out.scheduled]
+        sampling.build_sampling_tensors([r.sampling_params for r in requests], vocab_size=tokenizer.vocab_size,
+                                        num_slots=num_seqs, token_ids=[r.token_ids for r in requests],
+                                        num_prompt_tokens=[r.num_prompt_tokens for r in requests])
         t2 = time.perf_counter_ns()
-        sched.update(out, tokens, now)
+        results = sched.update(out, tokens, now)
         t3 = time.perf_counter_ns()
+        for o in results:  # what the engine does with step N-1's tokens while step N runs on the device
+            detoks[o.request_id].add(o.new_token_ids, o.finished)
+        t4 = time.perf_counter_ns()
         assert len(out.scheduled) == num_seqs, "every sequence should decode every step"
-        times[i] = (t1 - t0, t2 - t1, t3 - t2)
+        times[i] = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)
     us = times[warmup:] / 1e3
-    total = us.sum(axis=1)
-    result = {}
+    serial = us[:, 0] + us[:, 1] + us[:, 2]
+    result = {"overlapped_share": float(us[:, 3].sum() / us[:, 4].sum())}
     for name, col in (("schedule", us[:, 0]), ("build_batch", us[:, 1]), ("update", us[:, 2]),
-                      ("schedule+update", us[:, 0] + us[:, 2]), ("total", total)):
+                      ("schedule+update", us[:, 0] + us[:, 2]), ("serial (before launch)", serial),
+                      ("outputs (overlapped)", us[:, 3]), ("total", us[:, 4])):
         result[f"{name}_mean_us"] = float(col.mean())
         result[f"{name}_p50_us"] = float(np.percentile(col, 50))
         result[f"{name}_p99_us"] = float(np.percentile(col, 99))
@@ -69,8 +87,9 @@ def main(argv):
     r = measure_host_overhead(_NUM_SEQS.value, _PROMPT_LEN.value, _STEPS.value, _PAGE_SIZE.value)
     print(f"host time per step, {_NUM_SEQS.value} running decode sequences, {_STEPS.value} steps (microseconds)")
     print(f"{'':18s} {'mean':>8s} {'p50':>8s} {'p99':>8s}")
-    for name in ("schedule", "build_batch", "update", "schedule+update", "total"):
-        print(f"{name:18s} {r[name + '_mean_us']:8.1f} {r[name + '_p50_us']:8.1f} {r[name + '_p99_us']:8.1f}")
+    for name in [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]:
+        print(f"{name:24s} {r[name + '_mean_us']:8.1f} {r[name + '_p50_us']:8.1f} {r[name + '_p99_us']:8.1f}")
+    print(f"share of host time hidden behind the device by the overlap: {r['overlapped_share']:.0%}")
 
 
 if __name__ == "__main__":

@@ -211,7 +211,8 @@ def bench_host():
     r = measure_host_overhead(num_seqs=256, steps=200 if _QUICK.value else 1000)
     parts = [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]
     _table("Host time per step, 256 running decodes (device stubbed)", ["part", "p50 (us)", "mean (us)", "p99 (us)"],
-           [[p, r[f"{p}_p50_us"], r[f"{p}_mean_us"], r.get(f"{p}_p99_us", float("nan"))] for p in parts])
+           [[p, r[f"{p}_p50_us"], r[f"{p}_mean_us"], r.get(f"{p}_p99_us", float("nan"))] for p in parts]
+           + [["share hidden behind the device (outputs / total)", f"{r['overlapped_share']:.0%}", "", ""]])
 
 
 def read_bandwidth(nbytes: int = 1 << 29) -> float:
