@@ -160,7 +160,8 @@ def bench_batching():
     _table(f"Continuous vs static batching, {n} requests, output 16-{max(lengths)} tokens, {batch} slots",
            ["mode", "output tok/s", "engine steps"],
            [["continuous", continuous, steps1 - steps0], ["static", static, steps2 - steps1],
-            ["ratio (continuous / static)", continuous / static, (steps2 - steps1) / (steps1 - steps0)]])
+            ["gain (tok/s: continuous/static; steps: static/continuous)", continuous / static,
+             (steps2 - steps1) / (steps1 - steps0)]])
 
 
 def bench_prefix():
