@@ -67,9 +67,10 @@ def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) 
     t0 = time.perf_counter()
     first = None
     text, n, finish, cached = "", 0, None, 0
-    # Seeded sampling with a repetition penalty: a small model's greedy output tends to loop.
-    for r in client.generate(prompt, max_tokens=max_tokens, temperature=0.7, top_p=0.95, repetition_penalty=1.2,
-                             seed=1234, priority=priority):
+    # Seeded sampling with a repetition penalty: a small model's greedy output tends to loop. min_tokens: the
+    # model may sample </s> first after a complete-looking prompt, and every request should show some text.
+    for r in client.generate(prompt, max_tokens=max_tokens, min_tokens=min(4, max_tokens), temperature=0.7,
+                             top_p=0.95, repetition_penalty=1.2, seed=1234, priority=priority):
         if r.token_ids and first is None:
             first = time.perf_counter()
         n += len(r.token_ids)
