@@ -1,6 +1,6 @@
 """Offline benchmarks of the serving core on a ~125M-parameter Llama built locally (random weights).
 
-    python -m serving.bench offline [--only=throughput,startup,batching,prefix,chunked,host,roofline]
+    python -m serving.bench offline [--only=throughput,startup,batching,prefix,chunked,host,roofline,floor]
                                     [--dtypes=float32,bfloat16] [--quick]
 
 Every figure that is a comparison is measured side by side in one run (absolute times on a shared machine
@@ -18,7 +18,8 @@ import time
 import numpy as np
 from absl import flags
 
-_ONLY = flags.DEFINE_list("only", ["throughput", "startup", "batching", "prefix", "chunked", "host", "roofline"],
+_ONLY = flags.DEFINE_list("only", ["throughput", "startup", "batching", "prefix", "chunked", "host", "roofline",
+                                   "floor"],
                           "benchmarks to run")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes for the throughput benchmark")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/meshserve-bench", "where the benchmark model is written")
@@ -269,8 +270,53 @@ def bench_roofline():
            ["dtype", "batch", "step (ms)", "roofline (ms)", "roofline/step", "tok/s"], rows)
 
 
+def bench_floor():
+    """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
+    benchmark model's shapes, nothing else jitted in): a floor under any decode step XLA can run on this machine."""
+    import jax
+    import jax.numpy as jnp
+    c = LLAMA_125M
+    e, i, v, kv = c["hidden_size"], c["intermediate_size"], c["vocab_size"], \
+        c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
+    rows = []
+    for dtype in _DTYPES.value:
+        dt = jnp.dtype(dtype)
+        key = iter(jax.random.split(jax.random.PRNGKey(0), 8 * c["num_hidden_layers"] + 1))
+
+        def w(*shape):
+            return (jax.random.normal(next(key), shape, jnp.float32) * 0.02).astype(dt)
+
+        layers = [dict(q=w(e, e), k=w(e, kv), v=w(e, kv), o=w(e, e), g=w(e, i), u=w(e, i), d=w(i, e))
+                  for _ in range(c["num_hidden_layers"])]
+        head = w(e, v)
+
+        def mm(x, m):
+            return jnp.dot(x, m, preferred_element_type=jnp.float32).astype(x.dtype)
+
+        def chain(layers, head, x):
+            for p in layers:
+                h = mm(x, p["q"]) + mm(x, p["k"]).sum() + mm(x, p["v"]).sum()
+                x = x + mm(h, p["o"])
+                x = x + mm(jax.nn.silu(mm(x, p["g"])) * mm(x, p["u"]), p["d"])
+            return mm(x, head)
+
+        f = jax.jit(chain)
+        for m in (1, 8, 16, 32):
+            x = w(m, e)
+            f(layers, head, x).block_until_ready()
+            times = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                f(layers, head, x).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            step = statistics.median(times)
+            rows.append([dtype, m, step * 1e3, m / step])
+    _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step",
+           ["dtype", "rows", "ms", "max tok/s at that batch"], rows)
+
+
 BENCHES = dict(throughput=bench_throughput, startup=bench_startup, batching=bench_batching, prefix=bench_prefix,
-               chunked=bench_chunked, host=bench_host, roofline=bench_roofline)
+               chunked=bench_chunked, host=bench_host, roofline=bench_roofline, floor=bench_floor)
 
 
 def main() -> None:
