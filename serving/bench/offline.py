@@ -192,8 +192,10 @@ def bench_chunked():
     rows = []
     for chunked in (True, False):
         budget = 512 if chunked else 1 << (long_len + 16 - 1).bit_length()
+        # 32 sequence slots: the long prompt must be admitted while the 16 decoders run (with 16 slots it waited
+        # for them to finish, and neither mode measured anything).
         llm = _llm(dtype, max_num_batched_tokens=budget, max_model_len=long_len + 64, num_pages=2048,
-                   long_prompt_threshold=long_len - 1)
+                   long_prompt_threshold=long_len - 1, max_num_seqs=32)
         eng = llm.engine
         decoders = [eng.make_request(f"d{i}", p, _greedy(64)) for i, p in enumerate(_prompts(16, 16, seed=5))]
         for r in decoders:
