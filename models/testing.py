@@ -11,7 +11,7 @@ import os
 
 from tokenizers import processors
 
-from models.tokenizer import train_byte_level_bpe
+from models.tokenizer import CHATML_TURNS, train_byte_level_bpe
 
 TEST_BOS_TOKEN = "<s>"
 TEST_EOS_TOKEN = "</s>"
@@ -27,13 +27,7 @@ TEST_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}<|im_start|>system\nYou may call these tools:\n"
     "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{ raise_exception('Unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    + CHATML_TURNS
 )
 
 _BUILTIN_CORPUS = (

@@ -15,7 +15,7 @@ import sysconfig
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers import processors
 
-from models.tokenizer import train_byte_level_bpe
+from models.tokenizer import CHATML_TURNS, train_byte_level_bpe
 
 BOS_TOKEN, EOS_TOKEN, PAD_TOKEN = "<s>", "</s>", "<pad>"
 CHAT_START_TOKEN, CHAT_END_TOKEN = "<|im_start|>", "<|im_end|>"
@@ -24,16 +24,7 @@ SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, CHAT_START_TOKEN, CHAT_END_TO
 BOS_ID, EOS_ID, PAD_ID, CHAT_END_ID = 0, 1, 2, 4
 
 # ChatML with a BOS in front (the models are not chat-tuned; the template lets chat requests run).
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
-    "{{ raise_exception('Unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = "{{ bos_token }}" + CHATML_TURNS
 
 # Directories left out: tests (huge, repetitive), codec tables, third-party packages, build configuration.
 EXCLUDED_DIRS = ("test", "tests", "idle_test", "site-packages", "encodings", "__pycache__")
