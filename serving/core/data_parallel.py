@@ -233,11 +233,7 @@ class DataParallelEngine:
             self._owner.pop(o.request_id, None)
         return outputs
 
-    def run_until_idle(self, on_output=None) -> None:
-        while self.has_unfinished():
-            for o in self.step():
-                if on_output:
-                    on_output(o)
+    run_until_idle = Engine.run_until_idle  # only needs has_unfinished() and step()
 
     # ------------------------------------------------------------------ expert load (MoE), over all replicas
     def moe_layer_indices(self) -> list[int]:
