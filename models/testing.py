@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 
-from tokenizers import processors
 
 from models.tokenizer import CHATML_TURNS, train_byte_level_bpe
 
@@ -66,16 +65,8 @@ def make_test_tokenizer(
     texts = list(_BUILTIN_CORPUS if corpus is None else corpus)
 
     # Repetition gives multi-byte sequences enough counts to be merged into whole-character tokens.
-    backend = train_byte_level_bpe(texts * 4, vocab_size, TEST_SPECIAL_TOKENS)
+    backend = train_byte_level_bpe(texts * 4, vocab_size, TEST_SPECIAL_TOKENS, bos_token=TEST_BOS_TOKEN)
     bos_id = backend.token_to_id(TEST_BOS_TOKEN)
-    backend.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{TEST_BOS_TOKEN} $A",
-            pair=f"{TEST_BOS_TOKEN} $A {TEST_BOS_TOKEN} $B:1",
-            special_tokens=[(TEST_BOS_TOKEN, bos_id)],
-        ),
-    ])
     backend.save(os.path.join(out_dir, "tokenizer.json"))
 
     added_tokens_decoder = {

@@ -13,7 +13,6 @@ import platform
 import sysconfig
 
 from tokenizers import Tokenizer as _BackendTokenizer
-from tokenizers import processors
 
 from models.tokenizer import CHATML_TURNS, train_byte_level_bpe
 
@@ -133,18 +132,10 @@ def load_corpus(*, max_bytes: int, heldout_every: int, max_heldout_bytes: int, r
 
 def train_tokenizer(texts: list[str], vocab_size: int) -> _BackendTokenizer:
     """Byte-level BPE (GPT-2 pre-tokenisation) with <s> prepended by the post-processor. Deterministic."""
-    backend = train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS)
+    backend = train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS, bos_token=BOS_TOKEN)
     for token, expected in zip(SPECIAL_TOKENS, range(len(SPECIAL_TOKENS))):
         if backend.token_to_id(token) != expected:
             raise AssertionError(f"special token {token!r} got id {backend.token_to_id(token)}, expected {expected}")
-    backend.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(
-            single=f"{BOS_TOKEN} $A",
-            pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B:1",
-            special_tokens=[(BOS_TOKEN, BOS_ID)],
-        ),
-    ])
     return backend
 
 

@@ -222,16 +222,23 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, **kwargs), add_special_tokens=False)
 
 
-def train_byte_level_bpe(texts, vocab_size: int, special_tokens) -> _BackendTokenizer:
+def train_byte_level_bpe(texts, vocab_size: int, special_tokens, bos_token: str | None = None) -> _BackendTokenizer:
     """A byte-level BPE (GPT-2 pre-tokenisation) trained on `texts`, special tokens first (ids 0..n-1).
-    Deterministic; callers add their post-processor. Used by the test tokenizer and the tiny models' trainer."""
-    from tokenizers import decoders, models, pre_tokenizers, trainers
+    Deterministic. With `bos_token` (one of the special tokens) the post-processor puts it in front of each
+    sequence. Used by the test tokenizer and the tiny models' trainer."""
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     backend = _BackendTokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator(texts, trainer=trainer)
+    if bos_token is not None:
+        backend.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos_token} $A", pair=f"{bos_token} $A {bos_token} $B:1",
+                                          special_tokens=[(bos_token, backend.token_to_id(bos_token))]),
+        ])
     return backend
 
 
