@@ -15,16 +15,21 @@ import numpy as np
 from flax import nnx
 
 import pallas_kernels
+from pallas_kernels import native
 from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.rope import apply_rope, inverse_frequencies
 from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, MLP as MLP_AXIS, VOCAB
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Pure. `x[..., K] @ w[K, N]` accumulated in float32, in x's dtype. XLA:CPU runs bf16 x bf16 -> f32 on a
-    fast (AMX/YNNPACK) path, ~4x faster than its bf16 -> bf16 dot; for float32 this is a plain matmul."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """Pure. `x[..., K] @ w[K, N]` accumulated in float32, returned in `out_dtype` (default x's). On CPU the
+    native kernel (`pallas_kernels.native`) runs it where it can; otherwise XLA, asked for bf16 x bf16 -> f32
+    (its fast AMX/YNNPACK path, ~4x faster than its bf16 -> bf16 dot)."""
+    out_dtype = out_dtype or x.dtype
+    if native.matmul_supported(x, w, out_dtype):
+        return native.matmul(x, w, out_dtype)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -299,8 +304,9 @@ class CausalLM(nnx.Module):
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
         """Pure. Float32 logits [N, vocab] of hidden states [N, E]."""
-        w = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-        return jnp.dot(hidden, w, preferred_element_type=jnp.float32)
+        if self.config.tie_word_embeddings:  # [V, E] used transposed: XLA's dot reads it in place
+            return jnp.dot(hidden, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
+        return matmul(hidden, self.lm_head[...], jnp.float32)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:

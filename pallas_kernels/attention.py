@@ -1,6 +1,7 @@
 """The entry points models call: `ragged_paged_attention` and `write_kv`, dispatched by backend at trace time.
 
-Backend = the default JAX platform (cpu -> pure-JAX fast path, gpu -> Triton kernel, tpu -> Mosaic kernel).
+Backend = the default JAX platform (cpu -> native C++ kernel (`native.py`) where it builds and takes the dtypes,
+else the pure-JAX fast path; gpu -> Triton kernel, tpu -> Mosaic kernel).
 MESHSERVE_ATTENTION=reference|cpu|gpu|tpu forces one (read at trace time, so it applies to new traces only).
 Kernels work on the heads they are given, so they can run per shard inside shard_map.
 """
@@ -35,7 +36,11 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     """
     backend = attention_backend()
     if backend == "cpu":
-        from pallas_kernels.cpu import ragged_paged_attention_cpu as fn
+        from pallas_kernels import native
+        if native.attention_supported(q, kv_pages):
+            fn = native.ragged_paged_attention
+        else:
+            from pallas_kernels.cpu import ragged_paged_attention_cpu as fn
     elif backend == "gpu":
         from pallas_kernels.gpu import ragged_paged_attention_gpu as fn
     elif backend == "tpu":

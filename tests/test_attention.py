@@ -13,12 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pallas_kernels
-from pallas_kernels import cpu, gpu, reference, tpu
+from pallas_kernels import cpu, gpu, native, reference, tpu
 from pallas_kernels.testing import dense_attention, make_case
 
 BACKENDS = {
     "reference": reference.ragged_paged_attention_reference,
     "cpu": cpu.ragged_paged_attention_cpu,
+    "native": native.ragged_paged_attention,
     "gpu_interpret": functools.partial(gpu.ragged_paged_attention_gpu, interpret=True),
     "tpu_interpret": functools.partial(tpu.ragged_paged_attention_tpu, interpret=True),
 }
@@ -114,6 +115,12 @@ _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthC
 @given(batch=ragged_batches())
 def test_random_batches_cpu(batch):
     _random_case_check("cpu", batch)
+
+
+@settings(max_examples=25, **_SETTINGS)
+@given(batch=ragged_batches())
+def test_random_batches_native(batch):
+    _random_case_check("native", batch)
 
 
 @settings(max_examples=6, **_SETTINGS)

@@ -6,6 +6,8 @@ import time
 
 import numpy as np
 import pytest
+
+from pallas_kernels import native
 import transformers as tf
 
 from serving.core.async_engine import AsyncEngine
@@ -87,10 +89,13 @@ def test_warmup_compiles_every_program(llama, workload):
     assert eng._sample_fn._cache_size() == sample_programs
 
 
-def test_default_token_buckets_follow_the_platform_and_dtype():
+def test_default_token_buckets_follow_the_platform_and_dtype(monkeypatch):
     from serving.core.engine import default_min_token_bucket
     assert default_min_token_bucket("float32", "cpu") == 1  # a lone decode is not padded on CPU
-    assert default_min_token_bucket("bfloat16", "cpu") == 8  # XLA:CPU's fast bf16 matmuls start at ~8 rows
+    # XLA:CPU's fast bf16 matmuls start at ~8 rows; the native kernels take the smaller steps
+    assert default_min_token_bucket("bfloat16", "cpu") == (1 if native.enabled() else 8)
+    monkeypatch.setenv("MESHSERVE_CPU_KERNELS", "xla")
+    assert default_min_token_bucket("bfloat16", "cpu") == 8
     assert default_min_token_bucket("bfloat16", "tpu") == 8
     assert EngineConfig(model="/m", max_num_batched_tokens=48).token_buckets() == [1, 2, 4, 8, 16, 32, 48]
     assert EngineConfig(model="/m", dtype="bfloat16", max_num_batched_tokens=64).token_buckets() == [8, 16, 32, 64]

@@ -25,6 +25,7 @@ from models.batch import ragged_batch_from_arrays
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 from models.transformer import CausalLM, MoE, init_kv_caches
+from pallas_kernels import native
 from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder
 from serving.core.request import FinishReason, Priority, Request
@@ -133,11 +134,14 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
 def default_min_token_bucket(dtype: str, platform: str | None = None) -> int:
     """The smallest token bucket worth compiling. On CPU a float32 step costs about its weights' read at any
     height, so a lone decode runs as 1 row (padding it to 16 costs 2.5x); XLA:CPU's bf16 matmuls (AMX, f32
-    accumulation) are fast only from ~8 rows, below which they fall off to a path ~4x slower than float32.
-    Accelerators: 8 (a sublane tile)."""
+    accumulation) are fast only from ~8 rows, below which they fall off to a path ~4x slower than float32 —
+    unless the native CPU kernels (`pallas_kernels.native`) run those small steps. Accelerators: 8 (a sublane tile)."""
     platform = platform or jax.default_backend()
     if platform == "cpu":
-        return 1 if jnp.dtype(DTYPES[dtype]).itemsize == 4 else 8
+        dt = jnp.dtype(DTYPES[dtype])
+        if dt.itemsize == 4 or (dt == jnp.bfloat16 and native.enabled()):
+            return 1  # the native kernels take bf16 below 8 rows at about its weights' read
+        return 8
     return 8
 
 

@@ -1,0 +1,204 @@
+"""Native CPU kernels (C++, AVX-512) called from XLA:CPU programs through the XLA FFI.
+
+XLA:CPU's dots are slow for serving's shapes (few rows against a large weight: ~15% of the FMA peak in f32,
+and bf16 below 8 rows ~5x slower than f32), and attention written in jax.numpy pays for gathers and tiny
+dots per sequence. `native/cpu_kernels.cc` has a small-M matmul (f32 FMAs; bf16 pair dot products with f32
+accumulation) and the ragged paged attention of `reference.py`, both spread over XLA's intra-op threads.
+
+The library is compiled on first use with the system C++ compiler (`-O3 -march=native`) into a cache keyed by
+the source, compiler, jaxlib and CPU, under a file lock; `python -m pallas_kernels.native` builds it ahead
+(scripts/setup.sh does). Without a compiler, on a CPU without AVX-512 BF16, or with MESHSERVE_CPU_KERNELS=xla,
+everything falls back to the pure-XLA paths, with the same results.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "native" / "cpu_kernels.cc"
+ENV_VAR = "MESHSERVE_CPU_KERNELS"  # native (default when it builds) | xla
+CACHE_ENV = "MESHSERVE_NATIVE_CACHE"
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
+_MATMUL = "meshserve_cpu_matmul"
+_ATTENTION = "meshserve_cpu_ragged_paged_attention"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _flags(include: str) -> list[str]:
+    return ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-return-type", "-Wno-attributes",
+            f"-I{include}"]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "meshserve" / "native")
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot be used here (None if they can, built or not yet)."""
+    if os.environ.get(ENV_VAR, "native").strip().lower() == "xla":
+        return f"{ENV_VAR}=xla"
+    if platform.machine().lower() not in ("x86_64", "amd64") or not sys.platform.startswith("linux"):
+        return f"needs x86-64 Linux, this is {sys.platform}/{platform.machine()}"
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        return f"CPU lacks {', '.join(missing)}"
+    if _compiler() is None:
+        return "no C++ compiler (g++ or clang++; set CXX)"
+    return None
+
+
+def build(force: bool = False) -> Path:
+    """Compiles the kernels (or finds them in the cache) and returns the shared library's path."""
+    from filelock import FileLock
+
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or clang++; set CXX)")
+    include = jax.ffi.include_dir()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), repr((cxx, version, _flags(""), jax.__version__,
+                                            sorted(_cpu_flags()))).encode()):
+        key.update(part)
+    cache = _cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    lib = cache / f"meshserve_cpu_{key.hexdigest()[:16]}.so"
+    with FileLock(str(lib) + ".lock"):
+        if force or not lib.exists():
+            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+            cmd = [cxx, *_flags(include), str(SOURCE), "-o", str(tmp)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+            os.replace(tmp, lib)
+            log.info("built native CPU kernels: %s", lib)
+    return lib
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds and registers the FFI targets once per process. Returns None, or why it could not."""
+    reason = unavailable_reason()
+    if reason:
+        return reason
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+    except Exception as exc:  # a broken toolchain must not take serving down: fall back to XLA
+        log.warning("native CPU kernels unavailable, using XLA's: %s", exc)
+        return str(exc)
+    jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(lib.MeshserveMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
+    return None
+
+
+def _require() -> None:
+    reason = _load()
+    if reason:
+        raise RuntimeError(f"native CPU kernels unavailable: {reason}")
+
+
+def enabled() -> bool:
+    """Trace-time. Whether programs traced now for the CPU use the native kernels (building them if needed)."""
+    if jax.default_backend() != "cpu" or os.environ.get(ENV_VAR, "native").strip().lower() == "xla":
+        return False
+    return _load() is None
+
+
+def _single_device_context() -> bool:
+    """Trace-time. The kernels run on whole local arrays: outside shard_map, only without a multi-device mesh
+    (a custom call on GSPMD-sharded operands would gather them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh.empty or mesh.size == 1 or all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types)
+
+
+# Most rows the native matmul takes (the decode-sized steps); above, XLA's (packing, AMX for bf16) is faster.
+# Measured side by side on the 125M model's weight matmuls (`python -m serving.bench offline --only=floor`).
+MAX_MATMUL_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 7}
+
+
+def matmul_supported(x: jax.Array, w: jax.Array, out_dtype) -> bool:
+    """Trace-time. Whether `matmul` should run natively for these operands here."""
+    if w.ndim != 2 or x.shape[-1] != w.shape[0] or not enabled() or not _single_device_context():
+        return False
+    dt, out = jnp.dtype(x.dtype), jnp.dtype(out_dtype)
+    if dt not in MAX_MATMUL_ROWS or w.dtype != dt or math.prod(x.shape[:-1]) > MAX_MATMUL_ROWS[dt]:
+        return False
+    return out == dt or out == jnp.float32
+
+
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+    """Pure. `x[..., K] @ w[K, N]` accumulated in float32, returned in `out_dtype` (default x's)."""
+    _require()
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), out_dtype)
+    return jax.ffi.ffi_call(_MATMUL, out)(x, w)
+
+
+def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:
+    """Trace-time. Whether `ragged_paged_attention` can take these operands here."""
+    if not enabled() or q.shape[-1] % 16 or kv_pages.shape[-1] != q.shape[-1]:
+        return False
+    if q.dtype == jnp.float32:
+        return kv_pages.dtype == jnp.float32
+    return q.dtype == jnp.bfloat16 and kv_pages.dtype in (jnp.bfloat16, jnp.uint16)
+
+
+def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                           sliding_window=None, logit_soft_cap=None):
+    """Pure. Same contract as `reference.ragged_paged_attention_reference`."""
+    _require()
+    i32 = lambda a: jnp.asarray(a, jnp.int32)
+    call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    return call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), jnp.reshape(i32(num_seqs), (1,)),
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(logit_soft_cap or 0.0),
+                window=np.int64(sliding_window or 0))
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the native CPU kernels into their cache.")
+    parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    args = parser.parse_args(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"native CPU kernels not built: {reason} (XLA's kernels will be used)")
+        return 0
+    try:
+        print(f"native CPU kernels: {build(force=args.force)}")
+    except RuntimeError as exc:
+        print(f"native CPU kernels not built (XLA's kernels will be used): {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

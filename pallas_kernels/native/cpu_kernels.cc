@@ -1,0 +1,531 @@
+// meshserve CPU kernels, called from XLA:CPU programs through the XLA FFI (see pallas_kernels/native.py).
+//
+// matmul: out[M, N] = x[M, K] @ w[K, N] for the small-M, weight-streaming shapes of LLM serving (M = the
+// step's tokens, w = a layer's weight). float32 runs AVX-512 FMAs; bfloat16 runs AVX512-BF16 pair dot
+// products (vdpbf16ps) on weight pairs interleaved on the fly, accumulating in float32. Work is split over
+// column panels between the XLA intra-op thread pool's threads and the calling thread.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <cmath>
+#include <memory>
+#include <type_traits>
+#include <vector>
+
+#ifndef MESHSERVE_NO_FFI
+#include "xla/ffi/api/ffi.h"
+#endif
+
+#ifndef MESHSERVE_NO_FFI
+namespace ffi = xla::ffi;
+#endif
+
+namespace {
+
+
+// ---------------------------------------------------------------------------------------------------------
+// Parallel-for over [0, n) in chunks, on the calling thread plus the pool's threads. The caller works too and
+// waits only for chunks that were started, so it finishes even if no pool thread ever picks a task up.
+struct ForState {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename Pool, typename F>
+void ParallelFor(Pool& pool, int64_t n, F&& body) {
+  int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  if (n <= 1 || threads <= 1) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  auto state = std::make_shared<ForState>();
+  // A task that starts after every chunk is taken returns at once and never touches `body`, which may be
+  // gone by then; the caller waits for every chunk that was handed out.
+  auto worker = [state, n, &body]() {
+    for (;;) {
+      int64_t i = state->next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= n) return;
+      body(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min<int64_t>(threads, n) - 1;
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([worker]() { worker(); });
+  worker();
+  while (state->done.load(std::memory_order_acquire) < n) _mm_pause();
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Matmul. Serving's matmuls have few rows (M = a step's tokens) against a large row-major weight [K, N]. Each
+// thread owns a chunk of columns and walks K in blocks of kKBlock rows; inside a block it sweeps its columns
+// panel by panel, so the weight is read once, as kKBlock sequential row streams the hardware prefetcher
+// follows (a panel walked down all of K would touch a new page per row). Partial sums live in the output
+// (float32) or a per-thread float32 buffer, reloaded once per block. A tile keeps RT rows x 16*CB columns of
+// accumulators in registers (CB shrinks as RT grows); larger M is cut into tiles of 16 rows. Column tails are
+// masked.
+constexpr int CbFor(int rt) { return rt <= 2 ? 8 : rt <= 4 ? 6 : rt <= 6 ? 4 : rt <= 8 ? 3 : rt <= 12 ? 2 : 1; }
+constexpr int64_t kMaxTileRows = 16;
+constexpr int64_t kKBlock = 16;
+constexpr int64_t kChunkCols = 4096;
+constexpr int64_t kPrefetchBytes = 256;  // ahead along each weight row
+
+template <typename Out>
+inline void StoreVec(Out* dst, __m512 v, __mmask16 mask);
+template <>
+inline void StoreVec<float>(float* dst, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(dst, mask, v); }
+template <>
+inline void StoreVec<uint16_t>(uint16_t* dst, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+template <typename Out>
+inline void StoreRow(const float* src, Out* dst, int64_t width) {
+  int64_t i = 0;
+  for (; i + 16 <= width; i += 16) StoreVec<Out>(dst + i, _mm512_loadu_ps(src + i), 0xFFFF);
+  if (i < width) {
+    __mmask16 m = static_cast<__mmask16>((1u << (width - i)) - 1);
+    StoreVec<Out>(dst + i, _mm512_maskz_loadu_ps(m, src + i), m);
+  }
+}
+
+// acc[RT][16*CB] (+)= x[RT, k0:k0+kb] @ w[k0:k0+kb, 16*CB]. `xt` is the x block packed k-major, [kb][RT], so
+// every broadcast is a constant offset from one pointer; w is offset to (k0, column).
+template <int RT, int CB>
+inline void F32Tile(const float* __restrict xt, const float* __restrict w, int64_t ldw, int64_t kb,
+                    float* __restrict acc_mem, int64_t lda, const __mmask16* masks, bool first) {
+  __m512 acc[RT][CB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], acc_mem + r * lda + 16 * c);
+  for (int64_t k = 0; k < kb; ++k) {
+    const float* wk = w + k * ldw;
+    _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
+    __m512 wv[CB];
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) wv[c] = _mm512_maskz_loadu_ps(masks[c], wk + 16 * c);
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      __m512 xv = _mm512_set1_ps(xt[k * RT + r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) _mm512_mask_storeu_ps(acc_mem + r * lda + 16 * c, masks[c], acc[r][c]);
+}
+
+// bfloat16: weight rows k and k+1 (16 columns each) are interleaved on the fly into the pair layout vdpbf16ps
+// wants, accumulating in float32. `xt` holds x's (k, k+1) pairs packed pair-major, [kb/2][RT] 32-bit words.
+template <int RT, int CB>
+inline void Bf16Tile(const int32_t* __restrict xt, const uint16_t* __restrict w, int64_t ldw, int64_t kb,
+                     float* __restrict acc_mem, int64_t lda, const __mmask16* masks, bool first) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                              7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512 acc[RT][CB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], acc_mem + r * lda + 16 * c);
+  for (int64_t k = 0; k < kb; k += 2) {
+    const uint16_t* w0 = w + k * ldw;
+    const bool pair = k + 1 < kb;  // odd K: the last row pairs with zeros
+    _mm_prefetch(reinterpret_cast<const char*>(w0) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + ldw) + kPrefetchBytes, _MM_HINT_T0);
+    __m512bh wv[CB];
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) {
+      __m256i a = _mm256_maskz_loadu_epi16(masks[c], w0 + 16 * c);
+      __m256i b = pair ? _mm256_maskz_loadu_epi16(masks[c], w0 + ldw + 16 * c) : _mm256_setzero_si256();
+      wv[c] = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < RT; ++r) {
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(xt[(k / 2) * RT + r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) _mm512_mask_storeu_ps(acc_mem + r * lda + 16 * c, masks[c], acc[r][c]);
+}
+
+// Packs rows [m, m + rows) x columns [k0, k0 + kb) of x k-major: [kb][rows] (bf16: [kb/2][rows] pairs).
+inline void PackX(const float* x, int64_t K, int64_t m, int64_t rows, int64_t k0, int64_t kb, float* xt) {
+  for (int64_t k = 0; k < kb; ++k)
+    for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = x[(m + r) * K + k0 + k];
+}
+inline void PackX(const uint16_t* x, int64_t K, int64_t m, int64_t rows, int64_t k0, int64_t kb, int32_t* xt) {
+  for (int64_t k = 0; k < kb; k += 2)
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t v = x[(m + r) * K + k0 + k];
+      if (k + 1 < kb) v |= static_cast<int32_t>(x[(m + r) * K + k0 + k + 1]) << 16;
+      xt[(k / 2) * rows + r] = v;
+    }
+}
+
+template <typename XT>
+using Packed = std::conditional_t<std::is_same_v<XT, float>, float, int32_t>;
+
+template <int RT, int CB, typename XT>
+inline void Tile(const Packed<XT>* xt, const XT* w, int64_t ldw, int64_t kb, float* acc, int64_t lda,
+                 const __mmask16* masks, bool first) {
+  if constexpr (std::is_same_v<XT, float>)
+    F32Tile<RT, CB>(xt, w, ldw, kb, acc, lda, masks, first);
+  else
+    Bf16Tile<RT, CB>(xt, w, ldw, kb, acc, lda, masks, first);
+}
+
+// A tile of `rows` <= RT rows in a panel of 16*CbFor(RT) columns (a remainder tile keeps the panel's width).
+template <int RT, typename XT>
+inline void TileRows(int64_t rows, const Packed<XT>* xt, const XT* w, int64_t ldw, int64_t kb, float* acc,
+                     int64_t lda, const __mmask16* masks, bool first) {
+  constexpr int CB = CbFor(RT);
+  if (rows == RT) return Tile<RT, CB, XT>(xt, w, ldw, kb, acc, lda, masks, first);
+  switch (rows) {
+#define MESHSERVE_REM(n) \
+  case n:                \
+    if constexpr (n < RT) return Tile<n, CB, XT>(xt, w, ldw, kb, acc, lda, masks, first); \
+    break;
+    MESHSERVE_REM(1) MESHSERVE_REM(2) MESHSERVE_REM(3) MESHSERVE_REM(4) MESHSERVE_REM(5) MESHSERVE_REM(6)
+    MESHSERVE_REM(7) MESHSERVE_REM(8) MESHSERVE_REM(9) MESHSERVE_REM(10) MESHSERVE_REM(11) MESHSERVE_REM(12)
+    MESHSERVE_REM(13) MESHSERVE_REM(14) MESHSERVE_REM(15)
+#undef MESHSERVE_REM
+    default: break;
+  }
+}
+
+template <int RT, typename XT, typename Out, typename Pool>
+void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t N, Out* out) {
+  constexpr int CB = CbFor(RT);
+  constexpr int64_t panel = 16 * CB;
+  // Column chunks: whole panels, about kChunkCols wide, at least two per thread when N allows.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t panels = (N + panel - 1) / panel;
+  const int64_t per_chunk = std::clamp<int64_t>(panels / (2 * threads), 1, std::max<int64_t>(1, kChunkCols / panel));
+  const int64_t chunks = (panels + per_chunk - 1) / per_chunk;
+  ParallelFor(pool, chunks, [&](int64_t ci) {
+    const int64_t c0 = ci * per_chunk * panel, c1 = std::min<int64_t>(N, c0 + per_chunk * panel);
+    const int64_t width = c1 - c0;
+    float* acc;
+    int64_t lda;
+    thread_local std::vector<float> scratch;
+    if constexpr (std::is_same_v<Out, float>) {
+      acc = out + c0;
+      lda = N;
+    } else {
+      scratch.resize(static_cast<size_t>(M * width));
+      acc = scratch.data();
+      lda = width;
+    }
+    const int64_t tiles = (M + RT - 1) / RT;
+    thread_local std::vector<Packed<XT>> xts;
+    xts.resize(static_cast<size_t>(tiles * RT * kKBlock));
+    for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+      const int64_t kb = std::min<int64_t>(kKBlock, K - k0);
+      for (int64_t t = 0; t < tiles; ++t)
+        PackX(x, K, t * RT, std::min<int64_t>(RT, M - t * RT), k0, kb, xts.data() + t * RT * kKBlock);
+      for (int64_t n0 = 0; n0 < width; n0 += panel) {
+        __mmask16 masks[CB];
+        for (int c = 0; c < CB; ++c) {
+          int64_t left = width - n0 - 16 * c;
+          masks[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+        }
+        for (int64_t t = 0; t < tiles; ++t)
+          TileRows<RT, XT>(std::min<int64_t>(RT, M - t * RT), xts.data() + t * RT * kKBlock, w + k0 * N + c0 + n0,
+                           N, kb, acc + t * RT * lda + n0, lda, masks, k0 == 0);
+      }
+    }
+    if constexpr (!std::is_same_v<Out, float>)
+      for (int64_t m = 0; m < M; ++m) StoreRow<Out>(acc + m * lda, out + m * N + c0, width);
+  });
+}
+
+template <typename XT, typename Out, typename Pool>
+void Matmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t N, Out* out) {
+  switch (std::min<int64_t>(M, kMaxTileRows)) {
+#define MESHSERVE_ROWS(n) \
+  case n:                 \
+    return MatmulRows<n, XT, Out, Pool>(pool, x, M, K, w, N, out);
+    MESHSERVE_ROWS(1) MESHSERVE_ROWS(2) MESHSERVE_ROWS(3) MESHSERVE_ROWS(4) MESHSERVE_ROWS(5) MESHSERVE_ROWS(6)
+    MESHSERVE_ROWS(7) MESHSERVE_ROWS(8) MESHSERVE_ROWS(9) MESHSERVE_ROWS(10) MESHSERVE_ROWS(11)
+    MESHSERVE_ROWS(12) MESHSERVE_ROWS(13) MESHSERVE_ROWS(14) MESHSERVE_ROWS(15) MESHSERVE_ROWS(16)
+#undef MESHSERVE_ROWS
+    default: return;
+  }
+}
+
+#ifndef MESHSERVE_NO_FFI
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
+  auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("matmul: w must be 2-D [K, N]");
+  int64_t K = wd[0], N = wd[1];
+  auto xd = x.dimensions();
+  if (xd.size() < 1 || xd.back() != K) return ffi::Error::InvalidArgument("matmul: x's last dimension must be K");
+  int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(out->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("matmul: output must hold M x N elements");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  auto xt = x.element_type(), wt = w.element_type(), ot = out->element_type();
+  if (xt == ffi::DataType::F32 && wt == ffi::DataType::F32 && ot == ffi::DataType::F32) {
+    Matmul<float, float>(pool, static_cast<const float*>(x.untyped_data()), M, K,
+                         static_cast<const float*>(w.untyped_data()), N, static_cast<float*>(out->untyped_data()));
+    return ffi::Error::Success();
+  }
+  if (xt == ffi::DataType::BF16 && wt == ffi::DataType::BF16) {
+    auto xp = static_cast<const uint16_t*>(x.untyped_data());
+    auto wp = static_cast<const uint16_t*>(w.untyped_data());
+    if (ot == ffi::DataType::BF16) {
+      Matmul<uint16_t, uint16_t>(pool, xp, M, K, wp, N, static_cast<uint16_t*>(out->untyped_data()));
+      return ffi::Error::Success();
+    }
+    if (ot == ffi::DataType::F32) {
+      Matmul<uint16_t, float>(pool, xp, M, K, wp, N, static_cast<float*>(out->untyped_data()));
+      return ffi::Error::Success();
+    }
+  }
+  return ffi::Error::InvalidArgument("matmul: supported dtypes are f32 x f32 -> f32 and bf16 x bf16 -> bf16/f32");
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Ragged paged attention (same contract as pallas_kernels/reference.py). A unit of work is one sequence's
+// block of up to kQueryBlock query tokens against one KV head: rows = tokens x the q heads sharing that KV
+// head. Keys stream in chunks of 16 through an online softmax; memory per unit is O(rows x head_dim).
+constexpr int64_t kQueryBlock = 16;
+constexpr int kKeys = 16;
+
+inline __m512 Exp512(__m512 x) {
+  // exp(x) = 2^n * 2^f, n = round(x*log2e), |f| <= 1/2; 2^f = e^(f ln2) by its Taylor series to degree 7.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 g = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, g, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void ToF32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void ToF32(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+  for (; i < n; ++i) {
+    uint32_t b = static_cast<uint32_t>(src[i]) << 16;
+    std::memcpy(dst + i, &b, 4);
+  }
+}
+inline void FromF32(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void FromF32(const float* src, uint16_t* dst, int64_t n) { StoreRow<uint16_t>(src, dst, n); }
+
+struct AttnShape {
+  int64_t hq, hkv, d, page_size, max_pages;
+  float sm_scale, soft_cap;
+  int64_t window;  // 0: none
+};
+
+struct Unit {
+  int32_t seq, head, t0, nt;
+};
+
+template <typename QT, typename KT>
+void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, const int32_t* kv_lens,
+                const int32_t* pages, const int32_t* cu, QT* out) {
+  const int64_t g = a.hq / a.hkv, d = a.d, dv = d / 16, rows = u.nt * g;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(2 * rows * d + 2 * rows + 3 * kKeys * d));
+  float* qs = scratch.data();       // [rows, d]
+  float* acc = qs + rows * d;       // [rows, d]
+  float* m = acc + rows * d;        // [rows]
+  float* l = m + rows;              // [rows]
+  float* kc = l + rows;             // [16, d]
+  float* vc = kc + kKeys * d;       // [16, d]
+  float* kt = vc + kKeys * d;       // [d, 16]
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
+    ToF32(q + (tok * a.hq + head) * d, qs + r * d, d);
+    m[r] = -1e30f;
+    l[r] = 0.0f;
+  }
+  std::memset(acc, 0, rows * d * sizeof(float));
+  const int64_t kv_len = kv_lens[u.seq];
+  const int64_t q_len = cu[u.seq + 1] - cu[u.seq];
+  const int64_t first_pos = kv_len - q_len + (u.t0 - cu[u.seq]);
+  const int64_t hi = std::min<int64_t>(first_pos + u.nt, kv_len);
+  const int64_t lo = a.window > 0 ? std::max<int64_t>(first_pos - a.window + 1, 0) : 0;
+  const int32_t* seq_pages = pages + u.seq * a.max_pages;
+  const int64_t h2 = 2 * a.hkv;
+  const bool transposed = rows >= 8;
+  alignas(64) float sc[kKeys];
+  alignas(64) float pr[kKeys];
+  for (int64_t j0 = lo; j0 < hi; j0 += kKeys) {
+    const int n = static_cast<int>(std::min<int64_t>(kKeys, hi - j0));
+    for (int c = 0; c < n; ++c) {
+      int64_t pos = j0 + c;
+      const KT* base = kv + ((static_cast<int64_t>(seq_pages[pos / a.page_size]) * a.page_size + pos % a.page_size) * h2 +
+                             2 * u.head) * d;
+      ToF32(base, kc + c * d, d);
+      ToF32(base + d, vc + c * d, d);
+    }
+    if (n < kKeys) {
+      std::memset(kc + n * d, 0, (kKeys - n) * d * sizeof(float));
+      std::memset(vc + n * d, 0, (kKeys - n) * d * sizeof(float));
+    }
+    if (transposed)
+      for (int c = 0; c < kKeys; ++c)
+        for (int64_t e = 0; e < d; ++e) kt[e * kKeys + c] = kc[c * d + e];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos_r = first_pos + r / g;
+      // Keys this row may see: c < n, j0 + c <= pos_r, and inside the window.
+      int64_t last = std::min<int64_t>(n - 1, pos_r - j0);
+      if (last < 0) continue;
+      uint32_t bits = static_cast<uint32_t>((1u << (last + 1)) - 1);
+      if (a.window > 0) {
+        int64_t first = pos_r - a.window + 1 - j0;
+        if (first > last) continue;
+        if (first > 0) bits &= ~static_cast<uint32_t>((1u << first) - 1);
+      }
+      const __mmask16 mask = static_cast<__mmask16>(bits);
+      const float* qr = qs + r * d;
+      __m512 s;
+      if (transposed) {
+        s = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; ++e) s = _mm512_fmadd_ps(_mm512_set1_ps(qr[e]), _mm512_load_ps(kt + e * kKeys), s);
+      } else {
+        for (int c = 0; c < kKeys; ++c) {
+          if (!(bits >> c & 1)) { sc[c] = 0.0f; continue; }
+          __m512 t = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kc + c * d));
+          for (int64_t v = 1; v < dv; ++v)
+            t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), _mm512_loadu_ps(kc + c * d + 16 * v), t);
+          sc[c] = _mm512_reduce_add_ps(t);
+        }
+        s = _mm512_load_ps(sc);
+      }
+      s = _mm512_mul_ps(s, _mm512_set1_ps(a.sm_scale));
+      if (a.soft_cap > 0) {
+        _mm512_store_ps(sc, s);
+        for (int c = 0; c < kKeys; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
+        s = _mm512_load_ps(sc);
+      }
+      const float m_new = std::max(m[r], _mm512_mask_reduce_max_ps(mask, s));
+      const __m512 p = _mm512_maskz_mov_ps(mask, Exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      const float alpha = std::exp(m[r] - m_new);
+      l[r] = alpha * l[r] + _mm512_reduce_add_ps(p);
+      m[r] = m_new;
+      _mm512_store_ps(pr, p);
+      float* ar = acc + r * d;
+      for (int64_t v = 0; v < dv; ++v) {
+        __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * v), _mm512_set1_ps(alpha));
+        for (int c = 0; c <= last; ++c)
+          o = _mm512_fmadd_ps(_mm512_set1_ps(pr[c]), _mm512_loadu_ps(vc + c * d + 16 * v), o);
+        _mm512_storeu_ps(ar + 16 * v, o);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    float* ar = acc + r * d;
+    for (int64_t e = 0; e < d; ++e) ar[e] *= inv;
+    int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
+    FromF32(ar, out + (tok * a.hq + head) * d, d);
+  }
+}
+
+template <typename QT, typename KT>
+void RaggedPagedAttention(ffi::ThreadPool& pool, const AttnShape& a, int64_t t, const QT* q, const KT* kv,
+                          const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs,
+                          QT* out) {
+  std::vector<Unit> units;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    int32_t start = cu[s], end = std::min<int32_t>(cu[s + 1], static_cast<int32_t>(t));
+    for (int32_t t0 = start; t0 < end; t0 += kQueryBlock)
+      for (int64_t h = 0; h < a.hkv; ++h)
+        units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), t0,
+                         static_cast<int32_t>(std::min<int64_t>(kQueryBlock, end - t0))});
+  }
+  // Rows of padding tokens are zero.
+  const int64_t used = num_seqs > 0 ? std::min<int64_t>(std::max<int32_t>(cu[num_seqs], 0), t) : 0;
+  std::memset(out + used * a.hq * a.d, 0, (t - used) * a.hq * a.d * sizeof(QT));
+  ParallelFor(pool, static_cast<int64_t>(units.size()),
+              [&](int64_t i) { AttendUnit<QT, KT>(a, units[i], q, kv, kv_lens, pages, cu, out); });
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
+                         ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                         ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                         float soft_cap, int64_t window) {
+  auto qd = q.dimensions(), kd = kv.dimensions(), pd = page_indices.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("attention: expected q[T,Hq,D], kv_pages[P,page,2Hkv,D], page_indices[S,M]");
+  AttnShape a{qd[1], kd[2] / 2, qd[2], kd[1], pd[1], sm_scale, soft_cap, window};
+  const int64_t t = qd[0], seqs = pd[0];
+  if (kd[3] != a.d || a.d % 16 || a.hkv == 0 || a.hq % a.hkv)
+    return ffi::Error::InvalidArgument("attention: head_dim must match and be a multiple of 16; Hq % Hkv == 0");
+  if (static_cast<int64_t>(kv_lens.element_count()) != seqs || static_cast<int64_t>(cu_q_lens.element_count()) != seqs + 1)
+    return ffi::Error::InvalidArgument("attention: kv_lens[S] and cu_q_lens[S+1] must match page_indices[S, M]");
+  const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, seqs);
+  auto lens = kv_lens.typed_data();
+  auto pages = page_indices.typed_data();
+  auto cu = cu_q_lens.typed_data();
+  auto qt = q.element_type(), kt = kv.element_type();
+  if (qt == ffi::DataType::F32 && kt == ffi::DataType::F32) {
+    RaggedPagedAttention<float, float>(pool, a, t, static_cast<const float*>(q.untyped_data()),
+                                       static_cast<const float*>(kv.untyped_data()), lens, pages, cu, n,
+                                       static_cast<float*>(out->untyped_data()));
+    return ffi::Error::Success();
+  }
+  if (qt == ffi::DataType::BF16 && (kt == ffi::DataType::BF16 || kt == ffi::DataType::U16)) {
+    RaggedPagedAttention<uint16_t, uint16_t>(pool, a, t, static_cast<const uint16_t*>(q.untyped_data()),
+                                             static_cast<const uint16_t*>(kv.untyped_data()), lens, pages, cu, n,
+                                             static_cast<uint16_t*>(out->untyped_data()));
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument("attention: supported are f32 q with an f32 cache, bf16 q with a bf16 (or uint16-bits) cache");
+}
+
+#endif  // MESHSERVE_NO_FFI
+}  // namespace
+
+#ifndef MESHSERVE_NO_FFI
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window"));
+#endif  // MESHSERVE_NO_FFI
