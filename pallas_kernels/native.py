@@ -142,7 +142,7 @@ def _single_device_context() -> bool:
 
 # Most rows the native matmul takes (the decode-sized steps); above, XLA's (packing, AMX for bf16) is faster.
 # Measured side by side on the 125M model's weight matmuls (`python -m serving.bench offline --only=floor`).
-MAX_MATMUL_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 7}
+MAX_MATMUL_ROWS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 16}
 
 
 def matmul_supported(x: jax.Array, w: jax.Array, out_dtype) -> bool:

@@ -26,10 +26,13 @@ class InstanceProcess(ServerProcess):
                          env={"MESHSERVE_DEBUG_STEP_DELAY_FILE": self.delay_file})
 
     def set_delay(self, seconds: float) -> None:
+        """Returns once the instance has re-read the delay (it polls every 0.1 s): until then its steps run at
+        full speed, milliseconds each, which can finish work a test meant to be slow."""
         tmp = self.delay_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(seconds))
         os.replace(tmp, self.delay_file)
+        time.sleep(0.25)
 
 
 def write_config(path: str, config: dict) -> None:

@@ -27,7 +27,7 @@ def test_matmul_f32_matches_numpy(m, k, n):
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 7, 16, 20])
+@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 12, 16, 20])
 @pytest.mark.parametrize("k,n", [(64, 48), (33, 130), (256, 1000)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_matmul_bf16_matches_f32_accumulation(m, k, n, out_dtype):
@@ -60,9 +60,10 @@ def test_model_matmul_dispatch_follows_rows_dtype_and_switch(monkeypatch):
     w32, w16 = jnp.ones((64, 32), jnp.float32), jnp.ones((64, 32), jnp.bfloat16)
     assert _custom_calls(matmul, jnp.ones((16, 64), jnp.float32), w32) == {"meshserve_cpu_matmul"}
     assert _custom_calls(matmul, jnp.ones((4, 64), jnp.bfloat16), w16) == {"meshserve_cpu_matmul"}
+    assert _custom_calls(matmul, jnp.ones((16, 64), jnp.bfloat16), w16) == {"meshserve_cpu_matmul"}
     # above the row limits XLA's matmul (packing; AMX for bf16) is faster and is used
     assert _custom_calls(matmul, jnp.ones((64, 64), jnp.float32), w32) == set()
-    assert _custom_calls(matmul, jnp.ones((8, 64), jnp.bfloat16), w16) == set()
+    assert _custom_calls(matmul, jnp.ones((32, 64), jnp.bfloat16), w16) == set()
     monkeypatch.setenv(native.ENV_VAR, "xla")
     assert _custom_calls(matmul, jnp.ones((16, 64), jnp.float32), w32) == set()
 

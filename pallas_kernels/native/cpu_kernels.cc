@@ -5,6 +5,8 @@
 // products (vdpbf16ps) on weight pairs interleaved on the fly, accumulating in float32. Work is split over
 // column panels between the XLA intra-op thread pool's threads and the calling thread.
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -250,8 +252,112 @@ void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int6
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------------------
+// bfloat16 on AMX, for 8..16 rows (where the pair-dot-product tiles above run out of FMA throughput): x is the
+// A tile (rows x 32 bf16), the weight is interleaved into the pair (VNNI) layout 16 columns x 32 rows at a
+// time and multiplied into four 16 x 16 float32 C tiles (64 columns). C tiles stay in registers for
+// kAmxKBlock rows of K, then go back to a float32 buffer. Linux must grant the process AMX state first.
+constexpr int64_t kAmxKStep = 32;
+constexpr int64_t kAmxKBlock = 64;
+constexpr int64_t kAmxMinRows = 8;
+
+bool AmxReady() {
+  static const bool ok = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// B tile (VNNI): row p holds columns n..n+15 of weight rows k+2p and k+2p+1, interleaved; missing rows or
+// columns are zero.
+inline void PackB(const uint16_t* w, int64_t ldw, int64_t krows, __mmask16 mask, uint16_t* b) {
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                              7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t p = 0; p < kAmxKStep / 2; ++p) {
+    __m256i a = 2 * p < krows ? _mm256_maskz_loadu_epi16(mask, w + 2 * p * ldw) : _mm256_setzero_si256();
+    __m256i c = 2 * p + 1 < krows ? _mm256_maskz_loadu_epi16(mask, w + (2 * p + 1) * ldw) : _mm256_setzero_si256();
+    _mm_prefetch(reinterpret_cast<const char*>(w + 2 * p * ldw) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (2 * p + 1) * ldw) + kPrefetchBytes, _MM_HINT_T0);
+    _mm512_store_si512(b + 32 * p, _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1)));
+  }
+}
+
+template <typename Out, typename Pool>
+void AmxMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, Out* out) {
+  constexpr int64_t group = 64;  // columns per pass: four C tiles
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t groups = (N + group - 1) / group;
+  const int64_t per_chunk = std::clamp<int64_t>(groups / (2 * threads), 1, kChunkCols / group);
+  const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
+  const int64_t ksteps = (K + kAmxKStep - 1) / kAmxKStep;
+  // x padded to whole K steps: the A tiles read [M, ksteps*32] with zeros past K.
+  std::vector<uint16_t> xpad;
+  const uint16_t* xa = x;
+  int64_t ldx = K;
+  if (K % kAmxKStep) {
+    ldx = ksteps * kAmxKStep;
+    xpad.assign(static_cast<size_t>(M * ldx), 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * ldx, x + m * K, K * 2);
+    xa = xpad.data();
+  }
+  ParallelFor(pool, chunks, [&](int64_t ci) {
+    const int64_t c0 = ci * per_chunk * group, c1 = std::min<int64_t>(N, c0 + per_chunk * group);
+    const int64_t width = c1 - c0, padded = (width + group - 1) / group * group;
+    thread_local std::vector<float> acc_buf;
+    acc_buf.resize(static_cast<size_t>(M * padded));
+    float* acc = acc_buf.data();
+    alignas(64) uint16_t b[4][kAmxKStep * 16];
+    TileConfig cfg;
+    for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(M), cfg.colsb[t] = 64;  // C
+    cfg.rows[4] = static_cast<uint8_t>(M), cfg.colsb[4] = 64;                            // A
+    for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;                     // B
+    _tile_loadconfig(&cfg);
+    for (int64_t k0 = 0; k0 < K; k0 += kAmxKBlock) {
+      const int64_t k1 = std::min<int64_t>(K, k0 + kAmxKBlock);
+      for (int64_t n0 = 0; n0 < width; n0 += group) {
+        float* cg = acc + n0;
+        const int64_t stride = padded * 4;
+        if (k0 == 0) {
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        } else {
+          _tile_loadd(0, cg, stride); _tile_loadd(1, cg + 16, stride);
+          _tile_loadd(2, cg + 32, stride); _tile_loadd(3, cg + 48, stride);
+        }
+        for (int64_t k = k0; k < k1; k += kAmxKStep) {
+          const int64_t krows = std::min<int64_t>(kAmxKStep, K - k);
+          __mmask16 masks[4];
+          for (int j = 0; j < 4; ++j) {
+            int64_t left = width - n0 - 16 * j;
+            masks[j] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+            PackB(w + k * N + c0 + n0 + 16 * j, N, krows, masks[j], b[j]);
+          }
+          _tile_loadd(4, xa + k, ldx * 2);
+          _tile_loadd(5, b[0], 64); _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, b[1], 64); _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, b[2], 64); _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, b[3], 64); _tile_dpbf16ps(3, 4, 5);
+        }
+        _tile_stored(0, cg, stride); _tile_stored(1, cg + 16, stride);
+        _tile_stored(2, cg + 32, stride); _tile_stored(3, cg + 48, stride);
+      }
+    }
+    _tile_release();
+    for (int64_t m = 0; m < M; ++m) StoreRow<Out>(acc + m * padded, out + m * N + c0, width);
+  });
+}
+
 template <typename XT, typename Out, typename Pool>
 void Matmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t N, Out* out) {
+  if constexpr (std::is_same_v<XT, uint16_t>)
+    if (M >= kAmxMinRows && M <= kMaxTileRows && AmxReady()) return AmxMatmul<Out, Pool>(pool, x, M, K, w, N, out);
   switch (std::min<int64_t>(M, kMaxTileRows)) {
 #define MESHSERVE_ROWS(n) \
   case n:                 \

@@ -8,6 +8,7 @@ are noisy; ratios less so). Prints a table per benchmark.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -274,9 +275,12 @@ def bench_roofline():
 
 def bench_floor():
     """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
-    benchmark model's shapes, nothing else jitted in): a floor under any decode step XLA can run on this machine."""
+    benchmark model's shapes, nothing else jitted in): a floor under any decode step, for XLA's dot and for the
+    matmul the model runs (`models.transformer.matmul`: the native CPU kernel where it applies), side by side."""
     import jax
     import jax.numpy as jnp
+
+    from models.transformer import matmul
     c = LLAMA_125M
     e, i, v, kv = c["hidden_size"], c["intermediate_size"], c["vocab_size"], \
         c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
@@ -292,29 +296,31 @@ def bench_floor():
                   for _ in range(c["num_hidden_layers"])]
         head = w(e, v)
 
-        def mm(x, m):
+        def xla_mm(x, m):
             return jnp.dot(x, m, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        def chain(layers, head, x):
+        def chain(mm, layers, head, x):
             for p in layers:
                 h = mm(x, p["q"]) + mm(x, p["k"]).sum() + mm(x, p["v"]).sum()
                 x = x + mm(h, p["o"])
                 x = x + mm(jax.nn.silu(mm(x, p["g"])) * mm(x, p["u"]), p["d"])
             return mm(x, head)
 
-        f = jax.jit(chain)
         for m in (1, 8, 16, 32):
             x = w(m, e)
-            f(layers, head, x).block_until_ready()
-            times = []
-            for _ in range(10):
-                t0 = time.perf_counter()
+            steps = []
+            for mm in (xla_mm, matmul):
+                f = jax.jit(functools.partial(chain, mm))
                 f(layers, head, x).block_until_ready()
-                times.append(time.perf_counter() - t0)
-            step = statistics.median(times)
-            rows.append([dtype, m, step * 1e3, m / step])
+                times = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    f(layers, head, x).block_until_ready()
+                    times.append(time.perf_counter() - t0)
+                steps.append(statistics.median(times))
+            rows.append([dtype, m, steps[0] * 1e3, steps[1] * 1e3, steps[0] / steps[1], m / steps[1]])
     _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step",
-           ["dtype", "rows", "ms", "max tok/s at that batch"], rows)
+           ["dtype", "rows", "XLA dot ms", "meshserve matmul ms", "speed-up", "max tok/s at that batch"], rows)
 
 
 BENCHES = dict(throughput=bench_throughput, startup=bench_startup, batching=bench_batching, prefix=bench_prefix,
