@@ -2,8 +2,9 @@
 //
 // matmul: out[M, N] = x[M, K] @ w[K, N] for the small-M, weight-streaming shapes of LLM serving (M = the
 // step's tokens, w = a layer's weight). float32 runs AVX-512 FMAs; bfloat16 runs AVX512-BF16 pair dot
-// products (vdpbf16ps) on weight pairs interleaved on the fly, accumulating in float32. Work is split over
-// column panels between the XLA intra-op thread pool's threads and the calling thread.
+// products (vdpbf16ps), or AMX tiles from 8 rows, on weight pairs interleaved on the fly, accumulating in
+// float32. attention: the ragged paged attention of pallas_kernels/reference.py with an online softmax.
+// Work is split between the XLA intra-op thread pool's threads and the calling thread.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -17,16 +18,11 @@
 #include <type_traits>
 #include <vector>
 
-#ifndef MESHSERVE_NO_FFI
 #include "xla/ffi/api/ffi.h"
-#endif
 
-#ifndef MESHSERVE_NO_FFI
 namespace ffi = xla::ffi;
-#endif
 
 namespace {
-
 
 // ---------------------------------------------------------------------------------------------------------
 // Parallel-for over [0, n) in chunks, on the calling thread plus the pool's threads. The caller works too and
@@ -259,7 +255,7 @@ void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int6
 // time and multiplied into four 16 x 16 float32 C tiles (64 columns). C tiles stay in registers for
 // kAmxKBlock rows of K, then go back to a float32 buffer. Linux must grant the process AMX state first.
 constexpr int64_t kAmxKStep = 32;
-constexpr int64_t kAmxKBlock = 64;
+constexpr int64_t kAmxKBlock = 128;
 constexpr int64_t kAmxMinRows = 8;
 
 bool AmxReady() {
@@ -370,7 +366,6 @@ void Matmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t 
   }
 }
 
-#ifndef MESHSERVE_NO_FFI
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out) {
   auto wd = w.dimensions();
   if (wd.size() != 2) return ffi::Error::InvalidArgument("matmul: w must be 2-D [K, N]");
@@ -610,10 +605,8 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   return ffi::Error::InvalidArgument("attention: supported are f32 q with an f32 cache, bf16 q with a bf16 (or uint16-bits) cache");
 }
 
-#endif  // MESHSERVE_NO_FFI
 }  // namespace
 
-#ifndef MESHSERVE_NO_FFI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -634,4 +627,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, AttentionImpl,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window"));
-#endif  // MESHSERVE_NO_FFI
