@@ -36,6 +36,8 @@ CASES = {
     "mixed_gqa4_page128": ([(1, 130), (6, 128), (2, 2)], dict(hq=8, hkv=2, d=64, ps=128), {}),
     "sliding_window_soft_cap": ([(1, 40), (20, 27), (6, 6)], dict(hq=4, hkv=2, d=64, ps=8),
                                 dict(sliding_window=5, logit_soft_cap=4.0)),
+    # prompts longer than the kernels' query blocks (several blocks per sequence), one a chunked continuation
+    "long_prefill": ([(150, 150), (70, 200), (1, 90)], dict(hq=4, hkv=2, d=64, ps=16), {}),
     # bucket padded past the real tokens and sequences
     "padded_bucket": ([(1, 10), (4, 12)], dict(hq=4, hkv=1, d=64, ps=8, t=16, s=6), {}),
 }

@@ -405,7 +405,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 // Ragged paged attention (same contract as pallas_kernels/reference.py). A unit of work is one sequence's
 // block of up to kQueryBlock query tokens against one KV head: rows = tokens x the q heads sharing that KV
 // head. Keys stream in chunks of 16 through an online softmax; memory per unit is O(rows x head_dim).
-constexpr int64_t kQueryBlock = 16;
+constexpr int64_t kQueryBlock = 64;
 constexpr int kKeys = 16;
 
 inline __m512 Exp512(__m512 x) {
