@@ -406,7 +406,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 // block of up to kQueryBlock query tokens against one KV head: rows = tokens x the q heads sharing that KV
 // head. Keys stream in chunks of 16 through an online softmax; memory per unit is O(rows x head_dim).
 constexpr int64_t kQueryBlock = 64;
-constexpr int kKeys = 16;
+constexpr int kKeys = 64;
 
 inline __m512 Exp512(__m512 x) {
   // exp(x) = 2^n * 2^f, n = round(x*log2e), |f| <= 1/2; 2^f = e^(f ln2) by its Taylor series to degree 7.
@@ -453,16 +453,17 @@ struct Unit {
 template <typename QT, typename KT>
 void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, const int32_t* kv_lens,
                 const int32_t* pages, const int32_t* cu, QT* out) {
+  constexpr int kVecs = kKeys / 16;
   const int64_t g = a.hq / a.hkv, d = a.d, dv = d / 16, rows = u.nt * g;
   thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(2 * rows * d + 2 * rows + 3 * kKeys * d));
-  float* qs = scratch.data();       // [rows, d]
+  scratch.resize(static_cast<size_t>(2 * rows * d + 2 * rows + 3 * kKeys * d + 16));
+  float* qs = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* acc = qs + rows * d;       // [rows, d]
-  float* m = acc + rows * d;        // [rows]
+  float* kc = acc + rows * d;       // [kKeys, d]
+  float* vc = kc + kKeys * d;       // [kKeys, d]
+  float* kt = vc + kKeys * d;       // [d, kKeys]
+  float* m = kt + kKeys * d;        // [rows]
   float* l = m + rows;              // [rows]
-  float* kc = l + rows;             // [16, d]
-  float* vc = kc + kKeys * d;       // [16, d]
-  float* kt = vc + kKeys * d;       // [d, 16]
   for (int64_t r = 0; r < rows; ++r) {
     int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
     ToF32(q + (tok * a.hq + head) * d, qs + r * d, d);
@@ -477,9 +478,10 @@ void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, co
   const int64_t lo = a.window > 0 ? std::max<int64_t>(first_pos - a.window + 1, 0) : 0;
   const int32_t* seq_pages = pages + u.seq * a.max_pages;
   const int64_t h2 = 2 * a.hkv;
+  // Many rows share each key chunk (prefill): scores as broadcast-FMAs against K transposed. Few (decode):
+  // one dot product per key.
   const bool transposed = rows >= 8;
   alignas(64) float sc[kKeys];
-  alignas(64) float pr[kKeys];
   for (int64_t j0 = lo; j0 < hi; j0 += kKeys) {
     const int n = static_cast<int>(std::min<int64_t>(kKeys, hi - j0));
     for (int c = 0; c < n; ++c) {
@@ -489,58 +491,66 @@ void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, co
       ToF32(base, kc + c * d, d);
       ToF32(base + d, vc + c * d, d);
     }
-    if (n < kKeys) {
-      std::memset(kc + n * d, 0, (kKeys - n) * d * sizeof(float));
-      std::memset(vc + n * d, 0, (kKeys - n) * d * sizeof(float));
-    }
+    if (n < kKeys) std::memset(kc + n * d, 0, (kKeys - n) * d * sizeof(float));
     if (transposed)
       for (int c = 0; c < kKeys; ++c)
         for (int64_t e = 0; e < d; ++e) kt[e * kKeys + c] = kc[c * d + e];
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t pos_r = first_pos + r / g;
-      // Keys this row may see: c < n, j0 + c <= pos_r, and inside the window.
-      int64_t last = std::min<int64_t>(n - 1, pos_r - j0);
+      // Keys this row may see: first <= c <= last (causal, inside the chunk, inside the window).
+      const int last = static_cast<int>(std::min<int64_t>(n - 1, pos_r - j0));
       if (last < 0) continue;
-      uint32_t bits = static_cast<uint32_t>((1u << (last + 1)) - 1);
-      if (a.window > 0) {
-        int64_t first = pos_r - a.window + 1 - j0;
-        if (first > last) continue;
-        if (first > 0) bits &= ~static_cast<uint32_t>((1u << first) - 1);
-      }
-      const __mmask16 mask = static_cast<__mmask16>(bits);
+      const int first = a.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos_r - a.window + 1 - j0)) : 0;
+      if (first > last) continue;
+      const int nv = last / 16 + 1;  // score vectors holding a visible key
       const float* qr = qs + r * d;
-      __m512 s;
+      __m512 s[kVecs];
       if (transposed) {
-        s = _mm512_setzero_ps();
-        for (int64_t e = 0; e < d; ++e) s = _mm512_fmadd_ps(_mm512_set1_ps(qr[e]), _mm512_load_ps(kt + e * kKeys), s);
+        for (int v = 0; v < kVecs; ++v) s[v] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < d; ++e) {
+          const __m512 qe = _mm512_set1_ps(qr[e]);
+          for (int v = 0; v < kVecs; ++v)
+            if (v < nv) s[v] = _mm512_fmadd_ps(qe, _mm512_load_ps(kt + e * kKeys + 16 * v), s[v]);
+        }
       } else {
-        for (int c = 0; c < kKeys; ++c) {
-          if (!(bits >> c & 1)) { sc[c] = 0.0f; continue; }
+        for (int c = first; c <= last; ++c) {
           __m512 t = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kc + c * d));
-          for (int64_t v = 1; v < dv; ++v)
-            t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), _mm512_loadu_ps(kc + c * d + 16 * v), t);
+          for (int64_t w = 1; w < dv; ++w)
+            t = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * w), _mm512_loadu_ps(kc + c * d + 16 * w), t);
           sc[c] = _mm512_reduce_add_ps(t);
         }
-        s = _mm512_load_ps(sc);
+        for (int v = 0; v < nv; ++v) s[v] = _mm512_load_ps(sc + 16 * v);
       }
-      s = _mm512_mul_ps(s, _mm512_set1_ps(a.sm_scale));
-      if (a.soft_cap > 0) {
-        _mm512_store_ps(sc, s);
-        for (int c = 0; c < kKeys; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
-        s = _mm512_load_ps(sc);
+      __mmask16 mask[kVecs];
+      __m512 mx = _mm512_set1_ps(-1e30f);
+      for (int v = 0; v < nv; ++v) {
+        const int lo_c = std::max(first - 16 * v, 0), hi_c = std::min(last - 16 * v, 15);
+        mask[v] = lo_c > hi_c ? 0 : static_cast<__mmask16>(((1u << (hi_c + 1)) - 1) & ~((1u << lo_c) - 1));
+        s[v] = _mm512_mul_ps(s[v], _mm512_set1_ps(a.sm_scale));
+        if (a.soft_cap > 0) {
+          _mm512_store_ps(sc, s[v]);
+          for (int c = 0; c < 16; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
+          s[v] = _mm512_load_ps(sc);
+        }
+        mx = _mm512_mask_max_ps(mx, mask[v], mx, s[v]);
       }
-      const float m_new = std::max(m[r], _mm512_mask_reduce_max_ps(mask, s));
-      const __m512 p = _mm512_maskz_mov_ps(mask, Exp512(_mm512_sub_ps(s, _mm512_set1_ps(m_new))));
+      const float m_new = std::max(m[r], _mm512_reduce_max_ps(mx));
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 sum = _mm512_setzero_ps();
+      for (int v = 0; v < nv; ++v) {
+        s[v] = _mm512_maskz_mov_ps(mask[v], Exp512(_mm512_sub_ps(s[v], mv)));
+        sum = _mm512_add_ps(sum, s[v]);
+        _mm512_store_ps(sc + 16 * v, s[v]);
+      }
       const float alpha = std::exp(m[r] - m_new);
-      l[r] = alpha * l[r] + _mm512_reduce_add_ps(p);
+      l[r] = alpha * l[r] + _mm512_reduce_add_ps(sum);
       m[r] = m_new;
-      _mm512_store_ps(pr, p);
       float* ar = acc + r * d;
-      for (int64_t v = 0; v < dv; ++v) {
-        __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * v), _mm512_set1_ps(alpha));
-        for (int c = 0; c <= last; ++c)
-          o = _mm512_fmadd_ps(_mm512_set1_ps(pr[c]), _mm512_loadu_ps(vc + c * d + 16 * v), o);
-        _mm512_storeu_ps(ar + 16 * v, o);
+      for (int64_t w = 0; w < dv; ++w) {
+        __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * w), _mm512_set1_ps(alpha));
+        for (int c = first; c <= last; ++c)
+          o = _mm512_fmadd_ps(_mm512_set1_ps(sc[c]), _mm512_loadu_ps(vc + c * d + 16 * w), o);
+        _mm512_storeu_ps(ar + 16 * w, o);
       }
     }
   }
