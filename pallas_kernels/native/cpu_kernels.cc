@@ -89,17 +89,38 @@ inline void StoreRow(const float* src, Out* dst, int64_t width) {
   }
 }
 
+// A tile's accumulators: zero for the first K block, else the partial sums so far.
+template <int RT, int CB>
+inline void LoadAcc(__m512 (&acc)[RT][CB], const float* mem, int64_t lda, const __mmask16* masks, bool first) {
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c)
+      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], mem + r * lda + 16 * c);
+}
+
+template <int RT, int CB>
+inline void StoreAcc(const __m512 (&acc)[RT][CB], float* mem, int64_t lda, const __mmask16* masks) {
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CB; ++c) _mm512_mask_storeu_ps(mem + r * lda + 16 * c, masks[c], acc[r][c]);
+}
+
+// Two weight rows of 16 bf16 -> their 16 (row k, row k+1) pairs: the layout vdpbf16ps and AMX B tiles take.
+inline __m512i InterleaveRows(__m256i a, __m256i b) {
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                       6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+}
+
 // acc[RT][16*CB] (+)= x[RT, k0:k0+kb] @ w[k0:k0+kb, 16*CB]. `xt` is the x block packed k-major, [kb][RT], so
 // every broadcast is a constant offset from one pointer; w is offset to (k0, column).
 template <int RT, int CB>
 inline void F32Tile(const float* __restrict xt, const float* __restrict w, int64_t ldw, int64_t kb,
                     float* __restrict acc_mem, int64_t lda, const __mmask16* masks, bool first) {
   __m512 acc[RT][CB];
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CB; ++c)
-      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], acc_mem + r * lda + 16 * c);
+  LoadAcc<RT, CB>(acc, acc_mem, lda, masks, first);
   for (int64_t k = 0; k < kb; ++k) {
     const float* wk = w + k * ldw;
     _mm_prefetch(reinterpret_cast<const char*>(wk) + kPrefetchBytes, _MM_HINT_T0);
@@ -113,10 +134,7 @@ inline void F32Tile(const float* __restrict xt, const float* __restrict w, int64
       for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CB; ++c) _mm512_mask_storeu_ps(acc_mem + r * lda + 16 * c, masks[c], acc[r][c]);
+  StoreAcc<RT, CB>(acc, acc_mem, lda, masks);
 }
 
 // bfloat16: weight rows k and k+1 (16 columns each) are interleaved on the fly into the pair layout vdpbf16ps
@@ -124,14 +142,8 @@ inline void F32Tile(const float* __restrict xt, const float* __restrict w, int64
 template <int RT, int CB>
 inline void Bf16Tile(const int32_t* __restrict xt, const uint16_t* __restrict w, int64_t ldw, int64_t kb,
                      float* __restrict acc_mem, int64_t lda, const __mmask16* masks, bool first) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
-                                              7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   __m512 acc[RT][CB];
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CB; ++c)
-      acc[r][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], acc_mem + r * lda + 16 * c);
+  LoadAcc<RT, CB>(acc, acc_mem, lda, masks, first);
   for (int64_t k = 0; k < kb; k += 2) {
     const uint16_t* w0 = w + k * ldw;
     const bool pair = k + 1 < kb;  // odd K: the last row pairs with zeros
@@ -142,7 +154,7 @@ inline void Bf16Tile(const int32_t* __restrict xt, const uint16_t* __restrict w,
     for (int c = 0; c < CB; ++c) {
       __m256i a = _mm256_maskz_loadu_epi16(masks[c], w0 + 16 * c);
       __m256i b = pair ? _mm256_maskz_loadu_epi16(masks[c], w0 + ldw + 16 * c) : _mm256_setzero_si256();
-      wv[c] = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
+      wv[c] = (__m512bh)InterleaveRows(a, b);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
@@ -151,10 +163,7 @@ inline void Bf16Tile(const int32_t* __restrict xt, const uint16_t* __restrict w,
       for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < CB; ++c) _mm512_mask_storeu_ps(acc_mem + r * lda + 16 * c, masks[c], acc[r][c]);
+  StoreAcc<RT, CB>(acc, acc_mem, lda, masks);
 }
 
 // Packs rows [m, m + rows) x columns [k0, k0 + kb) of x k-major: [kb][rows] (bf16: [kb/2][rows] pairs).
@@ -275,14 +284,12 @@ struct alignas(64) TileConfig {
 // B tile (VNNI): row p holds columns n..n+15 of weight rows k+2p and k+2p+1, interleaved; missing rows or
 // columns are zero.
 inline void PackB(const uint16_t* w, int64_t ldw, int64_t krows, __mmask16 mask, uint16_t* b) {
-  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
-                                              7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t p = 0; p < kAmxKStep / 2; ++p) {
     __m256i a = 2 * p < krows ? _mm256_maskz_loadu_epi16(mask, w + 2 * p * ldw) : _mm256_setzero_si256();
     __m256i c = 2 * p + 1 < krows ? _mm256_maskz_loadu_epi16(mask, w + (2 * p + 1) * ldw) : _mm256_setzero_si256();
     _mm_prefetch(reinterpret_cast<const char*>(w + 2 * p * ldw) + kPrefetchBytes, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + (2 * p + 1) * ldw) + kPrefetchBytes, _MM_HINT_T0);
-    _mm512_store_si512(b + 32 * p, _mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1)));
+    _mm512_store_si512(b + 32 * p, InterleaveRows(a, c));
   }
 }
 
