@@ -257,7 +257,7 @@ void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int6
   });
 }
 
-
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // ---------------------------------------------------------------------------------------------------------
 // bfloat16 on AMX, for 8..16 rows (where the pair-dot-product tiles above run out of FMA throughput): x is the
 // A tile (rows x 32 bf16), the weight is interleaved into the pair (VNNI) layout 16 columns x 32 rows at a
@@ -356,11 +356,14 @@ void AmxMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16
     for (int64_t m = 0; m < M; ++m) StoreRow<Out>(acc + m * padded, out + m * N + c0, width);
   });
 }
+#endif  // AMX
 
 template <typename XT, typename Out, typename Pool>
 void Matmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t N, Out* out) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)  // CPUs without AMX (e.g. Zen 4) build without this path
   if constexpr (std::is_same_v<XT, uint16_t>)
     if (M >= kAmxMinRows && M <= kMaxTileRows && AmxReady()) return AmxMatmul<Out, Pool>(pool, x, M, K, w, N, out);
+#endif
   switch (std::min<int64_t>(M, kMaxTileRows)) {
 #define MESHSERVE_ROWS(n) \
   case n:                 \
