@@ -62,10 +62,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "meshserve" / "native")
 
 
+def _switched_off() -> bool:
+    return os.environ.get(ENV_VAR, "native").strip().lower() == "xla"
+
+
 def unavailable_reason() -> str | None:
     """Why the native kernels cannot be used here (None if they can, built or not yet)."""
-    if os.environ.get(ENV_VAR, "native").strip().lower() == "xla":
-        return f"{ENV_VAR}=xla"
+    return f"{ENV_VAR}=xla" if _switched_off() else _machine_reason()
+
+
+def _machine_reason() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64") or not sys.platform.startswith("linux"):
         return f"needs x86-64 Linux, this is {sys.platform}/{platform.machine()}"
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
@@ -106,8 +112,9 @@ def build(force: bool = False) -> Path:
 
 @functools.cache
 def _load() -> str | None:
-    """Builds and registers the FFI targets once per process. Returns None, or why it could not."""
-    reason = unavailable_reason()
+    """Builds and registers the FFI targets once per process. Returns None, or why it could not (whatever
+    MESHSERVE_CPU_KERNELS says: the switch is read at trace time, so flipping it back re-enables them)."""
+    reason = _machine_reason()
     if reason:
         return reason
     try:
@@ -128,7 +135,7 @@ def _require() -> None:
 
 def enabled() -> bool:
     """Trace-time. Whether programs traced now for the CPU use the native kernels (building them if needed)."""
-    if jax.default_backend() != "cpu" or os.environ.get(ENV_VAR, "native").strip().lower() == "xla":
+    if jax.default_backend() != "cpu" or _switched_off():
         return False
     return _load() is None
 
