@@ -110,12 +110,15 @@ class EngineConfig:
 
 
 COMPILATION_CACHE_ENV = "MESHSERVE_COMPILATION_CACHE"
+# Programs compiling faster than this are not written to the cache (they cost less than reading it back).
+COMPILATION_CACHE_MIN_SECS_ENV = "MESHSERVE_COMPILATION_CACHE_MIN_SECS"
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache, so a restart with the same model, flags and JAX build loads
     its programs instead of compiling them (start-up to ready: minutes -> seconds). `path` None: the
     MESHSERVE_COMPILATION_CACHE environment variable, else ~/.cache/meshserve/xla; "" or "off": leave it off.
+    MESHSERVE_COMPILATION_CACHE_MIN_SECS (default 0.2): programs compiling faster are not cached.
     Returns the directory in use, or None."""
     if path is None:
         path = os.environ.get(COMPILATION_CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "meshserve", "xla"))
@@ -124,7 +127,8 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     if jax.config.jax_compilation_cache_dir != path:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ.get(COMPILATION_CACHE_MIN_SECS_ENV, "0.2")))
         # An LRU bound; it also makes readers and writers take the cache's file lock, so instances started
         # together never read a half-written entry.
         jax.config.update("jax_compilation_cache_max_size", 8 << 30)
