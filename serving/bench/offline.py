@@ -231,26 +231,11 @@ def bench_host():
            + [["share hidden behind the device (outputs / total)", f"{r['overlapped_share']:.0%}", "", ""]])
 
 
-def read_bandwidth(nbytes: int = 1 << 29) -> float:
-    """Bytes/s at which a jitted program streams a buffer it only reads (a reduction), measured now: what a
-    decode step does with the weights. (A copy into a fresh output measures page faults, not the memory.)"""
-    import jax
-    import jax.numpy as jnp
-    x = jnp.ones(nbytes // 4, jnp.float32)
-    f = jax.jit(lambda a: jnp.sum(a))
-    f(x).block_until_ready()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        f(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
-
-
 def bench_roofline():
     """Decode step time at batch 1 and 32 vs the memory-bandwidth roofline (weight bytes / copy bandwidth)."""
     import jax
     rows = []
+    from pallas_kernels.bench import read_bandwidth
     bw = read_bandwidth()
     for dtype in _DTYPES.value:
         llm = _llm(dtype, max_num_seqs=32, max_num_batched_tokens=256)
