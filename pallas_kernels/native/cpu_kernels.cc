@@ -79,12 +79,24 @@ inline void StoreVec<uint16_t>(uint16_t* dst, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
+// Lanes of a 16-wide vector that hold real columns when `left` columns remain.
+inline __mmask16 TailMask(int64_t left) {
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
+
+// Columns per chunk of work, in whole units of `unit` columns: about kChunkCols, at least two chunks per thread
+// when N allows.
+inline int64_t ChunkUnits(int64_t N, int64_t unit, int64_t threads) {
+  const int64_t units = (N + unit - 1) / unit;
+  return std::clamp<int64_t>(units / (2 * std::max<int64_t>(1, threads)), 1, std::max<int64_t>(1, kChunkCols / unit));
+}
+
 template <typename Out>
 inline void StoreRow(const float* src, Out* dst, int64_t width) {
   int64_t i = 0;
   for (; i + 16 <= width; i += 16) StoreVec<Out>(dst + i, _mm512_loadu_ps(src + i), 0xFFFF);
   if (i < width) {
-    __mmask16 m = static_cast<__mmask16>((1u << (width - i)) - 1);
+    __mmask16 m = TailMask(width - i);
     StoreVec<Out>(dst + i, _mm512_maskz_loadu_ps(m, src + i), m);
   }
 }
@@ -215,11 +227,8 @@ template <int RT, typename XT, typename Out, typename Pool>
 void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t N, Out* out) {
   constexpr int CB = CbFor(RT);
   constexpr int64_t panel = 16 * CB;
-  // Column chunks: whole panels, about kChunkCols wide, at least two per thread when N allows.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t panels = (N + panel - 1) / panel;
-  const int64_t per_chunk = std::clamp<int64_t>(panels / (2 * threads), 1, std::max<int64_t>(1, kChunkCols / panel));
-  const int64_t chunks = (panels + per_chunk - 1) / per_chunk;
+  const int64_t per_chunk = ChunkUnits(N, panel, pool.num_threads());
+  const int64_t chunks = ((N + panel - 1) / panel + per_chunk - 1) / per_chunk;
   ParallelFor(pool, chunks, [&](int64_t ci) {
     const int64_t c0 = ci * per_chunk * panel, c1 = std::min<int64_t>(N, c0 + per_chunk * panel);
     const int64_t width = c1 - c0;
@@ -243,10 +252,7 @@ void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int6
         PackX(x, K, t * RT, std::min<int64_t>(RT, M - t * RT), k0, kb, xts.data() + t * RT * kKBlock);
       for (int64_t n0 = 0; n0 < width; n0 += panel) {
         __mmask16 masks[CB];
-        for (int c = 0; c < CB; ++c) {
-          int64_t left = width - n0 - 16 * c;
-          masks[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
-        }
+        for (int c = 0; c < CB; ++c) masks[c] = TailMask(width - n0 - 16 * c);
         for (int64_t t = 0; t < tiles; ++t)
           TileRows<RT, XT>(std::min<int64_t>(RT, M - t * RT), xts.data() + t * RT * kKBlock, w + k0 * N + c0 + n0,
                            N, kb, acc + t * RT * lda + n0, lda, masks, k0 == 0);
@@ -296,10 +302,8 @@ inline void PackB(const uint16_t* w, int64_t ldw, int64_t krows, __mmask16 mask,
 template <typename Out, typename Pool>
 void AmxMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, Out* out) {
   constexpr int64_t group = 64;  // columns per pass: four C tiles
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t groups = (N + group - 1) / group;
-  const int64_t per_chunk = std::clamp<int64_t>(groups / (2 * threads), 1, kChunkCols / group);
-  const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
+  const int64_t per_chunk = ChunkUnits(N, group, pool.num_threads());
+  const int64_t chunks = ((N + group - 1) / group + per_chunk - 1) / per_chunk;
   const int64_t ksteps = (K + kAmxKStep - 1) / kAmxKStep;
   // x padded to whole K steps: the A tiles read [M, ksteps*32] with zeros past K.
   std::vector<uint16_t> xpad;
@@ -338,8 +342,7 @@ void AmxMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16
           const int64_t krows = std::min<int64_t>(kAmxKStep, K - k);
           __mmask16 masks[4];
           for (int j = 0; j < 4; ++j) {
-            int64_t left = width - n0 - 16 * j;
-            masks[j] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+            masks[j] = TailMask(width - n0 - 16 * j);
             PackB(w + k * N + c0 + n0 + 16 * j, N, krows, masks[j], b[j]);
           }
           _tile_loadd(4, xa + k, ldx * 2);
