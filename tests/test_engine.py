@@ -129,6 +129,26 @@ def test_logprobs_and_stop_tokens(llama, workload):
     assert out.stop_reason == stop_at
 
 
+def test_async_engine_survives_a_caller_cancelling_its_call(llama):
+    """A call whose future is cancelled before the engine thread runs it (its RPC ended) still runs, and the
+    engine keeps serving; setting the cancelled future's result used to kill the engine thread."""
+    import threading
+    engine = Engine(EngineConfig(model=llama[0], page_size=8, num_pages=64, max_num_seqs=4,
+                                 max_num_batched_tokens=32))
+    aeng = AsyncEngine(engine)
+    try:
+        release, ran = threading.Event(), []
+        blocker = aeng.call(lambda e: release.wait(10))
+        late = aeng.call(lambda e: ran.append(True) or "late")
+        assert late.cancel()
+        release.set()
+        assert blocker.result(10) is True
+        assert aeng.call(lambda e: e.has_unfinished()).result(10) is False
+        assert ran == [True] and late.cancelled() and aeng.is_alive
+    finally:
+        aeng.shutdown()
+
+
 def test_async_engine_abort_deadline_and_streaming(llama, workload):
     engine = Engine(EngineConfig(model=llama[0], page_size=8, num_pages=128, max_num_seqs=8,
                                  max_num_batched_tokens=32))

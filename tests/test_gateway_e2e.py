@@ -168,7 +168,7 @@ def test_slow_instance_is_quarantined_then_readmitted(instances, gateways):
         w.start()
     try:
         time.sleep(2 * window)
-        assert gw.instances()["i1"].state == "healthy"
+        assert gw.instances()["i1"].state == "healthy", gw.instances()["i1"]
         instances[1].set_delay(0.3)
         t0 = time.monotonic()
         status = wait_for(lambda: (s := gw.instances()["i1"]).state == "quarantined" and s, 20, 0.05,

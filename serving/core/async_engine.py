@@ -94,10 +94,18 @@ class AsyncEngine:
             return fut
 
         def run():
+            # fn runs even if the caller has given up (an abort must still happen); the result is handed over only
+            # if the future was not cancelled meanwhile (e.g. its RPC ended): setting a cancelled future raises,
+            # which would kill the engine thread.
             try:
-                fut.set_result(fn())
+                result, error = fn(), None
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                fut.set_exception(e)
+                result, error = None, e
+            if fut.set_running_or_notify_cancel():
+                if error is None:
+                    fut.set_result(result)
+                else:
+                    fut.set_exception(error)
         self._commands.append(run)
         self._wake.set()
         return fut
