@@ -27,9 +27,49 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     native kernel (`pallas_kernels.native`) runs it where it can; otherwise XLA, asked for bf16 x bf16 -> f32
     (its fast AMX/YNNPACK path, ~4x faster than its bf16 -> bf16 dot)."""
     out_dtype = out_dtype or x.dtype
+    if native.is_packed(w):  # panels packed at load (`pack_native_weights`)
+        if native.packed_supported(x, w, out_dtype):
+            return native.matmul_packed(x, w, out_dtype)
+        w = native.unpack_weight(w, x.shape[-1])
     if native.matmul_supported(x, w, out_dtype):
         return native.matmul(x, w, out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def dense_weight(param: nnx.Param, rows: int) -> jax.Array:
+    """A matmul weight as `matmul` takes it: [rows, -1], or its packed panels as they are."""
+    w = param[...]
+    return w if native.is_packed(w) else w.reshape(rows, -1)
+
+
+def pack_native_weights(model: "CausalLM") -> int:
+    """Repacks the dense matmul weights (attention projections, MLPs, an untied LM head) into the native CPU
+    kernel's panel layout, in place, and returns how many were packed. For single-device CPU serving with the
+    native kernels on (`pallas_kernels.native.enabled()`): the kernels then stream each weight sequentially.
+    MoE expert weights, the embedding table and weights whose N is not a multiple of 64 are left as they are."""
+    cfg = model.config
+    e, d = cfg.hidden_size, cfg.head_dim
+    targets = []
+    for layer in model.layers:
+        a = layer.self_attn
+        targets += [(a.q_proj, e), (a.k_proj, e), (a.v_proj, e), (a.o_proj, cfg.num_heads * d)]
+        mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else \
+            ([layer.mlp.shared_expert] if getattr(layer.mlp, "has_shared", False) else [])
+        for m in mlps:
+            targets += [(m.gate_proj, m.gate_proj.shape[0]), (m.up_proj, m.up_proj.shape[0]),
+                        (m.down_proj, m.down_proj.shape[0])]
+    if not cfg.tie_word_embeddings:
+        targets.append((model.lm_head, e))
+    packed = 0
+    for param, rows in targets:
+        w = param[...]
+        if native.is_packed(w):
+            continue
+        w2 = w.reshape(rows, -1)
+        if native.can_pack(w2):
+            param.set_value(jax.jit(native.pack_weight)(w2))
+            packed += 1
+    return packed
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -82,15 +122,17 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
         self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = hq, hkv, d, e
         self.sm_scale = 1.0 / math.sqrt(d)
         self.sliding_window = cfg.sliding_windows[layer]
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
 
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape
-        q = matmul(x, self.q_proj[...].reshape(e, -1)).reshape(t, *self.q_proj.shape[1:])
-        k = matmul(x, self.k_proj[...].reshape(e, -1)).reshape(t, *self.k_proj.shape[1:])
-        v = matmul(x, self.v_proj[...].reshape(e, -1)).reshape(t, *self.v_proj.shape[1:])
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = matmul(x, dense_weight(self.q_proj, e)).reshape(t, hq, d)
+        k = matmul(x, dense_weight(self.k_proj, e)).reshape(t, hkv, d)
+        v = matmul(x, dense_weight(self.v_proj, e)).reshape(t, hkv, d)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -100,7 +142,7 @@ class Attention(nnx.Module):
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
                                         sliding_window=self.sliding_window)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
-        y = matmul(out.reshape(t, -1), self.o_proj[...].reshape(-1, e))
+        y = matmul(out.reshape(t, -1), dense_weight(self.o_proj, hq * d))
         if self.o_bias_on:
             y = y + self.o_bias[...]
         return y, kv_pages

@@ -1,5 +1,7 @@
 """Native CPU kernels (pallas_kernels/native): the matmul against NumPy, the engine's programs using them, and
 the switch back to XLA's kernels. (Attention is checked with every other backend in test_attention.py.)"""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,7 +55,82 @@ def test_matmul_takes_leading_dims_and_zero_rows():
 
 def _custom_calls(fn, *args) -> set[str]:
     text = jax.jit(lambda *a: fn(*a)).lower(*args).as_text()  # a fresh trace each time
-    return {t for t in ("meshserve_cpu_matmul", "meshserve_cpu_ragged_paged_attention") if t in text}
+    return set(re.findall(r"@(meshserve_cpu_\w+)\(", text))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("k,n", [(64, 64), (33, 128), (70, 192), (768, 256)])
+def test_pack_weight_round_trips_and_pads_k(dtype, k, n):
+    w = jnp.asarray(np.random.default_rng(k + n).standard_normal((k, n)), dtype)
+    assert native.can_pack(w)
+    p = native.pack_weight(w)
+    assert native.is_packed(p) and p.dtype == dtype and p.shape[0] == n // native.PANEL
+    rows = p.shape[1] * p.shape[3]
+    assert rows == (k if dtype == jnp.float32 else -(-k // 32) * 32)  # bf16 pads K to whole AMX steps
+    assert p.size == rows * n
+    np.testing.assert_array_equal(np.asarray(native.unpack_weight(p, k)), np.asarray(w))
+    # the panel layout itself: column c of panel j, row k
+    f = np.asarray(native.unpack_weight(p, k), np.float32)
+    assert f[k - 1, n - 1] == np.asarray(p, np.float32)[n // 64 - 1, (k - 1) // p.shape[3], 63, (k - 1) % p.shape[3]]
+    with pytest.raises(ValueError, match="rows of K"):
+        native.packed_shape(p, k + 64)
+
+
+def test_can_pack_rejects_what_the_kernel_cannot_take():
+    assert not native.can_pack(jnp.ones((64, 100), jnp.float32))  # N not whole panels
+    assert not native.can_pack(jnp.ones((64, 64), jnp.float16))
+    assert not native.can_pack(jnp.ones((2, 64, 64), jnp.float32))
+    assert not native.is_packed(jnp.ones((64, 64), jnp.float32))
+
+
+@pytest.mark.parametrize("m", [1, 4, 6, 7, 12, 16, 17, 40, 200])
+@pytest.mark.parametrize("k,n", [(64, 64), (33, 192), (300, 128)])
+def test_packed_matmul_f32_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+    out = np.asarray(jax.jit(native.matmul_packed)(jnp.asarray(x), native.pack_weight(jnp.asarray(w))))
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("m", [1, 3, 6, 8, 16, 17, 40])
+@pytest.mark.parametrize("k,n", [(64, 64), (33, 192), (70, 128), (256, 320)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_packed_matmul_bf16_matches_f32_accumulation(monkeypatch, amx, m, k, n, out_dtype):
+    monkeypatch.setenv(native.AMX_ENV_VAR, amx)  # AMX tiles (where the CPU has them) and the AVX-512 pairs
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    out = jax.jit(native.matmul_packed, static_argnums=2)(x, native.pack_weight(w), out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    if out_dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
+    else:
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2)
+
+
+def test_packed_matmul_takes_leading_dims_and_zero_rows():
+    x = jnp.arange(2 * 3 * 64, dtype=jnp.float32).reshape(2, 3, 64) / 100
+    p = native.pack_weight(jnp.ones((64, 128), jnp.float32))
+    np.testing.assert_allclose(np.asarray(jax.jit(native.matmul_packed)(x, p)), np.asarray(x) @ np.ones((64, 128)),
+                               rtol=1e-6)
+    assert jax.jit(native.matmul_packed)(jnp.zeros((0, 64), jnp.float32), p).shape == (0, 128)
+
+
+def test_model_matmul_on_packed_weights_any_rows_and_xla_fallback(monkeypatch):
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.standard_normal((96, 128)), jnp.float32)
+    p = native.pack_weight(w)
+    for rows in (1, 16, 300):  # every step size, prefill included, runs the packed kernel
+        x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+        assert _custom_calls(matmul, x, p) == {"meshserve_cpu_matmul_packed"}
+        np.testing.assert_allclose(np.asarray(jax.jit(matmul)(x, p)), np.asarray(x) @ np.asarray(w),
+                                   rtol=1e-5, atol=1e-4)
+    monkeypatch.setenv(native.ENV_VAR, "xla")  # switched off after packing: XLA's dot on the unpacked weight
+    assert _custom_calls(matmul, x, p) == set()
+    np.testing.assert_allclose(np.asarray(jax.jit(matmul)(x, p)), np.asarray(x) @ np.asarray(w), rtol=1e-5,
+                               atol=1e-4)
 
 
 def test_model_matmul_dispatch_follows_rows_dtype_and_switch(monkeypatch):
@@ -83,7 +160,7 @@ def test_native_and_xla_kernels_give_the_same_generations(tmp_path, monkeypatch)
     prompts = [hf_models.random_prompt(n, hf.config.vocab_size, seed=n) for n in (5, 2, 37)]
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     traced = []
-    for name in ("matmul", "ragged_paged_attention"):
+    for name in ("matmul", "matmul_packed", "ragged_paged_attention"):
         fn = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _fn=fn, _name=name, **k: (traced.append(_name), _fn(*a, **k))[1])
 
@@ -92,9 +169,25 @@ def test_native_and_xla_kernels_give_the_same_generations(tmp_path, monkeypatch)
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     native_out = run()
-    assert {"matmul", "ragged_paged_attention"} <= set(traced)
+    assert {"matmul_packed", "ragged_paged_attention"} <= set(traced)
     assert native_out == [hf_models.hf_greedy(hf, p, 10) for p in prompts]
     traced.clear()
     monkeypatch.setenv(native.ENV_VAR, "xla")
     assert run() == native_out
     assert traced == []
+
+
+def test_engine_packs_its_weights_and_leaves_the_callers_model_alone(tmp_path):
+    from models.weights import load_model
+    from serving.core.engine import Engine, EngineConfig
+    from tests import hf_models
+
+    hf_models.save_hf_model("qwen3", str(tmp_path / "qwen3"))
+    model = load_model(str(tmp_path / "qwen3"))
+    shape = model.layers[0].self_attn.q_proj[...].shape
+    engine = Engine(EngineConfig(model=str(tmp_path / "qwen3"), num_pages=16, max_num_seqs=2,
+                                 max_num_batched_tokens=32), model=model)
+    assert engine.packed_weights > 0
+    assert model.layers[0].self_attn.q_proj[...].shape == shape  # the engine packed a clone
+    packed = [x for x in jax.tree_util.tree_leaves(engine.state) if native.is_packed(x)]
+    assert len(packed) == engine.packed_weights

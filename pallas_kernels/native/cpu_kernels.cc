@@ -415,6 +415,242 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
+// Packed matmul: out[M, N] = x[M, K] @ W, with W packed once at load into panels of kPanel columns that are
+// contiguous down K (`pack_weight` in pallas_kernels/native.py): float32 [N/64, K, 64, 1] (element (k, n) at
+// [n/64, k, n%64, 0]); bfloat16 [N/64, Kp/2, 64, 2] with K zero-padded to Kp = a multiple of 32 and the
+// rows k, k+1 of a column side by side (the pair layout of vdpbf16ps and AMX B tiles). A thread streams whole
+// panels front to back, so weight reads are one sequential stream per panel, and a tile's accumulators stay in
+// registers (or AMX tiles) for all of K. Any M: rows go in tiles of up to kPackedRows (AMX: 16) over the same
+// panel, which the later tiles read from L2.
+constexpr int64_t kPanel = 64;
+constexpr int64_t kAmxKStepPad = 32;  // bf16 panels pad K to this (one AMX K step)
+constexpr int kPackedRows = 6;  // 6 rows x 4 vectors = 24 accumulators
+constexpr int64_t kPackedMBlock = 240;  // rows per unit of work (x's block stays in L2 across the panels)
+constexpr int64_t kPackedAhead = 4096;  // bytes ahead in the panel's stream
+
+// The 256 bytes of one panel step: this panel's, kPackedAhead ahead, into L1 on the first row tile; on a
+// later tile (this panel is in L2 by then) the next panel's same bytes into L2, so its first tile does not wait
+// on memory while the other tiles only compute.
+inline void Prefetch256(const char* here, const char* next, int64_t offset) {
+  if (next) {
+    for (int l = 0; l < 256; l += 64) _mm_prefetch(next + offset + l, _MM_HINT_T1);
+  } else {
+    for (int l = 0; l < 256; l += 64) _mm_prefetch(here + kPackedAhead + l, _MM_HINT_T1);
+  }
+}
+
+template <int RT, typename Out>
+inline void F32PackedTile(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t K,
+                          Out* out, int64_t ldo, const char* next) {
+  __m512 acc[RT][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const float* wk = wp + k * kPanel;
+    Prefetch256(reinterpret_cast<const char*>(wk), next, k * kPanel * 4);
+    __m512 wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wk + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r) {
+      __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) StoreVec<Out>(out + r * ldo + 16 * c, acc[r][c], 0xFFFF);
+}
+
+// bfloat16 pairs: x's (k, k+1) pair is one 32-bit word broadcast against the panel's pair rows.
+template <int RT, typename Out>
+inline void Bf16PackedTile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict wp, int64_t K,
+                           Out* out, int64_t ldo, const char* next) {
+  __m512 acc[RT][4];
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  for (int64_t q = 0; q <= pairs; ++q) {
+    const bool tail = q == pairs;  // odd K: the last x column pairs with zero
+    if (tail && !(K & 1)) break;
+    const uint16_t* wq = wp + q * 2 * kPanel;
+    Prefetch256(reinterpret_cast<const char*>(wq), next, q * kPanel * 4);
+    __m512bh wv[4];
+    for (int c = 0; c < 4; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wq + 32 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < RT; ++r) {
+      int32_t pair;
+      if (tail) {
+        pair = x[r * ldx + 2 * q];
+      } else {
+        std::memcpy(&pair, x + r * ldx + 2 * q, 4);
+      }
+      __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < RT; ++r)
+    for (int c = 0; c < 4; ++c) StoreVec<Out>(out + r * ldo + 16 * c, acc[r][c], 0xFFFF);
+}
+
+template <int RT, typename XT, typename Out>
+inline void PackedTile(const XT* x, int64_t ldx, const XT* wp, int64_t K, Out* out, int64_t ldo, const char* next) {
+  if constexpr (std::is_same_v<XT, float>)
+    F32PackedTile<RT, Out>(x, ldx, wp, K, out, ldo, next);
+  else
+    Bf16PackedTile<RT, Out>(x, ldx, wp, K, out, ldo, next);
+}
+
+template <typename XT, typename Out>
+inline void PackedRows(int64_t rows, const XT* x, int64_t ldx, const XT* wp, int64_t K, Out* out, int64_t ldo,
+                       const char* next) {
+  switch (rows) {
+    case 1: return PackedTile<1, XT, Out>(x, ldx, wp, K, out, ldo, next);
+    case 2: return PackedTile<2, XT, Out>(x, ldx, wp, K, out, ldo, next);
+    case 3: return PackedTile<3, XT, Out>(x, ldx, wp, K, out, ldo, next);
+    case 4: return PackedTile<4, XT, Out>(x, ldx, wp, K, out, ldo, next);
+    case 5: return PackedTile<5, XT, Out>(x, ldx, wp, K, out, ldo, next);
+    default: return PackedTile<6, XT, Out>(x, ldx, wp, K, out, ldo, next);
+  }
+}
+
+// `panel_len`: elements per panel (f32: K*64; bf16: Kp*64).
+template <typename XT, typename Out, typename Pool>
+void PackedMatmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t panels, int64_t panel_len,
+                  Out* out) {
+  const int64_t N = panels * kPanel;
+  const int64_t per_chunk = ChunkUnits(N, kPanel, pool.num_threads());
+  const int64_t chunks = (panels + per_chunk - 1) / per_chunk, mblocks = (M + kPackedMBlock - 1) / kPackedMBlock;
+  ParallelFor(pool, chunks * mblocks, [&](int64_t unit) {
+    const int64_t ci = unit % chunks, m0 = unit / chunks * kPackedMBlock;
+    const int64_t j1 = std::min<int64_t>(panels, (ci + 1) * per_chunk), m1 = std::min<int64_t>(M, m0 + kPackedMBlock);
+    for (int64_t j = ci * per_chunk; j < j1; ++j)
+      for (int64_t m = m0; m < m1; m += kPackedRows) {
+        const bool second = m == m0 + kPackedRows && j + 1 < j1;
+        const char* next = second ? reinterpret_cast<const char*>(w + (j + 1) * panel_len) : nullptr;
+        PackedRows<XT, Out>(std::min<int64_t>(kPackedRows, m1 - m), x + m * K, K, w + j * panel_len, K,
+                            out + m * N + j * kPanel, N, next);
+      }
+  });
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bfloat16 on AMX from the packed layout: B tiles (16 pair rows x 16 columns) load straight from the panel
+// (row stride 256 bytes); A tiles are x's rows (K padded to Kp with zeros when K is not a multiple of 32). Four
+// C tiles hold a 16-row x 64-column block for all of K.
+template <typename Out, typename Pool>
+void AmxPackedMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t panels,
+                     int64_t kp, Out* out) {
+  const int64_t N = panels * kPanel;
+  std::vector<uint16_t> xpad;
+  const uint16_t* xa = x;
+  int64_t ldx = K;
+  if (K != kp) {
+    ldx = kp;
+    xpad.assign(static_cast<size_t>(M * kp), 0);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * kp, x + m * K, K * 2);
+    xa = xpad.data();
+  }
+  const int64_t per_chunk = ChunkUnits(N, kPanel, pool.num_threads());
+  const int64_t chunks = (panels + per_chunk - 1) / per_chunk, mblocks = (M + kPackedMBlock - 1) / kPackedMBlock;
+  const int64_t panel_len = kp * kPanel, ksteps = kp / kAmxKStep;
+  ParallelFor(pool, chunks * mblocks, [&](int64_t unit) {
+    alignas(64) float cbuf[16 * kPanel];
+    int configured = 0;
+    const int64_t ci = unit % chunks, mb = unit / chunks * kPackedMBlock;
+    const int64_t j1 = std::min<int64_t>(panels, (ci + 1) * per_chunk), me = std::min<int64_t>(M, mb + kPackedMBlock);
+    for (int64_t j = ci * per_chunk; j < j1; ++j) {
+      const uint16_t* wp = w + j * panel_len;
+      for (int64_t m0 = mb; m0 < me; m0 += 16) {
+        const int rows = static_cast<int>(std::min<int64_t>(16, me - m0));
+        if (rows != configured) {
+          TileConfig cfg;
+          for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;  // C
+          cfg.rows[4] = static_cast<uint8_t>(rows), cfg.colsb[4] = 64;                            // A
+          for (int t = 5; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;                        // B
+          _tile_loadconfig(&cfg);
+          configured = rows;
+        }
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const uint16_t* xr = xa + m0 * ldx;
+        for (int64_t s = 0; s < ksteps; ++s) {
+          const uint16_t* b = wp + s * kAmxKStep * kPanel;  // 16 pair rows x 64 columns x 2
+          const char* ahead = reinterpret_cast<const char*>(b) + 2 * kAmxKStep * kPanel * 2;
+          for (int l = 0; l < 64; l += 2) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+          _tile_loadd(4, xr + s * kAmxKStep, ldx * 2);
+          _tile_loadd(5, b, 256); _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, b + 32, 256); _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(7, b + 64, 256); _tile_dpbf16ps(2, 4, 7);
+          _tile_loadd(5, b + 96, 256); _tile_dpbf16ps(3, 4, 5);
+        }
+        if constexpr (std::is_same_v<Out, float>) {
+          float* o = out + m0 * N + j * kPanel;
+          _tile_stored(0, o, N * 4); _tile_stored(1, o + 16, N * 4);
+          _tile_stored(2, o + 32, N * 4); _tile_stored(3, o + 48, N * 4);
+        } else {
+          _tile_stored(0, cbuf, kPanel * 4); _tile_stored(1, cbuf + 16, kPanel * 4);
+          _tile_stored(2, cbuf + 32, kPanel * 4); _tile_stored(3, cbuf + 48, kPanel * 4);
+          for (int r = 0; r < rows; ++r) StoreRow<Out>(cbuf + r * kPanel, out + (m0 + r) * N + j * kPanel, kPanel);
+        }
+      }
+    }
+    if (configured) _tile_release();
+  });
+}
+#endif  // AMX
+
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Result<ffi::AnyBuffer> out, int32_t amx) {
+  auto wd = w.dimensions();
+  if (wd.size() != 4 || wd[2] != kPanel) return ffi::Error::InvalidArgument("packed matmul: w must be [N/64, K/r, 64, r]");
+  const int64_t panels = wd[0], kw = wd[1] * wd[3], N = panels * kPanel;
+  auto xd = x.dimensions();
+  if (xd.size() < 1) return ffi::Error::InvalidArgument("packed matmul: x must have a last dimension K");
+  const int64_t K = xd.back();
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(out->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("packed matmul: output must hold M x N elements");
+  auto xt = x.element_type(), wt = w.element_type(), ot = out->element_type();
+  if (xt == ffi::DataType::F32 && wt == ffi::DataType::F32 && ot == ffi::DataType::F32 && wd[3] == 1) {
+    if (kw != K) return ffi::Error::InvalidArgument("packed matmul: f32 w must hold K rows");
+    if (M && N && K)
+      PackedMatmul<float, float>(pool, static_cast<const float*>(x.untyped_data()), M, K,
+                                 static_cast<const float*>(w.untyped_data()), panels, K * kPanel,
+                                 static_cast<float*>(out->untyped_data()));
+    else if (M && N)
+      std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  if (xt == ffi::DataType::BF16 && wt == ffi::DataType::BF16 && wd[3] == 2 &&
+      (ot == ffi::DataType::BF16 || ot == ffi::DataType::F32)) {
+    if (kw != (K + kAmxKStepPad - 1) / kAmxKStepPad * kAmxKStepPad)
+      return ffi::Error::InvalidArgument("packed matmul: bf16 w must hold K rows padded to a multiple of 32");
+    if (!M || !N) return ffi::Error::Success();
+    auto xp = static_cast<const uint16_t*>(x.untyped_data());
+    auto wp = static_cast<const uint16_t*>(w.untyped_data());
+    const bool to_f32 = ot == ffi::DataType::F32;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx && kw > 0 && AmxReady()) {
+      if (to_f32)
+        AmxPackedMatmul<float>(pool, xp, M, K, wp, panels, kw, static_cast<float*>(out->untyped_data()));
+      else
+        AmxPackedMatmul<uint16_t>(pool, xp, M, K, wp, panels, kw, static_cast<uint16_t*>(out->untyped_data()));
+      return ffi::Error::Success();
+    }
+#endif
+    if (to_f32)
+      PackedMatmul<uint16_t, float>(pool, xp, M, K, wp, panels, kw * kPanel, static_cast<float*>(out->untyped_data()));
+    else
+      PackedMatmul<uint16_t, uint16_t>(pool, xp, M, K, wp, panels, kw * kPanel,
+                                       static_cast<uint16_t*>(out->untyped_data()));
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument("packed matmul: supported are f32 x f32 -> f32 and bf16 x bf16 -> bf16/f32");
+}
+
+// ---------------------------------------------------------------------------------------------------------
 // Ragged paged attention (same contract as pallas_kernels/reference.py). A unit of work is one sequence's
 // block of up to kQueryBlock query tokens against one KV head: rows = tokens x the q heads sharing that KV
 // head. Keys stream in chunks of 16 through an online softmax; memory per unit is O(rows x head_dim).
@@ -650,3 +886,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, AttentionImpl,
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulPacked, MatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("amx"));

@@ -260,12 +260,14 @@ def bench_roofline():
 
 def bench_floor():
     """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
-    benchmark model's shapes, nothing else jitted in): a floor under any decode step, for XLA's dot and for the
-    matmul the model runs (`models.transformer.matmul`: the native CPU kernel where it applies), side by side."""
+    benchmark model's shapes, nothing else jitted in): a floor under any decode step, side by side for XLA's dot,
+    the native kernel on the row-major weights, and what the engine runs (`models.transformer.matmul` on weights
+    packed into panels at load, when the native kernels are on)."""
     import jax
     import jax.numpy as jnp
 
     from models.transformer import matmul
+    from pallas_kernels import native
     c = LLAMA_125M
     e, i, v, kv = c["hidden_size"], c["intermediate_size"], c["vocab_size"], \
         c["hidden_size"] * c["num_key_value_heads"] // c["num_attention_heads"]
@@ -280,6 +282,8 @@ def bench_floor():
         layers = [dict(q=w(e, e), k=w(e, kv), v=w(e, kv), o=w(e, e), g=w(e, i), u=w(e, i), d=w(i, e))
                   for _ in range(c["num_hidden_layers"])]
         head = w(e, v)
+        pack = native.pack_weight if native.enabled() else (lambda a: a)
+        packed = ([{k: pack(a) for k, a in p.items()} for p in layers], pack(head))
 
         def xla_mm(x, m):
             return jnp.dot(x, m, preferred_element_type=jnp.float32).astype(x.dtype)
@@ -291,21 +295,24 @@ def bench_floor():
                 x = x + mm(jax.nn.silu(mm(x, p["g"])) * mm(x, p["u"]), p["d"])
             return mm(x, head)
 
-        for m in (1, 8, 16, 32):
+        weight_bytes = sum(a.nbytes for p in layers for a in p.values()) + head.nbytes
+        for m in (1, 8, 16, 32, 256):
             x = w(m, e)
             steps = []
-            for mm in (xla_mm, matmul):
+            for mm, ws in ((xla_mm, (layers, head)), (matmul, (layers, head)), (matmul, packed)):
                 f = jax.jit(functools.partial(chain, mm))
-                f(layers, head, x).block_until_ready()
+                f(*ws, x).block_until_ready()
                 times = []
                 for _ in range(10):
                     t0 = time.perf_counter()
-                    f(layers, head, x).block_until_ready()
+                    f(*ws, x).block_until_ready()
                     times.append(time.perf_counter() - t0)
                 steps.append(statistics.median(times))
-            rows.append([dtype, m, steps[0] * 1e3, steps[1] * 1e3, steps[0] / steps[1], m / steps[1]])
+            rows.append([dtype, m, steps[0] * 1e3, steps[1] * 1e3, steps[2] * 1e3, steps[0] / steps[2],
+                         weight_bytes / steps[2] / 1e9, m / steps[2]])
     _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step",
-           ["dtype", "rows", "XLA dot ms", "meshserve matmul ms", "speed-up", "max tok/s at that batch"], rows)
+           ["dtype", "rows", "XLA dot ms", "native row-major ms", "native packed ms (engine)", "XLA/packed",
+            "weights GB/s", "max tok/s at that batch"], rows)
 
 
 BENCHES = dict(throughput=bench_throughput, startup=bench_startup, batching=bench_batching, prefix=bench_prefix,

@@ -24,7 +24,7 @@ from flax import nnx
 from models.batch import ragged_batch_from_arrays
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
-from models.transformer import CausalLM, MoE, init_kv_caches
+from models.transformer import CausalLM, MoE, init_kv_caches, pack_native_weights
 from pallas_kernels import native
 from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder
@@ -303,6 +303,13 @@ class Engine:
             long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
             priority_ageing_s=config.priority_ageing_s))
         self.buckets = config.token_buckets()
+        self.packed_weights = 0
+        if (mesh is None or mesh.size == 1) and jax.process_count() == 1 and native.enabled():
+            # Single-device CPU serving: weights into the native kernels' panel layout (a clone: the caller's
+            # model keeps its own).
+            model = nnx.clone(model)
+            self.packed_weights = pack_native_weights(model)
+            log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
         self.graphdef, self.state = nnx.split(model)
         self._kv_sharding = kv_cache_sharding(mc, mesh)
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
