@@ -38,7 +38,7 @@ _MATMUL = "meshserve_cpu_matmul"
 _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
 AMX_ENV_VAR = "MESHSERVE_CPU_AMX"  # 1 (default: AMX tiles where the CPU has them) | 0 (AVX-512 BF16 only)
-PANEL = 64  # columns per packed weight panel
+PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed weight panel
 BF16_K_ALIGN = 32  # packed bfloat16 weights pad K to a multiple of this (one AMX tile step)
 
 
@@ -176,31 +176,36 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Packed weights: a [K, N] weight stored as panels of PANEL columns, each contiguous down K, so the kernel
-# streams every panel front to back (the row-major weight is read as K separate row streams, which the hardware
-# prefetchers follow poorly: ~8-15 GB/s against ~25 GB/s for one stream per thread). float32: [N/64, K, 64, 1];
-# bfloat16: [N/64, Kp/2, 64, 2] with K zero-padded to Kp (a multiple of 32) and rows k, k+1 of each column
-# side by side (the pair layout vdpbf16ps and AMX B tiles read). Same bytes as the weight (plus the K padding).
+# Packed weights: a [K, N] weight stored as panels of P columns, each contiguous down K, so the kernel streams
+# every panel front to back (the row-major weight is read as K separate row streams, which the hardware
+# prefetchers follow poorly: ~8-15 GB/s against ~20-24 GB/s here). float32: [N/32, K, 32, 1] (32 columns: a
+# register tile then holds 14 rows); bfloat16: [N/64, Kp/2, 64, 2] with K zero-padded to Kp (a multiple of 32)
+# and rows k, k+1 of each column side by side (the pair layout vdpbf16ps and AMX B tiles read). Same bytes as
+# the weight (plus the K padding).
 
 
 def can_pack(w) -> bool:
     """Whether `pack_weight` takes this [K, N] weight."""
-    return (w.ndim == 2 and w.shape[1] % PANEL == 0 and w.shape[0] > 0 and w.shape[1] > 0
-            and jnp.dtype(w.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)))
+    panel = PANELS.get(jnp.dtype(w.dtype))
+    return panel is not None and w.ndim == 2 and w.shape[0] > 0 and w.shape[1] > 0 and w.shape[1] % panel == 0
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
     """Pure. The packed layout of a [K, N] weight (see above); `can_pack(w)` must hold."""
     k, n = w.shape
+    panel = PANELS[jnp.dtype(w.dtype)]
     if jnp.dtype(w.dtype) == jnp.float32:
-        return w.reshape(k, n // PANEL, PANEL).transpose(1, 0, 2)[..., None]
+        return w.reshape(k, n // panel, panel).transpose(1, 0, 2)[..., None]
     kp = -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
     w = jnp.pad(w, ((0, kp - k), (0, 0)))
-    return w.reshape(kp // 2, 2, n // PANEL, PANEL).transpose(2, 0, 3, 1)
+    return w.reshape(kp // 2, 2, n // panel, panel).transpose(2, 0, 3, 1)
 
 
 def is_packed(w) -> bool:
-    return getattr(w, "ndim", 0) == 4 and w.shape[2] == PANEL and w.shape[3] in (1, 2)
+    if getattr(w, "ndim", 0) != 4:
+        return False
+    dt = jnp.dtype(w.dtype)
+    return dt in PANELS and w.shape[2] == PANELS[dt] and w.shape[3] == (1 if dt == jnp.float32 else 2)
 
 
 def packed_shape(w, k: int) -> tuple[int, int]:
@@ -209,7 +214,7 @@ def packed_shape(w, k: int) -> tuple[int, int]:
     expected = k if w.shape[3] == 1 else -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
     if kw != expected:
         raise ValueError(f"packed weight holds {kw} rows of K, inputs have {k} columns")
-    return k, w.shape[0] * PANEL
+    return k, w.shape[0] * w.shape[2]
 
 
 def unpack_weight(w: jax.Array, k: int) -> jax.Array:

@@ -415,124 +415,108 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Packed matmul: out[M, N] = x[M, K] @ W, with W packed once at load into panels of kPanel columns that are
-// contiguous down K (`pack_weight` in pallas_kernels/native.py): float32 [N/64, K, 64, 1] (element (k, n) at
-// [n/64, k, n%64, 0]); bfloat16 [N/64, Kp/2, 64, 2] with K zero-padded to Kp = a multiple of 32 and the
-// rows k, k+1 of a column side by side (the pair layout of vdpbf16ps and AMX B tiles). A thread streams whole
-// panels front to back, so weight reads are one sequential stream per panel, and a tile's accumulators stay in
-// registers (or AMX tiles) for all of K. Any M: rows go in tiles of up to kPackedRows (AMX: 16) over the same
-// panel, which the later tiles read from L2.
-constexpr int64_t kPanel = 64;
+// Packed matmul: out[M, N] = x[M, K] @ W, with W packed once at load into panels of PW columns that are
+// contiguous down K (`pack_weight` in pallas_kernels/native.py): float32 [N/32, K, 32, 1] (element (k, n) at
+// [n/32, k, n%32, 0]); bfloat16 [N/64, Kp/2, 64, 2] with K zero-padded to Kp = a multiple of 32 and the rows
+// k, k+1 of a column side by side (the pair layout of vdpbf16ps and AMX B tiles). A thread streams whole panels
+// front to back, one sequential stream per panel, and a tile's accumulators stay in registers (or AMX tiles)
+// for all of K. Rows go in tiles of up to PackedTraits::kRows (AMX: 16) over the same panel; the first tile
+// reads it from memory with its compute hidden under the reads, later tiles from L2. float32 panels are 32
+// columns wide so that one tile holds 14 rows (28 accumulators): a 16-row decode step is nearly one pass.
 constexpr int64_t kAmxKStepPad = 32;  // bf16 panels pad K to this (one AMX K step)
-constexpr int kPackedRows = 6;  // 6 rows x 4 vectors = 24 accumulators
-constexpr int64_t kPackedMBlock = 240;  // rows per unit of work (x's block stays in L2 across the panels)
-constexpr int64_t kPackedAhead = 4096;  // bytes ahead in the panel's stream
+constexpr int64_t kPackedMBlock = 224;  // rows per unit of work (x's block stays in L2 across the panels)
+constexpr int64_t kPackedAhead = 4096;  // bytes ahead in the panel's stream, prefetched into L2
 
-// The 256 bytes of one panel step: this panel's, kPackedAhead ahead, into L1 on the first row tile; on a
-// later tile (this panel is in L2 by then) the next panel's same bytes into L2, so its first tile does not wait
-// on memory while the other tiles only compute.
-inline void Prefetch256(const char* here, const char* next, int64_t offset) {
-  if (next) {
-    for (int l = 0; l < 256; l += 64) _mm_prefetch(next + offset + l, _MM_HINT_T1);
-  } else {
-    for (int l = 0; l < 256; l += 64) _mm_prefetch(here + kPackedAhead + l, _MM_HINT_T1);
-  }
-}
+template <typename XT>
+struct PackedTraits;
+template <>
+struct PackedTraits<float> {
+  static constexpr int64_t kPanel = 32, kStep = 1;  // columns per panel, K rows per packed row
+  static constexpr int kRows = 14;
+};
+template <>
+struct PackedTraits<uint16_t> {
+  static constexpr int64_t kPanel = 64, kStep = 2;
+  static constexpr int kRows = 6;
+};
 
-template <int RT, typename Out>
-inline void F32PackedTile(const float* __restrict x, int64_t ldx, const float* __restrict wp, int64_t K,
-                          Out* out, int64_t ldo, const char* next) {
-  __m512 acc[RT][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const float* wk = wp + k * kPanel;
-    Prefetch256(reinterpret_cast<const char*>(wk), next, k * kPanel * 4);
-    __m512 wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = _mm512_loadu_ps(wk + 16 * c);
-#pragma GCC unroll 8
-    for (int r = 0; r < RT; ++r) {
-      __m512 xv = _mm512_set1_ps(x[r * ldx + k]);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < 4; ++c) StoreVec<Out>(out + r * ldo + 16 * c, acc[r][c], 0xFFFF);
-}
-
-// bfloat16 pairs: x's (k, k+1) pair is one 32-bit word broadcast against the panel's pair rows.
-template <int RT, typename Out>
-inline void Bf16PackedTile(const uint16_t* __restrict x, int64_t ldx, const uint16_t* __restrict wp, int64_t K,
-                           Out* out, int64_t ldo, const char* next) {
-  __m512 acc[RT][4];
-#pragma GCC unroll 8
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
-  const int64_t pairs = K / 2;
-  for (int64_t q = 0; q <= pairs; ++q) {
-    const bool tail = q == pairs;  // odd K: the last x column pairs with zero
-    if (tail && !(K & 1)) break;
-    const uint16_t* wq = wp + q * 2 * kPanel;
-    Prefetch256(reinterpret_cast<const char*>(wq), next, q * kPanel * 4);
-    __m512bh wv[4];
-    for (int c = 0; c < 4; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wq + 32 * c);
-#pragma GCC unroll 8
-    for (int r = 0; r < RT; ++r) {
-      int32_t pair;
-      if (tail) {
-        pair = x[r * ldx + 2 * q];
-      } else {
-        std::memcpy(&pair, x + r * ldx + 2 * q, 4);
-      }
-      __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < RT; ++r)
-    for (int c = 0; c < 4; ++c) StoreVec<Out>(out + r * ldo + 16 * c, acc[r][c], 0xFFFF);
-}
-
+// One packed row: PW columns x kStep K rows. float32: x[r, k] broadcast; bfloat16: the pair x[r, k:k+2]
+// (odd K: the last column alone, paired with the panel's zero padding) as one 32-bit word.
 template <int RT, typename XT, typename Out>
-inline void PackedTile(const XT* x, int64_t ldx, const XT* wp, int64_t K, Out* out, int64_t ldo, const char* next) {
-  if constexpr (std::is_same_v<XT, float>)
-    F32PackedTile<RT, Out>(x, ldx, wp, K, out, ldo, next);
-  else
-    Bf16PackedTile<RT, Out>(x, ldx, wp, K, out, ldo, next);
-}
-
-template <typename XT, typename Out>
-inline void PackedRows(int64_t rows, const XT* x, int64_t ldx, const XT* wp, int64_t K, Out* out, int64_t ldo,
-                       const char* next) {
-  switch (rows) {
-    case 1: return PackedTile<1, XT, Out>(x, ldx, wp, K, out, ldo, next);
-    case 2: return PackedTile<2, XT, Out>(x, ldx, wp, K, out, ldo, next);
-    case 3: return PackedTile<3, XT, Out>(x, ldx, wp, K, out, ldo, next);
-    case 4: return PackedTile<4, XT, Out>(x, ldx, wp, K, out, ldo, next);
-    case 5: return PackedTile<5, XT, Out>(x, ldx, wp, K, out, ldo, next);
-    default: return PackedTile<6, XT, Out>(x, ldx, wp, K, out, ldo, next);
+inline void PackedTile(const XT* __restrict x, int64_t ldx, const XT* __restrict wp, int64_t K, Out* out,
+                       int64_t ldo) {
+  using T = PackedTraits<XT>;
+  constexpr int CB = T::kPanel / 16;
+  constexpr int64_t row_elems = T::kPanel * T::kStep;
+  __m512 acc[RT][CB];
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_setzero_ps();
+  const int64_t steps = (K + T::kStep - 1) / T::kStep;
+  for (int64_t q = 0; q < steps; ++q) {
+    const XT* wq = wp + q * row_elems;
+    const char* ahead = reinterpret_cast<const char*>(wq) + kPackedAhead;
+#pragma GCC unroll 4
+    for (int64_t l = 0; l < row_elems * static_cast<int64_t>(sizeof(XT)); l += 64) _mm_prefetch(ahead + l, _MM_HINT_T1);
+    if constexpr (std::is_same_v<XT, float>) {
+      __m512 wv[CB];
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) wv[c] = _mm512_loadu_ps(wq + 16 * c);
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + q]);
+#pragma GCC unroll 4
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+      }
+    } else {
+      const bool tail = 2 * q + 1 == K;
+      __m512bh wv[CB];
+#pragma GCC unroll 4
+      for (int c = 0; c < CB; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(wq + 32 * c);
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r) {
+        int32_t pair;
+        if (tail)
+          pair = x[r * ldx + 2 * q];
+        else
+          std::memcpy(&pair, x + r * ldx + 2 * q, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int c = 0; c < CB; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+      }
+    }
   }
+#pragma GCC unroll 16
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < CB; ++c) StoreVec<Out>(out + r * ldo + 16 * c, acc[r][c], 0xFFFF);
 }
 
-// `panel_len`: elements per panel (f32: K*64; bf16: Kp*64).
+template <typename XT, typename Out, int RT = PackedTraits<XT>::kRows>
+inline void PackedRows(int64_t rows, const XT* x, int64_t ldx, const XT* wp, int64_t K, Out* out, int64_t ldo) {
+  if constexpr (RT > 1)
+    if (rows < RT) return PackedRows<XT, Out, RT - 1>(rows, x, ldx, wp, K, out, ldo);
+  PackedTile<RT, XT, Out>(x, ldx, wp, K, out, ldo);
+}
+
+constexpr int64_t kF32Panel = PackedTraits<float>::kPanel, kBf16Panel = PackedTraits<uint16_t>::kPanel;
+
+// `panel_len`: elements per panel (f32: K*32; bf16: Kp*64).
 template <typename XT, typename Out, typename Pool>
 void PackedMatmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int64_t panels, int64_t panel_len,
                   Out* out) {
-  const int64_t N = panels * kPanel;
-  const int64_t per_chunk = ChunkUnits(N, kPanel, pool.num_threads());
+  using T = PackedTraits<XT>;
+  const int64_t N = panels * T::kPanel;
+  const int64_t per_chunk = ChunkUnits(N, T::kPanel, pool.num_threads());
   const int64_t chunks = (panels + per_chunk - 1) / per_chunk, mblocks = (M + kPackedMBlock - 1) / kPackedMBlock;
   ParallelFor(pool, chunks * mblocks, [&](int64_t unit) {
     const int64_t ci = unit % chunks, m0 = unit / chunks * kPackedMBlock;
     const int64_t j1 = std::min<int64_t>(panels, (ci + 1) * per_chunk), m1 = std::min<int64_t>(M, m0 + kPackedMBlock);
     for (int64_t j = ci * per_chunk; j < j1; ++j)
-      for (int64_t m = m0; m < m1; m += kPackedRows) {
-        const bool second = m == m0 + kPackedRows && j + 1 < j1;
-        const char* next = second ? reinterpret_cast<const char*>(w + (j + 1) * panel_len) : nullptr;
-        PackedRows<XT, Out>(std::min<int64_t>(kPackedRows, m1 - m), x + m * K, K, w + j * panel_len, K,
-                            out + m * N + j * kPanel, N, next);
-      }
+      for (int64_t m = m0; m < m1; m += T::kRows)
+        PackedRows<XT, Out>(std::min<int64_t>(T::kRows, m1 - m), x + m * K, K, w + j * panel_len, K,
+                            out + m * N + j * T::kPanel, N);
   });
 }
 
@@ -543,7 +527,7 @@ void PackedMatmul(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, in
 template <typename Out, typename Pool>
 void AmxPackedMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t panels,
                      int64_t kp, Out* out) {
-  const int64_t N = panels * kPanel;
+  const int64_t N = panels * kBf16Panel;
   std::vector<uint16_t> xpad;
   const uint16_t* xa = x;
   int64_t ldx = K;
@@ -553,11 +537,11 @@ void AmxPackedMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const 
     for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.data() + m * kp, x + m * K, K * 2);
     xa = xpad.data();
   }
-  const int64_t per_chunk = ChunkUnits(N, kPanel, pool.num_threads());
+  const int64_t per_chunk = ChunkUnits(N, kBf16Panel, pool.num_threads());
   const int64_t chunks = (panels + per_chunk - 1) / per_chunk, mblocks = (M + kPackedMBlock - 1) / kPackedMBlock;
-  const int64_t panel_len = kp * kPanel, ksteps = kp / kAmxKStep;
+  const int64_t panel_len = kp * kBf16Panel, ksteps = kp / kAmxKStep;
   ParallelFor(pool, chunks * mblocks, [&](int64_t unit) {
-    alignas(64) float cbuf[16 * kPanel];
+    alignas(64) float cbuf[16 * kBf16Panel];
     int configured = 0;
     const int64_t ci = unit % chunks, mb = unit / chunks * kPackedMBlock;
     const int64_t j1 = std::min<int64_t>(panels, (ci + 1) * per_chunk), me = std::min<int64_t>(M, mb + kPackedMBlock);
@@ -576,8 +560,8 @@ void AmxPackedMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const 
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         const uint16_t* xr = xa + m0 * ldx;
         for (int64_t s = 0; s < ksteps; ++s) {
-          const uint16_t* b = wp + s * kAmxKStep * kPanel;  // 16 pair rows x 64 columns x 2
-          const char* ahead = reinterpret_cast<const char*>(b) + 2 * kAmxKStep * kPanel * 2;
+          const uint16_t* b = wp + s * kAmxKStep * kBf16Panel;  // 16 pair rows x 64 columns x 2
+          const char* ahead = reinterpret_cast<const char*>(b) + 2 * kAmxKStep * kBf16Panel * 2;
           for (int l = 0; l < 64; l += 2) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
           _tile_loadd(4, xr + s * kAmxKStep, ldx * 2);
           _tile_loadd(5, b, 256); _tile_dpbf16ps(0, 4, 5);
@@ -586,13 +570,13 @@ void AmxPackedMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const 
           _tile_loadd(5, b + 96, 256); _tile_dpbf16ps(3, 4, 5);
         }
         if constexpr (std::is_same_v<Out, float>) {
-          float* o = out + m0 * N + j * kPanel;
+          float* o = out + m0 * N + j * kBf16Panel;
           _tile_stored(0, o, N * 4); _tile_stored(1, o + 16, N * 4);
           _tile_stored(2, o + 32, N * 4); _tile_stored(3, o + 48, N * 4);
         } else {
-          _tile_stored(0, cbuf, kPanel * 4); _tile_stored(1, cbuf + 16, kPanel * 4);
-          _tile_stored(2, cbuf + 32, kPanel * 4); _tile_stored(3, cbuf + 48, kPanel * 4);
-          for (int r = 0; r < rows; ++r) StoreRow<Out>(cbuf + r * kPanel, out + (m0 + r) * N + j * kPanel, kPanel);
+          _tile_stored(0, cbuf, kBf16Panel * 4); _tile_stored(1, cbuf + 16, kBf16Panel * 4);
+          _tile_stored(2, cbuf + 32, kBf16Panel * 4); _tile_stored(3, cbuf + 48, kBf16Panel * 4);
+          for (int r = 0; r < rows; ++r) StoreRow<Out>(cbuf + r * kBf16Panel, out + (m0 + r) * N + j * kBf16Panel, kBf16Panel);
         }
       }
     }
@@ -604,8 +588,11 @@ void AmxPackedMatmul(Pool& pool, const uint16_t* x, int64_t M, int64_t K, const 
 ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                             ffi::Result<ffi::AnyBuffer> out, int32_t amx) {
   auto wd = w.dimensions();
-  if (wd.size() != 4 || wd[2] != kPanel) return ffi::Error::InvalidArgument("packed matmul: w must be [N/64, K/r, 64, r]");
-  const int64_t panels = wd[0], kw = wd[1] * wd[3], N = panels * kPanel;
+  const bool f32 = w.element_type() == ffi::DataType::F32;
+  const int64_t pw = f32 ? kF32Panel : kBf16Panel;
+  if (wd.size() != 4 || wd[2] != pw || wd[3] != (f32 ? 1 : 2))
+    return ffi::Error::InvalidArgument("packed matmul: w must be [N/32, K, 32, 1] (f32) or [N/64, Kp/2, 64, 2] (bf16)");
+  const int64_t panels = wd[0], kw = wd[1] * wd[3], N = panels * pw;
   auto xd = x.dimensions();
   if (xd.size() < 1) return ffi::Error::InvalidArgument("packed matmul: x must have a last dimension K");
   const int64_t K = xd.back();
@@ -613,17 +600,17 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (static_cast<int64_t>(out->element_count()) != M * N)
     return ffi::Error::InvalidArgument("packed matmul: output must hold M x N elements");
   auto xt = x.element_type(), wt = w.element_type(), ot = out->element_type();
-  if (xt == ffi::DataType::F32 && wt == ffi::DataType::F32 && ot == ffi::DataType::F32 && wd[3] == 1) {
+  if (xt == ffi::DataType::F32 && wt == ffi::DataType::F32 && ot == ffi::DataType::F32) {
     if (kw != K) return ffi::Error::InvalidArgument("packed matmul: f32 w must hold K rows");
     if (M && N && K)
       PackedMatmul<float, float>(pool, static_cast<const float*>(x.untyped_data()), M, K,
-                                 static_cast<const float*>(w.untyped_data()), panels, K * kPanel,
+                                 static_cast<const float*>(w.untyped_data()), panels, K * kF32Panel,
                                  static_cast<float*>(out->untyped_data()));
     else if (M && N)
       std::memset(out->untyped_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
-  if (xt == ffi::DataType::BF16 && wt == ffi::DataType::BF16 && wd[3] == 2 &&
+  if (xt == ffi::DataType::BF16 && wt == ffi::DataType::BF16 &&
       (ot == ffi::DataType::BF16 || ot == ffi::DataType::F32)) {
     if (kw != (K + kAmxKStepPad - 1) / kAmxKStepPad * kAmxKStepPad)
       return ffi::Error::InvalidArgument("packed matmul: bf16 w must hold K rows padded to a multiple of 32");
@@ -641,9 +628,9 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
     }
 #endif
     if (to_f32)
-      PackedMatmul<uint16_t, float>(pool, xp, M, K, wp, panels, kw * kPanel, static_cast<float*>(out->untyped_data()));
+      PackedMatmul<uint16_t, float>(pool, xp, M, K, wp, panels, kw * kBf16Panel, static_cast<float*>(out->untyped_data()));
     else
-      PackedMatmul<uint16_t, uint16_t>(pool, xp, M, K, wp, panels, kw * kPanel,
+      PackedMatmul<uint16_t, uint16_t>(pool, xp, M, K, wp, panels, kw * kBf16Panel,
                                        static_cast<uint16_t*>(out->untyped_data()));
     return ffi::Error::Success();
   }
