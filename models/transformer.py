@@ -60,16 +60,14 @@ def pack_native_weights(model: "CausalLM") -> int:
                         (m.down_proj, m.down_proj.shape[0])]
     if not cfg.tie_word_embeddings:
         targets.append((model.lm_head, e))
-    packed = 0
+    todo = []
     for param, rows in targets:
         w = param[...]
-        if native.is_packed(w):
-            continue
-        w2 = w.reshape(rows, -1)
-        if native.can_pack(w2):
-            param.set_value(jax.jit(native.pack_weight)(w2))
-            packed += 1
-    return packed
+        if not native.is_packed(w) and native.can_pack(w2 := w.reshape(rows, -1)):
+            todo.append((param, w2))
+    for (param, _), packed in zip(todo, native.pack_weights([w for _, w in todo])):
+        param.set_value(packed)
+    return len(todo)
 
 
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:

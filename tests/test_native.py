@@ -76,6 +76,22 @@ def test_pack_weight_round_trips_and_pads_k(dtype, k, n):
         native.packed_shape(p, k + 64)
 
 
+def test_pack_weights_on_the_host_arena_equals_pack_weight():
+    rng = np.random.default_rng(5)
+    shapes = [(k, n, dt) for k, n in [(64, 64), (33, 128), (96, 32), (768, 256)] for dt in (jnp.float32, jnp.bfloat16)
+              if n % native.PANELS[jnp.dtype(dt)] == 0]
+    ws = [jnp.asarray(rng.standard_normal((k, n)), dt) for k, n, dt in shapes]
+    packed = native.pack_weights(ws)
+    assert len(packed) == len(ws)
+    for w, p in zip(ws, packed):
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(native.pack_weight(w)))
+        assert p.unsafe_buffer_pointer() % 64 == 0  # aligned for the kernels' loads
+    x = jnp.asarray(rng.standard_normal((5, 768)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(native.matmul_packed)(x, packed[-2])),
+                               np.asarray(x) @ np.asarray(ws[-2]), rtol=1e-5, atol=1e-4)
+    assert native.pack_weights([]) == []
+
+
 def test_can_pack_rejects_what_the_kernel_cannot_take():
     assert not native.can_pack(jnp.ones((64, 100), jnp.float32))  # N not whole panels
     assert native.can_pack(jnp.ones((64, 96), jnp.float32)) and not native.can_pack(jnp.ones((64, 96), jnp.bfloat16))
