@@ -43,30 +43,42 @@ def dense_weight(param: nnx.Param, rows: int) -> jax.Array:
 
 
 def pack_native_weights(model: "CausalLM") -> int:
-    """Repacks the dense matmul weights (attention projections, MLPs, an untied LM head) into the native CPU
-    kernel's panel layout, in place, and returns how many were packed. For single-device CPU serving with the
-    native kernels on (`pallas_kernels.native.enabled()`): the kernels then stream each weight sequentially.
-    MoE expert weights, the embedding table and weights whose N is not a multiple of 64 are left as they are."""
+    """Repacks the dense matmul weights into the native CPU kernel's panel layout, in place, and returns how many
+    packed matrices there are now. For single-device CPU serving with the native kernels on
+    (`pallas_kernels.native.enabled()`): the kernels then stream each weight sequentially. Weights that read the
+    same input are fused into one matrix first (q|k|v -> `qkv_proj`, gate|up -> `gate_up_proj`): fewer, larger
+    kernel calls, each with a fixed cost. The attention output, down projection and an untied LM head are
+    packed alone; MoE experts, the embedding table and weights whose N is not whole panels stay as they are."""
     cfg = model.config
     e, d = cfg.hidden_size, cfg.head_dim
-    targets = []
+    groups = []  # (owner, fused attribute or None, [param names], rows)
     for layer in model.layers:
         a = layer.self_attn
-        targets += [(a.q_proj, e), (a.k_proj, e), (a.v_proj, e), (a.o_proj, cfg.num_heads * d)]
+        groups += [(a, "qkv_proj", ["q_proj", "k_proj", "v_proj"], e), (a, None, ["o_proj"], cfg.num_heads * d)]
         mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else \
             ([layer.mlp.shared_expert] if getattr(layer.mlp, "has_shared", False) else [])
         for m in mlps:
-            targets += [(m.gate_proj, m.gate_proj.shape[0]), (m.up_proj, m.up_proj.shape[0]),
-                        (m.down_proj, m.down_proj.shape[0])]
+            groups += [(m, "gate_up_proj", ["gate_proj", "up_proj"], e), (m, None, ["down_proj"], m.down_proj.shape[0])]
     if not cfg.tie_word_embeddings:
-        targets.append((model.lm_head, e))
-    todo = []
-    for param, rows in targets:
-        w = param[...]
-        if not native.is_packed(w) and native.can_pack(w2 := w.reshape(rows, -1)):
-            todo.append((param, w2))
-    for (param, _), packed in zip(todo, native.pack_weights([w for _, w in todo])):
-        param.set_value(packed)
+        groups.append((model, None, ["lm_head"], e))
+    todo = []  # (owner, attribute to set, names it replaces, [K, N] weight)
+    for owner, fused, names, rows in groups:
+        ws = [getattr(owner, n) for n in names]
+        if any(w is None or native.is_packed(w[...]) for w in ws):
+            continue
+        mats = [w[...].reshape(rows, -1) for w in ws]
+        if fused and native.can_pack(cat := jnp.concatenate(mats, axis=1)):
+            todo.append((owner, fused, names, cat))
+            continue
+        todo += [(owner, n, [n], m) for n, m in zip(names, mats) if native.can_pack(m)]
+    for (owner, attr, names, _), packed in zip(todo, native.pack_weights([w for *_, w in todo])):
+        for n in names:
+            if n != attr:
+                setattr(owner, n, None)
+        if attr in names:
+            getattr(owner, attr).set_value(packed)
+        else:
+            setattr(owner, attr, nnx.Param(packed))
     return len(todo)
 
 
@@ -121,6 +133,7 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
         self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = hq, hkv, d, e
+        self.qkv_proj = nnx.data(None)  # q|k|v fused and packed by `pack_native_weights` (then q/k/v_proj are None)
         self.sm_scale = 1.0 / math.sqrt(d)
         self.sliding_window = cfg.sliding_windows[layer]
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
@@ -128,9 +141,15 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = matmul(x, dense_weight(self.q_proj, e)).reshape(t, hq, d)
-        k = matmul(x, dense_weight(self.k_proj, e)).reshape(t, hkv, d)
-        v = matmul(x, dense_weight(self.v_proj, e)).reshape(t, hkv, d)
+        if self.qkv_proj is not None:
+            qkv = matmul(x, self.qkv_proj[...])
+            q = qkv[:, :hq * d].reshape(t, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].reshape(t, hkv, d)
+        else:
+            q = matmul(x, dense_weight(self.q_proj, e)).reshape(t, hq, d)
+            k = matmul(x, dense_weight(self.k_proj, e)).reshape(t, hkv, d)
+            v = matmul(x, dense_weight(self.v_proj, e)).reshape(t, hkv, d)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -197,9 +216,15 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype)
         self.up_proj = _param(rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype)
         self.down_proj = _param(rngs, (intermediate, hidden), (MLP_AXIS, EMBED), dtype)
+        self.intermediate = intermediate
+        self.gate_up_proj = nnx.data(None)  # gate|up fused and packed by `pack_native_weights` (then gate/up_proj are None)
 
     def __call__(self, x):
-        h = jax.nn.silu(matmul(x, self.gate_proj[...])) * matmul(x, self.up_proj[...])
+        if self.gate_up_proj is not None:
+            gu = matmul(x, self.gate_up_proj[...])
+            h = jax.nn.silu(gu[:, :self.intermediate]) * gu[:, self.intermediate:]
+        else:
+            h = jax.nn.silu(matmul(x, self.gate_proj[...])) * matmul(x, self.up_proj[...])
         return matmul(h, self.down_proj[...])
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models.transformer import matmul
 from pallas_kernels import native
@@ -208,3 +209,12 @@ def test_engine_packs_its_weights_and_leaves_the_callers_model_alone(tmp_path):
     assert model.layers[0].self_attn.q_proj[...].shape == shape  # the engine packed a clone
     packed = [x for x in jax.tree_util.tree_leaves(engine.state) if native.is_packed(x)]
     assert len(packed) == engine.packed_weights
+    # q|k|v and gate|up fused (one kernel call each), o/down/LM head alone: 2 layers x 4 + 1
+    layer = nnx.merge(engine.graphdef, engine.state).layers[0]
+    assert layer.self_attn.q_proj is None and native.is_packed(layer.self_attn.qkv_proj[...])
+    assert layer.mlp.gate_proj is None and native.is_packed(layer.mlp.gate_up_proj[...])
+    assert engine.packed_weights == 2 * 4 + 1
+    assert sum(x.size for x in packed) == sum(
+        x.size for x in jax.tree_util.tree_leaves(nnx.state(model)) if x.ndim == 2 and x is not model.embed_tokens[...]
+    ) + sum(x.size for layer in model.layers for x in (layer.self_attn.q_proj[...], layer.self_attn.k_proj[...],
+                                                       layer.self_attn.v_proj[...], layer.self_attn.o_proj[...]))
