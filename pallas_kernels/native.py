@@ -114,6 +114,9 @@ def build(force: bool = False) -> Path:
     return lib
 
 
+_registered = False
+
+
 @functools.cache
 def _load() -> str | None:
     """Builds and registers the FFI targets once per process. Returns None, or why it could not (whatever
@@ -121,6 +124,9 @@ def _load() -> str | None:
     reason = _machine_reason()
     if reason:
         return reason
+    global _registered
+    if _registered:  # FFI targets are registered once per process (a second library could not replace them)
+        return None
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
     except Exception as exc:  # a broken toolchain must not take serving down: fall back to XLA
@@ -129,6 +135,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(lib.MeshserveMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_PACKED, jax.ffi.pycapsule(lib.MeshserveMatmulPacked), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
+    _registered = True
     return None
 
 
@@ -216,13 +223,25 @@ def packed_host(w: np.ndarray) -> np.ndarray:
 _ARENA_ALIGN = 4096
 
 
+def huge_page_buffer(nbytes: int):
+    """An anonymous, zeroed host buffer (an mmap) advised for transparent huge pages (where the kernel has them
+    off, ordinary pages: same contents, slower streams)."""
+    import mmap
+
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    return buf
+
+
 def pack_weights(weights: list) -> list[jax.Array]:
     """Packs [K, N] weights (each `can_pack`) into one host buffer backed by transparent huge pages where the
     kernel grants them, and returns CPU arrays aliasing it (device_put of an aligned NumPy array is zero-copy on
     the CPU). With 4 KiB pages a weight stream crosses a page every 4 KiB and a core read ~11 GB/s here; with
     2 MiB pages ~14.5 GB/s. The arrays keep the buffer alive."""
-    import mmap
-
     hosts = [packed_host(np.asarray(w)) for w in weights]
     offsets, total = [], 0
     for h in hosts:
@@ -230,18 +249,14 @@ def pack_weights(weights: list) -> list[jax.Array]:
         total += -(-h.nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
     if total == 0:
         return []
-    arena = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            arena.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP off in this kernel: 4 KiB pages, same results
-            pass
-    device = jax.devices("cpu")[0]
+    arena = huge_page_buffer(total)
     out = []
-    for h, off in zip(hosts, offsets):
+    for w, h, off in zip(weights, hosts, offsets):
         view = np.frombuffer(arena, dtype=h.dtype, count=h.size, offset=off).reshape(h.shape)
         view[...] = h
         view.flags.writeable = False
+        # on the weight's own device (a data-parallel replica's); a 1-device sharding keeps its mesh
+        device = next(iter(w.devices())) if isinstance(w, jax.Array) else jax.devices("cpu")[0]
         out.append(jax.device_put(view, device))
     return out
 

@@ -1,9 +1,10 @@
 // meshserve CPU kernels, called from XLA:CPU programs through the XLA FFI (see pallas_kernels/native.py).
 //
-// matmul: out[M, N] = x[M, K] @ w[K, N] for the small-M, weight-streaming shapes of LLM serving (M = the
-// step's tokens, w = a layer's weight). float32 runs AVX-512 FMAs; bfloat16 runs AVX512-BF16 pair dot
-// products (vdpbf16ps), or AMX tiles from 8 rows, on weight pairs interleaved on the fly, accumulating in
-// float32. attention: the ragged paged attention of pallas_kernels/reference.py with an online softmax.
+// packed matmul: out[M, N] = x[M, K] @ W for weights packed at load into column panels contiguous down K (what a
+// single-device CPU engine runs for every step size): AVX-512 FMAs for float32; vdpbf16ps or AMX tiles for
+// bfloat16, accumulating in float32. matmul: the same on a row-major w[K, N] for small M (weight pairs
+// interleaved on the fly for bfloat16), for weights that are not packed. attention: the ragged paged attention
+// of pallas_kernels/reference.py with an online softmax.
 // Work is split between the XLA intra-op thread pool's threads and the calling thread.
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -426,7 +427,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 constexpr int64_t kAmxKStepPad = 32;  // bf16 panels pad K to this (one AMX K step)
 constexpr int64_t kPackedMBlock = 224;  // rows per unit of work (x's block stays in L2 across the panels)
 constexpr int64_t kPackedAhead = 4096;  // bytes ahead in the panel's stream, prefetched into L2
-constexpr int kMaxStreams = 4;
+constexpr int kMaxStreams = 4;  // streams per panel for tiles of few rows (PackedTile)
 // bfloat16 below this many rows: vdpbf16ps over several streams reads faster than AMX (7.7-9.4 vs 10-10.9 ms for
 // the 125M model's weights at 1-4 rows); from it, AMX's compute wins.
 constexpr int64_t kAmxPackedMinRows = 5;
