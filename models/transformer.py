@@ -61,16 +61,17 @@ def pack_native_weights(model: "CausalLM") -> int:
             groups += [(m, "gate_up_proj", ["gate_proj", "up_proj"], e), (m, None, ["down_proj"], m.down_proj.shape[0])]
     if not cfg.tie_word_embeddings:
         groups.append((model, None, ["lm_head"], e))
-    todo = []  # (owner, attribute to set, names it replaces, [K, N] weight)
+    todo = []  # (owner, attribute to set, names it replaces, [K, N_i] blocks packed as one)
     for owner, fused, names, rows in groups:
         ws = [getattr(owner, n) for n in names]
         if any(w is None or native.is_packed(w[...]) for w in ws):
             continue
         mats = [w[...].reshape(rows, -1) for w in ws]
-        if fused and native.can_pack(cat := jnp.concatenate(mats, axis=1)):
-            todo.append((owner, fused, names, cat))
+        whole = jax.ShapeDtypeStruct((rows, sum(m.shape[1] for m in mats)), mats[0].dtype)
+        if fused and native.can_pack(whole):
+            todo.append((owner, fused, names, mats))
             continue
-        todo += [(owner, n, [n], m) for n, m in zip(names, mats) if native.can_pack(m)]
+        todo += [(owner, n, [n], [m]) for n, m in zip(names, mats) if native.can_pack(m)]
     for (owner, attr, names, _), packed in zip(todo, native.pack_weights([w for *_, w in todo])):
         for n in names:
             if n != attr:

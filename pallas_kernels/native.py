@@ -238,24 +238,38 @@ def huge_page_buffer(nbytes: int):
 
 
 def pack_weights(weights: list) -> list[jax.Array]:
-    """Packs [K, N] weights (each `can_pack`) into one host buffer backed by transparent huge pages where the
-    kernel grants them, and returns CPU arrays aliasing it (device_put of an aligned NumPy array is zero-copy on
-    the CPU). With 4 KiB pages a weight stream crosses a page every 4 KiB and a core read ~11 GB/s here; with
-    2 MiB pages ~14.5 GB/s. The arrays keep the buffer alive."""
-    hosts = [packed_host(np.asarray(w)) for w in weights]
+    """Packs [K, N] weights into one host buffer backed by transparent huge pages where the kernel grants them,
+    and returns CPU arrays aliasing it (device_put of an aligned NumPy array is zero-copy on the CPU), each on
+    its weight's device. An entry may be a list of [K, N_i] blocks, packed as their concatenation along N (fused
+    projections); each packed matrix must pass `can_pack`. One matrix at a time is materialised on the host, so
+    packing needs the buffer plus the largest matrix beyond the weights themselves. With 4 KiB pages a weight
+    stream crosses a page every 4 KiB and one core read ~11 GB/s here; with 2 MiB pages ~14.5 GB/s. The arrays
+    keep the buffer alive."""
+    entries = [w if isinstance(w, (list, tuple)) else [w] for w in weights]
+    shapes = []
+    for blocks in entries:
+        k, dt = blocks[0].shape[0], jnp.dtype(blocks[0].dtype)
+        n = sum(b.shape[1] for b in blocks)
+        if any(b.shape[0] != k or jnp.dtype(b.dtype) != dt for b in blocks) or not can_pack(
+                jax.ShapeDtypeStruct((k, n), dt)):
+            raise ValueError(f"cannot pack blocks of shapes {[b.shape for b in blocks]} ({dt})")
+        r = 1 if dt == jnp.float32 else 2  # K rows per packed row
+        kp = k if r == 1 else -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
+        shapes.append((n // PANELS[dt], kp // r, PANELS[dt], r, dt))
     offsets, total = [], 0
-    for h in hosts:
+    for *shape, dt in shapes:
         offsets.append(total)
-        total += -(-h.nbytes // _ARENA_ALIGN) * _ARENA_ALIGN
+        total += -(-math.prod(shape) * dt.itemsize // _ARENA_ALIGN) * _ARENA_ALIGN
     if total == 0:
         return []
     arena = huge_page_buffer(total)
     out = []
-    for w, h, off in zip(weights, hosts, offsets):
-        view = np.frombuffer(arena, dtype=h.dtype, count=h.size, offset=off).reshape(h.shape)
-        view[...] = h
+    for blocks, (*shape, dt), off in zip(entries, shapes, offsets):
+        host = [np.asarray(b) for b in blocks]
+        view = np.frombuffer(arena, dtype=dt, count=math.prod(shape), offset=off).reshape(shape)
+        view[...] = packed_host(host[0] if len(host) == 1 else np.concatenate(host, axis=1))
         view.flags.writeable = False
-        # on the weight's own device (a data-parallel replica's); a 1-device sharding keeps its mesh
+        w = blocks[0]
         device = next(iter(w.devices())) if isinstance(w, jax.Array) else jax.devices("cpu")[0]
         out.append(jax.device_put(view, device))
     return out

@@ -91,6 +91,12 @@ def test_pack_weights_on_the_host_arena_equals_pack_weight():
     np.testing.assert_allclose(np.asarray(jax.jit(native.matmul_packed)(x, packed[-2])),
                                np.asarray(x) @ np.asarray(ws[-2]), rtol=1e-5, atol=1e-4)
     assert native.pack_weights([]) == []
+    # a list of blocks packs their concatenation along N (fused projections)
+    a, b = (jnp.asarray(rng.standard_normal((40, n)), jnp.bfloat16) for n in (96, 32))
+    fused, = native.pack_weights([[a, b]])
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(native.pack_weight(jnp.concatenate([a, b], axis=1))))
+    with pytest.raises(ValueError, match="cannot pack"):
+        native.pack_weights([[a, a[:, :16]]])  # 112 columns: not whole 64-column panels
 
 
 def test_can_pack_rejects_what_the_kernel_cannot_take():

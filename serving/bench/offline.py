@@ -266,7 +266,8 @@ def bench_floor():
     """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
     benchmark model's shapes, nothing else jitted in): a floor under any decode step, side by side for XLA's dot,
     the native kernel on the row-major weights, and what the engine runs (`models.transformer.matmul` on weights
-    packed into panels at load, when the native kernels are on)."""
+    packed at load as `pack_native_weights` does: q|k|v and gate|up fused, in the huge-page buffer, when the
+    native kernels are on)."""
     import jax
     import jax.numpy as jnp
 
@@ -286,17 +287,29 @@ def bench_floor():
         layers = [dict(q=w(e, e), k=w(e, kv), v=w(e, kv), o=w(e, e), g=w(e, i), u=w(e, i), d=w(i, e))
                   for _ in range(c["num_hidden_layers"])]
         head = w(e, v)
-        pack = native.pack_weight if native.enabled() else (lambda a: a)
-        packed = ([{k: pack(a) for k, a in p.items()} for p in layers], pack(head))
+        packed = (layers, head)
+        if native.enabled():
+            flat = native.pack_weights([m for p in layers for m in ([p["q"], p["k"], p["v"]], p["o"], [p["g"], p["u"]],
+                                                                    p["d"])] + [head])
+            packed = ([dict(qkv=flat[4 * j], o=flat[4 * j + 1], gu=flat[4 * j + 2], d=flat[4 * j + 3])
+                       for j in range(len(layers))], flat[-1])
 
         def xla_mm(x, m):
             return jnp.dot(x, m, preferred_element_type=jnp.float32).astype(x.dtype)
 
         def chain(mm, layers, head, x):
             for p in layers:
-                h = mm(x, p["q"]) + mm(x, p["k"]).sum() + mm(x, p["v"]).sum()
+                if "qkv" in p:
+                    qkv = mm(x, p["qkv"])
+                    h = qkv[:, :e] + qkv[:, e:e + kv].sum() + qkv[:, e + kv:].sum()
+                else:
+                    h = mm(x, p["q"]) + mm(x, p["k"]).sum() + mm(x, p["v"]).sum()
                 x = x + mm(h, p["o"])
-                x = x + mm(jax.nn.silu(mm(x, p["g"])) * mm(x, p["u"]), p["d"])
+                if "gu" in p:
+                    gu = mm(x, p["gu"])
+                    x = x + mm(jax.nn.silu(gu[:, :i]) * gu[:, i:], p["d"])
+                else:
+                    x = x + mm(jax.nn.silu(mm(x, p["g"])) * mm(x, p["u"]), p["d"])
             return mm(x, head)
 
         weight_bytes = sum(a.nbytes for p in layers for a in p.values()) + head.nbytes
