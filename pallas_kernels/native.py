@@ -197,27 +197,27 @@ def can_pack(w) -> bool:
     return panel is not None and w.ndim == 2 and w.shape[0] > 0 and w.shape[1] > 0 and w.shape[1] % panel == 0
 
 
-def pack_weight(w: jax.Array) -> jax.Array:
-    """Pure. The packed layout of a [K, N] weight (see above); `can_pack(w)` must hold."""
-    k, n = w.shape
-    panel = PANELS[jnp.dtype(w.dtype)]
-    if jnp.dtype(w.dtype) == jnp.float32:
-        return w.reshape(k, n // panel, panel).transpose(1, 0, 2)[..., None]
-    kp = -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
-    w = jnp.pad(w, ((0, kp - k), (0, 0)))
-    return w.reshape(kp // 2, 2, n // panel, panel).transpose(2, 0, 3, 1)
-
-
-def packed_host(w: np.ndarray) -> np.ndarray:
-    """`pack_weight` in NumPy, on the host (a strided view; copy it where it should live)."""
+def _panels(w, xp):
+    """The packed layout of [K, N] `w` with array module `xp` (jax.numpy on device, NumPy on the host)."""
     k, n = w.shape
     panel = PANELS[jnp.dtype(w.dtype)]
     if jnp.dtype(w.dtype) == jnp.float32:
         return w.reshape(k, n // panel, panel).transpose(1, 0, 2)[..., None]
     kp = -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
     if kp != k:
-        w = np.concatenate([w, np.zeros((kp - k, n), w.dtype)])
+        w = xp.pad(w, ((0, kp - k), (0, 0)))
     return w.reshape(kp // 2, 2, n // panel, panel).transpose(2, 0, 3, 1)
+
+
+def pack_weight(w: jax.Array) -> jax.Array:
+    """Pure. The packed layout of a [K, N] weight (see above); `can_pack(w)` must hold."""
+    return _panels(w, jnp)
+
+
+def packed_host(w: np.ndarray) -> np.ndarray:
+    """`pack_weight` in NumPy, on the host (a strided view where no padding is needed; copy it where it should
+    live)."""
+    return _panels(w, np)
 
 
 _ARENA_ALIGN = 4096
