@@ -133,7 +133,7 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
         self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
-        self.num_heads, self.num_kv_heads, self.head_dim, self.hidden = hq, hkv, d, e
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.qkv_proj = nnx.data(None)  # q|k|v fused and packed by `pack_native_weights` (then q/k/v_proj are None)
         self.sm_scale = 1.0 / math.sqrt(d)
         self.sliding_window = cfg.sliding_windows[layer]

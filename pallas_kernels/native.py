@@ -2,8 +2,10 @@
 
 XLA:CPU's dots are slow for serving's shapes (few rows against a large weight: ~15% of the FMA peak in f32,
 and bf16 below 8 rows ~5x slower than f32), and attention written in jax.numpy pays for gathers and tiny
-dots per sequence. `native/cpu_kernels.cc` has a small-M matmul (f32 FMAs; bf16 pair dot products with f32
-accumulation) and the ragged paged attention of `reference.py`, both spread over XLA's intra-op threads.
+dots per sequence. `native/cpu_kernels.cc` has a matmul on weights packed at load into column panels (any
+number of rows; f32 FMAs, bf16 pair dot products or AMX, f32 accumulation), a small-M matmul on row-major
+weights for those that are not packed, and the ragged paged attention of `reference.py`, all spread over XLA's
+intra-op threads.
 
 The library is compiled on first use with the system C++ compiler (`-O3 -march=native`) into a cache keyed by
 the source, compiler, jaxlib and CPU, under a file lock; `python -m pallas_kernels.native` builds it ahead
@@ -303,7 +305,7 @@ def packed_supported(x: jax.Array, w: jax.Array, out_dtype) -> bool:
     if not is_packed(w) or not enabled() or not _single_device_context():
         return False
     dt, out = jnp.dtype(x.dtype), jnp.dtype(out_dtype)
-    if dt != jnp.dtype(w.dtype) or dt not in MAX_MATMUL_ROWS:
+    if dt != jnp.dtype(w.dtype) or dt not in PANELS:
         return False
     return out == dt or out == jnp.float32
 
