@@ -264,13 +264,15 @@ void MatmulRows(Pool& pool, const XT* x, int64_t M, int64_t K, const XT* w, int6
   });
 }
 
+// K rows one AMX tile step covers (32 bf16 = 64 bytes per A-tile row); packed bf16 panels pad K to it.
+constexpr int64_t kAmxKStep = 32;
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // ---------------------------------------------------------------------------------------------------------
 // bfloat16 on AMX, for 8..16 rows (where the pair-dot-product tiles above run out of FMA throughput): x is the
 // A tile (rows x 32 bf16), the weight is interleaved into the pair (VNNI) layout 16 columns x 32 rows at a
 // time and multiplied into four 16 x 16 float32 C tiles (64 columns). C tiles stay in registers for
 // kAmxKBlock rows of K, then go back to a float32 buffer. Linux must grant the process AMX state first.
-constexpr int64_t kAmxKStep = 32;
 constexpr int64_t kAmxKBlock = 128;
 constexpr int64_t kAmxMinRows = 8;
 
@@ -424,7 +426,6 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 // for all of K. Rows go in tiles of up to PackedTraits::kRows (AMX: 16) over the same panel; the first tile
 // reads it from memory with its compute hidden under the reads, later tiles from L2. float32 panels are 32
 // columns wide so that one tile holds 14 rows (28 accumulators): a 16-row decode step is nearly one pass.
-constexpr int64_t kAmxKStepPad = 32;  // bf16 panels pad K to this (one AMX K step)
 constexpr int64_t kPackedMBlock = 224;  // rows per unit of work (x's block stays in L2 across the panels)
 constexpr int64_t kPackedAhead = 4096;  // bytes ahead in the panel's stream, prefetched into L2
 constexpr int kMaxStreams = 4;  // streams per panel for tiles of few rows (PackedTile)
@@ -645,7 +646,7 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   }
   if (xt == ffi::DataType::BF16 && wt == ffi::DataType::BF16 &&
       (ot == ffi::DataType::BF16 || ot == ffi::DataType::F32)) {
-    if (kw != (K + kAmxKStepPad - 1) / kAmxKStepPad * kAmxKStepPad)
+    if (kw != (K + kAmxKStep - 1) / kAmxKStep * kAmxKStep)
       return ffi::Error::InvalidArgument("packed matmul: bf16 w must hold K rows padded to a multiple of 32");
     if (!M || !N) return ffi::Error::Success();
     auto xp = static_cast<const uint16_t*>(x.untyped_data());
