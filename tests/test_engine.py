@@ -58,6 +58,7 @@ def _run(llm: LLM, workload):
     ("chunked_prefill", dict(max_num_batched_tokens=64, max_prefill_chunk=16, enable_prefix_caching=False)),
     ("prefix_cache", dict(max_num_batched_tokens=128, enable_prefix_caching=True)),
     ("preemption", dict(max_num_batched_tokens=64, num_pages=24, enable_prefix_caching=True)),
+    ("synchronous", dict(max_num_batched_tokens=64, num_pages=24, async_scheduling=False)),
 ])
 def test_concurrent_greedy_matches_hf(llama, workload, name, options):
     options = {"page_size": 8, "num_pages": 256, "max_num_seqs": 16, **options}
@@ -65,9 +66,11 @@ def test_concurrent_greedy_matches_hf(llama, workload, name, options):
     outs = _run(llm, workload)
     got = [o.token_ids for o in outs]
     assert got == workload[2]
+    # greedy steps look one step ahead (decodes fed from the previous step's tokens on the device) unless off
+    assert (llm.engine.look_ahead_steps > 0) == options.get("async_scheduling", True)
     if name == "prefix_cache":
         assert sum(o.metrics.num_cached_prompt_tokens for o in outs) >= 16 * 24 // 2
-    if name == "preemption":
+    if name in ("preemption", "synchronous"):
         assert sum(o.metrics.num_preemptions for o in outs) > 0
     if name == "chunked_prefill":
         assert llm.engine.scheduler.config.prefill_chunk == 16
@@ -127,6 +130,48 @@ def test_logprobs_and_stop_tokens(llama, workload):
     first = expected.index(stop_at)
     assert out.token_ids == expected[:first + 1] and out.finish_reason is FinishReason.STOP
     assert out.stop_reason == stop_at
+
+
+def test_look_ahead_with_stops_aborts_and_mixed_sampling(llama, workload):
+    """Greedy steps run one step ahead: a stop token ends a request (the decode already launched on that token
+    is dropped), a request with logprobs (the sampling program) mixes in, an abort lands with a step in flight,
+    and every output still matches HF's with all pages back."""
+    prompts, lengths, expected = workload
+    eng = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16,
+              max_num_batched_tokens=64).engine
+    picks = [i for i in range(len(prompts)) if lengths[i] >= 4][:6]
+    requests = {}
+    for i in picks:
+        stop = expected[i][2]
+        requests[i] = eng.make_request(f"s{i}", prompts[i], SamplingParams(
+            temperature=0.0, max_tokens=lengths[i], stop_token_ids=[stop], ignore_eos=True))
+    mixed = eng.make_request("lp", prompts[picks[0]], SamplingParams(
+        temperature=0.0, max_tokens=lengths[picks[0]], logprobs=2, ignore_eos=True))
+    doomed = eng.make_request("doomed", prompts[1], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    for r in [*requests.values(), doomed]:
+        eng.add_request(r)
+    outputs: dict[str, list] = {}
+    steps = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outputs.setdefault(o.request_id, []).append(o)
+        steps += 1
+        if steps == 3:
+            eng.add_request(mixed)  # joins greedy work in flight
+        if steps == 6:
+            assert eng._pending is not None  # a step is on the device
+            final = eng.abort("doomed")
+            assert final.finished and final.finish_reason is FinishReason.ABORT
+    for i, r in requests.items():
+        want = expected[i][:expected[i].index(expected[i][2]) + 1]
+        assert r.output_token_ids == want and r.finish_reason is FinishReason.STOP
+        assert [t for o in outputs[r.request_id] for t in o.new_token_ids] == want
+    assert mixed.output_token_ids == expected[picks[0]]
+    assert all(lp.token_id == t for o in outputs["lp"] for lp, t in zip(o.logprobs or [], o.new_token_ids))
+    assert 0 < doomed.num_output_tokens < 200
+    assert eng.look_ahead_steps > 0
+    eng.scheduler.check_invariants()
+    eng.scheduler.block_manager.check_idle()
 
 
 def test_async_engine_survives_a_caller_cancelling_its_call(llama):

@@ -62,6 +62,38 @@ class Harness:
             assert steps < max_steps, "no progress"
         return steps
 
+    def run_look_ahead(self, max_steps=10_000):
+        """The engine's look-ahead loop: step N is scheduled and run before step N-1's update(), its placeholder
+        decodes fed with N-1's sampled tokens (as the device does). Returns the number of placeholder decodes."""
+        import dataclasses
+        from serving.core.scheduler import PLACEHOLDER_TOKEN
+        prev, placeholders, steps = None, 0, 0
+        while self.sched.has_unfinished_requests() or prev is not None:
+            self.now += 1.0
+            out = self.sched.schedule(self.now)
+            self.sched.check_invariants()
+            sampled = None
+            if out.scheduled:
+                feed = []
+                for s in out.scheduled:
+                    if s.token_ids[0] == PLACEHOLDER_TOKEN:
+                        assert len(s.token_ids) == 1 and prev is not None
+                        s = dataclasses.replace(s, token_ids=[prev[2][s.request_id]])
+                        placeholders += 1
+                    feed.append(s)
+                sampled = self.model.step(feed)
+            if prev is not None:
+                for o in self.sched.update(prev[0], prev[1], self.now):
+                    self.outputs.setdefault(o.request_id, []).append(o)
+                self.sched.check_invariants()
+            for o in out.finished:
+                self.outputs.setdefault(o.request_id, []).append(o)
+            prev = None if sampled is None else (
+                out, sampled, {s.request_id: t for s, t in zip(out.scheduled, sampled)})
+            steps += 1
+            assert steps < max_steps, "no progress"
+        return placeholders
+
     def check_greedy(self, r):
         assert r.output_token_ids == self.model.greedy_continuation(r.prompt_token_ids, r.num_output_tokens)
         streamed = [t for o in self.outputs.get(r.request_id, []) for t in o.new_token_ids]
@@ -400,6 +432,71 @@ def test_numpy_sampled_tokens_and_scheduled_sequence_fields(harness):
     assert [(o.request_id, o.new_token_ids) for o in res] == [("a", [3]), ("b", [4])]
     assert all(type(t) is int for o in res for t in o.new_token_ids)
     h.run()
+
+
+# ---- look-ahead (the engine schedules step N before step N-1's tokens are applied) ---------------------------
+def _mixed_requests(h, n=24, seed=0, **extra):
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        h.add(f"r{i}", int(rng.integers(1, 60)), max_tokens=int(rng.integers(1, 30)), **extra)
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(max_num_batched_tokens=16, max_num_seqs=8),
+                                 dict(num_pages=40, max_model_len=160, max_num_batched_tokens=32)])
+def test_look_ahead_gives_the_synchronous_outputs(harness, cfg):
+    ref = harness(**cfg)
+    _mixed_requests(ref)
+    ref.run()
+    h = harness(**cfg)
+    _mixed_requests(h)
+    assert h.run_look_ahead() > 0
+    for rid, r in h.added.items():
+        assert r.finish_reason is ref.added[rid].finish_reason
+        assert r.output_token_ids == ref.added[rid].output_token_ids
+        h.check_greedy(r)
+    if cfg.get("num_pages") == 40:
+        assert h.sched.num_preemptions > 0  # a request preempted with a token in flight recomputes it
+
+
+def test_look_ahead_drops_the_token_after_a_stop_and_skips_a_surely_last_token(harness):
+    h = harness()
+    r = h.add("a", 5, max_tokens=3)
+    prompt = [11, 12, 13, 14, 15]
+    expected = h.model.greedy_continuation(prompt, 2)
+    assert expected[0] != expected[1]
+    stopper = h.add("b", prompt, max_tokens=10, stop_token_ids=[expected[1]])
+    h.run_look_ahead()
+    assert r.output_token_ids == h.model.greedy_continuation(r.prompt_token_ids, 3)
+    assert r.finish_reason is FinishReason.LENGTH
+    # its 2nd token stops it; the decode already scheduled on that token is dropped
+    assert stopper.output_token_ids == expected
+    assert stopper.finish_reason is FinishReason.STOP
+    assert [t for o in h.outputs["b"] for t in o.new_token_ids] == stopper.output_token_ids
+
+
+def test_look_ahead_schedules_placeholders_only_for_pending_tokens(harness):
+    from serving.core.scheduler import PLACEHOLDER_TOKEN
+    h = harness()
+    a = h.add("a", 6, max_tokens=4)
+    first = h.sched.schedule(1.0)  # a's prefill: samples its first token
+    assert first.scheduled[0].token_ids == a.prompt_token_ids and a.num_pending == 1
+    second = h.sched.schedule(2.0)  # before update(first): a decodes on the token still in flight
+    assert [s.token_ids for s in second.scheduled] == [[PLACEHOLDER_TOKEN]] and a.num_pending == 2
+    assert h.sched.schedule(3.0).scheduled == []  # never two steps ahead
+    h.sched.update(first, [7])
+    assert a.token_ids[-1] == 7 and a.num_pending == 1
+    third = h.sched.schedule(4.0)
+    assert [s.token_ids for s in third.scheduled] == [[PLACEHOLDER_TOKEN]]
+    h.sched.update(second, [8])
+    h.sched.update(third, [9])
+    assert a.output_token_ids == [7, 8, 9] and a.num_pending == 0
+    # with one token left, the token in flight surely ends it by length: nothing is scheduled on it
+    fourth = h.sched.schedule(5.0)
+    assert fourth.scheduled[0].token_ids == [9]
+    assert h.sched.schedule(6.0).scheduled == []
+    (out,) = h.sched.update(fourth, [10])
+    assert out.finished and out.finish_reason is FinishReason.LENGTH and a.output_token_ids == [7, 8, 9, 10]
+    h.sched.check_invariants()
 
 
 def test_config_validation():

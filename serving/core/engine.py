@@ -6,6 +6,12 @@ Token counts are padded to power-of-two buckets (the sequence bucket follows the
 at start-up by `warmup()`. The sampled tokens (and logprobs) are packed into one array and copied to the host
 once per step, asynchronously; while step N runs on the device, the host turns step N-1's tokens into text and
 delivers it.
+
+Greedy steps (no penalties, no logprobs: the common case) skip the sampling program: the forward itself returns
+each row's argmax. After such a step the engine looks one step ahead (`EngineConfig.async_scheduling`): it
+schedules and launches step N+1 before step N's tokens reach the host, its decodes fed from step N's tokens on
+the device, so the host's work between steps (collecting, scheduling, building inputs, dispatch) no longer
+leaves the device idle. A request that step N ends (a stop token) wastes one token of step N+1, dropped.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from sharding.multihost import local_value, to_global
 from sharding.rules import MESH_AXES
-from serving.core.scheduler import RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
+from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +64,8 @@ class EngineConfig:
     max_long_prefills: int = 1
     priority_ageing_s: float = 10.0
     seed: int = 0
+    # Greedy steps: launch the next step before this one's tokens reach the host (its decodes read them on device)
+    async_scheduling: bool = True
     # JAX's persistent compilation cache: None = $MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla; "" = off
     compilation_cache_dir: str | None = None
     debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
@@ -193,6 +201,15 @@ class StepOutput:
 
 
 @dataclasses.dataclass(slots=True)
+class _InFlight:
+    """A launched step whose results have not reached the host."""
+    sched: SchedulerOutput
+    result: jax.Array  # greedy: int32 [token slots]; else the sampler's packed float32 [S, 2 + 2 * n]
+    start: float  # time.perf_counter() at launch
+    greedy: bool
+
+
+@dataclasses.dataclass(slots=True)
 class StepRecord:
     """One step whose results reached the host (Engine.last_step): what ran and when, for metrics and traces."""
     scheduled: list  # the step's ScheduledSequences (prefill chunks and decodes)
@@ -314,6 +331,10 @@ class Engine:
         self._kv_sharding = kv_cache_sharding(mc, mesh)
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 3))
+        # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous
+        # step's tokens whatever its bucket (no extra programs).
+        self._token_slots = max(self.seq_bucket(t) for t in self.buckets)
+        self._no_src: dict[int, np.ndarray] = {}
         self._flat_state = None  # (state, leaves, treedef): the forward takes the state as a flat list
         self._placements = {}
         self._expert_load = None
@@ -337,12 +358,23 @@ class Engine:
         self.last_step: StepRecord | None = None  # the step collected by the latest step() call
         self.multihost = jax.process_count() > 1
         self.channel = None  # multi-host leader: the LeaderChannel to the followers (sharding.multihost)
-        self._pending: tuple | None = None  # (scheduler output, device result, start) of the step in flight
+        self._pending: _InFlight | None = None  # the step in flight
+        self._older: _InFlight | None = None  # the step before it, while the look-ahead launches _pending
         self._pending_spec = None  # the SpecPlan of the step in flight when it speculated
         self.spec = None  # SpeculativeDecoder when speculative decoding is on
         if config.speculative_method:
             from serving.core.speculative import SpeculativeDecoder
             self.spec = SpeculativeDecoder(self, config.speculative_config())
+        # One step ahead needs the plain program (not the speculative one) on one device: the previous step's
+        # tokens then enter the next forward with the same placement as the stand-in every other step passes, so
+        # look-ahead steps reuse the warmed-up programs.
+        single = mesh is None or mesh.size == 1
+        self.look_ahead = config.async_scheduling and self.spec is None and single and not self.multihost
+        self._no_prev = np.zeros(self._token_slots, np.int32)
+        if self.look_ahead:
+            device = next(iter(jax.tree.leaves(self.state)[0].devices()))
+            self._no_prev = jax.device_put(self._no_prev, device)
+        self.look_ahead_steps = 0  # steps launched before the previous step's tokens reached the host
         self._current: SchedulerOutput | None = None  # the step being launched
 
     # ------------------------------------------------------------------ device side
@@ -355,7 +387,15 @@ class Engine:
         return self._flat_state[1]
 
     def _forward_flat(self, leaves, kv_caches, arrays, expert_load):
-        return self._forward(jax.tree.unflatten(self._flat_state[2], leaves), kv_caches, arrays, expert_load)
+        """The forward on the flat state, plus each sequence's greedy token [token slots]. Input tokens with a
+        source row (`token_src` >= 0: look-ahead decodes) are the previous step's greedy tokens there."""
+        arrays = dict(arrays)
+        src, prev = arrays.pop("token_src"), arrays.pop("prev_tokens")
+        arrays["input_ids"] = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], arrays["input_ids"])
+        logits, kv_caches, expert_load = self._forward(jax.tree.unflatten(self._flat_state[2], leaves), kv_caches,
+                                                       arrays, expert_load)
+        tokens = sampling.greedy(logits)
+        return logits, kv_caches, expert_load, jnp.pad(tokens, (0, self._token_slots - tokens.shape[0]))
 
     def _forward(self, state, kv_caches, arrays, expert_load):
         """Pure. The model over a ragged batch: float32 logits at each sequence's last token, the caches, and
@@ -395,15 +435,24 @@ class Engine:
             st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
         return st
 
-    def _run_forward(self, arrays):
+    def _run_forward(self, arrays, token_src: np.ndarray | None = None, prev_tokens=None):
+        """Launches the forward; returns (logits, greedy tokens) and keeps the new caches."""
+        if "token_src" not in arrays:
+            t = len(arrays["input_ids"])
+            if token_src is None:
+                token_src = self._no_src.get(t)
+                if token_src is None:
+                    token_src = self._no_src[t] = np.full(t, -1, np.int32)
+            prev_tokens = self._no_prev if prev_tokens is None else prev_tokens
+            arrays = dict(arrays, token_src=token_src, prev_tokens=prev_tokens)
         if self.channel is not None:  # multi-host leader: the followers run the same call
             self.channel.broadcast(("forward", arrays))
         if self.multihost:
             arrays = to_global(arrays, self.mesh)
         with mesh_context(self.mesh):
-            logits, kv, self._expert_load = self._forward_fn(self._state_leaves(), self.kv_caches, arrays,
-                                                             self._expert_load)
-        return logits, kv
+            logits, self.kv_caches, self._expert_load, tokens = self._forward_fn(
+                self._state_leaves(), self.kv_caches, arrays, self._expert_load)
+        return logits, tokens
 
     def follow(self, channel) -> None:
         """Multi-host follower: runs each jitted call the leader announces, until it says stop."""
@@ -411,7 +460,7 @@ class Engine:
         while True:
             message = channel.recv()
             if message[0] == "forward":
-                logits, self.kv_caches = self._run_forward(message[1])
+                logits, _ = self._run_forward(message[1])
             elif message[0] == "sample":
                 self._run_sample(logits, message[1], message[2])
             elif message[0] == "stop":
@@ -510,7 +559,7 @@ class Engine:
         for t in self.buckets:
             s = self.seq_bucket(t)
             arrays = self._step_arrays([], t, s)
-            logits, self.kv_caches = self._run_forward(arrays)
+            logits, _ = self._run_forward(arrays)
             self.compile_count += 1
             for params in variants:
                 dummy = Request("warmup", [0], params, arrival_time=0.0)
@@ -557,38 +606,76 @@ class Engine:
         return self._final(out) if out else None
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._pending is not None
+        return self.scheduler.has_unfinished_requests() or self._pending is not None or self._older is not None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[StepOutput]:
         """Runs one step: collects step N-1's tokens, schedules and launches step N, then turns N-1's tokens into
-        text (detokenisation, stop strings, delivery) while step N runs on the device."""
+        text (detokenisation, stop strings, delivery) while step N runs on the device. After a greedy step N-1
+        (look-ahead), step N is scheduled and launched first and N-1's tokens are collected after."""
         results: list[tuple[RequestOutput, np.ndarray]] = []
         if self._pending is not None:
-            # The scheduler needs step N-1's tokens to plan step N (decode inputs, stop checks).
-            results = self._collect_pending()
+            if self.look_ahead and self._pending.greedy:
+                self._older, self._pending = self._pending, None
+            else:
+                # The scheduler needs step N-1's tokens to plan step N (decode inputs, stop checks).
+                results = self._collect(self._pending)
+                self._pending = None
         sched = self.scheduler.schedule()
         if sched.scheduled:
             self._current = sched
-            self._launch(sched)
+            self._launch(sched, self._older)
             self._current = None
+        if self._older is not None:
+            results = self._collect(self._older)
+            self._older = None
         outputs = [self._process(o, row) for o, row in results]
         outputs += [self._final(o) for o in sched.finished]
         return outputs
 
-    def _launch(self, sched: SchedulerOutput) -> None:
+    @staticmethod
+    def _fast_greedy(sched: SchedulerOutput) -> bool:
+        """Every sequence that samples takes the plain argmax (the forward's own tokens; no sampling program)."""
+        for s in sched.scheduled:
+            p = s.request.sampling_params
+            if s.sample and (not p.is_greedy or p.has_penalties or p.logprobs is not None):
+                return False
+        return True
+
+    def _token_sources(self, sched: SchedulerOutput, t_bucket: int, prev: _InFlight | None) -> np.ndarray | None:
+        """For a look-ahead step: per input token, the row of `prev` whose greedy token it is (-1: its own)."""
+        src = None
+        offset = 0
+        for s in sched.scheduled:
+            if s.token_ids[0] == PLACEHOLDER_TOKEN:
+                if src is None:
+                    if prev is None:
+                        raise RuntimeError("a look-ahead decode was scheduled without a step in flight")
+                    src = np.full(t_bucket, -1, np.int32)
+                    rows = {q.request_id: i for i, q in enumerate(prev.sched.scheduled)}
+                src[offset] = rows[s.request_id]
+            offset += len(s.token_ids)
+        return src
+
+    def _launch(self, sched: SchedulerOutput, prev: _InFlight | None = None) -> None:
         if self.spec is not None:
             t0 = time.perf_counter()
             launched = self.spec.launch(sched)
             if launched is not None:
                 packed, self._pending_spec = launched
                 packed.copy_to_host_async()
-                self._pending = (sched, packed, t0)
+                self._pending = _InFlight(sched, packed, t0, False)
                 return
         t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
         arrays = self._step_arrays(sched.scheduled, t_bucket, s_bucket)
+        src = self._token_sources(sched, t_bucket, prev)
         t0 = time.perf_counter()
-        logits, self.kv_caches = self._run_forward(arrays)
+        logits, tokens = self._run_forward(arrays, src, None if src is None else prev.result)
+        self.look_ahead_steps += src is not None
+        if self._fast_greedy(sched):
+            tokens.copy_to_host_async()
+            self._pending = _InFlight(sched, tokens, t0, True)
+            return
         # The sampling inputs are built while the forward runs.
         sampled = sched.scheduled
         st = self._sampling_tensors([s.request for s in sampled], s_bucket)
@@ -597,11 +684,10 @@ class Engine:
         want_logprobs = any(s.request.sampling_params.logprobs is not None for s in sampled)
         packed = self._run_sample(logits, st, MAX_LOGPROBS if want_logprobs else 0)
         packed.copy_to_host_async()
-        self._pending = (sched, packed, t0)
+        self._pending = _InFlight(sched, packed, t0, False)
 
-    def _collect_pending(self) -> list[tuple[RequestOutput, np.ndarray]]:
-        sched, packed, t0 = self._pending
-        self._pending = None
+    def _collect(self, step: _InFlight) -> list[tuple[RequestOutput, np.ndarray]]:
+        sched, packed, t0 = step.sched, step.result, step.start
         device_times = {}
         for shard in packed.addressable_shards:  # the copy to host is under way; this only waits for it
             shard.data.block_until_ready()
@@ -617,6 +703,9 @@ class Engine:
                                     end - (time.perf_counter() - t0), end, device_times)
         self.step_count += 1
         n = len(sched.scheduled)
+        if step.greedy:
+            no_logprobs = np.zeros(0, np.float32)
+            return [(o, no_logprobs) for o in self.scheduler.update(sched, host[:n].astype(np.int64))]
         plan, self._pending_spec = self._pending_spec, None
         if plan is not None:  # speculative step: several tokens per sequence, rejected K/V rolled back
             results = self.scheduler.update(sched, self.spec.accept(sched, plan, host))
@@ -681,10 +770,12 @@ class Engine:
         cache was lost with it, every running request too) and keeps the engine usable for the rest."""
         victims: set[str] = set()
         lost = False
-        for sched in (self._pending[0] if self._pending else None, self._current):
+        for sched in (self._older.sched if self._older else None, self._pending.sched if self._pending else None,
+                      self._current):
             if sched is not None:
                 victims.update(s.request_id for s in sched.scheduled)
         self._pending = None
+        self._older = None
         self._pending_spec = None
         self._current = None
         if self.spec is not None:

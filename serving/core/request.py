@@ -48,7 +48,8 @@ class RequestMetrics:
 class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "deadline",
                  "eos_token_ids", "stop_token_ids", "status", "num_computed_tokens", "block_table",
-                 "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order")
+                 "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order",
+                 "num_pending")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, arrival_time: float, priority: int = Priority.INTERACTIVE, deadline: float | None = None,
@@ -70,6 +71,9 @@ class Request:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.max_num_tokens = 0  # prompt + output cap; set by the scheduler from max_tokens and the context
         self.order = 0  # admission sequence number; set by the scheduler, breaks arrival-time ties
+        # Scheduled steps that sample a token for it and whose results update() has not applied yet (0-2: the
+        # engine may schedule a decode on the token of a step still on the device, see Scheduler.schedule).
+        self.num_pending = 0
 
     @property
     def arrival_time(self) -> float:

@@ -424,6 +424,18 @@ def sample(logits: jax.Array, t: SamplingTensors, *, max_logprobs: int = 0) -> S
                          check_vma=False)(logits, t)
 
 
+def greedy(logits: jax.Array) -> jax.Array:
+    """Pure, jit-able. int32 [S]: each row's argmax (first index on ties), i.e. what `sample` returns for a greedy
+    slot without penalties. Vocabulary-parallel like `sample`."""
+    raw = logits.astype(jnp.float32)
+    mesh = vocab_parallel_mesh(raw.shape[1])
+    if mesh is None:
+        return _LOCAL_ROWS.argmax(raw)
+    P = jax.sharding.PartitionSpec
+    return jax.shard_map(lambda a: _ShardedRows(VOCAB_AXIS, a.shape[1]).argmax(a), mesh=mesh,
+                         in_specs=P(None, VOCAB_AXIS), out_specs=P(), check_vma=False)(raw)
+
+
 def _sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, rows: _Rows) -> SamplerOutput:
     raw = logits.astype(jnp.float32)
     penalised = apply_penalties(raw, t, rows.offset)

@@ -21,6 +21,11 @@ from serving.core.block_manager import BlockManager
 from serving.core.request import FinishReason, Request, RequestStatus
 
 
+# The input token of a decode scheduled while the step that samples it is still on the device (look-ahead): the
+# engine feeds it from that step's device-side tokens.
+PLACEHOLDER_TOKEN = -1
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at its bound: the instance is busy (gRPC RESOURCE_EXHAUSTED); retry elsewhere/later."""
 
@@ -195,7 +200,10 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------------------
     def schedule(self, now: float | None = None) -> SchedulerOutput:
-        """Chooses this step's sequences. Call update() with the step's sampled tokens before the next call."""
+        """Chooses this step's sequences. Call update() with the step's sampled tokens before the next call, or,
+        to look one step ahead, after it: a request whose token from the previous step is still pending then
+        decodes on a PLACEHOLDER_TOKEN (the engine feeds that token from the device), unless that token surely
+        ends it by length. A token that ends it otherwise (a stop token) makes update() drop the next one."""
         now = time.monotonic() if now is None else now
         cfg = self.config
         ps = cfg.page_size
@@ -208,15 +216,23 @@ class Scheduler:
         i = 0
         while i < len(running):
             r = running[i]
-            pos = r.num_computed_tokens
-            if pos + 1 != len(r.token_ids):
+            pos, n = r.num_computed_tokens, len(r.token_ids)
+            if r.num_pending:  # its next input is the token of the step in flight
+                if r.num_pending > 1 or n + 1 >= r.max_num_tokens:
+                    i += 1  # that token ends it by length (or it is already a step ahead)
+                    continue
+                token = PLACEHOLDER_TOKEN
+            elif pos + 1 != n:
                 prefills.append(r)
                 i += 1
                 continue
+            else:
+                token = r.token_ids[-1]
             if pos >= len(r.block_table) * ps and not self._allocate_or_preempt(r, pos + 1):
                 continue  # r itself was preempted; running[i] is now the next request
-            step[r.request_id] = ScheduledSequence(r, [r.token_ids[-1]], pos, r.block_table, True)
+            step[r.request_id] = ScheduledSequence(r, [token], pos, r.block_table, True)
             r.num_computed_tokens = pos + 1
+            r.num_pending += 1
             i += 1
         self._budget -= len(step)  # victims come from the unvisited tail, so none of these was refunded
 
@@ -267,10 +283,13 @@ class Scheduler:
             r = seq.request
             if r.status is not running_status:
                 continue  # finished (aborted, stop string) while the step ran
-            if r.num_computed_tokens // ps > len(r.block_prefix_ids):
-                bm.cache_full_blocks(r, r.num_computed_tokens)  # their K/V is written now
+            # K/V written now: up to this step's end (a look-ahead step on this step's token is still running).
+            computed = r.num_computed_tokens if r.num_pending < 2 else len(r.token_ids)
+            if computed // ps > len(r.block_prefix_ids):
+                bm.cache_full_blocks(r, computed)
             if not seq.sample:
                 continue
+            r.num_pending -= 1
             if type(tokens) is int:
                 tokens = (tokens,)
             m, token_ids, stops = r.metrics, r.token_ids, r.stop_token_ids
@@ -315,6 +334,7 @@ class Scheduler:
                 self.running.remove(r)
             self._step.pop(r.request_id, None)
         r.status = RequestStatus.FINISHED
+        r.num_pending = 0
         r.finish_reason, r.stop_reason = reason, stop_reason
         r.metrics.finished_time = now
         del self.requests[r.request_id]
@@ -340,6 +360,7 @@ class Scheduler:
         else:
             self.running.remove(victim)
         victim.status = RequestStatus.WAITING
+        victim.num_pending = 0  # a token still on the device for it is dropped; recompute samples it again
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self._preempted[victim.request_id] = None
@@ -372,6 +393,7 @@ class Scheduler:
         self._step[r.request_id] = ScheduledSequence(r, r.token_ids[start:end], start, r.block_table,
                                                      end == len(r.token_ids))
         r.num_computed_tokens = end
+        r.num_pending += end == len(r.token_ids)
         self._budget -= chunk
 
     def _admit(self, r: Request, now: float) -> bool:
@@ -399,6 +421,7 @@ class Scheduler:
         end = cached + chunk
         self._step[r.request_id] = ScheduledSequence(r, r.token_ids[cached:end], cached, r.block_table, end == n)
         r.num_computed_tokens = end
+        r.num_pending = int(end == n)
         self._budget -= chunk
         return True
 
