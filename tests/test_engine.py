@@ -174,6 +174,24 @@ def test_look_ahead_with_stops_aborts_and_mixed_sampling(llama, workload):
     eng.scheduler.block_manager.check_idle()
 
 
+def test_step_records_do_not_overlap_under_look_ahead(llama, workload):
+    """A look-ahead step is launched while the one before it runs; its reported device time starts when that one's
+    results arrived, so consecutive steps' [start, end] never overlap and their times never sum past the wall."""
+    eng = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64).engine
+    for i, p in enumerate(workload[0][:4]):
+        eng.add_request(eng.make_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
+    records, t0 = [], time.monotonic()
+    while eng.has_unfinished():
+        eng.step()
+        if eng.last_step is not None and (not records or eng.last_step is not records[-1]):
+            records.append(eng.last_step)
+    wall = time.monotonic() - t0
+    assert eng.look_ahead_steps > 0 and len(records) > 10
+    for before, after in zip(records, records[1:]):
+        assert after.start_time >= before.end_time - 1e-3
+    assert sum(r.end_time - r.start_time for r in records) <= wall
+
+
 def test_async_engine_survives_a_caller_cancelling_its_call(llama):
     """A call whose future is cancelled before the engine thread runs it (its RPC ended) still runs, and the
     engine keeps serving; setting the cancelled future's result used to kill the engine thread."""

@@ -360,6 +360,7 @@ class Engine:
         self.channel = None  # multi-host leader: the LeaderChannel to the followers (sharding.multihost)
         self._pending: _InFlight | None = None  # the step in flight
         self._older: _InFlight | None = None  # the step before it, while the look-ahead launches _pending
+        self._last_done = 0.0  # time.perf_counter() when the latest collected step's results were on the host
         self._pending_spec = None  # the SpecPlan of the step in flight when it speculated
         self.spec = None  # SpeculativeDecoder when speculative decoding is on
         if config.speculative_method:
@@ -687,11 +688,15 @@ class Engine:
         self._pending = _InFlight(sched, packed, t0, False)
 
     def _collect(self, step: _InFlight) -> list[tuple[RequestOutput, np.ndarray]]:
-        sched, packed, t0 = step.sched, step.result, step.start
+        sched, packed = step.sched, step.result
+        # The device starts a step when it is launched or when the step before it ends, whichever is later (a
+        # look-ahead step is launched while the previous one runs).
+        t0 = max(step.start, self._last_done)
         device_times = {}
         for shard in packed.addressable_shards:  # the copy to host is under way; this only waits for it
             shard.data.block_until_ready()
             device_times[str(shard.device)] = time.perf_counter() - t0
+        self._last_done = time.perf_counter()
         host = local_value(packed)
         self.last_step_time_s = time.perf_counter() - t0
         if self.config.debug_step_delay_s:
