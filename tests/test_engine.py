@@ -190,6 +190,13 @@ def test_step_records_do_not_overlap_under_look_ahead(llama, workload):
     for before, after in zip(records, records[1:]):
         assert after.start_time >= before.end_time - 1e-3
     assert sum(r.end_time - r.start_time for r in records) <= wall
+    # every step after the first was launched before the previous one's tokens arrived: the device never
+    # waited on the host; synchronously it waits every step (collect, schedule, build, dispatch)
+    assert eng.host_gap_s == 0.0 and eng.host_gap_steps == len(records) - 1
+    eng.look_ahead = False
+    eng.add_request(eng.make_request("sync", workload[0][0], SamplingParams(temperature=0.0, max_tokens=8)))
+    eng.run_until_idle()
+    assert eng.host_gap_s > 0.0 and eng.host_gap_steps > len(records)
 
 
 def test_async_engine_survives_a_caller_cancelling_its_call(llama):

@@ -250,20 +250,28 @@ def bench_roofline():
         tied = eng.model_config.tie_word_embeddings
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.state)) - (0 if tied else embed.nbytes)
         for batch in (1, 32):
-            reqs = [eng.make_request(f"r{batch}-{i}", p, _greedy(40)) for i, p in enumerate(_prompts(batch, 64))]
-            for r in reqs:
-                eng.add_request(r)
-            times = []
-            while eng.has_unfinished():
-                eng.step()
-                if all(r.num_output_tokens >= 8 for r in reqs) and eng.last_step_time_s:
-                    times.append(eng.last_step_time_s)
+            idle = {}
+            for look_ahead in (False, True):  # async scheduling off, then on: the device's idle time between steps
+                eng.look_ahead = look_ahead
+                reqs = [eng.make_request(f"r{batch}-{look_ahead}-{i}", p, _greedy(40))
+                        for i, p in enumerate(_prompts(batch, 64))]
+                for r in reqs:
+                    eng.add_request(r)
+                times, gap0, steps0 = [], eng.host_gap_s, eng.host_gap_steps
+                while eng.has_unfinished():
+                    eng.step()
+                    if all(r.num_output_tokens >= 8 for r in reqs) and eng.last_step_time_s:
+                        times.append(eng.last_step_time_s)
+                idle[look_ahead] = (eng.host_gap_s - gap0) / (eng.host_gap_steps - steps0)
             step = statistics.median(times)
             roof = weight_bytes / bw
-            rows.append([dtype, batch, step * 1e3, roof * 1e3, roof / step, batch / step])
+            rows.append([dtype, batch, step * 1e3, roof * 1e3, roof / step, batch / step, idle[False] * 1e3,
+                         idle[True] * 1e3])
         del llm, eng
-    _table(f"Decode step vs roofline (weights / read bandwidth, {bw / 1e9:.1f} GB/s measured now)",
-           ["dtype", "batch", "step (ms)", "roofline (ms)", "roofline/step", "tok/s"], rows)
+    _table(f"Decode step vs roofline (weights / read bandwidth, {bw / 1e9:.1f} GB/s measured now); device idle "
+           "per step waiting on the host, async scheduling off / on",
+           ["dtype", "batch", "step (ms)", "roofline (ms)", "roofline/step", "tok/s", "idle off (ms)",
+            "idle on (ms)"], rows)
 
 
 def bench_floor():

@@ -207,6 +207,7 @@ class _InFlight:
     result: jax.Array  # greedy: int32 [token slots]; else the sampler's packed float32 [S, 2 + 2 * n]
     start: float  # time.perf_counter() at launch
     greedy: bool
+    launched: float = 0.0  # time.perf_counter() when the launch returned (the device has its work)
 
 
 @dataclasses.dataclass(slots=True)
@@ -361,6 +362,10 @@ class Engine:
         self._pending: _InFlight | None = None  # the step in flight
         self._older: _InFlight | None = None  # the step before it, while the look-ahead launches _pending
         self._last_done = 0.0  # time.perf_counter() when the latest collected step's results were on the host
+        # Device idle between back-to-back steps waiting on the host (launch after the previous step's results
+        # arrived), summed, and the steps counted: what async scheduling removes.
+        self.host_gap_s = 0.0
+        self.host_gap_steps = 0
         self._pending_spec = None  # the SpecPlan of the step in flight when it speculated
         self.spec = None  # SpeculativeDecoder when speculative decoding is on
         if config.speculative_method:
@@ -665,17 +670,18 @@ class Engine:
             if launched is not None:
                 packed, self._pending_spec = launched
                 packed.copy_to_host_async()
-                self._pending = _InFlight(sched, packed, t0, False)
+                self._pending = _InFlight(sched, packed, t0, False, time.perf_counter())
                 return
         t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
         arrays = self._step_arrays(sched.scheduled, t_bucket, s_bucket)
         src = self._token_sources(sched, t_bucket, prev)
         t0 = time.perf_counter()
         logits, tokens = self._run_forward(arrays, src, None if src is None else prev.result)
+        launched = time.perf_counter()
         self.look_ahead_steps += src is not None
         if self._fast_greedy(sched):
             tokens.copy_to_host_async()
-            self._pending = _InFlight(sched, tokens, t0, True)
+            self._pending = _InFlight(sched, tokens, t0, True, launched)
             return
         # The sampling inputs are built while the forward runs.
         sampled = sched.scheduled
@@ -685,13 +691,17 @@ class Engine:
         want_logprobs = any(s.request.sampling_params.logprobs is not None for s in sampled)
         packed = self._run_sample(logits, st, MAX_LOGPROBS if want_logprobs else 0)
         packed.copy_to_host_async()
-        self._pending = _InFlight(sched, packed, t0, False)
+        self._pending = _InFlight(sched, packed, t0, False, launched)
 
     def _collect(self, step: _InFlight) -> list[tuple[RequestOutput, np.ndarray]]:
         sched, packed = step.sched, step.result
         # The device starts a step when it is launched or when the step before it ends, whichever is later (a
         # look-ahead step is launched while the previous one runs).
         t0 = max(step.start, self._last_done)
+        gap = step.launched - self._last_done
+        if gap < 1.0:  # back to back with the step before (not the first after idling)
+            self.host_gap_s += max(0.0, gap)
+            self.host_gap_steps += 1
         device_times = {}
         for shard in packed.addressable_shards:  # the copy to host is under way; this only waits for it
             shard.data.block_until_ready()
