@@ -232,7 +232,8 @@ def bench_host():
     parts = [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]
     _table("Host time per step, 256 running decodes (device stubbed)", ["part", "p50 (us)", "mean (us)", "p99 (us)"],
            [[p, r[f"{p}_p50_us"], r[f"{p}_mean_us"], r.get(f"{p}_p99_us", float("nan"))] for p in parts]
-           + [["share hidden behind the device (outputs / total)", f"{r['overlapped_share']:.0%}", "", ""]])
+           + [["share hidden behind the device, greedy, synchronous (outputs / total; async scheduling: the "
+                "roofline table's idle columns)", f"{r['overlapped_share']:.0%}", "", ""]])
 
 
 def bench_roofline():
