@@ -189,7 +189,7 @@ def test_step_records_do_not_overlap_under_look_ahead(llama, workload):
     assert eng.look_ahead_steps > 0 and len(records) > 10
     for before, after in zip(records, records[1:]):
         assert after.start_time >= before.end_time - 1e-3
-    assert sum(r.end_time - r.start_time for r in records) <= wall
+    assert sum(r.end_time - r.start_time for r in records) <= wall + 1e-3  # (records mix two clocks: us apart)
     # every step after the first was launched before the previous one's tokens arrived: the device never
     # waited on the host; synchronously it waits every step (collect, schedule, build, dispatch)
     assert eng.host_gap_s == 0.0 and eng.host_gap_steps == len(records) - 1

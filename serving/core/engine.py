@@ -207,7 +207,7 @@ class _InFlight:
     result: jax.Array  # greedy: int32 [token slots]; else the sampler's packed float32 [S, 2 + 2 * n]
     start: float  # time.perf_counter() at launch
     greedy: bool
-    launched: float = 0.0  # time.perf_counter() when the launch returned (the device has its work)
+    launched: float  # time.perf_counter() when the launch returned (the device has its work)
 
 
 @dataclasses.dataclass(slots=True)

@@ -469,6 +469,8 @@ class Scheduler:
         assert all(r.status is RequestStatus.WAITING for r in self.waiting)
         assert len(self.running) + len(self.waiting) == len(live), "a live request is neither waiting nor running"
         assert all(not r.block_table for r in self.waiting), "a waiting request holds pages"
+        assert all(r.num_pending == 0 for r in self.waiting), "a waiting request expects a token"
+        assert all(0 <= r.num_pending <= 2 for r in self.running), "a request more than one step ahead"
         assert self.num_waiting_tokens == sum(len(r.token_ids) for r in self.waiting)
         assert self.running == sorted(self.running, key=self._running_key)
         assert self.waiting == sorted(self.waiting, key=self._waiting_key)
