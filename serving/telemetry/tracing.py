@@ -17,7 +17,9 @@ from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-# time.monotonic() -> epoch nanoseconds; the scheduler's timestamps are monotonic.
+# time.monotonic() -> epoch nanoseconds; the scheduler's timestamps are monotonic. Every span of a request (the root
+# too) is stamped through this one mapping: the wall clock is slewed by NTP, so mixing it with monotonic stamps
+# could put a child before its parent.
 _MONO_TO_EPOCH_NS = time.time_ns() - time.monotonic_ns()
 
 
@@ -62,7 +64,7 @@ class RequestTracer:
         with self._lock:
             self._chunks[request_id] = []
         return self._tracer.start_span("generate", context=parent, kind=SpanKind.SERVER,
-                                       attributes={k: v for k, v in attributes.items() if v is not None})
+                                       start_time=epoch_ns(time.monotonic()), attributes={k: v for k, v in attributes.items() if v is not None})
 
     def on_step(self, scheduled, start_time: float, end_time: float) -> None:
         """Engine thread: records the prefill chunks of traced requests in this step."""
@@ -109,7 +111,7 @@ class RequestTracer:
         span.set_attribute("meshserve.finish_reason", finish_reason)
         if error:
             span.set_status(Status(StatusCode.ERROR, error))
-        span.end()
+        span.end(end_time=epoch_ns(time.monotonic()))
 
     def shutdown(self) -> None:
         if self.provider is not None:
