@@ -253,8 +253,9 @@ class IncrementalDetokenizer:
     space that decoding the output alone would strip (byte-level BPE decodes the same either way).
 
     Sentencepiece byte-fallback decoders turn a whole run of `<0xNN>` tokens into one U+FFFD per byte when
-    any byte in the run is invalid, so text is also held while the output ends in a byte token; otherwise an
-    emitted character could later become U+FFFD in the full decode.
+    any byte in the run is invalid, so text is also held while the output ends in a byte token (special tokens
+    that are skipped do not end a run); otherwise an emitted character could later become U+FFFD in the full
+    decode.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
@@ -276,7 +277,7 @@ class IncrementalDetokenizer:
         prefix_text = decode(self._ids[self._prefix_offset:self._read_offset], self.skip_special_tokens)
         new_text = decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
         if (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)
-                or self._ids[-1] in self.tokenizer.byte_fallback_ids):
+                or self._ends_in_byte_token()):
             return ""  # nothing new, or the last character (or byte run) may still change
         piece = new_text[len(prefix_text):]
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
@@ -286,6 +287,18 @@ class IncrementalDetokenizer:
             self._prefix_offset = 0
         self.text += piece
         return piece
+
+    def _ends_in_byte_token(self) -> bool:
+        """Whether the last token decoding sees is a byte token. Skipped special tokens are invisible to the
+        decoder, so bytes on both sides of one join the same run."""
+        byte_ids = self.tokenizer.byte_fallback_ids
+        if not byte_ids:
+            return False
+        skipped = self.tokenizer.special_token_ids if self.skip_special_tokens else ()
+        for i in reversed(self._ids):
+            if i not in skipped:
+                return i in byte_ids
+        return False
 
     def flush(self) -> str:
         """The text still held back (a trailing U+FFFD if the output really ends mid-character)."""

@@ -317,6 +317,20 @@ def test_stop_at_any_point_byte_fallback(sentencepiece_tokenizer, ids, skip):
         assert "".join(pieces) + tail == tokenizer.decode(ids[:stop], skip_special_tokens=skip)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_skipped_special_token_inside_a_byte_run(sentencepiece_tokenizer, skip):
+    # Found by the property test above: with special tokens skipped, `<0x00> <unk> <0x80>` decodes as one byte
+    # run (invalid UTF-8: one U+FFFD per byte), so "\x00" must not be emitted when <unk> arrives.
+    tokenizer = sentencepiece_tokenizer
+    ids = [tokenizer.token_to_id(t) for t in ("<0x00>", "<unk>", "<0x80>")]
+    assert ids[1] in tokenizer.special_token_ids
+    full = tokenizer.decode(ids, skip_special_tokens=skip)
+    assert full == ("\ufffd\ufffd" if skip else "\x00<unk>\ufffd")
+    pieces, tail, _ = _stream(tokenizer, ids, skip_special_tokens=skip)
+    assert "".join(pieces) + tail == full
+    assert pieces == ["", "", ""] if skip else pieces[1] == "\x00<unk>"
+
+
 @_SETTINGS
 @given(text=_TEXT.map(lambda s: s.replace("\ufffd", "")))
 def test_streaming_byte_fallback_text(sentencepiece_tokenizer, text):
