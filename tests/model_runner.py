@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from models.batch import SeqChunk, build_ragged_batch, ragged_batch_from_arrays
-from models.transformer import init_kv_caches
+from models.transformer import ExpertCounts, init_kv_caches
 
 
 class PagedRunner:
@@ -20,15 +20,19 @@ class PagedRunner:
         self.kv = init_kv_caches(self.cfg, num_pages, page_size, dtype)
         self.next_free = 0
 
+        def forward(m, batch, kv):  # MoE layers sow expert counts, which only nnx.capture may collect
+            (hidden, kv), _ = nnx.capture(m, ExpertCounts)(batch, kv)
+            return hidden, kv
+
         def step(state, kv, arrays):
             m = nnx.merge(self.graphdef, state)
             batch = ragged_batch_from_arrays(arrays)
-            hidden, kv = m(batch, kv)
+            hidden, kv = forward(m, batch, kv)
             return m.compute_logits(hidden[batch.logits_indices]), kv
 
         def all_logits(state, kv, arrays):
             m = nnx.merge(self.graphdef, state)
-            hidden, kv = m(ragged_batch_from_arrays(arrays), kv)
+            hidden, kv = forward(m, ragged_batch_from_arrays(arrays), kv)
             return m.compute_logits(hidden), kv
 
         self._step = jax.jit(step, donate_argnums=(1,))

@@ -30,7 +30,7 @@ from flax import nnx
 from models.batch import ragged_batch_from_arrays
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
-from models.transformer import CausalLM, MoE, init_kv_caches, pack_native_weights
+from models.transformer import CausalLM, ExpertCounts, MoE, init_kv_caches, pack_native_weights
 from pallas_kernels import native
 from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder
@@ -408,9 +408,12 @@ class Engine:
         (MoE) the running per-slot expert token counts [moe_layers, slots] plus this step's."""
         model = nnx.merge(self.graphdef, state)
         batch = ragged_batch_from_arrays(arrays)
-        hidden, kv_caches = model(batch, kv_caches)
-        if expert_load is not None:
-            counts = [layer.mlp.counts.get_value()[0] for layer in model.layers if isinstance(layer.mlp, MoE)]
+        if expert_load is None:
+            hidden, kv_caches = model(batch, kv_caches)
+        else:  # the MoE layers sow their per-slot token counts
+            (hidden, kv_caches), sown = nnx.capture(model, ExpertCounts)(batch, kv_caches)
+            counts = [sown["layers"][i]["mlp"]["counts"].get_value()[0]
+                      for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
             expert_load = expert_load + jnp.stack(counts)
         return model.compute_logits(hidden[batch.logits_indices]), kv_caches, expert_load
 
