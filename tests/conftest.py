@@ -14,5 +14,13 @@ os.environ.setdefault("MESHSERVE_COMPILATION_CACHE", _COMPILATION_CACHE)
 atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# CI (`.ci/run` sets MESHSERVE_CI=1): the property tests draw the same examples on every run (seeded per test), so
+# whether a change lands is decided by the change, not by the draw. Run without it to explore new examples; a
+# failure found that way gets a regression test.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("MESHSERVE_CI"):
+    settings.load_profile("ci")
 
 jax.config.update("jax_default_matmul_precision", "highest")
