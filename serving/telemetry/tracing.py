@@ -64,7 +64,8 @@ class RequestTracer:
         with self._lock:
             self._chunks[request_id] = []
         return self._tracer.start_span("generate", context=parent, kind=SpanKind.SERVER,
-                                       start_time=epoch_ns(time.monotonic()), attributes={k: v for k, v in attributes.items() if v is not None})
+                                       start_time=epoch_ns(time.monotonic()),
+                                       attributes={k: v for k, v in attributes.items() if v is not None})
 
     def on_step(self, scheduled, start_time: float, end_time: float) -> None:
         """Engine thread: records the prefill chunks of traced requests in this step."""
