@@ -83,6 +83,33 @@ def pack_native_weights(model: "CausalLM") -> int:
     return len(todo)
 
 
+class HeadScreen(nnx.Variable):
+    """The int8 screen of the LM head for greedy steps (`add_head_screen`); not a parameter: serving-only."""
+
+
+# Most logits rows a step may have for the screened greedy head: from ~4 rows the int8 pass costs about what the
+# full-precision head read does (it converts and multiplies per row), so wider steps use the plain head.
+SCREEN_MAX_ROWS = 4
+
+
+def add_head_screen(model: "CausalLM") -> bool:
+    """Builds the int8 screen of the model's LM head (`pallas_kernels.native.greedy_head_screen`) for the native
+    CPU kernels' greedy head: a greedy step then reads a quarter (bf16) or an eighth (f32) of the head's bytes and
+    gets the same tokens. Returns whether it did (it needs the kernels and a float32 or bfloat16 head)."""
+    head = model.embed_tokens[...] if model.config.tie_word_embeddings else model.lm_head[...]
+    if not native.enabled() or jnp.dtype(head.dtype) not in native.PANELS:
+        return False
+    if model.config.tie_word_embeddings:
+        head_nk = np.asarray(head.astype(jnp.float32))
+    else:
+        kn = native.unpack_weight(head, model.config.hidden_size) if native.is_packed(head) else head
+        head_nk = np.asarray(kn.astype(jnp.float32)).T
+    q, bounds = native.greedy_head_screen(head_nk)
+    model.head_screen = HeadScreen(jnp.asarray(q))
+    model.head_screen_bounds = HeadScreen(jnp.asarray(bounds))
+    return True
+
+
 def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     """Pure. `table[ids]`. A 16-bit float table is gathered as uint16 bits: XLA:CPU otherwise fuses a convert of
     the whole table to f32 into the gather (98 MB written per step for a 32k x 768 bf16 table)."""
@@ -358,6 +385,8 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param(rngs, (cfg.hidden_size, cfg.vocab_size), (EMBED, VOCAB), dtype)
+        self.head_screen = nnx.data(None)  # int8 screen of the head, set by `add_head_screen` (serving, CPU)
+        self.head_screen_bounds = nnx.data(None)
 
     def __call__(self, batch: RaggedBatch, kv_caches: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
         """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches."""
@@ -373,6 +402,23 @@ class CausalLM(nnx.Module):
         if self.config.tie_word_embeddings:  # [V, E] used transposed: XLA's dot reads it in place
             return jnp.dot(hidden, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
         return matmul(hidden, self.lm_head[...], jnp.float32)
+
+    def screened_greedy(self, hidden: jax.Array, num_rows: jax.Array) -> jax.Array | None:
+        """Pure. int32 [N]: the argmax of each row's logits (lowest id on ties) for the first `num_rows[0]` rows of
+        hidden states [N, E] (the rest 0), from the head's int8 screen (`add_head_screen`); None where it cannot
+        run (no screen, more than SCREEN_MAX_ROWS rows, or the native kernels unavailable in this trace)."""
+        if self.head_screen is None or hidden.shape[0] > SCREEN_MAX_ROWS:
+            return None
+        if self.config.tie_word_embeddings:
+            w, layout = self.embed_tokens[...], "nk"
+        else:
+            w = self.lm_head[...]
+            layout = "packed" if native.is_packed(w) else "kn"
+        if not native.greedy_head_supported(hidden, w):
+            return None
+        tokens, _ = native.greedy_head(hidden, self.head_screen[...], self.head_screen_bounds[...], w, num_rows,
+                                       layout=layout)
+        return tokens
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:

@@ -39,6 +39,7 @@ REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _MATMUL = "meshserve_cpu_matmul"
 _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
+_GREEDY_HEAD = "meshserve_cpu_greedy_head"
 AMX_ENV_VAR = "MESHSERVE_CPU_AMX"  # 1 (default: AMX tiles where the CPU has them) | 0 (AVX-512 BF16 only)
 PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed weight panel
 BF16_K_ALIGN = 32  # packed bfloat16 weights pad K to a multiple of this (one AMX tile step)
@@ -137,6 +138,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(lib.MeshserveMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_PACKED, jax.ffi.pycapsule(lib.MeshserveMatmulPacked), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
+    jax.ffi.register_ffi_target(_GREEDY_HEAD, jax.ffi.pycapsule(lib.MeshserveGreedyHead), platform="cpu")
     _registered = True
     return None
 
@@ -318,6 +320,61 @@ def matmul_packed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     amx = os.environ.get(AMX_ENV_VAR, "1").strip() != "0"
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_MATMUL_PACKED, out)(x, w, amx=np.int32(amx))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Greedy LM head by screening (`GreedyHeadImpl` in native/cpu_kernels.cc): the argmax of the exact logits from
+# a read of an int8 copy of the head plus the full-precision columns of the few rows its error bounds cannot
+# rule out.
+SCREEN_K_ALIGN = 64  # the int8 copy pads K to a multiple of this
+HEAD_LAYOUTS = {"packed": 0, "kn": 1, "nk": 2}  # the exact head: packed panels, [K, N], [N, K] (tied table)
+
+
+def greedy_head_screen(head_nk: np.ndarray, block: int = 2048) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side. The int8 screen of an LM head given as [N, K] (vocabulary rows): q [N, Kq] (K rounded up to
+    SCREEN_K_ALIGN, zero-padded) and bounds [2, N] float32: each row's scale s_j (row j ~ s_j q_j) and c_j, an
+    upper bound on |x.w_j - s_j fl32(x.q_j)| / ||x|| for any x: the quantisation error's norm plus float32
+    rounding of the kernel's accumulation over Kq terms and the scaling (gamma_{Kq+2} ||s_j q_j||), rounded up."""
+    n, k = head_nk.shape
+    kq = -(-k // SCREEN_K_ALIGN) * SCREEN_K_ALIGN
+    q = np.zeros((n, kq), np.int8)
+    bounds = np.zeros((2, n), np.float32)
+    u = 2.0 ** -24
+    gamma = (kq + 2) * u / (1 - (kq + 2) * u)
+    for j0 in range(0, n, block):
+        w = np.asarray(head_nk[j0:j0 + block], np.float64)
+        scale = (np.abs(w).max(axis=1) / 127).astype(np.float32)
+        scale = np.where(scale > 0, scale, np.float32(1))
+        s = scale.astype(np.float64)[:, None]
+        qi = np.clip(np.rint(w / s), -127, 127)
+        approx = qi * s  # exact in float64 (8-bit x 24-bit products)
+        c = (np.linalg.norm(w - approx, axis=1) + gamma * np.linalg.norm(approx, axis=1)) * (1 + 1e-6)
+        c32 = c.astype(np.float32)
+        c32 = np.where(c32.astype(np.float64) < c, np.nextafter(c32, np.float32(np.inf)), c32)
+        q[j0:j0 + len(w), :k] = qi.astype(np.int8)
+        bounds[0, j0:j0 + len(w)] = scale
+        bounds[1, j0:j0 + len(w)] = c32
+    return q, bounds
+
+
+def greedy_head_supported(x: jax.Array, w: jax.Array) -> bool:
+    """Trace-time. Whether `greedy_head` can run here for hidden states `x` and the exact head `w`."""
+    if not enabled() or not _single_device_context() or x.ndim != 2:
+        return False
+    return jnp.dtype(x.dtype) == jnp.dtype(w.dtype) and jnp.dtype(x.dtype) in PANELS
+
+
+def greedy_head(x: jax.Array, q: jax.Array, bounds: jax.Array, w: jax.Array, num_rows: jax.Array, *,
+                layout: str) -> tuple[jax.Array, jax.Array]:
+    """Pure. For hidden states x [M, K]: int32 [M] the argmax of each row's exact logits x @ head (lowest id on
+    ties), and int32 [M] how many vocabulary rows each needed at full precision (its candidates). Only the first
+    `num_rows[0]` rows are computed (the rest: 0, 0). `q`, `bounds`: `greedy_head_screen` of the head; `w` the
+    head itself in `layout` ("packed": `pack_weight` panels, "kn": [K, N], "nk": [N, K])."""
+    _require()
+    m = x.shape[0]
+    out = (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int32))
+    return jax.ffi.ffi_call(_GREEDY_HEAD, out)(x, q, bounds, w, num_rows.astype(jnp.int32).reshape(1),
+                                               layout=np.int32(HEAD_LAYOUTS[layout]))
 
 
 def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:

@@ -76,14 +76,25 @@ def test_concurrent_greedy_matches_hf(llama, workload, name, options):
         assert llm.engine.scheduler.config.prefill_chunk == 16
 
 
-def test_warmup_compiles_every_program(llama, workload):
-    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64, min_token_bucket=16)
+@pytest.mark.parametrize("min_bucket", [16, 1])
+def test_warmup_compiles_every_program(llama, workload, min_bucket):
+    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
+              min_token_bucket=min_bucket)
     eng = llm.engine
-    assert eng.buckets == [16, 32, 64]
-    assert eng.compile_count == 3 * (1 + 8)
+    # Per token bucket: the forward and 8 sampling variants; buckets of up to SCREEN_MAX_ROWS sequences also
+    # the greedy-only forward with the screened LM head (when the native kernels run).
+    screened = [t for t in eng.buckets if eng._screens(eng.seq_bucket(t))]
+    if min_bucket == 16:
+        assert eng.buckets == [16, 32, 64] and screened == []
+    else:
+        assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
+        assert screened == ([1, 2, 4] if native.enabled() else [])
+    assert eng.compile_count == len(eng.buckets) * (1 + 8) + len(screened)
     forward_programs = eng._forward_fn._cache_size()
     sample_programs = eng._sample_fn._cache_size()
     _run(llm, workload)
+    for p in workload[0][:3]:  # lone greedy requests: steps of one sequence
+        llm.generate([p], SamplingParams(temperature=0.0, max_tokens=3))
     mixed = [SamplingParams(temperature=0.7, seed=3, top_p=0.9, max_tokens=5),
              SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, max_tokens=5),
              SamplingParams(temperature=1.0, seed=4, top_k=5, min_p=0.1, frequency_penalty=0.5, max_tokens=5)]

@@ -224,3 +224,130 @@ def test_engine_packs_its_weights_and_leaves_the_callers_model_alone(tmp_path):
         x.size for x in jax.tree_util.tree_leaves(nnx.state(model)) if x.ndim == 2 and x is not model.embed_tokens[...]
     ) + sum(x.size for layer in model.layers for x in (layer.self_attn.q_proj[...], layer.self_attn.k_proj[...],
                                                        layer.self_attn.v_proj[...], layer.self_attn.o_proj[...]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Greedy LM head by screening (native.greedy_head): the argmax of the exact logits from an int8 screen.
+
+def _head(layout: str, w_kn: jax.Array) -> jax.Array:
+    return {"packed": native.pack_weight, "kn": lambda w: w, "nk": lambda w: w.T}[layout](w_kn)
+
+
+def _screened(x, w_kn, layout, num_rows):
+    q, bounds = native.greedy_head_screen(np.asarray(w_kn.astype(jnp.float32)).T)
+    fn = jax.jit(lambda x, q, b, w, n: native.greedy_head(x, q, b, w, n, layout=layout))
+    tokens, cands = fn(x, jnp.asarray(q), jnp.asarray(bounds), _head(layout, w_kn), jnp.array([num_rows]))
+    return np.asarray(tokens), np.asarray(cands)
+
+
+def _exact_logits(x, w_kn) -> np.ndarray:
+    return np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w_kn.astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", ["packed", "kn", "nk"])
+@pytest.mark.parametrize("k,n", [(64, 256), (100, 640), (768, 4096)])
+def test_greedy_head_is_the_argmax_of_the_exact_logits(dtype, layout, k, n):
+    rng = np.random.default_rng(k + n)
+    w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, dtype)
+    for trial in range(3):
+        x = jnp.asarray(rng.standard_normal((4, k)), dtype)
+        tokens, cands = _screened(x, w, layout, num_rows=3)
+        exact = _exact_logits(x, w)
+        np.testing.assert_array_equal(tokens[:3], exact[:3].argmax(axis=1))
+        assert tokens[3] == 0 and cands[3] == 0  # rows past num_rows are not computed
+        # The screen leaves few rows to read at full precision (its point), never none.
+        assert (cands[:3] >= 1).all() and cands[:3].max() <= max(8, n // 50), cands
+        # The full-precision head's argmax (float32 logits) is the same token, but for a float32 near-tie.
+        full = np.asarray(x.astype(jnp.float32) @ w.astype(jnp.float32), np.float64)
+        for r in range(3):
+            f = int(full[r].argmax())
+            assert f == tokens[r] or abs(exact[r, f] - exact[r, tokens[r]]) < 1e-5 * np.abs(exact[r]).max()
+
+
+def test_greedy_head_screen_bounds_hold():
+    """Per vocabulary row j and any x: |x.w_j - s_j x.q_j| <= ||x|| c_j (in float64, before the kernel's own
+    float32 rounding, which c_j also covers)."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((300, 96)) * rng.uniform(0.001, 1, (300, 1))).astype(np.float32)  # [N, K]
+    w[7] = 0  # an all-zero row: scale 1, q 0, bound 0
+    q, bounds = native.greedy_head_screen(w)
+    assert q.shape == (300, 128) and q.dtype == np.int8 and (q[:, 96:] == 0).all()
+    assert bounds.shape == (2, 300) and bounds[1, 7] == 0
+    x = rng.standard_normal((50, 96))
+    err = np.abs(x @ w.T.astype(np.float64) - (x @ q[:, :96].T.astype(np.float64)) * bounds[0])
+    assert (err <= np.linalg.norm(x, axis=1, keepdims=True) * bounds[1]).all()
+
+
+def test_greedy_head_finds_the_winner_the_screen_misorders():
+    """Two vocabulary rows whose exact logits differ by a hair but whose int8 approximations rank them the
+    other way: the full-precision recheck of the candidates gives the exact winner."""
+    rng = np.random.default_rng(0)
+    k, n, a, b = 128, 256, 17, 200
+    x = rng.standard_normal(k).astype(np.float32)
+    for attempt in range(200):
+        w = (rng.standard_normal((k, n)) * 0.01).astype(np.float32)
+        w[:, a] = 0.05 * x / np.linalg.norm(x) + w[:, a] * 0.1  # row a's logit well above the rest
+        v = rng.standard_normal(k) * 0.002
+        eps = 1e-4 * float(x @ w[:, a])
+        v -= (x @ v + eps) / (x @ x) * x  # exact: logit_b = logit_a - eps
+        w[:, b] = w[:, a] + v.astype(np.float32)
+        exact = x.astype(np.float64) @ w.astype(np.float64)
+        q, bounds = native.greedy_head_screen(w.T)
+        approx = (q[:, :k].astype(np.float64) @ x.astype(np.float64)) * bounds[0]
+        if exact.argmax() == a and approx.argmax() == b and approx[b] - approx[a] > 1e-3 * abs(approx[a]):
+            break
+    else:
+        pytest.fail("no misordered pair constructed")
+    tokens, cands = _screened(jnp.asarray(x[None]), jnp.asarray(w), "packed", num_rows=1)
+    assert tokens[0] == a and cands[0] >= 2
+
+
+def test_greedy_head_ties_and_degenerate_rows():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    w[:, 90] = w[:, 40] = w[:, 70] * 1  # three identical rows
+    x = w[:, 70] * 10  # they win, tied: the lowest id
+    tokens, cands = _screened(jnp.asarray(np.stack([x, np.zeros(64, np.float32)])), jnp.asarray(w), "kn", 2)
+    assert tokens[0] == 40 and cands[0] >= 3
+    assert tokens[1] == 0 and cands[1] == 128  # all logits 0: every row ties; the lowest id, as argmax gives
+
+
+def test_engine_greedy_steps_take_the_screen_with_the_same_tokens(tmp_path, monkeypatch):
+    """Greedy steps of up to SCREEN_MAX_ROWS sequences run the screened head (their own programs, compiled at
+    start-up) with the tokens of the full head and of HF, untied (packed f32, [K, N] bf16) and tied heads; a step
+    with a sampling request runs the full head."""
+    import torch
+
+    from models.transformer import SCREEN_MAX_ROWS
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    from tests import hf_models
+
+    traced = []
+    fn = native.greedy_head
+    monkeypatch.setattr(native, "greedy_head", lambda *a, **k: (traced.append(1), fn(*a, **k))[1])
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for family, dtype in (("llama", torch.float32), ("llama", torch.bfloat16), ("qwen2", torch.float32)):
+        path = str(tmp_path / f"{family}-{dtype}")
+        hf = hf_models.save_hf_model(family, path, dtype=dtype)
+        prompts = [hf_models.random_prompt(n, hf.config.vocab_size, seed=n) for n in (5, 23, 9)]
+        runs = {}
+        for screen in (True, False):
+            traced.clear()
+            llm = LLM(path, dtype=str(dtype).removeprefix("torch."), max_num_seqs=4, num_pages=64,
+                      max_num_batched_tokens=64, greedy_head_screen=screen)
+            eng = llm.engine
+            assert eng.screen_greedy is screen
+            runs[screen] = [o.token_ids for o in llm.generate(prompts, greedy)]
+            assert bool(traced) is screen
+            if screen:
+                screened = sum(eng._screens(eng.seq_bucket(t)) for t in eng.buckets)
+                assert screened > 0 and all(eng.seq_bucket(t) > SCREEN_MAX_ROWS for t in eng.buckets
+                                            if not eng._screens(eng.seq_bucket(t)))
+                # Mixed with a sampling request the steps run the full head; the greedy request's tokens hold.
+                mixed = llm.generate(prompts[:2], [greedy, SamplingParams(max_tokens=12, temperature=0.8, seed=1)])
+                assert mixed[0].token_ids == runs[True][0]
+        assert runs[True] == runs[False], family
+        if dtype == torch.float32:
+            assert runs[True] == [hf_models.hf_greedy(hf, p, 12) for p in prompts], family

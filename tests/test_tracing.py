@@ -92,11 +92,11 @@ def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_se
     real = engine._forward_fn
     calls = {"n": 0}
 
-    def failing(*args):
+    def failing(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected device failure")
-        return real(*args)
+        return real(*args, **kwargs)
 
     engine._forward_fn = failing
     exporter.clear()

@@ -885,6 +885,209 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   return ffi::Error::InvalidArgument("attention: supported are f32 q with an f32 cache, bf16 q with a bf16 (or uint16-bits) cache");
 }
 
+// ---------------------------------------------------------------------------------------------------------
+// Greedy LM head by screening. In a step where every sequence that samples takes the plain argmax, the head's
+// full-precision read (the largest single weight) is replaced by the read of an int8 copy, q[N, Kq] (Kq = K
+// rounded up to 64, zero-padded), one scale s_j per vocabulary row (w_j ~ s_j q_j), and a per-row bound c_j
+// (`greedy_head_screen` in pallas_kernels/native.py) such that |x.w_j - approx_j| <= ||x|| c_j, where approx_j is
+// s_j (x.q_j) accumulated in float32 here: c_j = ||w_j - s_j q_j|| + gamma ||s_j q_j|| (Cauchy-Schwarz, gamma
+// covering float32 rounding). Every row whose upper bound reaches the best lower bound is a candidate; the
+// candidates' logits are recomputed from the full-precision weight in double precision and the largest wins
+// (the lowest id on ties): the argmax of the exact logits, for a quarter (bf16) or an eighth (f32) of the read.
+// The exact weight is the head as the model holds it: packed panels (f32 or bf16), [K, N] or [N, K] (a tied
+// embedding table).
+constexpr int kScreenRows = 4;  // x rows per pass over q
+constexpr int64_t kScreenAhead = 2048;  // bytes ahead in each of a group's row streams, prefetched into L2
+
+struct HeadWeight {
+  const void* data;
+  bool bf16;
+  int layout;  // 0: packed panels, 1: [K, N], 2: [N, K]
+  int64_t K, N, panel_len;
+  double At(int64_t k, int64_t j) const {
+    int64_t i;
+    if (layout == 1) {
+      i = k * N + j;
+    } else if (layout == 2) {
+      i = j * K + k;
+    } else if (!bf16) {
+      i = j / kF32Panel * panel_len + k * kF32Panel + j % kF32Panel;
+    } else {
+      i = j / kBf16Panel * panel_len + (k / 2) * (2 * kBf16Panel) + (j % kBf16Panel) * 2 + k % 2;
+    }
+    if (!bf16) return static_cast<const float*>(data)[i];
+    uint32_t b = static_cast<uint32_t>(static_cast<const uint16_t*>(data)[i]) << 16;
+    float f;
+    std::memcpy(&f, &b, 4);
+    return f;
+  }
+};
+
+// approx[r][j] for RT rows of xf and the G vocabulary rows js (G streams read side by side).
+template <int RT, int G>
+inline void ScreenDots(const float* __restrict xf, int64_t Kq, const int8_t* __restrict q, const float* scale,
+                       const int64_t* js, int64_t N, float* approx) {
+  __m512 acc[RT][G];
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  const int8_t* rows[G];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g) rows[g] = q + js[g] * Kq;
+  for (int64_t k = 0; k < Kq; k += 64) {
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) _mm_prefetch(reinterpret_cast<const char*>(rows[g] + k) + kScreenAhead, _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int64_t kk = k; kk < k + 64; kk += 16) {
+      __m512 xv[RT];
+#pragma GCC unroll 4
+      for (int r = 0; r < RT; ++r) xv[r] = _mm512_loadu_ps(xf + r * Kq + kk);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512 wv = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[g] + kk))));
+#pragma GCC unroll 4
+        for (int r = 0; r < RT; ++r) acc[r][g] = _mm512_fmadd_ps(xv[r], wv, acc[r][g]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) approx[r * N + js[g]] = _mm512_reduce_add_ps(acc[r][g]) * scale[js[g]];
+}
+
+// Vocabulary rows [j0, j1) as four streams (the range cut in four), then the leftover rows one by one.
+template <int RT>
+void ScreenRange(const float* xf, int64_t Kq, const int8_t* q, const float* scale, int64_t j0, int64_t j1,
+                 int64_t N, float* approx) {
+  const int64_t L = (j1 - j0) / 4;
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t js[4] = {j0 + i, j0 + L + i, j0 + 2 * L + i, j0 + 3 * L + i};
+    ScreenDots<RT, 4>(xf, Kq, q, scale, js, N, approx);
+  }
+  for (int64_t j = j0 + 4 * L; j < j1; ++j) ScreenDots<RT, 1>(xf, Kq, q, scale, &j, N, approx);
+}
+
+template <typename Pool>
+void ScreenedArgmax(Pool& pool, const float* xf, int64_t rows, int64_t Kq, const int8_t* q, const float* scale,
+                    const float* bound, const HeadWeight& w, int32_t* tokens, int32_t* candidates) {
+  const int64_t N = w.N, K = w.K;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t chunk = std::max<int64_t>(256, (N + 4 * threads - 1) / (4 * threads));
+  const int64_t chunks = (N + chunk - 1) / chunk;
+  std::vector<float> approx(static_cast<size_t>(kScreenRows * N));
+  // Per row and chunk: the best lower bound and the best upper bound of its vocabulary rows.
+  std::vector<double> lower(static_cast<size_t>(kScreenRows * chunks)), upper(lower.size());
+  std::vector<int64_t> cands;
+  std::vector<double> exact;
+  for (int64_t m0 = 0; m0 < rows; m0 += kScreenRows) {
+    const int rt = static_cast<int>(std::min<int64_t>(kScreenRows, rows - m0));
+    const float* x = xf + m0 * Kq;
+    double norm[kScreenRows];
+    for (int r = 0; r < rt; ++r) {
+      double ss = 0;
+      for (int64_t k = 0; k < K; ++k) ss += static_cast<double>(x[r * Kq + k]) * x[r * Kq + k];
+      // Rounding in the bound arithmetic below (doubles) is covered by a relative margin.
+      norm[r] = std::sqrt(ss) * (1 + 1e-9);
+    }
+    // Pass 1: approximate logits, and each chunk's bounds per row.
+    ParallelFor(pool, chunks, [&](int64_t c) {
+      const int64_t j0 = c * chunk, j1 = std::min(N, j0 + chunk);
+      switch (rt) {
+        case 1: ScreenRange<1>(x, Kq, q, scale, j0, j1, N, approx.data()); break;
+        case 2: ScreenRange<2>(x, Kq, q, scale, j0, j1, N, approx.data()); break;
+        case 3: ScreenRange<3>(x, Kq, q, scale, j0, j1, N, approx.data()); break;
+        default: ScreenRange<4>(x, Kq, q, scale, j0, j1, N, approx.data()); break;
+      }
+      for (int r = 0; r < rt; ++r) {
+        double lo = -INFINITY, hi = -INFINITY;
+        const float* a = approx.data() + r * N;
+        for (int64_t j = j0; j < j1; ++j) {
+          const double b = norm[r] * bound[j];
+          lo = std::max(lo, a[j] - b);
+          hi = std::max(hi, a[j] + b);
+        }
+        lower[r * chunks + c] = lo;
+        upper[r * chunks + c] = hi;
+      }
+    });
+    // Pass 2, per row: the candidates (upper bound at least the best lower bound; a chunk whose best upper bound
+    // falls short has none), their exact logits, the winner.
+    for (int r = 0; r < rt; ++r) {
+      double floor = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) floor = std::max(floor, lower[r * chunks + c]);
+      const float* a = approx.data() + r * N;
+      const float* xr = x + r * Kq;
+      cands.clear();
+      for (int64_t c = 0; c < chunks; ++c) {
+        if (!(upper[r * chunks + c] >= floor)) continue;
+        for (int64_t j = c * chunk, j1 = std::min(N, j + chunk); j < j1; ++j)
+          if (a[j] + norm[r] * bound[j] >= floor) cands.push_back(j);
+      }
+      if (cands.empty()) {  // NaN in x or the approximations: no bound holds; read every row exactly
+        for (int64_t j = 0; j < N; ++j) cands.push_back(j);
+      }
+      exact.resize(cands.size());
+      const int64_t n = static_cast<int64_t>(cands.size()), per = 64;
+      auto dots = [&](int64_t i0) {
+        for (int64_t i = i0, i1 = std::min(n, i0 + per); i < i1; ++i) {
+          double logit = 0;
+          for (int64_t k = 0; k < K; ++k) logit += static_cast<double>(xr[k]) * w.At(k, cands[i]);
+          exact[i] = logit;
+        }
+      };
+      ParallelFor(pool, (n + per - 1) / per, [&](int64_t b) { dots(b * per); });
+      int64_t best = 0;
+      for (int64_t i = 1; i < n; ++i)
+        if (exact[i] > exact[best]) best = i;  // strictly greater: the lowest id on ties
+      tokens[m0 + r] = static_cast<int32_t>(cands[best]);
+      if (candidates) candidates[m0 + r] = static_cast<int32_t>(n);
+    }
+  }
+}
+
+ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> bounds, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> num_rows,
+                          ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::Buffer<ffi::S32>> candidates,
+                          int32_t layout) {
+  auto xd = x.dimensions(), qd = q.dimensions(), bd = bounds.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || bd.size() != 2 || bd[0] != 2)
+    return ffi::Error::InvalidArgument("greedy head: expected x[M, K], q[N, Kq], bounds[2, N]");
+  const int64_t M = xd[0], K = xd[1], N = qd[0], Kq = qd[1];
+  if (bd[1] != N || Kq % 64 || Kq < K)
+    return ffi::Error::InvalidArgument("greedy head: q must be [N, K rounded up to 64] and bounds [2, N]");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (x.element_type() != w.element_type() || !(bf16 || w.element_type() == ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("greedy head: x and w must both be f32 or both bf16");
+  HeadWeight hw{w.untyped_data(), bf16, layout, K, N, 0};
+  if (layout == 0) {
+    const int64_t pw = bf16 ? kBf16Panel : kF32Panel;
+    if (wd.size() != 4 || wd[2] != pw || wd[0] * pw != N || wd[1] * wd[3] < K)
+      return ffi::Error::InvalidArgument("greedy head: packed w does not match x and q");
+    hw.panel_len = wd[1] * wd[2] * wd[3];
+  } else if (wd.size() != 2 || (layout == 1 ? (wd[0] != K || wd[1] != N) : (wd[0] != N || wd[1] != K))) {
+    return ffi::Error::InvalidArgument("greedy head: w must be [K, N] (layout 1) or [N, K] (layout 2)");
+  }
+  if (static_cast<int64_t>(tokens->element_count()) != M || static_cast<int64_t>(candidates->element_count()) != M)
+    return ffi::Error::InvalidArgument("greedy head: tokens and candidates must be [M]");
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, M);
+  std::memset(tokens->untyped_data(), 0, M * sizeof(int32_t));
+  std::memset(candidates->untyped_data(), 0, M * sizeof(int32_t));
+  if (!rows || !N) return ffi::Error::Success();
+  std::vector<float> xf(static_cast<size_t>(rows * Kq), 0.0f);
+  for (int64_t m = 0; m < rows; ++m) {
+    if (bf16)
+      ToF32(static_cast<const uint16_t*>(x.untyped_data()) + m * K, xf.data() + m * Kq, K);
+    else
+      ToF32(static_cast<const float*>(x.untyped_data()) + m * K, xf.data() + m * Kq, K);
+  }
+  ScreenedArgmax(pool, xf.data(), rows, Kq, q.typed_data(), bounds.typed_data(), bounds.typed_data() + N, hw,
+                 tokens->typed_data(), candidates->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, MatmulImpl,
@@ -915,3 +1118,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulPacked, MatmulPackedImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("amx"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGreedyHead, GreedyHeadImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("layout"));

@@ -80,23 +80,32 @@ def bench_throughput():
         llm = _llm(dtype)
         llm.generate(prompts, _greedy(n_out))  # first touch of the KV pages and the programs the runs use
         figures = {}
-        for look_ahead in (True, False):  # the same engine with and without async scheduling
-            llm.engine.look_ahead = look_ahead and llm.engine.config.async_scheduling
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, _greedy(n_out))
-            ms16 = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+        eng = llm.engine
+        screen = eng.screen_greedy
+        for look_ahead, screened in ((True, screen), (False, screen), ("full head", False)):
+            # the same engine with and without async scheduling, then (batch 1) with the full LM head
+            eng.look_ahead = bool(look_ahead) and eng.config.async_scheduling
+            eng.screen_greedy = screened
+            ms16 = float("nan")
+            if look_ahead != "full head":
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, _greedy(n_out))
+                ms16 = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
             t0 = time.perf_counter()
             for p in prompts[:4]:
                 llm.generate([p], _greedy(n_out))
             figures[look_ahead] = (ms16, 4 * n_out / (time.perf_counter() - t0))
-        del llm
-        (ms16, ms1), (sync16, sync1) = figures[True], figures[False]
+        eng.screen_greedy = screen
+        del llm, eng
+        (ms16, ms1), (sync16, sync1), (_, full1) = figures[True], figures[False], figures["full head"]
         hf16 = hf1 = float("nan")
         if _HF_BASELINE.value:
             hf16, hf1 = _hf_throughput(dtype, prompts, n_out)
-        rows.append([dtype, ms16, sync16, hf16, ms16 / hf16, ms1, sync1, hf1, ms1 / hf1])
-    _table("Output tokens/s, 16 x (128 in, %d out), greedy (sync: async scheduling off)" % n_out,
-           ["dtype", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync", "HF b1", "ratio"], rows)
+        rows.append([dtype, ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1 if screen else "-", hf1, ms1 / hf1])
+    _table("Output tokens/s, 16 x (128 in, %d out), greedy (sync: async scheduling off; full head: batch 1 without "
+           "the LM head's int8 screen)" % n_out,
+           ["dtype", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync", "full head", "HF b1",
+            "ratio"], rows)
 
 
 def _hf_throughput(dtype: str, prompts, n_out: int) -> tuple[float, float]:
@@ -240,16 +249,24 @@ def bench_roofline():
     """Decode step time at batch 1 and 32 vs the memory-bandwidth roofline (bytes of weights a step reads / read
     bandwidth measured now on a buffer backed like the weights)."""
     import jax
+    from flax import nnx
     rows = []
     from pallas_kernels.bench import read_bandwidth
     bw = read_bandwidth()
     for dtype in _DTYPES.value:
         llm = _llm(dtype, max_num_seqs=32, max_num_batched_tokens=256)
         eng = llm.engine
-        # Bytes a decode step reads: every weight but the embedding table, of which it gathers a row per token.
-        embed = eng.state["embed_tokens"].get_value()
+        # Bytes a decode step reads: every weight but the embedding table, of which it gathers a row per token;
+        # a greedy step of few sequences reads the LM head's int8 screen instead of the head.
+        model = nnx.merge(eng.graphdef, eng.state)
         tied = eng.model_config.tie_word_embeddings
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.state)) - (0 if tied else embed.nbytes)
+        embed = model.embed_tokens[...]
+        head = embed if tied else model.lm_head[...]
+        screen = 0 if model.head_screen is None else model.head_screen[...].nbytes + model.head_screen_bounds[...].nbytes
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.state)) - (0 if tied else embed.nbytes) - screen
+
+        def step_bytes(batch):
+            return weight_bytes - head.nbytes + screen if eng._screens(eng.seq_bucket(batch)) else weight_bytes
         for batch in (1, 32):
             idle = {}
             for look_ahead in (False, True):  # async scheduling off, then on: the device's idle time between steps
@@ -265,26 +282,27 @@ def bench_roofline():
                         times.append(eng.last_step_time_s)
                 idle[look_ahead] = (eng.host_gap_s - gap0) / (eng.host_gap_steps - steps0)
             step = statistics.median(times)
-            roof = weight_bytes / bw
-            rows.append([dtype, batch, step * 1e3, roof * 1e3, roof / step, batch / step, idle[False] * 1e3,
+            roof = step_bytes(batch) / bw
+            rows.append([dtype, batch, step_bytes(batch) / 1e6, step * 1e3, roof * 1e3, roof / step, batch / step, idle[False] * 1e3,
                          idle[True] * 1e3])
         del llm, eng
-    _table(f"Decode step vs roofline (weights / read bandwidth, {bw / 1e9:.1f} GB/s measured now); device idle "
-           "per step waiting on the host, async scheduling off / on",
-           ["dtype", "batch", "step (ms)", "roofline (ms)", "roofline/step", "tok/s", "idle off (ms)",
+    _table(f"Decode step vs roofline (weight bytes a step reads / read bandwidth, {bw / 1e9:.1f} GB/s measured now;"
+           " batch 1: the LM head's int8 screen instead of the head); device idle per step waiting on the host, "
+           "async scheduling off / on",
+           ["dtype", "batch", "MB read", "step (ms)", "roofline (ms)", "roofline/step", "tok/s", "idle off (ms)",
             "idle on (ms)"], rows)
 
 
 def bench_floor():
     """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
-    benchmark model's shapes, nothing else jitted in): a floor under any decode step, side by side for XLA's dot,
+    benchmark model's shapes, nothing else jitted in but an RMS scaling per layer): a floor under any decode step, side by side for XLA's dot,
     the native kernel on the row-major weights, and what the engine runs (`models.transformer.matmul` on weights
     packed at load as `pack_native_weights` does: q|k|v and gate|up fused, in the huge-page buffer, when the
     native kernels are on)."""
     import jax
     import jax.numpy as jnp
 
-    from models.transformer import matmul
+    from models.transformer import SCREEN_MAX_ROWS, matmul
     from pallas_kernels import native
     c = LLAMA_125M
     e, i, v, kv = c["hidden_size"], c["intermediate_size"], c["vocab_size"], \
@@ -310,7 +328,7 @@ def bench_floor():
         def xla_mm(x, m):
             return jnp.dot(x, m, preferred_element_type=jnp.float32).astype(x.dtype)
 
-        def chain(mm, layers, head, x):
+        def chain(mm, layers, head, x, screen=None):
             for p in layers:
                 if "qkv" in p:
                     qkv = mm(x, p["qkv"])
@@ -323,14 +341,24 @@ def bench_floor():
                     x = x + mm(jax.nn.silu(gu[:, :i]) * gu[:, i:], p["d"])
                 else:
                     x = x + mm(jax.nn.silu(mm(x, p["g"])) * mm(x, p["u"]), p["d"])
+                x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6).astype(
+                    x.dtype)  # kept finite (random weights without norms overflow in a few layers)
+            if screen is not None:  # the greedy tokens from the head's int8 screen
+                return native.greedy_head(x, *screen, head, jnp.array([x.shape[0]], jnp.int32), layout="packed")[0]
             return mm(x, head)
 
         weight_bytes = sum(a.nbytes for p in layers for a in p.values()) + head.nbytes
-        for m in (1, 8, 16, 32, 256):
+        screen = None
+        if native.enabled():
+            screen = tuple(jnp.asarray(a) for a in native.greedy_head_screen(np.asarray(head.astype(jnp.float32)).T))
+        for m in (1, 4, 8, 16, 32, 256):
             x = w(m, e)
             steps = []
-            for mm, ws in ((xla_mm, (layers, head)), (matmul, (layers, head)), (matmul, packed)):
-                f = jax.jit(functools.partial(chain, mm))
+            variants = [(xla_mm, (layers, head), None), (matmul, (layers, head), None), (matmul, packed, None)]
+            if screen is not None and m <= SCREEN_MAX_ROWS:
+                variants.append((matmul, packed, screen))
+            for mm, ws, scr in variants:
+                f = jax.jit(functools.partial(chain, mm, screen=scr))
                 f(*ws, x).block_until_ready()
                 times = []
                 for _ in range(10):
@@ -338,11 +366,13 @@ def bench_floor():
                     f(*ws, x).block_until_ready()
                     times.append(time.perf_counter() - t0)
                 steps.append(statistics.median(times))
+            screened = steps[3] if len(steps) > 3 else float("nan")
             rows.append([dtype, m, steps[0] * 1e3, steps[1] * 1e3, steps[2] * 1e3, steps[0] / steps[2],
-                         weight_bytes / steps[2] / 1e9, m / steps[2]])
-    _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step",
+                         weight_bytes / steps[2] / 1e9, m / steps[2], screened * 1e3, m / screened])
+    _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step; screened: the "
+           "LM head replaced by its int8 screen's greedy head (greedy steps of <= %d rows)" % SCREEN_MAX_ROWS,
            ["dtype", "rows", "XLA dot ms", "native row-major ms", "native packed ms (engine)", "XLA/packed",
-            "weights GB/s", "max tok/s at that batch"], rows)
+            "weights GB/s", "max tok/s at that batch", "screened ms", "max tok/s screened"], rows)
 
 
 BENCHES = dict(throughput=bench_throughput, startup=bench_startup, batching=bench_batching, prefix=bench_prefix,

@@ -30,7 +30,8 @@ from flax import nnx
 from models.batch import ragged_batch_from_arrays
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
-from models.transformer import CausalLM, ExpertCounts, MoE, init_kv_caches, pack_native_weights
+from models.transformer import CausalLM, ExpertCounts, MoE, SCREEN_MAX_ROWS, add_head_screen, init_kv_caches, \
+    pack_native_weights
 from pallas_kernels import native
 from serving.core import sampling
 from serving.core.batch_builder import BatchBuilder
@@ -68,6 +69,9 @@ class EngineConfig:
     async_scheduling: bool = True
     # JAX's persistent compilation cache: None = $MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla; "" = off
     compilation_cache_dir: str | None = None
+    # Greedy steps of few sequences on the native CPU kernels: the LM head's argmax from an int8 copy of it plus
+    # the few rows its error bounds leave open (the same tokens, a quarter / an eighth of the head's read)
+    greedy_head_screen: bool = True
     debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
     tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
     ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
@@ -322,16 +326,21 @@ class Engine:
             priority_ageing_s=config.priority_ageing_s))
         self.buckets = config.token_buckets()
         self.packed_weights = 0
+        # Greedy steps of few sequences take the LM head's int8 screen (settable: the benchmark flips it to compare)
+        self.screen_greedy = False
         if (mesh is None or mesh.size == 1) and jax.process_count() == 1 and native.enabled():
             # Single-device CPU serving: weights into the native kernels' panel layout (a clone: the caller's
             # model keeps its own).
             model = nnx.clone(model)
             self.packed_weights = pack_native_weights(model)
             log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
+            self.screen_greedy = config.greedy_head_screen and add_head_screen(model)
+            if self.screen_greedy:
+                log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
         self.graphdef, self.state = nnx.split(model)
         self._kv_sharding = kv_cache_sharding(mc, mesh)
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
-        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 3))
+        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 3), static_argnames=("greedy_only",))
         # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous
         # step's tokens whatever its bucket (no extra programs).
         self._token_slots = max(self.seq_bucket(t) for t in self.buckets)
@@ -392,20 +401,24 @@ class Engine:
             self._flat_state = (self.state, leaves, treedef)
         return self._flat_state[1]
 
-    def _forward_flat(self, leaves, kv_caches, arrays, expert_load):
+    def _forward_flat(self, leaves, kv_caches, arrays, expert_load, greedy_only=False):
         """The forward on the flat state, plus each sequence's greedy token [token slots]. Input tokens with a
         source row (`token_src` >= 0: look-ahead decodes) are the previous step's greedy tokens there."""
         arrays = dict(arrays)
         src, prev = arrays.pop("token_src"), arrays.pop("prev_tokens")
         arrays["input_ids"] = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], arrays["input_ids"])
-        logits, kv_caches, expert_load = self._forward(jax.tree.unflatten(self._flat_state[2], leaves), kv_caches,
-                                                       arrays, expert_load)
-        tokens = sampling.greedy(logits)
+        logits, tokens, kv_caches, expert_load = self._forward(
+            jax.tree.unflatten(self._flat_state[2], leaves), kv_caches, arrays, expert_load, greedy_only)
+        if tokens is None:
+            tokens = sampling.greedy(logits)
         return logits, kv_caches, expert_load, jnp.pad(tokens, (0, self._token_slots - tokens.shape[0]))
 
-    def _forward(self, state, kv_caches, arrays, expert_load):
-        """Pure. The model over a ragged batch: float32 logits at each sequence's last token, the caches, and
-        (MoE) the running per-slot expert token counts [moe_layers, slots] plus this step's."""
+    def _forward(self, state, kv_caches, arrays, expert_load, greedy_only):
+        """Pure. The model over a ragged batch: float32 logits at each sequence's last token, their greedy tokens
+        (or None: the caller takes the argmax), the caches, and (MoE) the running per-slot expert token counts
+        [moe_layers, slots] plus this step's. `greedy_only` (static; `_screens` says when): only the greedy
+        tokens will be read, and the model's screened greedy head runs instead of the full head (no logits: an
+        empty [S, 0])."""
         model = nnx.merge(self.graphdef, state)
         batch = ragged_batch_from_arrays(arrays)
         if expert_load is None:
@@ -415,7 +428,13 @@ class Engine:
             counts = [sown["layers"][i]["mlp"]["counts"].get_value()[0]
                       for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
             expert_load = expert_load + jnp.stack(counts)
-        return model.compute_logits(hidden[batch.logits_indices]), kv_caches, expert_load
+        rows = hidden[batch.logits_indices]
+        if greedy_only:
+            tokens = model.screened_greedy(rows, batch.attention.num_seqs)
+            if tokens is None:
+                raise ValueError("a greedy-only step was asked of a model without a screened head for its rows")
+            return jnp.zeros((rows.shape[0], 0), jnp.float32), tokens, kv_caches, expert_load
+        return model.compute_logits(rows), None, kv_caches, expert_load
 
     @staticmethod
     def _sample(logits, sampling_tensors, max_logprobs):
@@ -444,8 +463,9 @@ class Engine:
             st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
         return st
 
-    def _run_forward(self, arrays, token_src: np.ndarray | None = None, prev_tokens=None):
-        """Launches the forward; returns (logits, greedy tokens) and keeps the new caches."""
+    def _run_forward(self, arrays, token_src: np.ndarray | None = None, prev_tokens=None, greedy_only=False):
+        """Launches the forward; returns (logits, greedy tokens) and keeps the new caches. `greedy_only`: the step
+        reads only the greedy tokens (the logits may be left out)."""
         if "token_src" not in arrays:
             t = len(arrays["input_ids"])
             if token_src is None:
@@ -455,12 +475,12 @@ class Engine:
             prev_tokens = self._no_prev if prev_tokens is None else prev_tokens
             arrays = dict(arrays, token_src=token_src, prev_tokens=prev_tokens)
         if self.channel is not None:  # multi-host leader: the followers run the same call
-            self.channel.broadcast(("forward", arrays))
+            self.channel.broadcast(("forward", arrays, greedy_only))
         if self.multihost:
             arrays = to_global(arrays, self.mesh)
         with mesh_context(self.mesh):
             logits, self.kv_caches, self._expert_load, tokens = self._forward_fn(
-                self._state_leaves(), self.kv_caches, arrays, self._expert_load)
+                self._state_leaves(), self.kv_caches, arrays, self._expert_load, greedy_only=greedy_only)
         return logits, tokens
 
     def follow(self, channel) -> None:
@@ -469,7 +489,7 @@ class Engine:
         while True:
             message = channel.recv()
             if message[0] == "forward":
-                logits, _ = self._run_forward(message[1])
+                logits, _ = self._run_forward(message[1], greedy_only=message[2])
             elif message[0] == "sample":
                 self._run_sample(logits, message[1], message[2])
             elif message[0] == "stop":
@@ -570,6 +590,9 @@ class Engine:
             arrays = self._step_arrays([], t, s)
             logits, _ = self._run_forward(arrays)
             self.compile_count += 1
+            if self._screens(s):
+                self._run_forward(arrays, greedy_only=True)
+                self.compile_count += 1
             for params in variants:
                 dummy = Request("warmup", [0], params, arrival_time=0.0)
                 st = self._sampling_tensors([dummy], s)
@@ -651,6 +674,10 @@ class Engine:
                 return False
         return True
 
+    def _screens(self, seq_bucket: int) -> bool:
+        """Whether a greedy step with this many sequence slots takes the screened greedy head (its own program)."""
+        return self.screen_greedy and seq_bucket <= SCREEN_MAX_ROWS
+
     def _token_sources(self, sched: SchedulerOutput, t_bucket: int, prev: _InFlight | None) -> np.ndarray | None:
         """For a look-ahead step: per input token, the row of `prev` whose greedy token it is (-1: its own)."""
         src = None
@@ -678,11 +705,13 @@ class Engine:
         t_bucket, s_bucket = self.bucket_for(sched.num_scheduled_tokens)
         arrays = self._step_arrays(sched.scheduled, t_bucket, s_bucket)
         src = self._token_sources(sched, t_bucket, prev)
+        fast_greedy = self._fast_greedy(sched)
         t0 = time.perf_counter()
-        logits, tokens = self._run_forward(arrays, src, None if src is None else prev.result)
+        logits, tokens = self._run_forward(arrays, src, None if src is None else prev.result,
+                                           fast_greedy and self._screens(s_bucket))
         launched = time.perf_counter()
         self.look_ahead_steps += src is not None
-        if self._fast_greedy(sched):
+        if fast_greedy:
             tokens.copy_to_host_async()
             self._pending = _InFlight(sched, tokens, t0, True, launched)
             return

@@ -86,14 +86,14 @@ class PipelineEngine(Engine):
             new.append(kv)
         return x, new
 
-    def _forward(self, state, kv_caches, arrays, expert_load):
+    def _forward(self, state, kv_caches, arrays, expert_load, greedy_only):
         outer, micro = state["outer"], arrays["micro"]
         m, tm = micro["positions"].shape
         x = embed_lookup(outer["embed"], arrays["input_ids"]).reshape(m, tm, -1)
         y, kv_caches = self._run(state["slots"], kv_caches, x, {k: micro[k] for k in _MD_FIELDS})
         hidden = nnx.merge(self.norm_graphdef, outer["norm"])(y.reshape(m * tm, -1))[arrays["logits_indices"]]
         head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
-        return jnp.dot(hidden, head, preferred_element_type=jnp.float32), kv_caches, expert_load
+        return jnp.dot(hidden, head, preferred_element_type=jnp.float32), None, kv_caches, expert_load
 
     def _step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
         """The whole step's input ids and logits rows, plus per-micro-batch metadata stacked on [M]."""

@@ -58,6 +58,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_boolean, "async_scheduling", True,
       "After a greedy step, schedule and launch the next one before its tokens reach the host (the next step's "
       "decodes read them on the device); single-device engines without speculative decoding.")
+    d(flags.DEFINE_boolean, "greedy_head_screen", True,
+      "Greedy steps of up to 4 sequences on the native CPU kernels take the LM head's argmax from an int8 copy of "
+      "it plus an exact recheck of the rows its error bounds leave open (same tokens, a fraction of the read).")
     d(flags.DEFINE_string, "compilation_cache_dir", None,
       "JAX persistent compilation cache (a restart loads its compiled programs); default "
       "$MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla; '' turns it off.")
@@ -151,7 +154,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         enable_prefix_caching=f.enable_prefix_caching, max_waiting_requests=f.max_waiting_requests,
         max_waiting_tokens=f.max_waiting_tokens, long_prompt_threshold=f.long_prompt_threshold,
         max_long_prefills=f.max_long_prefills, priority_ageing_s=f.priority_ageing_s, seed=f.seed,
-        async_scheduling=f.async_scheduling, compilation_cache_dir=f.compilation_cache_dir,
+        async_scheduling=f.async_scheduling, greedy_head_screen=f.greedy_head_screen,
+        compilation_cache_dir=f.compilation_cache_dir,
         debug_step_delay_s=f.debug_step_delay_s, tp=f.tp, ep=f.ep, dp=f.dp, pp=f.pp, micro_batches=f.micro_batches,
         spare_expert_slots=f.spare_expert_slots,
         speculative_method=f.speculative_method, speculative_model=f.speculative_model,
