@@ -100,10 +100,10 @@ def add_head_screen(model: "CausalLM") -> bool:
     if not native.enabled() or jnp.dtype(head.dtype) not in native.PANELS:
         return False
     if model.config.tie_word_embeddings:
-        head_nk = np.asarray(head.astype(jnp.float32))
+        head_nk = np.asarray(head)
     else:
         kn = native.unpack_weight(head, model.config.hidden_size) if native.is_packed(head) else head
-        head_nk = np.asarray(kn.astype(jnp.float32)).T
+        head_nk = np.asarray(kn).T  # a view: the screen converts a block of rows at a time
     q, bounds = native.greedy_head_screen(head_nk)
     model.head_screen = HeadScreen(jnp.asarray(q))
     model.head_screen_bounds = HeadScreen(jnp.asarray(bounds))

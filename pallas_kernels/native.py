@@ -4,8 +4,8 @@ XLA:CPU's dots are slow for serving's shapes (few rows against a large weight: ~
 and bf16 below 8 rows ~5x slower than f32), and attention written in jax.numpy pays for gathers and tiny
 dots per sequence. `native/cpu_kernels.cc` has a matmul on weights packed at load into column panels (any
 number of rows; f32 FMAs, bf16 pair dot products or AMX, f32 accumulation), a small-M matmul on row-major
-weights for those that are not packed, and the ragged paged attention of `reference.py`, all spread over XLA's
-intra-op threads.
+weights for those that are not packed, the ragged paged attention of `reference.py`, and a greedy LM head (the
+argmax of the exact logits from an int8 screen of the head), all spread over XLA's intra-op threads.
 
 The library is compiled on first use with the system C++ compiler (`-O3 -march=native`) into a cache keyed by
 the source, compiler, jaxlib and CPU, under a file lock; `python -m pallas_kernels.native` builds it ahead

@@ -4,7 +4,8 @@
 // single-device CPU engine runs for every step size): AVX-512 FMAs for float32; vdpbf16ps or AMX tiles for
 // bfloat16, accumulating in float32. matmul: the same on a row-major w[K, N] for small M (weight pairs
 // interleaved on the fly for bfloat16), for weights that are not packed. attention: the ragged paged attention
-// of pallas_kernels/reference.py with an online softmax.
+// of pallas_kernels/reference.py with an online softmax. greedy head: the argmax of the exact logits of a few rows
+// from an int8 screen of the LM head plus a recheck of the rows its error bounds leave open.
 // Work is split between the XLA intra-op thread pool's threads and the calling thread.
 #include <immintrin.h>
 #include <sys/syscall.h>
