@@ -79,29 +79,38 @@ def bench_throughput():
         prompts = _prompts(16, n_in)
         llm = _llm(dtype)
         llm.generate(prompts, _greedy(n_out))  # first touch of the KV pages and the programs the runs use
-        figures = {}
         eng = llm.engine
         screen = eng.screen_greedy
-        for look_ahead, screened in ((True, screen), (False, screen), ("full head", False)):
-            # the same engine with and without async scheduling, then (batch 1) with the full LM head
-            eng.look_ahead = bool(look_ahead) and eng.config.async_scheduling
-            eng.screen_greedy = screened
-            ms16 = float("nan")
-            if look_ahead != "full head":
-                t0 = time.perf_counter()
-                outs = llm.generate(prompts, _greedy(n_out))
-                ms16 = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+        def batch16():
             t0 = time.perf_counter()
-            for p in prompts[:4]:
-                llm.generate([p], _greedy(n_out))
-            figures[look_ahead] = (ms16, 4 * n_out / (time.perf_counter() - t0))
-        eng.screen_greedy = screen
+            outs = llm.generate(prompts, _greedy(n_out))
+            return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+        def batch1(prompt, screened: bool) -> float:
+            eng.screen_greedy = screened
+            t0 = time.perf_counter()
+            llm.generate([prompt], _greedy(n_out))
+            return time.perf_counter() - t0
+
+        # Async scheduling on, then off (the same engine); batch 1 with and without the LM head's int8 screen
+        # alternating request by request (the machine's speed drifts over minutes).
+        eng.look_ahead = eng.config.async_scheduling
+        ms16 = batch16()
+        b1 = {True: 0.0, False: 0.0}
+        for p in prompts[:4]:
+            for screened in ((True, False) if screen else (False,)):
+                b1[screened] += batch1(p, screened)
+        eng.look_ahead = False
+        sync16 = batch16()
+        sync1 = 4 * n_out / sum(batch1(p, screen) for p in prompts[:4])
         del llm, eng
-        (ms16, ms1), (sync16, sync1), (_, full1) = figures[True], figures[False], figures["full head"]
+        ms1 = 4 * n_out / b1[screen]
+        full1 = 4 * n_out / b1[False] if screen else "-"
         hf16 = hf1 = float("nan")
         if _HF_BASELINE.value:
             hf16, hf1 = _hf_throughput(dtype, prompts, n_out)
-        rows.append([dtype, ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1 if screen else "-", hf1, ms1 / hf1])
+        rows.append([dtype, ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1, hf1, ms1 / hf1])
     _table("Output tokens/s, 16 x (128 in, %d out), greedy (sync: async scheduling off; full head: batch 1 without "
            "the LM head's int8 screen)" % n_out,
            ["dtype", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync", "full head", "HF b1",
