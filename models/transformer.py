@@ -92,6 +92,12 @@ class HeadScreen(nnx.Variable):
 SCREEN_MAX_ROWS = 4
 
 
+def head_screen_bytes(cfg: ModelConfig) -> int:
+    """Memory the LM head's int8 screen takes (`add_head_screen`): q [vocab, hidden rounded up to 64] int8 and two
+    float32 per vocabulary row."""
+    return cfg.vocab_size * (-(-cfg.hidden_size // native.SCREEN_K_ALIGN) * native.SCREEN_K_ALIGN + 8)
+
+
 def add_head_screen(model: "CausalLM") -> bool:
     """Builds the int8 screen of the model's LM head (`pallas_kernels.native.greedy_head_screen`) for the native
     CPU kernels' greedy head: a greedy step then reads a quarter (bf16) or an eighth (f32) of the head's bytes and

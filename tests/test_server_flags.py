@@ -40,6 +40,28 @@ def test_memory_fraction_is_sized_by_the_ledger():
         server_main.configs_from_flags(parse(f"--model={model}", "--kv_cache_memory_fraction=1e-9"))
 
 
+def test_memory_fraction_leaves_room_for_the_lm_head_screen(monkeypatch):
+    """A single-device CPU engine builds the LM head's int8 screen: the fraction's KV pages are sized after it."""
+    from models.transformer import head_screen_bytes
+    from pallas_kernels import native
+    from sharding import ledger
+
+    model = shared_test_model()
+    monkeypatch.setattr(ledger, "device_memory", lambda *a, **k: ledger.DeviceMemory(1 << 30, 1 << 30, "fixed"))
+    args = (f"--model={model}", "--kv_cache_memory_fraction=0.01", "--page_size=16")
+    native_here = native.unavailable_reason() is None
+    assert server_main.screens_head(parse(*args)) is native_here
+    assert not server_main.screens_head(parse(*args, "--nogreedy_head_screen"))
+    assert not server_main.screens_head(parse(*args, "--tp=2"))
+    with_screen = server_main.configs_from_flags(parse(*args))[0].num_pages
+    without = server_main.configs_from_flags(parse(*args, "--nogreedy_head_screen"))[0].num_pages
+    _, cfg = ledger.load_config(model=model)
+    page = 16 * ledger.ModelMemory(cfg, "float32").stage_kv_bytes_per_token(ledger.Layout.of({}), 0)
+    # The same budget less the screen's bytes: that many pages fewer, give or take the page the cut falls in.
+    screen = head_screen_bytes(cfg) if native_here else 0
+    assert without - with_screen in (screen // page, -(-screen // page)), (without, with_screen, screen, page)
+
+
 def test_data_parallel_flags():
     engine_config, _ = server_main.configs_from_flags(parse("--model=/models/llama", "--dp=2", "--tp=2"))
     assert (engine_config.dp, engine_config.tp) == (2, 2)

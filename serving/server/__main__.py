@@ -102,14 +102,18 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
 
 def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page_size: int,
                             max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1, ep: int = 1,
-                            draft_model: str = "") -> int:
+                            draft_model: str = "", head_screen: bool = False) -> int:
     """KV pages that fit in this instance's share of the device, `fraction` of its memory (vLLM's per-instance
     gpu_memory_utilization; at most what is free now), after the weights and the largest step's activations and
-    buffers (sharding.ledger); with a draft model, after its weights too, each page paying for both caches."""
+    buffers (sharding.ledger); with a draft model, after its weights too, each page paying for both caches;
+    with `head_screen` (a single-device CPU engine builds one), after the LM head's int8 screen."""
+    from models.transformer import head_screen_bytes
     from sharding.ledger import Layout, ModelMemory, device_memory, load_config, plan_kv_pages
     _, model_config = load_config(model=model_dir)
     mem = device_memory()
     budget = min(int(fraction * mem.total), mem.free)  # this instance's share, as far as it is free
+    if head_screen:
+        budget -= head_screen_bytes(model_config)
     mesh_shape = {"tensor": tp, "expert": ep}
     share = 1.0
     if draft_model:
@@ -124,6 +128,16 @@ def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page
                                          max_batched_tokens=max_num_batched_tokens, max_seqs=max_num_seqs))
     except ValueError as e:
         raise app.UsageError(f"--kv_cache_memory_fraction={fraction}: {e}") from e
+
+
+def screens_head(f: flags.FlagValues) -> bool:
+    """Whether the engine these flags configure builds the LM head's int8 screen (as `Engine` decides: a
+    single-device engine per replica, one process, the native CPU kernels)."""
+    import jax
+
+    from pallas_kernels import native
+    return (f.greedy_head_screen and f.tp * f.ep * f.pp == 1 and f.num_processes <= 1
+            and native.unavailable_reason() is None and jax.default_backend() == "cpu")
 
 
 def configs_from_flags(f: flags.FlagValues = FLAGS):
@@ -143,7 +157,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         num_pages = f.dp * num_pages_from_fraction(  # the fraction of each replica's own devices
             f.kv_cache_memory_fraction, f.model, dtype=f.dtype, page_size=f.page_size,
             max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs, tp=f.tp, ep=f.ep,
-            draft_model=f.speculative_model if f.speculative_method == "draft" else "")
+            draft_model=f.speculative_model if f.speculative_method == "draft" else "",
+            head_screen=screens_head(f))
         logging.getLogger("serving.server").info("--kv_cache_memory_fraction=%g: %d KV pages",
                                                  f.kv_cache_memory_fraction, num_pages)
     engine_config = EngineConfig(
