@@ -429,12 +429,10 @@ class Engine:
                       for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
             expert_load = expert_load + jnp.stack(counts)
         rows = hidden[batch.logits_indices]
-        if greedy_only:
-            tokens = model.screened_greedy(rows, batch.attention.num_seqs)
-            if tokens is None:
-                raise ValueError("a greedy-only step was asked of a model without a screened head for its rows")
+        tokens = model.screened_greedy(rows, batch.attention.num_seqs) if greedy_only else None
+        if tokens is not None:
             return jnp.zeros((rows.shape[0], 0), jnp.float32), tokens, kv_caches, expert_load
-        return model.compute_logits(rows), None, kv_caches, expert_load
+        return model.compute_logits(rows), None, kv_caches, expert_load  # (also if the screen cannot run here)
 
     @staticmethod
     def _sample(logits, sampling_tensors, max_logprobs):
