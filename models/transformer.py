@@ -95,21 +95,20 @@ SCREEN_MAX_ROWS = 4
 def head_screen_bytes(cfg: ModelConfig) -> int:
     """Memory the LM head's int8 screen takes (`add_head_screen`): q [vocab, hidden rounded up to 64] int8 and two
     float32 per vocabulary row."""
-    return cfg.vocab_size * (-(-cfg.hidden_size // native.SCREEN_K_ALIGN) * native.SCREEN_K_ALIGN + 8)
+    return cfg.vocab_size * (native.screen_width(cfg.hidden_size) + 8)
 
 
 def add_head_screen(model: "CausalLM") -> bool:
     """Builds the int8 screen of the model's LM head (`pallas_kernels.native.greedy_head_screen`) for the native
     CPU kernels' greedy head: a greedy step then reads a quarter (bf16) or an eighth (f32) of the head's bytes and
-    gets the same tokens. Returns whether it did (it needs the kernels and a float32 or bfloat16 head)."""
+    gets the same tokens. Returns whether it did (it needs the kernels and a float32 or bfloat16 head). Call it
+    before `pack_native_weights`: it reads the head as loaded."""
     head = model.embed_tokens[...] if model.config.tie_word_embeddings else model.lm_head[...]
-    if not native.enabled() or jnp.dtype(head.dtype) not in native.PANELS:
+    if not native.enabled() or jnp.dtype(head.dtype) not in native.PANELS or native.is_packed(head):
         return False
-    if model.config.tie_word_embeddings:
-        head_nk = np.asarray(head)
-    else:
-        kn = native.unpack_weight(head, model.config.hidden_size) if native.is_packed(head) else head
-        head_nk = np.asarray(kn).T  # a view: the screen converts a block of rows at a time
+    # [N, K]: the tied table as it is, an untied [K, N] head as a transposed view (converted a block of rows at a
+    # time by the screen)
+    head_nk = np.asarray(head) if model.config.tie_word_embeddings else np.asarray(head).T
     q, bounds = native.greedy_head_screen(head_nk)
     model.head_screen = HeadScreen(jnp.asarray(q))
     model.head_screen_bounds = HeadScreen(jnp.asarray(bounds))

@@ -330,13 +330,18 @@ SCREEN_K_ALIGN = 64  # the int8 copy pads K to a multiple of this
 HEAD_LAYOUTS = {"packed": 0, "kn": 1, "nk": 2}  # the exact head: packed panels, [K, N], [N, K] (tied table)
 
 
+def screen_width(k: int) -> int:
+    """Columns of the int8 screen of a head with K = `k`: K rounded up to SCREEN_K_ALIGN."""
+    return -(-k // SCREEN_K_ALIGN) * SCREEN_K_ALIGN
+
+
 def greedy_head_screen(head_nk: np.ndarray, block: int = 2048) -> tuple[np.ndarray, np.ndarray]:
     """Host-side. The int8 screen of an LM head given as [N, K] (vocabulary rows): q [N, Kq] (K rounded up to
     SCREEN_K_ALIGN, zero-padded) and bounds [2, N] float32: each row's scale s_j (row j ~ s_j q_j) and c_j, an
     upper bound on |x.w_j - s_j fl32(x.q_j)| / ||x|| for any x: the quantisation error's norm plus float32
     rounding of the kernel's accumulation over Kq terms and the scaling (gamma_{Kq+2} ||s_j q_j||), rounded up."""
     n, k = head_nk.shape
-    kq = -(-k // SCREEN_K_ALIGN) * SCREEN_K_ALIGN
+    kq = screen_width(k)
     q = np.zeros((n, kq), np.int8)
     bounds = np.zeros((2, n), np.float32)
     u = 2.0 ** -24

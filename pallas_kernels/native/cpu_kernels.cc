@@ -1044,7 +1044,7 @@ void ScreenedArgmax(Pool& pool, const float* xf, int64_t rows, int64_t Kq, const
       for (int64_t i = 1; i < n; ++i)
         if (exact[i] > exact[best]) best = i;  // strictly greater: the lowest id on ties
       tokens[m0 + r] = static_cast<int32_t>(cands[best]);
-      if (candidates) candidates[m0 + r] = static_cast<int32_t>(n);
+      candidates[m0 + r] = static_cast<int32_t>(n);
     }
   }
 }

@@ -332,11 +332,11 @@ class Engine:
             # Single-device CPU serving: weights into the native kernels' panel layout (a clone: the caller's
             # model keeps its own).
             model = nnx.clone(model)
-            self.packed_weights = pack_native_weights(model)
-            log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
             self.screen_greedy = config.greedy_head_screen and add_head_screen(model)
             if self.screen_greedy:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
+            self.packed_weights = pack_native_weights(model)
+            log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
         self.graphdef, self.state = nnx.split(model)
         self._kv_sharding = kv_cache_sharding(mc, mesh)
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
