@@ -1,6 +1,6 @@
 """Offline benchmarks of the serving core on a ~125M-parameter Llama built locally (random weights).
 
-    python -m serving.bench offline [--only=throughput,startup,batching,prefix,chunked,host,roofline,floor]
+    python -m serving.bench offline [--only=throughput,llamacpp,startup,batching,prefix,chunked,host,roofline,floor]
                                     [--dtypes=float32,bfloat16] [--quick]
 
 Every figure that is a comparison is measured side by side in one run (absolute times on a shared machine
@@ -19,8 +19,8 @@ import time
 import numpy as np
 from absl import flags
 
-_ONLY = flags.DEFINE_list("only", ["throughput", "startup", "batching", "prefix", "chunked", "host", "roofline",
-                                   "floor"],
+_ONLY = flags.DEFINE_list("only", ["throughput", "llamacpp", "startup", "batching", "prefix", "chunked", "host",
+                                   "roofline", "floor"],
                           "benchmarks to run")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes for the throughput benchmark")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/meshserve-bench", "where the benchmark model is written")
@@ -132,6 +132,64 @@ def _hf_throughput(dtype: str, prompts, n_out: int) -> tuple[float, float]:
             model.generate(torch.tensor([p]), **kw)
         hf1 = 4 * n_out / (time.perf_counter() - t0)
     return hf16, hf1
+
+
+def bench_llamacpp():
+    """meshserve and llama.cpp (the batch-1 bars of #3 are llama.cpp's) on the same checkpoint: the benchmark
+    model written as GGUF in its own dtype (`serving.bench.llamacpp`), the same prompts, greedy, 16 x (128 in, 128
+    out) all at once and 4 of them one at a time, in one process, interleaved round by round (the order flipped
+    each round). llama.cpp runs with its defaults (all CPUs, f16 KV cache, weights mmapped); "tokens agree": the
+    mean share of the 16 greedy outputs both produce identically from the start (random weights leave near-ties
+    that accumulation order and llama.cpp's f16 KV cache decide differently after a while)."""
+    from serving.bench import llamacpp
+    if not llamacpp.available():
+        print("\n## llama.cpp side by side: not run: llama-cpp-python is not installed "
+              "(`.venv/bin/pip install -e '.[llamacpp]'` builds it, ~6 min)")
+        return
+    n_in, n_out = 128, (32 if _QUICK.value else 128)
+    rows = []
+    for dtype in _DTYPES.value:
+        prompts = _prompts(16, n_in)
+        src = os.path.join(model_dir(dtype), "model.safetensors")
+        path = os.path.join(_WORKDIR.value, f"llama125m-{dtype}.gguf")
+        if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(src):
+            llamacpp.write_gguf(model_dir(dtype), path)
+        llm = _llm(dtype)
+        llm.generate(prompts, _greedy(n_out))
+        cpp = llamacpp.LlamaCpp(path, max_seqs=16, max_len=n_in + n_out)
+        cpp.generate(prompts, 8)
+
+        def ours(batch):
+            return [list(o.token_ids) for o in llm.generate(batch, _greedy(n_out))]
+
+        def theirs(batch):
+            return cpp.generate(batch, n_out)
+
+        rates = {(who, b): [] for who in ("ms", "cpp") for b in (16, 1)}
+        outs = {}
+        for r in range(1 if _QUICK.value else 3):
+            order = (("ms", ours), ("cpp", theirs)) if r % 2 == 0 else (("cpp", theirs), ("ms", ours))
+            for who, run in order:
+                t0 = time.perf_counter()
+                outs[who] = run(prompts)
+                rates[who, 16].append(16 * n_out / (time.perf_counter() - t0))
+            for who, run in order:
+                t0 = time.perf_counter()
+                for p in prompts[:4]:
+                    run([p])
+                rates[who, 1].append(4 * n_out / (time.perf_counter() - t0))
+        cpp.close()
+        del llm
+        agree = statistics.mean(
+            next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), n_out) / n_out
+            for x, y in zip(outs["ms"], outs["cpp"]))
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        rows.append([dtype, med["ms", 16], med["cpp", 16], med["ms", 16] / med["cpp", 16], med["ms", 1],
+                     med["cpp", 1], med["ms", 1] / med["cpp", 1], f"{agree:.0%}"])
+    _table("meshserve vs llama.cpp, same checkpoint, output tokens/s, 16 x (128 in, %d out), greedy (median of "
+           "interleaved rounds)" % n_out,
+           ["dtype", "meshserve b16", "llama.cpp b16", "ratio", "meshserve b1", "llama.cpp b1", "ratio",
+            "tokens agree"], rows)
 
 
 def bench_startup():
@@ -384,8 +442,8 @@ def bench_floor():
             "weights GB/s", "max tok/s at that batch", "screened ms", "max tok/s screened"], rows)
 
 
-BENCHES = dict(throughput=bench_throughput, startup=bench_startup, batching=bench_batching, prefix=bench_prefix,
-               chunked=bench_chunked, host=bench_host, roofline=bench_roofline, floor=bench_floor)
+BENCHES = dict(throughput=bench_throughput, llamacpp=bench_llamacpp, startup=bench_startup, batching=bench_batching,
+               prefix=bench_prefix, chunked=bench_chunked, host=bench_host, roofline=bench_roofline, floor=bench_floor)
 
 
 def main() -> None:

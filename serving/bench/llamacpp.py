@@ -1,0 +1,196 @@
+"""llama.cpp side by side with meshserve on the same checkpoint (the bars of #3 were set by llama.cpp at batch 1).
+
+`write_gguf` writes a local HF Llama checkpoint (safetensors, float32 or bfloat16) as a GGUF file holding the same
+weights in the same dtype (norms in float32, as llama.cpp keeps them); q/k rows are reordered from HF's
+rotate-half RoPE layout to the interleaved pairs llama.cpp's `llama` architecture rotates. The benchmark models
+carry no tokenizer, so the GGUF gets a placeholder vocabulary of the right size (`<unk>`, `<s>`, `</s>`, the 256
+byte tokens, then `t<id>`): prompts go in as token ids and greedy token ids come out, as on meshserve's side.
+
+`LlamaCpp.generate` runs prompts through llama-cpp-python's low-level API the way a serving loop would: every
+prompt prefilled in one batch, then one decode batch per step holding every unfinished sequence, the greedy token
+taken from each sequence's logits. Needs the optional extra: `pip install -e '.[llamacpp]'` (builds llama.cpp
+from source for this CPU; ~6 minutes on 2 cores).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+
+
+def available() -> bool:
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        out[name] = np.frombuffer(raw, _DTYPES[meta["dtype"]], (end - start) // np.dtype(_DTYPES[meta["dtype"]]).itemsize,
+                                  8 + n + start).reshape(meta["shape"])
+    return out
+
+
+def _rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF rotate-half rows (per head: first half, second half) -> interleaved pairs (x0, x_half, x1, ...)."""
+    out_dim = w.shape[0]
+    return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """Writes `model_dir` (a LlamaForCausalLM in safetensors, one file) as GGUF at `path`; returns the path."""
+    import gguf
+    model_dir, path = Path(model_dir), Path(path)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"write_gguf handles Llama checkpoints, not {cfg.get('model_type')!r}")
+    tensors = _read_safetensors(model_dir / "model.safetensors")
+    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise ValueError(f"write_gguf writes plain RoPE only, not {rope.get('rope_type', rope.get('type'))!r}")
+    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == ml_dtypes.bfloat16 else gguf.LlamaFileType.ALL_F32)
+    vocab = cfg["vocab_size"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    tokens += [f"t{i}" for i in range(len(tokens), vocab)]
+    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types[:vocab])
+    w.add_bos_token_id(cfg.get("bos_token_id") or 1)
+    w.add_eos_token_id(cfg.get("eos_token_id") or 2)
+
+    def add(name: str, a: np.ndarray) -> None:
+        if a.ndim == 1 or a.dtype == np.float32:
+            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+        else:  # bfloat16 bits as stored
+            w.add_tensor(name, np.ascontiguousarray(a).view(np.uint16), raw_shape=a.shape,
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+    add("token_embd.weight", tensors["model.embed_tokens.weight"])
+    add("output_norm.weight", tensors["model.norm.weight"])
+    add("output.weight", tensors["model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", _rope_pairs(tensors[p + "self_attn.q_proj.weight"], heads))
+        add(f"blk.{i}.attn_k.weight", _rope_pairs(tensors[p + "self_attn.k_proj.weight"], kv_heads))
+        add(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"])
+        add(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"])
+        add(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.ffn_gate.weight", tensors[p + "mlp.gate_proj.weight"])
+        add(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.up_proj.weight"])
+        add(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+def _quiet(level, text, user_data):  # llama.cpp's log goes nowhere
+    return None
+
+
+class LlamaCpp:
+    """A llama.cpp context over a GGUF file with room for `max_seqs` sequences of up to `max_len` tokens each."""
+
+    def __init__(self, gguf_path: str | os.PathLike, max_seqs: int, max_len: int, threads: int | None = None):
+        import llama_cpp as lc
+        self._lc = lc
+        lc.llama_log_set(_quiet, None)
+        lc.llama_backend_init()
+        threads = threads or len(os.sched_getaffinity(0))
+        self._model = lc.llama_model_load_from_file(str(gguf_path).encode(), lc.llama_model_default_params())
+        if not self._model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        p = lc.llama_context_default_params()
+        p.n_ctx = max_seqs * max_len
+        p.n_batch = p.n_ubatch = min(p.n_ctx, 512)
+        p.n_seq_max = max_seqs
+        p.n_threads = p.n_threads_batch = threads
+        self._ctx = lc.llama_init_from_model(self._model, p)
+        if not self._ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self._model))
+        self.max_seqs, self._batch_cap = max_seqs, p.n_batch
+        self._batch = lc.llama_batch_init(self._batch_cap, 0, 1)
+
+    def close(self) -> None:
+        lc = self._lc
+        lc.llama_batch_free(self._batch)
+        lc.llama_free(self._ctx)
+        lc.llama_model_free(self._model)
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence, wants logits), at most the batch's capacity."""
+        b = self._batch
+        for i, (tok, pos, seq, logits) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        rc = self._lc.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, i: int) -> int:
+        ptr = self._lc.llama_get_logits_ith(self._ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.vocab,))))
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy, `max_tokens` new tokens per prompt (no stop tokens), all prompts at once."""
+        if len(prompts) > self.max_seqs:
+            raise ValueError(f"{len(prompts)} prompts for a context of {self.max_seqs} sequences")
+        lc = self._lc
+        lc.llama_memory_clear(lc.llama_get_memory(self._ctx), True)
+        out: list[list[int]] = [[] for _ in prompts]
+        # Prefill in batches of at most the batch capacity; a prompt's last token asks for logits.
+        entries = [(t, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, t in enumerate(p)]
+        for start in range(0, len(entries), self._batch_cap):
+            chunk = entries[start:start + self._batch_cap]
+            self._decode(chunk)
+            for i, (_, pos, s, logits) in enumerate(chunk):
+                if logits:
+                    out[s].append(self._argmax(i))
+        while True:
+            live = [s for s in range(len(prompts)) if len(out[s]) < max_tokens]
+            if not live:
+                return out
+            self._decode([(out[s][-1], len(prompts[s]) + len(out[s]) - 1, s, True) for s in live])
+            for i, s in enumerate(live):
+                out[s].append(self._argmax(i))
