@@ -16,13 +16,12 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import struct
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-_DTYPES = {"F32": np.float32, "BF16": ml_dtypes.bfloat16, "F16": np.float16}
+from models.safetensors_io import SafetensorsCheckpoint
 
 
 def available() -> bool:
@@ -34,20 +33,6 @@ def available() -> bool:
     return True
 
 
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = meta["data_offsets"]
-        out[name] = np.frombuffer(raw, _DTYPES[meta["dtype"]], (end - start) // np.dtype(_DTYPES[meta["dtype"]]).itemsize,
-                                  8 + n + start).reshape(meta["shape"])
-    return out
-
-
 def _rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
     """HF rotate-half rows (per head: first half, second half) -> interleaved pairs (x0, x_half, x1, ...)."""
     out_dim = w.shape[0]
@@ -55,20 +40,20 @@ def _rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
-    """Writes `model_dir` (a LlamaForCausalLM in safetensors, one file) as GGUF at `path`; returns the path."""
+    """Writes `model_dir` (a LlamaForCausalLM in safetensors) as GGUF at `path`; returns the path."""
     import gguf
     model_dir, path = Path(model_dir), Path(path)
     cfg = json.loads((model_dir / "config.json").read_text())
     if cfg.get("model_type") != "llama":
         raise ValueError(f"write_gguf handles Llama checkpoints, not {cfg.get('model_type')!r}")
-    tensors = _read_safetensors(model_dir / "model.safetensors")
+    tensors = SafetensorsCheckpoint(str(model_dir))
     heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise ValueError(f"write_gguf writes plain RoPE only, not {rope.get('rope_type', rope.get('type'))!r}")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    dtype = tensors["model.embed_tokens.weight"].dtype
+    dtype = tensors.get("model.embed_tokens.weight").dtype
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(hidden)
@@ -101,20 +86,21 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
             w.add_tensor(name, np.ascontiguousarray(a).view(np.uint16), raw_shape=a.shape,
                          raw_dtype=gguf.GGMLQuantizationType.BF16)
 
-    add("token_embd.weight", tensors["model.embed_tokens.weight"])
-    add("output_norm.weight", tensors["model.norm.weight"])
-    add("output.weight", tensors["model.embed_tokens.weight" if cfg.get("tie_word_embeddings") else "lm_head.weight"])
+    add("token_embd.weight", tensors.get("model.embed_tokens.weight"))
+    add("output_norm.weight", tensors.get("model.norm.weight"))
+    tied = cfg.get("tie_word_embeddings")
+    add("output.weight", tensors.get("model.embed_tokens.weight" if tied else "lm_head.weight"))
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", tensors[p + "input_layernorm.weight"])
-        add(f"blk.{i}.attn_q.weight", _rope_pairs(tensors[p + "self_attn.q_proj.weight"], heads))
-        add(f"blk.{i}.attn_k.weight", _rope_pairs(tensors[p + "self_attn.k_proj.weight"], kv_heads))
-        add(f"blk.{i}.attn_v.weight", tensors[p + "self_attn.v_proj.weight"])
-        add(f"blk.{i}.attn_output.weight", tensors[p + "self_attn.o_proj.weight"])
-        add(f"blk.{i}.ffn_norm.weight", tensors[p + "post_attention_layernorm.weight"])
-        add(f"blk.{i}.ffn_gate.weight", tensors[p + "mlp.gate_proj.weight"])
-        add(f"blk.{i}.ffn_up.weight", tensors[p + "mlp.up_proj.weight"])
-        add(f"blk.{i}.ffn_down.weight", tensors[p + "mlp.down_proj.weight"])
+        add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
+        add(f"blk.{i}.attn_q.weight", _rope_pairs(tensors.get(p + "self_attn.q_proj.weight"), heads))
+        add(f"blk.{i}.attn_k.weight", _rope_pairs(tensors.get(p + "self_attn.k_proj.weight"), kv_heads))
+        add(f"blk.{i}.attn_v.weight", tensors.get(p + "self_attn.v_proj.weight"))
+        add(f"blk.{i}.attn_output.weight", tensors.get(p + "self_attn.o_proj.weight"))
+        add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+        add(f"blk.{i}.ffn_gate.weight", tensors.get(p + "mlp.gate_proj.weight"))
+        add(f"blk.{i}.ffn_up.weight", tensors.get(p + "mlp.up_proj.weight"))
+        add(f"blk.{i}.ffn_down.weight", tensors.get(p + "mlp.down_proj.weight"))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -150,10 +150,10 @@ def bench_llamacpp():
     rows = []
     for dtype in _DTYPES.value:
         prompts = _prompts(16, n_in)
-        src = os.path.join(model_dir(dtype), "model.safetensors")
+        hf_dir = model_dir(dtype)
         path = os.path.join(_WORKDIR.value, f"llama125m-{dtype}.gguf")
-        if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(src):
-            llamacpp.write_gguf(model_dir(dtype), path)
+        if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(hf_dir, "config.json")):
+            llamacpp.write_gguf(hf_dir, path)
         llm = _llm(dtype)
         llm.generate(prompts, _greedy(n_out))
         cpp = llamacpp.LlamaCpp(path, max_seqs=16, max_len=n_in + n_out)
