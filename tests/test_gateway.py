@@ -174,8 +174,10 @@ def test_health_quarantines_after_n_windows_and_readmits_after_m():
 
 
 def test_admission_bounds_and_priority_order():
+    depths = []  # (interactive, batch) each time a queue changed: what the gateway's depth gauges show
+
     async def main():
-        adm = Admission()
+        adm = Admission(on_change=lambda a: depths.append((a.depth("interactive"), a.depth("batch"))))
         capacity = {"n": 0}
         order = []
 
@@ -189,12 +191,15 @@ def test_admission_bounds_and_priority_order():
             return f
         tasks = [asyncio.ensure_future(adm.acquire("batch", 2, route(f"b{i}"), 5, lambda _: None)) for i in range(2)]
         await asyncio.sleep(0)
+        assert depths == [(0, 1), (0, 2)]  # live while they wait
         with pytest.raises(QueueFull, match="batch queue is full"):
             await adm.acquire("batch", 2, route("b2"), 5, lambda _: None)
         tasks.append(asyncio.ensure_future(adm.acquire("interactive", 1, route("i0"), 5, lambda _: None)))
         await asyncio.sleep(0)
+        assert depths[-1] == (1, 2)
         capacity["n"] = 2
         assert adm.notify() == 2
+        assert depths[-1] == (0, 1)
         await asyncio.sleep(0)
         assert order == ["i0", "b0"]
         with pytest.raises(asyncio.TimeoutError):
@@ -202,6 +207,7 @@ def test_admission_bounds_and_priority_order():
         capacity["n"] = 1
         adm.notify()
         assert sorted(await asyncio.gather(*tasks)) == ["b0", "b1", "i0"]
+        assert depths[-1] == (0, 0)
     asyncio.run(main())
 
 

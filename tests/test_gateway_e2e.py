@@ -249,15 +249,28 @@ def test_auth_admin_priority_queue_bound_and_rate_limit(instances, gateways):
             admin.DrainInstance(gpb.DrainInstanceRequest(name="i0"), metadata=_md("key-bob"))
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
     # One slot (max_inflight_per_instance 1): one batch request runs, one waits, the third finds the queue full;
-    # an interactive one has its own queue and goes before the waiting batch request.
+    # an interactive one, sent once the batch queue is full, has its own queue and goes before the waiting batch
+    # request. The queue-depth gauge shows the waiting request while it waits.
     instances[0].set_delay(0.03)
     reqs = [dict(prompt=prompt(300 + k), max_tokens=20, ignore_eos=True, priority="batch") for k in range(3)]
-    reqs.append(dict(prompt=prompt(310), max_tokens=20, ignore_eos=True, priority="interactive"))
-    results = _stream_all(gw.target, reqs, metadata=_md("key-alice"))
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        batch = [ex.submit(_stream_all, gw.target, [r], metadata=_md("key-alice")) for r in reqs]
+        done, _ = concurrent.futures.wait(batch, timeout=30, return_when=concurrent.futures.FIRST_COMPLETED)
+        (rejected,) = [f.result()[0][0] for f in done]
+        assert isinstance(rejected, ClientError) and rejected.code == grpc.StatusCode.RESOURCE_EXHAUSTED, rejected
+        assert "batch queue is full" in rejected.details
+        depth = urllib.request.urlopen(gw.metrics_url).read().decode()
+        assert 'meshserve:gateway_queue_depth{class="batch"} 1.0' in depth
+        interactive = ex.submit(_stream_all, gw.target, [dict(prompt=prompt(310), max_tokens=20, ignore_eos=True,
+                                                              priority="interactive")], metadata=_md("key-alice"))
+        finished = list(concurrent.futures.as_completed([f for f in batch if f not in done] + [interactive]))
+        assert finished[1] is interactive  # after the running batch request, before the waiting one
+        results = [f.result()[0] for f in batch + [interactive]]
     errors = [r[0] for r in results if isinstance(r[0], ClientError)]
-    assert len(errors) == 1 and errors[0].code == grpc.StatusCode.RESOURCE_EXHAUSTED, results
-    assert "batch queue is full" in errors[0].details
-    assert not isinstance(results[3][0], ClientError)
+    assert errors == [rejected], results
+    assert results[3][0][0] == "ok"
+    depth = urllib.request.urlopen(gw.metrics_url).read().decode()
+    assert 'meshserve:gateway_queue_depth{class="batch"} 0.0' in depth
     instances[0].set_delay(0)
     # Rate limit: bob has a burst of 2 at 0.5 requests/s.
     with Client(gw.target, timeout=30) as c:

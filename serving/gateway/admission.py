@@ -23,8 +23,9 @@ class Admission:
     """`acquire` returns what `try_route` returns (a routed slot) as soon as it returns one. Waiters are served in
     class order and FIFO within a class; `notify` (called when capacity frees or instances change) retries them."""
 
-    def __init__(self):
+    def __init__(self, on_change: Callable[["Admission"], None] | None = None):
         self._queues: dict[str, collections.deque] = {c: collections.deque() for c in CLASSES}
+        self._on_change = on_change or (lambda admission: None)  # a queue grew or shrank (e.g. depth gauges)
 
     def depth(self, cls: str) -> int:
         return len(self._queues[cls])
@@ -41,6 +42,7 @@ class Admission:
         fut = asyncio.get_running_loop().create_future()
         waiter = (fut, try_route)
         self._queues[cls].append(waiter)
+        self._on_change(self)
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
         except BaseException:
@@ -54,6 +56,7 @@ class Admission:
                 self._queues[cls].remove(waiter)
             except ValueError:
                 pass
+            self._on_change(self)
 
     def notify(self) -> int:
         """Routes as many waiters as capacity allows; returns how many were served."""
@@ -69,6 +72,8 @@ class Admission:
                     q.remove(waiter)
                     fut.set_result(got)
                     served += 1
+        if served:
+            self._on_change(self)
         return served
 
 

@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.propagate import extract, inject
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from serving.gateway.admission import Admission, QueueFull, RateLimiter
+from serving.gateway.admission import CLASSES, Admission, QueueFull, RateLimiter
 from serving.gateway.config import ConfigWatcher, GatewayConfig, TenantConfig
 from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker, Transition
 from serving.gateway.jobs import JobError, JobManager, JobStore
@@ -70,7 +70,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.router = Router(cfg.routing)
         self.health = HealthTracker(cfg.isolation)
-        self.admission = Admission()
+        self.admission = Admission(on_change=self._queue_gauges)
         self.rate_limiter = RateLimiter()
         self.auth = Authenticator(cfg)
         self.pools = InstancePools(self._on_report, self._on_failure)
@@ -362,10 +362,11 @@ class Gateway:
         except asyncio.TimeoutError:
             raise GatewayError(grpc.StatusCode.DEADLINE_EXCEEDED, "the deadline passed while the request waited "
                                "in the gateway's queue for a free instance") from None
-        finally:
-            for c in ("interactive", "long", "batch"):
-                self.metrics.queue_depth.labels(c).set(self.admission.depth(c))
         return slot
+
+    def _queue_gauges(self, admission: Admission) -> None:
+        for c in CLASSES:
+            self.metrics.queue_depth.labels(c).set(admission.depth(c))
 
     async def stream(self, p: Prepared, deadline: float, parent=None) -> AsyncIterator[pb.GenerateResponse]:
         """Routes and streams; retries once on another instance if the first fails before its first token.
