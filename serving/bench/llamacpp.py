@@ -14,13 +14,13 @@ from source for this CPU; ~6 minutes on 2 cores).
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from models.config import ModelConfig
 from models.safetensors_io import SafetensorsCheckpoint
 
 
@@ -43,31 +43,28 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
     """Writes `model_dir` (a LlamaForCausalLM in safetensors) as GGUF at `path`; returns the path."""
     import gguf
     model_dir, path = Path(model_dir), Path(path)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("model_type") != "llama":
-        raise ValueError(f"write_gguf handles Llama checkpoints, not {cfg.get('model_type')!r}")
+    cfg = ModelConfig.from_pretrained(str(model_dir))
+    if cfg.family != "llama":
+        raise ValueError(f"write_gguf handles Llama checkpoints, not {cfg.family!r}")
+    if cfg.rope.rope_type != "default":
+        raise ValueError(f"write_gguf writes plain RoPE only, not {cfg.rope.rope_type!r}")
     tensors = SafetensorsCheckpoint(str(model_dir))
-    heads, kv_heads, hidden = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"write_gguf writes plain RoPE only, not {rope.get('rope_type', rope.get('type'))!r}")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
     dtype = tensors.get("model.embed_tokens.weight").dtype
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(theta))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == ml_dtypes.bfloat16 else gguf.LlamaFileType.ALL_F32)
-    vocab = cfg["vocab_size"]
+    vocab = cfg.vocab_size
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
     tokens += [f"t{i}" for i in range(len(tokens), vocab)]
@@ -76,8 +73,8 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
     w.add_token_list(tokens[:vocab])
     w.add_token_scores([0.0] * vocab)
     w.add_token_types(types[:vocab])
-    w.add_bos_token_id(cfg.get("bos_token_id") or 1)
-    w.add_eos_token_id(cfg.get("eos_token_id") or 2)
+    w.add_bos_token_id(1 if cfg.bos_token_id is None else cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
 
     def add(name: str, a: np.ndarray) -> None:
         if a.ndim == 1 or a.dtype == np.float32:
@@ -88,9 +85,8 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
 
     add("token_embd.weight", tensors.get("model.embed_tokens.weight"))
     add("output_norm.weight", tensors.get("model.norm.weight"))
-    tied = cfg.get("tie_word_embeddings")
-    add("output.weight", tensors.get("model.embed_tokens.weight" if tied else "lm_head.weight"))
-    for i in range(cfg["num_hidden_layers"]):
+    add("output.weight", tensors.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"))
+    for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
         add(f"blk.{i}.attn_q.weight", _rope_pairs(tensors.get(p + "self_attn.q_proj.weight"), heads))
