@@ -1,19 +1,24 @@
-"""Native CPU kernels (C++, AVX-512) called from XLA:CPU programs through the XLA FFI.
+"""Native CPU kernels (C++) called from XLA:CPU programs through the XLA FFI, on every common CPU.
 
 XLA:CPU's dots are slow for serving's shapes (few rows against a large weight: ~15% of the FMA peak in f32,
 and bf16 below 8 rows ~5x slower than f32), and attention written in jax.numpy pays for gathers and tiny
-dots per sequence. `native/cpu_kernels.cc` has a matmul on weights packed at load into column panels (any
-number of rows; f32 FMAs, bf16 pair dot products or AMX, f32 accumulation), a small-M matmul on row-major
-weights for those that are not packed, the ragged paged attention of `reference.py`, and a greedy LM head (the
-argmax of the exact logits from an int8 screen of the head), all spread over XLA's intra-op threads.
+dots per sequence. `native/` has a matmul on weights packed at load into column panels (any number of rows;
+f32 FMAs, bf16 pair dot products or AMX, f32 accumulation), a small-M matmul on row-major weights for those that
+are not packed, the ragged paged attention of `reference.py`, and a greedy LM head (the argmax of the exact logits
+from an int8 screen of the head), all spread over XLA's intra-op threads.
 
-The library is compiled on first use with the system C++ compiler (`-O3 -march=native`) into a cache keyed by
-the source, compiler, jaxlib and CPU, under a file lock; `python -m pallas_kernels.native` builds it ahead
-(scripts/setup.sh does). Without a compiler, on a CPU without AVX-512 BF16, or with MESHSERVE_CPU_KERNELS=xla,
-everything falls back to the pure-XLA paths, with the same results.
+One library serves every CPU of its architecture: `native/kernels.cc` is compiled once per instruction set (x86-64:
+generic, AVX2+FMA+F16C, AVX-512, AVX-512 BF16, AMX; aarch64: generic, NEON, NEON with bf16 dot products), each copy
+in its own namespace, and the path is chosen at run time from what the CPU reports (cpuid / hwcaps, read by the
+library itself), never from the build machine. Every FFI call carries the path it was traced for (`isa`);
+MESHSERVE_CPU_ISA forces a lower one. The library is compiled on first use with the system C++ compiler into a
+cache keyed by the sources, compiler, jaxlib and architecture, under a file lock; `python -m pallas_kernels.native`
+builds it ahead (scripts/setup.sh does). Without a compiler, or with MESHSERVE_CPU_KERNELS=xla, everything falls
+back to the pure-XLA paths, with the same results.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -24,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -32,37 +38,41 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "native" / "cpu_kernels.cc"
+SOURCE_DIR = Path(__file__).parent / "native"
 ENV_VAR = "MESHSERVE_CPU_KERNELS"  # native (default when it builds) | xla
+ISA_ENV_VAR = "MESHSERVE_CPU_ISA"  # unset/auto: the best this CPU runs | one of ISAS (a lower path, e.g. avx2)
 CACHE_ENV = "MESHSERVE_NATIVE_CACHE"
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma")
 _MATMUL = "meshserve_cpu_matmul"
 _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
 _GREEDY_HEAD = "meshserve_cpu_greedy_head"
-AMX_ENV_VAR = "MESHSERVE_CPU_AMX"  # 1 (default: AMX tiles where the CPU has them) | 0 (AVX-512 BF16 only)
 PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed weight panel
 BF16_K_ALIGN = 32  # packed bfloat16 weights pad K to a multiple of this (one AMX tile step)
 
+# Instruction-set paths; the index is the id the library knows them by (native/api.h `Isa`).
+ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx", "neon", "neon_bf16")
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# Per architecture, the paths built (lowest first) and each one's compiler flags over the baseline.
+ARCH_ISAS = {
+    "x86_64": {"generic": [], "avx2": _AVX2, "avx512": _AVX512, "avx512_bf16": _AVX512 + ["-mavx512bf16"],
+               "amx": _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]},
+    "aarch64": {"generic": [], "neon": [], "neon_bf16": ["-march=armv8.2-a+bf16"]},
+}
+# What the automatic choice may take: the portable path is for tests and for forcing (XLA's dots are as fast).
+_AUTO_MIN = {"x86_64": "avx2", "aarch64": "neon"}
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+
+def machine() -> str:
+    m = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(m, m)
 
 
 def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _flags(include: str) -> list[str]:
-    return ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-return-type", "-Wno-attributes",
-            f"-I{include}"]
+_CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wno-attributes", "-Wno-psabi"]
 
 
 def _cache_dir() -> Path:
@@ -74,50 +84,79 @@ def _switched_off() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    """Why the native kernels cannot be used here (None if they can, built or not yet)."""
-    return f"{ENV_VAR}=xla" if _switched_off() else _machine_reason()
+    """Why the native kernels cannot be used here (None if they can; builds them on first call)."""
+    if _switched_off():
+        return f"{ENV_VAR}=xla"
+    return _load() or _auto_reason()
 
 
 def _machine_reason() -> str | None:
-    if platform.machine().lower() not in ("x86_64", "amd64") or not sys.platform.startswith("linux"):
-        return f"needs x86-64 Linux, this is {sys.platform}/{platform.machine()}"
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        return f"CPU lacks {', '.join(missing)}"
+    if machine() not in ARCH_ISAS or not sys.platform.startswith("linux"):
+        return f"needs x86-64 or aarch64 Linux, this is {sys.platform}/{platform.machine()}"
     if _compiler() is None:
         return "no C++ compiler (g++ or clang++; set CXX)"
     return None
+
+
+def compile_jobs(cxx: str, arch: str, workdir: Path, include: str | None) -> list[list[str]]:
+    """The compiler commands that build the objects of the library for `arch` (one per instruction set, plus the
+    CPU check, plus the FFI handlers when `include` (jaxlib's FFI headers) is given) into `workdir`."""
+    jobs = []
+    for name, flags in ARCH_ISAS[arch].items():
+        jobs.append([cxx, *_CXXFLAGS, "-fvisibility=hidden", f"-DMESHSERVE_ISA_ID={ISAS.index(name)}", *flags, "-c",
+                     str(SOURCE_DIR / "kernels.cc"), "-o", str(workdir / f"kernels_{name}.o")])
+    jobs.append([cxx, *_CXXFLAGS, "-c", str(SOURCE_DIR / "cpu.cc"), "-o", str(workdir / "cpu.o")])
+    if include is not None:
+        jobs.append([cxx, *_CXXFLAGS, f"-I{include}", "-c", str(SOURCE_DIR / "ffi.cc"), "-o", str(workdir / "ffi.o")])
+    return jobs
+
+
+def run_jobs(jobs: list[list[str]]) -> None:
+    """Runs compiler commands side by side (one per CPU); raises with the first failure's message."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        for cmd, done in zip(jobs, pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), jobs)):
+            if done.returncode != 0:
+                raise RuntimeError(f"compiling failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+
+
+def _source_key(cxx: str, *extra) -> str:
+    key = hashlib.sha256()
+    for f in sorted(SOURCE_DIR.iterdir()):
+        if f.suffix in (".cc", ".h"):
+            key.update(f.name.encode() + f.read_bytes())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key.update(repr((cxx, version, _CXXFLAGS, ARCH_ISAS, *extra)).encode())
+    return key.hexdigest()[:16]
 
 
 def build(force: bool = False) -> Path:
     """Compiles the kernels (or finds them in the cache) and returns the shared library's path."""
     from filelock import FileLock
 
+    reason = _machine_reason()
+    if reason:
+        raise RuntimeError(reason)
     cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++ or clang++; set CXX)")
-    include = jax.ffi.include_dir()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), repr((cxx, version, _flags(""), jax.__version__,
-                                            sorted(_cpu_flags()))).encode()):
-        key.update(part)
-    cache = _cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    lib = cache / f"meshserve_cpu_{key.hexdigest()[:16]}.so"
+    lib = _cache_dir() / f"meshserve_cpu_{machine()}_{_source_key(cxx, jax.__version__)}.so"
+    lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib) + ".lock"):
         if force or not lib.exists():
-            tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-            cmd = [cxx, *_flags(include), str(SOURCE), "-o", str(tmp)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode != 0:
-                raise RuntimeError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
-            os.replace(tmp, lib)
+            with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+                work = Path(tmp)
+                jobs = compile_jobs(cxx, machine(), work, jax.ffi.include_dir())
+                run_jobs(jobs)
+                objects = [j[-1] for j in jobs]
+                link = [cxx, "-shared", *objects, "-o", str(work / "lib.so")]
+                done = subprocess.run(link, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"linking failed ({' '.join(link)}):\n{done.stderr[-4000:]}")
+                os.replace(work / "lib.so", lib)
             log.info("built native CPU kernels: %s", lib)
     return lib
 
 
 _registered = False
+_runnable: tuple[str, ...] = ()
 
 
 @functools.cache
@@ -126,8 +165,9 @@ def _load() -> str | None:
     MESHSERVE_CPU_KERNELS says: the switch is read at trace time, so flipping it back re-enables them)."""
     reason = _machine_reason()
     if reason:
+        log.warning("native CPU kernels unavailable (%s): using XLA's kernels", reason)
         return reason
-    global _registered
+    global _registered, _runnable
     if _registered:  # FFI targets are registered once per process (a second library could not replace them)
         return None
     try:
@@ -135,12 +175,47 @@ def _load() -> str | None:
     except Exception as exc:  # a broken toolchain must not take serving down: fall back to XLA
         log.warning("native CPU kernels unavailable, using XLA's: %s", exc)
         return str(exc)
+    bits = lib.MeshserveCpuIsas()
+    _runnable = tuple(name for i, name in enumerate(ISAS) if bits >> i & 1)
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(lib.MeshserveMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_PACKED, jax.ffi.pycapsule(lib.MeshserveMatmulPacked), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(_GREEDY_HEAD, jax.ffi.pycapsule(lib.MeshserveGreedyHead), platform="cpu")
     _registered = True
     return None
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The instruction-set paths this CPU runs in the built library, lowest first (empty if it cannot be built)."""
+    return () if _load() else _runnable
+
+
+def _auto_reason() -> str | None:
+    """Why the automatic choice takes no path here (the CPU runs only the portable one), or None."""
+    if os.environ.get(ISA_ENV_VAR, "").strip().lower() not in ("", "auto"):
+        return None
+    floor = ISAS.index(_AUTO_MIN[machine()])
+    if not any(ISAS.index(n) >= floor for n in _runnable):
+        return f"this CPU has no {_AUTO_MIN[machine()]} (paths it runs: {', '.join(_runnable)})"
+    return None
+
+
+def isa() -> str:
+    """Trace-time. The instruction-set path programs traced now use: MESHSERVE_CPU_ISA where set (it must be one
+    this CPU runs), else the best this CPU runs."""
+    _require()
+    forced = os.environ.get(ISA_ENV_VAR, "").strip().lower()
+    if forced in ("", "auto"):
+        return _runnable[-1]
+    if forced not in ISAS:
+        raise ValueError(f"{ISA_ENV_VAR}={forced!r}: expected one of {', '.join(ISAS)} or auto")
+    if forced not in _runnable:
+        raise RuntimeError(f"{ISA_ENV_VAR}={forced}: this CPU cannot run it; it runs {', '.join(_runnable)}")
+    return forced
+
+
+def _isa_attr() -> np.int32:
+    return np.int32(ISAS.index(isa()))
 
 
 def _require() -> None:
@@ -153,7 +228,10 @@ def enabled() -> bool:
     """Trace-time. Whether programs traced now for the CPU use the native kernels (building them if needed)."""
     if jax.default_backend() != "cpu" or _switched_off():
         return False
-    return _load() is None
+    if _load() is not None or _auto_reason() is not None:
+        return False
+    isa()  # a forced path this CPU cannot run is an error here, at start-up, not a silent fallback
+    return True
 
 
 def _single_device_context() -> bool:
@@ -183,7 +261,7 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     _require()
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (w.shape[1],), out_dtype)
-    return jax.ffi.ffi_call(_MATMUL, out)(x, w)
+    return jax.ffi.ffi_call(_MATMUL, out)(x, w, isa=_isa_attr())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -317,9 +395,8 @@ def matmul_packed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     _require()
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     _, n = packed_shape(w, x.shape[-1])
-    amx = os.environ.get(AMX_ENV_VAR, "1").strip() != "0"
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
-    return jax.ffi.ffi_call(_MATMUL_PACKED, out)(x, w, amx=np.int32(amx))
+    return jax.ffi.ffi_call(_MATMUL_PACKED, out)(x, w, isa=_isa_attr())
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -379,7 +456,7 @@ def greedy_head(x: jax.Array, q: jax.Array, bounds: jax.Array, w: jax.Array, num
     m = x.shape[0]
     out = (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int32))
     return jax.ffi.ffi_call(_GREEDY_HEAD, out)(x, q, bounds, w, num_rows.astype(jnp.int32).reshape(1),
-                                               layout=np.int32(HEAD_LAYOUTS[layout]))
+                                               layout=np.int32(HEAD_LAYOUTS[layout]), isa=_isa_attr())
 
 
 def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:
@@ -399,7 +476,7 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), jnp.reshape(i32(num_seqs), (1,)),
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(logit_soft_cap or 0.0),
-                window=np.int64(sliding_window or 0))
+                window=np.int64(sliding_window or 0), isa=_isa_attr())
 
 
 def main(argv=None) -> int:
@@ -408,14 +485,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Build the native CPU kernels into their cache.")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
     args = parser.parse_args(argv)
-    reason = unavailable_reason()
+    reason = _machine_reason()
     if reason:
         print(f"native CPU kernels not built: {reason} (XLA's kernels will be used)")
         return 0
     try:
-        print(f"native CPU kernels: {build(force=args.force)}")
+        lib = build(force=args.force)
     except RuntimeError as exc:
-        print(f"native CPU kernels not built (XLA's kernels will be used): {exc}")
+        print(f"native CPU kernels not built (XLA's kernels will be used): {str(exc).splitlines()[0]}")
+        return 0
+    runnable = runnable_isas()
+    why_not = unavailable_reason()
+    use = f"not used: {why_not}" if why_not else f"using {isa()}"
+    print(f"native CPU kernels: {lib} (paths this CPU runs: {', '.join(runnable)}; {use})")
     return 0
 
 

@@ -1,0 +1,83 @@
+// The seam between the FFI handlers (ffi.cc), the CPU check (cpu.cc), both built for the architecture's baseline,
+// and the kernels (kernels.cc), built once per instruction set, each copy in its own namespace. Only plain data and
+// declarations live here: nothing in this header is compiled into code, so no function can be shared between
+// translation units built with different instruction sets (the linker keeps one copy of an inline function, and
+// it could be the AVX-512 one).
+#pragma once
+
+#include <cstdint>
+
+namespace meshserve {
+
+// Instruction-set paths, best last per architecture. The ids are the `isa` attribute of every FFI call
+// (pallas_kernels/native.py ISAS); "generic" is portable C++ and exists everywhere.
+enum Isa : int32_t {
+  kGeneric = 0,
+  kAvx2 = 1,        // x86-64-v3: AVX2 + FMA + F16C; bfloat16 widened to float32 in registers
+  kAvx512 = 2,      // x86-64-v4: AVX-512 F/BW/VL/DQ; bfloat16 widened
+  kAvx512Bf16 = 3,  // + AVX512_BF16: bfloat16 pair dot products (vdpbf16ps)
+  kAmx = 4,         // + AMX-TILE/AMX-BF16: bfloat16 tiles for steps of many rows
+  kNeon = 5,        // aarch64 Advanced SIMD; bfloat16 widened
+  kNeonBf16 = 6,    // + FEAT_BF16: bfloat16 pair dot products (bfdot)
+  kNumIsas = 7,
+};
+
+// The caller's worker threads, as plain C (the FFI's thread pool, or none).
+struct Runner {
+  void* pool;
+  int64_t threads;  // workers that may run chunks at once, the caller included
+  void (*schedule)(void* pool, void (*task)(void*), void* arg);
+};
+
+enum class Dt : int32_t { kF32 = 0, kBf16 = 1 };
+
+struct AttnShape {
+  int64_t hq, hkv, d, page_size, max_pages;
+  float sm_scale, soft_cap;
+  int64_t window;  // 0: none
+};
+
+// The LM head as the model holds it, for the greedy head's exact recheck.
+struct HeadWeight {
+  const void* data;
+  bool bf16;
+  int32_t layout;  // 0: packed panels, 1: [K, N], 2: [N, K] (a tied embedding table)
+  int64_t K, N, panel_len;
+};
+
+// One instruction set's kernels. Operands are validated by the caller (ffi.cc); bfloat16 travels as uint16_t bits.
+struct Kernels {
+  const char* name;
+  // out[M, N] = x[M, K] @ w[K, N], w row-major; `in` is x's and w's dtype; f32 in gives f32 out.
+  void (*matmul)(const Runner&, Dt in, Dt out, const void* x, int64_t M, int64_t K, const void* w, int64_t N,
+                 void* o);
+  // The same on w packed into panels (pallas_kernels/native.py `pack_weight`); kw: K rows held (bf16: padded).
+  void (*matmul_packed)(const Runner&, Dt in, Dt out, const void* x, int64_t M, int64_t K, const void* w,
+                        int64_t panels, int64_t kw, void* o);
+  // Ragged paged attention (pallas_kernels/reference.py); q, kv and out in `dt`.
+  void (*attention)(const Runner&, Dt dt, const AttnShape& a, int64_t t, const void* q, const void* kv,
+                    const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs, void* out);
+  // Greedy LM head by screening: tokens/candidates for the first `rows` rows of x[., K] (x in `dt`).
+  void (*greedy_head)(const Runner&, Dt dt, const void* x, int64_t rows, int64_t K, int64_t Kq, const int8_t* q,
+                      const float* scale, const float* bound, const HeadWeight& w, int32_t* tokens,
+                      int32_t* candidates);
+};
+
+// Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could
+// build for its architecture, and an absent one reads as null.
+#define MESHSERVE_WEAK __attribute__((weak))
+MESHSERVE_WEAK const Kernels* KernelsGeneric();
+MESHSERVE_WEAK const Kernels* KernelsAvx2();
+MESHSERVE_WEAK const Kernels* KernelsAvx512();
+MESHSERVE_WEAK const Kernels* KernelsAvx512Bf16();
+MESHSERVE_WEAK const Kernels* KernelsAmx();
+MESHSERVE_WEAK const Kernels* KernelsNeon();
+MESHSERVE_WEAK const Kernels* KernelsNeonBf16();
+
+// cpu.cc: whether this CPU and OS can run `isa`'s code, its name, and its kernels (null if this CPU cannot run
+// them or this build has none).
+bool CpuRuns(int32_t isa);
+const char* IsaName(int32_t isa);
+const Kernels* KernelsFor(int32_t isa);
+
+}  // namespace meshserve

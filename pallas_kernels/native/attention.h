@@ -1,0 +1,150 @@
+// Ragged paged attention (same contract as pallas_kernels/reference.py), written in V. A unit of work is one
+// sequence's block of up to kQueryBlock query tokens against one KV head: rows = tokens x the q heads sharing that
+// KV head. Keys stream in chunks of kKeys through an online softmax; memory per unit is O(rows x head_dim).
+constexpr int64_t kQueryBlock = 64;
+constexpr int kKeys = 64;
+
+struct Unit {
+  int32_t seq, head, t0, nt;
+};
+
+template <typename QT, typename KT>
+void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, const int32_t* kv_lens,
+                const int32_t* pages, const int32_t* cu, QT* out) {
+  constexpr int L = V::kLanes, kVecs = kKeys / L;
+  const int64_t g = a.hq / a.hkv, d = a.d, dv = d / L, rows = u.nt * g;
+  thread_local Scratch scratch;
+  float* qs = scratch.Get<float>(static_cast<size_t>(2 * rows * d + 2 * rows + 3 * kKeys * d + kKeys));
+  float* acc = qs + rows * d;  // [rows, d]
+  float* kc = acc + rows * d;  // [kKeys, d]
+  float* vc = kc + kKeys * d;  // [kKeys, d]
+  float* kt = vc + kKeys * d;  // [d, kKeys]
+  float* sc = kt + kKeys * d;  // [kKeys] one row's scores, then weights (64-byte aligned: d % 16 == 0)
+  float* m = sc + kKeys;       // [rows]
+  float* l = m + rows;         // [rows]
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
+    ToF32(q + (tok * a.hq + head) * d, qs + r * d, d);
+    m[r] = -1e30f;
+    l[r] = 0.0f;
+  }
+  std::memset(acc, 0, rows * d * sizeof(float));
+  const int64_t kv_len = kv_lens[u.seq];
+  const int64_t q_len = cu[u.seq + 1] - cu[u.seq];
+  const int64_t first_pos = kv_len - q_len + (u.t0 - cu[u.seq]);
+  const int64_t hi = Min<int64_t>(first_pos + u.nt, kv_len);
+  const int64_t lo = a.window > 0 ? Max<int64_t>(first_pos - a.window + 1, 0) : 0;
+  const int32_t* seq_pages = pages + u.seq * a.max_pages;
+  const int64_t h2 = 2 * a.hkv;
+  // Many rows share each key chunk (prefill): scores as broadcast-FMAs against K transposed. Few (decode):
+  // one dot product per key.
+  const bool transposed = rows >= 8;
+  for (int64_t j0 = lo; j0 < hi; j0 += kKeys) {
+    const int n = static_cast<int>(Min<int64_t>(kKeys, hi - j0));
+    for (int c = 0; c < n; ++c) {
+      const int64_t pos = j0 + c;
+      const KT* base =
+          kv + ((static_cast<int64_t>(seq_pages[pos / a.page_size]) * a.page_size + pos % a.page_size) * h2 +
+                2 * u.head) * d;
+      ToF32(base, kc + c * d, d);
+      ToF32(base + d, vc + c * d, d);
+    }
+    if (n < kKeys) std::memset(kc + n * d, 0, (kKeys - n) * d * sizeof(float));
+    if (transposed)
+      for (int c = 0; c < kKeys; ++c)
+        for (int64_t e = 0; e < d; ++e) kt[e * kKeys + c] = kc[c * d + e];
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t pos_r = first_pos + r / g;
+      // Keys this row may see: first <= c <= last (causal, inside the chunk, inside the window).
+      const int last = static_cast<int>(Min<int64_t>(n - 1, pos_r - j0));
+      if (last < 0) continue;
+      const int first = a.window > 0 ? static_cast<int>(Max<int64_t>(0, pos_r - a.window + 1 - j0)) : 0;
+      if (first > last) continue;
+      const int nv = last / L + 1;  // score vectors holding a visible key
+      const float* qr = qs + r * d;
+      if (transposed) {
+        V::F s[kVecs];
+        for (int v = 0; v < kVecs; ++v) s[v] = V::Zero();
+        for (int64_t e = 0; e < d; ++e) {
+          const V::F qe = V::Set1(qr[e]);
+          for (int v = 0; v < kVecs; ++v)
+            if (v < nv) s[v] = V::Fma(qe, V::Load(kt + e * kKeys + L * v), s[v]);
+        }
+        for (int v = 0; v < nv; ++v) V::Store(sc + L * v, s[v]);
+      } else {
+        for (int c = first; c <= last; ++c) {
+          V::F t = V::Mul(V::Load(qr), V::Load(kc + c * d));
+          for (int64_t w = 1; w < dv; ++w) t = V::Fma(V::Load(qr + L * w), V::Load(kc + c * d + L * w), t);
+          sc[c] = V::ReduceAdd(t);
+        }
+      }
+      // Scaled (and soft-capped) scores; keys outside [first, last] out of the max and weighed zero.
+      const V::F scale = V::Set1(a.sm_scale);
+      for (int v = 0; v < nv; ++v) V::Store(sc + L * v, V::Mul(V::Load(sc + L * v), scale));
+      if (a.soft_cap > 0)
+        for (int c = first; c <= last; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
+      for (int c = 0; c < first; ++c) sc[c] = -INFINITY;
+      for (int c = last + 1; c < nv * L; ++c) sc[c] = -INFINITY;
+      V::F mx = V::Set1(-1e30f);
+      for (int v = 0; v < nv; ++v) mx = V::Max(mx, V::Load(sc + L * v));
+      const float m_new = Max(m[r], V::ReduceMax(mx));
+      const V::F mv = V::Set1(m_new);
+      for (int v = 0; v < nv; ++v) V::Store(sc + L * v, V::Exp(V::Sub(V::Load(sc + L * v), mv)));
+      for (int c = 0; c < first; ++c) sc[c] = 0.0f;
+      for (int c = last + 1; c < nv * L; ++c) sc[c] = 0.0f;
+      V::F sum = V::Zero();
+      for (int v = 0; v < nv; ++v) sum = V::Add(sum, V::Load(sc + L * v));
+      const float alpha = std::exp(m[r] - m_new);
+      l[r] = alpha * l[r] + V::ReduceAdd(sum);
+      m[r] = m_new;
+      float* ar = acc + r * d;
+      const V::F av = V::Set1(alpha);
+      for (int64_t w = 0; w < dv; ++w) {
+        V::F o = V::Mul(V::Load(ar + L * w), av);
+        for (int c = first; c <= last; ++c) o = V::Fma(V::Set1(sc[c]), V::Load(vc + c * d + L * w), o);
+        V::Store(ar + L * w, o);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    float* ar = acc + r * d;
+    for (int64_t e = 0; e < d; ++e) ar[e] *= inv;
+    const int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
+    StoreRow<QT>(ar, out + (tok * a.hq + head) * d, d);
+  }
+}
+
+template <typename QT, typename KT>
+void RaggedPagedAttention(const Runner& run, const AttnShape& a, int64_t t, const QT* q, const KT* kv,
+                          const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs,
+                          QT* out) {
+  int64_t count = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t start = cu[s], end = Min<int64_t>(cu[s + 1], t);
+    if (end > start) count += (end - start + kQueryBlock - 1) / kQueryBlock * a.hkv;
+  }
+  Zeros<Unit> units(static_cast<size_t>(count));
+  int64_t i = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int32_t start = cu[s], end = static_cast<int32_t>(Min<int64_t>(cu[s + 1], t));
+    for (int32_t t0 = start; t0 < end; t0 += kQueryBlock)
+      for (int64_t h = 0; h < a.hkv; ++h)
+        units.get()[i++] = {static_cast<int32_t>(s), static_cast<int32_t>(h), t0,
+                            static_cast<int32_t>(Min<int64_t>(kQueryBlock, end - t0))};
+  }
+  // Rows of padding tokens are zero.
+  const int64_t used = num_seqs > 0 ? Min<int64_t>(Max<int64_t>(cu[num_seqs], 0), t) : 0;
+  std::memset(out + used * a.hq * a.d, 0, (t - used) * a.hq * a.d * sizeof(QT));
+  ParallelFor(run, count, [&](int64_t k) { AttendUnit<QT, KT>(a, units.get()[k], q, kv, kv_lens, pages, cu, out); });
+}
+
+void AttentionEntry(const Runner& run, Dt dt, const AttnShape& a, int64_t t, const void* q, const void* kv,
+                    const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs, void* out) {
+  if (dt == Dt::kF32)
+    return RaggedPagedAttention<float, float>(run, a, t, static_cast<const float*>(q), static_cast<const float*>(kv),
+                                              kv_lens, pages, cu, num_seqs, static_cast<float*>(out));
+  RaggedPagedAttention<uint16_t, uint16_t>(run, a, t, static_cast<const uint16_t*>(q),
+                                           static_cast<const uint16_t*>(kv), kv_lens, pages, cu, num_seqs,
+                                           static_cast<uint16_t*>(out));
+}

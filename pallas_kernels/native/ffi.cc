@@ -1,0 +1,240 @@
+// meshserve CPU kernels, called from XLA:CPU programs through the XLA FFI (see pallas_kernels/native.py). The
+// handlers here check the operands and hand them to the kernels of the instruction set the program asked for (its
+// `isa` attribute, chosen at trace time); built for the architecture's baseline, so any CPU can run them, and a
+// program whose instruction set this CPU lacks gets an error, never an illegal instruction.
+//
+// packed matmul: out[M, N] = x[M, K] @ W for weights packed at load into column panels contiguous down K (what a
+// single-device CPU engine runs for every step size). matmul: the same on a row-major w[K, N] for small M, for
+// weights that are not packed. attention: the ragged paged attention of pallas_kernels/reference.py with an
+// online softmax. greedy head: the argmax of the exact logits of a few rows from an int8 screen of the LM head plus
+// a recheck of the rows its error bounds leave open. Work is split between the XLA intra-op thread pool's threads
+// and the calling thread.
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "api.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace meshserve {
+namespace {
+
+void Schedule(void* pool, void (*task)(void*), void* arg) {
+  static_cast<ffi::ThreadPool*>(pool)->Schedule([task, arg]() { task(arg); });
+}
+
+Runner RunnerFor(ffi::ThreadPool& pool) {
+  return Runner{&pool, std::max<int64_t>(1, pool.num_threads()), Schedule};
+}
+
+// The kernels of `isa`, or why there are none.
+ffi::Error Lookup(int32_t isa, const Kernels** k) {
+  if (isa < 0 || isa >= kNumIsas) return ffi::Error::InvalidArgument("native kernels: unknown isa " + std::to_string(isa));
+  *k = KernelsFor(isa);
+  if (!*k)
+    return ffi::Error::InvalidArgument(std::string("native kernels: this CPU or build cannot run the ") +
+                                       IsaName(isa) + " path (MESHSERVE_CPU_ISA)");
+  return ffi::Error::Success();
+}
+
+// bf16 x bf16 -> bf16 / f32, or f32 x f32 -> f32.
+bool Dtypes(ffi::DataType x, ffi::DataType w, ffi::DataType o, Dt* in, Dt* out) {
+  if (x == ffi::DataType::F32 && w == ffi::DataType::F32 && o == ffi::DataType::F32) {
+    *in = *out = Dt::kF32;
+    return true;
+  }
+  if (x == ffi::DataType::BF16 && w == ffi::DataType::BF16 && (o == ffi::DataType::BF16 || o == ffi::DataType::F32)) {
+    *in = Dt::kBf16;
+    *out = o == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16;
+    return true;
+  }
+  return false;
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                      int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("matmul: w must be 2-D [K, N]");
+  int64_t K = wd[0], N = wd[1];
+  auto xd = x.dimensions();
+  if (xd.size() < 1 || xd.back() != K) return ffi::Error::InvalidArgument("matmul: x's last dimension must be K");
+  int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(out->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("matmul: output must hold M x N elements");
+  Dt in, ot;
+  if (!Dtypes(x.element_type(), w.element_type(), out->element_type(), &in, &ot))
+    return ffi::Error::InvalidArgument("matmul: supported dtypes are f32 x f32 -> f32 and bf16 x bf16 -> bf16/f32");
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  if (K == 0) {
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  kernels->matmul(RunnerFor(pool), in, ot, x.untyped_data(), M, K, w.untyped_data(), N, out->untyped_data());
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kF32Panel = 32, kBf16Panel = 64, kBf16KAlign = 32;
+
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                            ffi::Result<ffi::AnyBuffer> out, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto wd = w.dimensions();
+  const bool f32 = w.element_type() == ffi::DataType::F32;
+  const int64_t pw = f32 ? kF32Panel : kBf16Panel;
+  if (wd.size() != 4 || wd[2] != pw || wd[3] != (f32 ? 1 : 2))
+    return ffi::Error::InvalidArgument("packed matmul: w must be [N/32, K, 32, 1] (f32) or [N/64, Kp/2, 64, 2] (bf16)");
+  const int64_t panels = wd[0], kw = wd[1] * wd[3], N = panels * pw;
+  auto xd = x.dimensions();
+  if (xd.size() < 1) return ffi::Error::InvalidArgument("packed matmul: x must have a last dimension K");
+  const int64_t K = xd.back();
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(out->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("packed matmul: output must hold M x N elements");
+  Dt in, ot;
+  if (!Dtypes(x.element_type(), w.element_type(), out->element_type(), &in, &ot))
+    return ffi::Error::InvalidArgument("packed matmul: supported are f32 x f32 -> f32 and bf16 x bf16 -> bf16/f32");
+  if (in == Dt::kF32 ? kw != K : kw != (K + kBf16KAlign - 1) / kBf16KAlign * kBf16KAlign)
+    return ffi::Error::InvalidArgument(in == Dt::kF32 ? "packed matmul: f32 w must hold K rows"
+                                                      : "packed matmul: bf16 w must hold K rows padded to a multiple of 32");
+  if (!M || !N) return ffi::Error::Success();
+  if (!K) {
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  kernels->matmul_packed(RunnerFor(pool), in, ot, x.untyped_data(), M, K, w.untyped_data(), panels, kw,
+                            out->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
+                         ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
+                         ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
+                         float soft_cap, int64_t window, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto qd = q.dimensions(), kd = kv.dimensions(), pd = page_indices.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2)
+    return ffi::Error::InvalidArgument("attention: expected q[T,Hq,D], kv_pages[P,page,2Hkv,D], page_indices[S,M]");
+  AttnShape a{qd[1], kd[2] / 2, qd[2], kd[1], pd[1], sm_scale, soft_cap, window};
+  const int64_t t = qd[0], seqs = pd[0];
+  if (kd[3] != a.d || a.d % 16 || a.hkv == 0 || a.hq % a.hkv)
+    return ffi::Error::InvalidArgument("attention: head_dim must match and be a multiple of 16; Hq % Hkv == 0");
+  if (static_cast<int64_t>(kv_lens.element_count()) != seqs ||
+      static_cast<int64_t>(cu_q_lens.element_count()) != seqs + 1)
+    return ffi::Error::InvalidArgument("attention: kv_lens[S] and cu_q_lens[S+1] must match page_indices[S, M]");
+  const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, seqs);
+  auto qt = q.element_type(), kt = kv.element_type();
+  Dt dt;
+  if (qt == ffi::DataType::F32 && kt == ffi::DataType::F32)
+    dt = Dt::kF32;
+  else if (qt == ffi::DataType::BF16 && (kt == ffi::DataType::BF16 || kt == ffi::DataType::U16))
+    dt = Dt::kBf16;
+  else
+    return ffi::Error::InvalidArgument(
+        "attention: supported are f32 q with an f32 cache, bf16 q with a bf16 (or uint16-bits) cache");
+  kernels->attention(RunnerFor(pool), dt, a, t, q.untyped_data(), kv.untyped_data(), kv_lens.typed_data(),
+                        page_indices.typed_data(), cu_q_lens.typed_data(), n, out->untyped_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> q,
+                          ffi::Buffer<ffi::F32> bounds, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> num_rows,
+                          ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::Buffer<ffi::S32>> candidates,
+                          int32_t layout, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto xd = x.dimensions(), qd = q.dimensions(), bd = bounds.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || bd.size() != 2 || bd[0] != 2)
+    return ffi::Error::InvalidArgument("greedy head: expected x[M, K], q[N, Kq], bounds[2, N]");
+  const int64_t M = xd[0], K = xd[1], N = qd[0], Kq = qd[1];
+  if (bd[1] != N || Kq % 64 || Kq < K)
+    return ffi::Error::InvalidArgument("greedy head: q must be [N, K rounded up to 64] and bounds [2, N]");
+  const bool bf16 = w.element_type() == ffi::DataType::BF16;
+  if (x.element_type() != w.element_type() || !(bf16 || w.element_type() == ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("greedy head: x and w must both be f32 or both bf16");
+  HeadWeight hw{w.untyped_data(), bf16, layout, K, N, 0};
+  if (layout == 0) {
+    const int64_t pw = bf16 ? kBf16Panel : kF32Panel;
+    if (wd.size() != 4 || wd[2] != pw || wd[0] * pw != N || wd[1] * wd[3] < K)
+      return ffi::Error::InvalidArgument("greedy head: packed w does not match x and q");
+    hw.panel_len = wd[1] * wd[2] * wd[3];
+  } else if (layout != 1 && layout != 2) {
+    return ffi::Error::InvalidArgument("greedy head: layout must be 0 (packed), 1 ([K, N]) or 2 ([N, K])");
+  } else if (wd.size() != 2 || (layout == 1 ? (wd[0] != K || wd[1] != N) : (wd[0] != N || wd[1] != K))) {
+    return ffi::Error::InvalidArgument("greedy head: w must be [K, N] (layout 1) or [N, K] (layout 2)");
+  }
+  if (static_cast<int64_t>(tokens->element_count()) != M || static_cast<int64_t>(candidates->element_count()) != M)
+    return ffi::Error::InvalidArgument("greedy head: tokens and candidates must be [M]");
+  const int64_t rows = std::clamp<int64_t>(num_rows.typed_data()[0], 0, M);
+  std::memset(tokens->untyped_data(), 0, M * sizeof(int32_t));
+  std::memset(candidates->untyped_data(), 0, M * sizeof(int32_t));
+  if (!rows || !N) return ffi::Error::Success();
+  kernels->greedy_head(RunnerFor(pool), bf16 ? Dt::kBf16 : Dt::kF32, x.untyped_data(), rows, K, Kq,
+                          q.typed_data(), bounds.typed_data(), bounds.typed_data() + N, hw, tokens->typed_data(),
+                          candidates->typed_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace meshserve
+
+// For pallas_kernels/native.py: the instruction sets this CPU runs in this build (bit i: api.h Isa i), and names.
+extern "C" __attribute__((visibility("default"))) int32_t MeshserveCpuIsas() {
+  int32_t bits = 0;
+  for (int32_t i = 0; i < meshserve::kNumIsas; ++i)
+    if (meshserve::KernelsFor(i)) bits |= 1 << i;
+  return bits;
+}
+
+extern "C" __attribute__((visibility("default"))) const char* MeshserveIsaName(int32_t isa) {
+  return meshserve::IsaName(isa);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, meshserve::MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("window")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulPacked, meshserve::MatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGreedyHead, meshserve::GreedyHeadImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("isa"));
