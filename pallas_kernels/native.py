@@ -19,6 +19,7 @@ back to the pure-XLA paths, with the same results.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -122,7 +123,7 @@ def run_jobs(jobs: list[list[str]]) -> None:
 def _source_key(cxx: str, *extra) -> str:
     key = hashlib.sha256()
     for f in sorted(SOURCE_DIR.iterdir()):
-        if f.suffix in (".cc", ".h"):
+        if f.suffix in (".cc", ".h") and f.name != "selftest.cc":  # the library's sources
             key.update(f.name.encode() + f.read_bytes())
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key.update(repr((cxx, version, _CXXFLAGS, ARCH_ISAS, *extra)).encode())
@@ -130,7 +131,8 @@ def _source_key(cxx: str, *extra) -> str:
 
 
 def build(force: bool = False) -> Path:
-    """Compiles the kernels (or finds them in the cache) and returns the shared library's path."""
+    """Compiles the kernels (or finds them in the cache) and returns the shared library's path. Its objects stay
+    beside it (`<library>.objs/`: the self-test links them)."""
     from filelock import FileLock
 
     reason = _machine_reason()
@@ -140,19 +142,50 @@ def build(force: bool = False) -> Path:
     lib = _cache_dir() / f"meshserve_cpu_{machine()}_{_source_key(cxx, jax.__version__)}.so"
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib) + ".lock"):
-        if force or not lib.exists():
+        if force or not lib.exists() or not _objects_dir(lib).is_dir():
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 work = Path(tmp)
-                jobs = compile_jobs(cxx, machine(), work, jax.ffi.include_dir())
+                jobs = compile_jobs(cxx, machine(), work / "objs", jax.ffi.include_dir())
+                (work / "objs").mkdir()
                 run_jobs(jobs)
-                objects = [j[-1] for j in jobs]
-                link = [cxx, "-shared", *objects, "-o", str(work / "lib.so")]
+                link = [cxx, "-shared", *(j[-1] for j in jobs), "-o", str(work / "lib.so")]
                 done = subprocess.run(link, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"linking failed ({' '.join(link)}):\n{done.stderr[-4000:]}")
+                shutil.rmtree(_objects_dir(lib), ignore_errors=True)
+                os.replace(work / "objs", _objects_dir(lib))
                 os.replace(work / "lib.so", lib)
             log.info("built native CPU kernels: %s", lib)
     return lib
+
+
+def _objects_dir(lib: Path) -> Path:
+    return lib.with_suffix(".objs")
+
+
+def kernel_objects() -> list[Path]:
+    """The built library's per-instruction-set kernel objects and its CPU check (building it if needed)."""
+    objs = _objects_dir(build())
+    return [objs / f"kernels_{name}.o" for name in ARCH_ISAS[machine()]] + [objs / "cpu.o"]
+
+
+def build_selftest(cxx: str, arch: str, out: Path, static: bool = False, objects: list[Path] | None = None) -> Path:
+    """Compiles `native/selftest.cc` (every kernel path the CPU runs against double-precision references; no
+    jaxlib) with the kernels for `arch` into the executable `out`: with a cross compiler and `static`, for running
+    another architecture's paths under qemu-user. `objects`: the kernels already compiled (`kernel_objects()`)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        work = Path(tmp)
+        jobs = [] if objects is not None else compile_jobs(cxx, arch, work, include=None)
+        jobs.append([cxx, *_CXXFLAGS, "-c", str(SOURCE_DIR / "selftest.cc"), "-o", str(work / "selftest.o")])
+        run_jobs(jobs)
+        inputs = [*(j[-1] for j in jobs), *map(str, objects or [])]
+        link = [cxx, *(["-static"] if static else []), "-pthread", *inputs, "-o", str(out)]
+        done = subprocess.run(link, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"linking failed ({' '.join(link)}):\n{done.stderr[-4000:]}")
+    return out
 
 
 _registered = False
@@ -212,6 +245,22 @@ def isa() -> str:
     if forced not in _runnable:
         raise RuntimeError(f"{ISA_ENV_VAR}={forced}: this CPU cannot run it; it runs {', '.join(_runnable)}")
     return forced
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Programs traced inside take path `name` (as MESHSERVE_CPU_ISA would; jit a fresh function inside: a
+    program traced earlier keeps the path it was traced with)."""
+    before = os.environ.get(ISA_ENV_VAR)
+    os.environ[ISA_ENV_VAR] = name
+    try:
+        isa()
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ISA_ENV_VAR, None)
+        else:
+            os.environ[ISA_ENV_VAR] = before
 
 
 def _isa_attr() -> np.int32:

@@ -3,4 +3,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The native kernels' aarch64 paths are cross-compiled and run under qemu-user by tests/test_native_selftest.py:
+# Debian's cross compiler and qemu, installed here where apt can (as root); elsewhere that test says what it lacks.
+if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    pkgs="g++-aarch64-linux-gnu qemu-user"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q $pkgs >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q $pkgs >/dev/null 2>&1; } \
+      || echo "note: could not install $pkgs; the aarch64 kernel test will skip"
+  fi
+fi
 exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"

@@ -1,7 +1,8 @@
 """Ragged paged attention: every backend against a dense float64 NumPy oracle.
 
-Backends: the pure-JAX reference, the CPU fast path, and the GPU (Triton) and TPU (Mosaic) kernels in
-interpret mode. Named cases cover the issue's list; hypothesis adds random ragged batches.
+Backends: the pure-JAX reference, the CPU fast path, the native C++ kernel on every instruction-set path this CPU
+runs ("native-avx2", ...), and the GPU (Triton) and TPU (Mosaic) kernels in interpret mode. Named cases cover the
+issue's list; hypothesis adds random ragged batches.
 """
 import functools
 import re
@@ -16,10 +17,11 @@ import pallas_kernels
 from pallas_kernels import cpu, gpu, native, reference, tpu
 from pallas_kernels.testing import dense_attention, make_case
 
+NATIVE = [f"native-{isa}" for isa in native.runnable_isas()]  # none where the kernels cannot be built
 BACKENDS = {
     "reference": reference.ragged_paged_attention_reference,
     "cpu": cpu.ragged_paged_attention_cpu,
-    "native": native.ragged_paged_attention,
+    **{name: native.ragged_paged_attention for name in NATIVE},
     "gpu_interpret": functools.partial(gpu.ragged_paged_attention_gpu, interpret=True),
     "tpu_interpret": functools.partial(tpu.ragged_paged_attention_tpu, interpret=True),
 }
@@ -44,8 +46,14 @@ CASES = {
 
 
 def _run(backend, case, options, dtype=None):
+    # a fresh partial: a fresh trace, so a native path forced here is the one compiled in
     fn = jax.jit(functools.partial(BACKENDS[backend], sm_scale=case.q.shape[-1] ** -0.5, **options))
     args = [jnp.asarray(a) for a in case.attention_args()]
+    if backend.startswith("native-"):
+        with native.use_isa(backend.removeprefix("native-")):
+            lowered = fn.lower(*args)
+        assert f"isa = {native.ISAS.index(backend.removeprefix('native-'))} : i32" in lowered.as_text()
+        return np.asarray(lowered.compile()(*args).astype(jnp.float32))
     return np.asarray(fn(*args).astype(jnp.float32))
 
 
@@ -119,10 +127,17 @@ def test_random_batches_cpu(batch):
     _random_case_check("cpu", batch)
 
 
+@pytest.mark.parametrize("backend", NATIVE)
 @settings(max_examples=25, **_SETTINGS)
 @given(batch=ragged_batches())
-def test_random_batches_native(batch):
-    _random_case_check("native", batch)
+def test_random_batches_native(backend, batch):
+    _random_case_check(backend, batch)
+
+
+def test_native_attention_is_tested_here():
+    if not NATIVE:
+        pytest.skip(f"native CPU kernels cannot run here: {native.unavailable_reason()}")
+    assert NATIVE[-1] == f"native-{native.isa()}"
 
 
 @settings(max_examples=6, **_SETTINGS)

@@ -1,5 +1,9 @@
-"""Native CPU kernels (pallas_kernels/native): the matmul against NumPy, the engine's programs using them, and
-the switch back to XLA's kernels. (Attention is checked with every other backend in test_attention.py.)"""
+"""Native CPU kernels (pallas_kernels/native): the matmuls and the greedy head against NumPy on every
+instruction-set path this CPU runs (the `isa` fixture forces each in turn, so an AVX-512 machine tests its AVX2 and
+portable paths too), the engine's programs using them, and the switch back to XLA's kernels. (Attention is checked
+with every other backend in test_attention.py; the C++ self-test and the aarch64 paths in
+test_native_selftest.py.)"""
+import os
 import re
 
 import jax
@@ -13,32 +17,79 @@ from pallas_kernels import native
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
                                 reason=f"native CPU kernels cannot run here: {native.unavailable_reason()}")
+RUNNABLE = native.runnable_isas()
+# What each path needs beyond the one below it, as /proc/cpuinfo names it.
+NEEDS = {"avx2": "avx2, fma, f16c", "avx512": "avx512f, avx512bw, avx512vl, avx512dq", "avx512_bf16": "avx512_bf16",
+         "amx": "amx_tile, amx_bf16 (and Linux granting the AMX state)", "neon": "asimd", "neon_bf16": "bf16"}
+
+
+@pytest.fixture(params=RUNNABLE)
+def isa(request, monkeypatch):
+    """Each instruction-set path this CPU runs, forced in turn (programs traced in the test use it)."""
+    monkeypatch.setenv(native.ISA_ENV_VAR, request.param)
+    return request.param
+
+
+def _call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) jitted from a fresh trace (the path is read at trace time, and jit's cache would hand back
+    a program traced for another), checking that the program calls the kernels on the path the test forced."""
+    lowered = jax.jit(lambda *a: fn(*a, **kwargs)).lower(*args)
+    forced = os.environ.get(native.ISA_ENV_VAR)
+    if forced:
+        assert f"isa = {native.ISAS.index(forced)} : i32" in lowered.as_text()
+    return lowered.compile()(*args)
 
 
 def test_kernels_build_on_this_machine():
-    # The CI machine has AVX-512 BF16 and g++: the kernels must build there, not silently fall back.
+    # CI machines have g++ and at least AVX2: the kernels must build there and be used, not silently fall back.
     assert native.enabled()
     assert native.build().exists()
+    assert RUNNABLE[0] == "generic" and native.isa() == RUNNABLE[-1]
+    assert native.isa() in ("avx2", "avx512", "avx512_bf16", "amx", "neon", "neon_bf16")
+
+
+@pytest.mark.parametrize("path", [p for p in native.ARCH_ISAS.get(native.machine(), {}) if p != "generic"])
+def test_path_runs_on_this_cpu(path):
+    """One line per path of this architecture: those this CPU cannot run are named here (and only here) as a skip
+    with the CPU feature they need; the kernel tests run once per path it can."""
+    if path not in RUNNABLE:
+        pytest.skip(f"the {path} path needs {NEEDS[path]}, which this CPU lacks")
+    with native.use_isa(path):
+        x = jnp.arange(3 * 64, dtype=jnp.float32).reshape(3, 64) / 64
+        np.testing.assert_allclose(np.asarray(_call(native.matmul, x, jnp.ones((64, 32), jnp.float32))),
+                                   np.asarray(x) @ np.ones((64, 32)), rtol=1e-6)
+
+
+def test_forcing_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch):
+    missing = [p for p in native.ARCH_ISAS[native.machine()] if p not in RUNNABLE]
+    monkeypatch.setenv(native.ISA_ENV_VAR, missing[0] if missing else "neon" if native.machine() == "x86_64" else "avx2")
+    with pytest.raises(RuntimeError, match="this CPU cannot run it; it runs generic"):
+        native.enabled()
+    monkeypatch.setenv(native.ISA_ENV_VAR, "sse9")
+    with pytest.raises(ValueError, match="expected one of generic, avx2"):
+        native.isa()
+    monkeypatch.setenv(native.ISA_ENV_VAR, "auto")
+    assert native.isa() == RUNNABLE[-1]
 
 
 @pytest.mark.parametrize("m", [1, 3, 7, 8, 13, 16, 17, 33])
 @pytest.mark.parametrize("k,n", [(64, 48), (96, 200), (33, 130), (256, 1000)])
-def test_matmul_f32_matches_numpy(m, k, n):
+def test_matmul_f32_matches_numpy(isa, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-    out = np.asarray(jax.jit(native.matmul)(jnp.asarray(x), jnp.asarray(w)))
+    out = np.asarray(_call(native.matmul, jnp.asarray(x), jnp.asarray(w)))
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 12, 16, 20])
 @pytest.mark.parametrize("k,n", [(64, 48), (33, 130), (256, 1000)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_matmul_bf16_matches_f32_accumulation(m, k, n, out_dtype):
+def test_matmul_bf16_matches_f32_accumulation(isa, m, k, n, out_dtype):
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # bf16 products are exact in f32
-    out = jax.jit(native.matmul, static_argnums=2)(x, w, out_dtype)
+    out = _call(native.matmul, x, w, out_dtype=out_dtype)
     assert out.dtype == out_dtype and out.shape == (m, n)
     if out_dtype == jnp.float32:
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
@@ -46,12 +97,12 @@ def test_matmul_bf16_matches_f32_accumulation(m, k, n, out_dtype):
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2)
 
 
-def test_matmul_takes_leading_dims_and_zero_rows():
+def test_matmul_takes_leading_dims_and_zero_rows(isa):
     x = jnp.arange(2 * 3 * 64, dtype=jnp.float32).reshape(2, 3, 64) / 100
     w = jnp.ones((64, 32), jnp.float32)
-    np.testing.assert_allclose(np.asarray(jax.jit(native.matmul)(x, w)), np.asarray(x) @ np.ones((64, 32)),
+    np.testing.assert_allclose(np.asarray(_call(native.matmul, x, w)), np.asarray(x) @ np.ones((64, 32)),
                                rtol=1e-6)
-    assert jax.jit(native.matmul)(jnp.zeros((0, 64), jnp.float32), w).shape == (0, 32)
+    assert _call(native.matmul, jnp.zeros((0, 64), jnp.float32), w).shape == (0, 32)
 
 
 def _custom_calls(fn, *args) -> set[str]:
@@ -109,24 +160,23 @@ def test_can_pack_rejects_what_the_kernel_cannot_take():
 
 @pytest.mark.parametrize("m", [1, 4, 6, 7, 13, 14, 16, 29, 40, 230])
 @pytest.mark.parametrize("k,n", [(64, 32), (33, 192), (300, 96)])
-def test_packed_matmul_f32_matches_numpy(m, k, n):
+def test_packed_matmul_f32_matches_numpy(isa, m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-    out = np.asarray(jax.jit(native.matmul_packed)(jnp.asarray(x), native.pack_weight(jnp.asarray(w))))
+    out = np.asarray(_call(native.matmul_packed, jnp.asarray(x), native.pack_weight(jnp.asarray(w))))
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("amx", ["1", "0"])
 @pytest.mark.parametrize("m", [1, 3, 6, 8, 16, 17, 40])
 @pytest.mark.parametrize("k,n", [(64, 64), (33, 192), (70, 128), (256, 320)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_packed_matmul_bf16_matches_f32_accumulation(monkeypatch, amx, m, k, n, out_dtype):
-    pass
+def test_packed_matmul_bf16_matches_f32_accumulation(isa, m, k, n, out_dtype):
+    # rows of 40 take the AMX tiles or, where bf16 is widened to f32, the panel widened once (matmul.h)
     rng = np.random.default_rng(m * 1000 + k + n)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
     want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    out = jax.jit(native.matmul_packed, static_argnums=2)(x, native.pack_weight(w), out_dtype)
+    out = _call(native.matmul_packed, x, native.pack_weight(w), out_dtype=out_dtype)
     assert out.dtype == out_dtype and out.shape == (m, n)
     if out_dtype == jnp.float32:
         np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
@@ -134,12 +184,12 @@ def test_packed_matmul_bf16_matches_f32_accumulation(monkeypatch, amx, m, k, n, 
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2)
 
 
-def test_packed_matmul_takes_leading_dims_and_zero_rows():
+def test_packed_matmul_takes_leading_dims_and_zero_rows(isa):
     x = jnp.arange(2 * 3 * 64, dtype=jnp.float32).reshape(2, 3, 64) / 100
     p = native.pack_weight(jnp.ones((64, 128), jnp.float32))
-    np.testing.assert_allclose(np.asarray(jax.jit(native.matmul_packed)(x, p)), np.asarray(x) @ np.ones((64, 128)),
+    np.testing.assert_allclose(np.asarray(_call(native.matmul_packed, x, p)), np.asarray(x) @ np.ones((64, 128)),
                                rtol=1e-6)
-    assert jax.jit(native.matmul_packed)(jnp.zeros((0, 64), jnp.float32), p).shape == (0, 128)
+    assert _call(native.matmul_packed, jnp.zeros((0, 64), jnp.float32), p).shape == (0, 128)
 
 
 def test_model_matmul_on_packed_weights_any_rows_and_xla_fallback(monkeypatch):
@@ -173,9 +223,16 @@ def test_model_matmul_dispatch_follows_rows_dtype_and_switch(monkeypatch):
     assert _custom_calls(matmul, jnp.ones((16, 64), jnp.float32), w32) == {"meshserve_cpu_matmul"}
 
 
-def test_native_and_xla_kernels_give_the_same_generations(tmp_path, monkeypatch):
+# The engine on the path it picks, and on the lowest one the automatic choice would take (AVX2 on an AVX-512 machine).
+ENGINE_PATHS = sorted({RUNNABLE[-1], next((p for p in RUNNABLE if p in ("avx2", "neon")), RUNNABLE[-1])},
+                      key=RUNNABLE.index) if RUNNABLE else []
+
+
+@pytest.mark.parametrize("path", ENGINE_PATHS)
+def test_native_and_xla_kernels_give_the_same_generations(tmp_path, monkeypatch, path):
     """The engine's step runs both native kernels, and its greedy generations equal those with XLA's kernels
     and HF's (untied LM head, so the logits matmul is native too)."""
+    monkeypatch.setenv(native.ISA_ENV_VAR, path)
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
     from tests import hf_models
@@ -235,8 +292,8 @@ def _head(layout: str, w_kn: jax.Array) -> jax.Array:
 
 def _screened(x, w_kn, layout, num_rows):
     q, bounds = native.greedy_head_screen(np.asarray(w_kn.astype(jnp.float32)).T)
-    fn = jax.jit(lambda x, q, b, w, n: native.greedy_head(x, q, b, w, n, layout=layout))
-    tokens, cands = fn(x, jnp.asarray(q), jnp.asarray(bounds), _head(layout, w_kn), jnp.array([num_rows]))
+    tokens, cands = _call(native.greedy_head, x, jnp.asarray(q), jnp.asarray(bounds), _head(layout, w_kn),
+                          jnp.array([num_rows]), layout=layout)
     return np.asarray(tokens), np.asarray(cands)
 
 
@@ -247,7 +304,7 @@ def _exact_logits(x, w_kn) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("layout", ["packed", "kn", "nk"])
 @pytest.mark.parametrize("k,n", [(64, 256), (100, 640), (768, 4096)])
-def test_greedy_head_is_the_argmax_of_the_exact_logits(dtype, layout, k, n):
+def test_greedy_head_is_the_argmax_of_the_exact_logits(isa, dtype, layout, k, n):
     rng = np.random.default_rng(k + n)
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, dtype)
     for trial in range(3):
@@ -279,7 +336,7 @@ def test_greedy_head_screen_bounds_hold():
     assert (err <= np.linalg.norm(x, axis=1, keepdims=True) * bounds[1]).all()
 
 
-def test_greedy_head_finds_the_winner_the_screen_misorders():
+def test_greedy_head_finds_the_winner_the_screen_misorders(isa):
     """Two vocabulary rows whose exact logits differ by a hair but whose int8 approximations rank them the
     other way: the full-precision recheck of the candidates gives the exact winner."""
     rng = np.random.default_rng(0)
@@ -303,7 +360,7 @@ def test_greedy_head_finds_the_winner_the_screen_misorders():
     assert tokens[0] == a and cands[0] >= 2
 
 
-def test_greedy_head_ties_and_degenerate_rows():
+def test_greedy_head_ties_and_degenerate_rows(isa):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((64, 128)).astype(np.float32)
     w[:, 90] = w[:, 40] = w[:, 70] * 1  # three identical rows

@@ -327,6 +327,18 @@ struct V {
   }
   static WPair PairLoad(const uint16_t* w) { return vreinterpretq_bf16_u16(vld1q_u16(w)); }
   static F PairDot(F acc, XPair x, WPair w) { return vbfdotq_f32(acc, x, w); }
+  // Rows k (r0) and k+1 (r1; null: zeros) of kLanes columns of a row-major weight, into the pair layout; columns
+  // past the first n are zero.
+  static WPair PairRows(const uint16_t* r0, const uint16_t* r1, M n) {
+    const uint16x4x2_t z = vzip_u16(LoadU16(r0, n), r1 ? LoadU16(r1, n) : vdup_n_u16(0));
+    return vreinterpretq_bf16_u16(vcombine_u16(z.val[0], z.val[1]));
+  }
+  static uint16x4_t LoadU16(const uint16_t* p, M n) {
+    if (n == 4) return vld1_u16(p);
+    uint16_t b[4] = {};
+    std::memcpy(b, p, n * sizeof(uint16_t));
+    return vld1_u16(b);
+  }
 #else
   static constexpr bool kNativePairs = false;
   using PairX = float;

@@ -104,6 +104,15 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
     return path
 
 
+def instruction_sets() -> str:
+    """The x86/ARM vector extensions the installed llama.cpp build uses, from its system info (e.g. "AVX2")."""
+    import llama_cpp as lc
+    info = lc.llama_print_system_info().decode()
+    on = [f.strip().split(" = ")[0] for f in info.replace("|", "\n").splitlines() if f.strip().endswith("= 1")]
+    order = ["AMX_INT8", "AVX512_BF16", "AVX512", "AVX2", "NEON", "SVE"]
+    return next((f for f in order if f in on), "/".join(on) or "?")
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _quiet(level, text, user_data):  # llama.cpp's log goes nowhere
     return None

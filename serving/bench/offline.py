@@ -47,6 +47,42 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, LLAMA_125M["vocab_size"], length).tolist() for _ in range(n)]
 
 
+_FRESH = iter(range(1000, 10 ** 9))
+
+
+def _fresh_prompts(n: int, length: int) -> list[list[int]]:
+    """Prompts no earlier pass used: a timed cell never reads its prompts from the prefix cache (the peers it is
+    compared with have none)."""
+    return _prompts(n, length, seed=next(_FRESH))
+
+
+def _cached_tokens(llm) -> int:
+    """Prompt tokens the engine has served from its prefix cache so far (a cell's count is the difference)."""
+    return llm.engine.scheduler.prefix_cache_hits
+
+
+def _cpu_path() -> str:
+    """What the CPU engine's kernels run: the native kernels' instruction-set path, or XLA's."""
+    import jax
+
+    from pallas_kernels import native
+    if jax.default_backend() != "cpu":
+        return jax.default_backend()
+    return f"native {native.isa()}" if native.enabled() else "xla"
+
+
+def cpu_name() -> str:
+    """The CPU model, as /proc/cpuinfo names it (every benchmark table names it)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
 def _llm(dtype: str, **options):
     from serving.core.llm import LLM
     base = dict(dtype=dtype, page_size=16, num_pages=4096, max_num_seqs=16, max_num_batched_tokens=256)
@@ -72,49 +108,58 @@ def _table(title: str, header: list[str], rows: list[list]) -> None:
 
 
 def bench_throughput():
-    """16 prompts x 128 tokens in, 128 out: all at once and one at a time; meshserve vs HF generate."""
+    """16 prompts x 128 tokens in, 128 out: all at once and one at a time; meshserve vs HF generate. Every timed
+    pass takes prompts no earlier pass has used (no prefix-cache hits; the cells print the cached tokens)."""
     n_in, n_out = 128, (32 if _QUICK.value else 128)
     rows = []
     for dtype in _DTYPES.value:
-        prompts = _prompts(16, n_in)
         llm = _llm(dtype)
-        llm.generate(prompts, _greedy(n_out))  # first touch of the KV pages and the programs the runs use
+        llm.generate(_fresh_prompts(16, n_in), _greedy(n_out))  # first touch of the KV pages and the programs
         eng = llm.engine
         screen = eng.screen_greedy
+        cached = {"b16": 0, "b1": 0}
 
         def batch16():
+            prompts, hits = _fresh_prompts(16, n_in), _cached_tokens(llm)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, _greedy(n_out))
-            return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+            rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+            cached["b16"] += _cached_tokens(llm) - hits
+            return rate
 
         def batch1(prompt, screened: bool) -> float:
             eng.screen_greedy = screened
+            hits = _cached_tokens(llm)
             t0 = time.perf_counter()
             llm.generate([prompt], _greedy(n_out))
-            return time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            cached["b1"] += _cached_tokens(llm) - hits
+            return took
 
         # Async scheduling on, then off (the same engine); batch 1 with and without the LM head's int8 screen
         # alternating request by request (the machine's speed drifts over minutes).
         eng.look_ahead = eng.config.async_scheduling
         ms16 = batch16()
         b1 = {True: 0.0, False: 0.0}
-        for p in prompts[:4]:
+        for _ in range(4):
             for screened in ((True, False) if screen else (False,)):
-                b1[screened] += batch1(p, screened)
+                b1[screened] += batch1(_fresh_prompts(1, n_in)[0], screened)
         eng.look_ahead = False
         sync16 = batch16()
-        sync1 = 4 * n_out / sum(batch1(p, screen) for p in prompts[:4])
+        sync1 = 4 * n_out / sum(batch1(_fresh_prompts(1, n_in)[0], screen) for _ in range(4))
         del llm, eng
         ms1 = 4 * n_out / b1[screen]
         full1 = 4 * n_out / b1[False] if screen else "-"
         hf16 = hf1 = float("nan")
         if _HF_BASELINE.value:
-            hf16, hf1 = _hf_throughput(dtype, prompts, n_out)
-        rows.append([dtype, ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1, hf1, ms1 / hf1])
-    _table("Output tokens/s, 16 x (128 in, %d out), greedy (sync: async scheduling off; full head: batch 1 without "
-           "the LM head's int8 screen)" % n_out,
-           ["dtype", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync", "full head", "HF b1",
-            "ratio"], rows)
+            hf16, hf1 = _hf_throughput(dtype, _fresh_prompts(16, n_in), n_out)
+        rows.append([dtype, _cpu_path(), ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1, hf1, ms1 / hf1,
+                     f"{cached['b16']} / {cached['b1']}"])
+    _table("Output tokens/s, 16 x (128 in, %d out), greedy, %s (sync: async scheduling off; full head: batch 1 "
+           "without the LM head's int8 screen; cached: prompt tokens served from the prefix cache in the b16 / b1 "
+           "cells)" % (n_out, cpu_name()),
+           ["dtype", "meshserve kernels", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync",
+            "full head", "HF b1", "ratio", "cached"], rows)
 
 
 def _hf_throughput(dtype: str, prompts, n_out: int) -> tuple[float, float]:
@@ -138,9 +183,11 @@ def bench_llamacpp():
     """meshserve and llama.cpp (the batch-1 bars of #3 are llama.cpp's) on the same checkpoint: the benchmark
     model written as GGUF in its own dtype (`serving.bench.llamacpp`), the same prompts, greedy, 16 x (128 in, 128
     out) all at once and 4 of them one at a time, in one process, interleaved round by round (the order flipped
-    each round). llama.cpp runs with its defaults (all CPUs, f16 KV cache, weights mmapped); "tokens agree": the
-    mean share of the 16 greedy outputs both produce identically from the start (random weights leave near-ties
-    that accumulation order and llama.cpp's f16 KV cache decide differently after a while)."""
+    each round), each round on prompts no earlier round used (neither side reads them from a cache). llama.cpp runs
+    with its defaults (all CPUs, f16 KV cache, weights mmapped); its column names the instruction sets its build
+    uses (a build for AVX2 only: see BUILD.md). "tokens agree": the mean share of the 16 greedy outputs both
+    produce identically from the start (random weights leave near-ties that accumulation order and llama.cpp's f16
+    KV cache decide differently after a while)."""
     from serving.bench import llamacpp
     if not llamacpp.available():
         print("\n## llama.cpp side by side: not run: llama-cpp-python is not installed "
@@ -149,15 +196,15 @@ def bench_llamacpp():
     n_in, n_out = 128, (32 if _QUICK.value else 128)
     rows = []
     for dtype in _DTYPES.value:
-        prompts = _prompts(16, n_in)
         hf_dir = model_dir(dtype)
         path = os.path.join(_WORKDIR.value, f"llama125m-{dtype}.gguf")
         if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(hf_dir, "config.json")):
             llamacpp.write_gguf(hf_dir, path)
         llm = _llm(dtype)
-        llm.generate(prompts, _greedy(n_out))
+        llm.generate(_fresh_prompts(16, n_in), _greedy(n_out))
         cpp = llamacpp.LlamaCpp(path, max_seqs=16, max_len=n_in + n_out)
-        cpp.generate(prompts, 8)
+        cpp.generate(_fresh_prompts(16, n_in), 8)
+        hits = _cached_tokens(llm)
 
         def ours(batch):
             return [list(o.token_ids) for o in llm.generate(batch, _greedy(n_out))]
@@ -166,30 +213,34 @@ def bench_llamacpp():
             return cpp.generate(batch, n_out)
 
         rates = {(who, b): [] for who in ("ms", "cpp") for b in (16, 1)}
-        outs = {}
+        agree = []
         for r in range(1 if _QUICK.value else 3):
             order = (("ms", ours), ("cpp", theirs)) if r % 2 == 0 else (("cpp", theirs), ("ms", ours))
+            prompts, singles = _fresh_prompts(16, n_in), _fresh_prompts(4, n_in)
+            outs = {}
             for who, run in order:
                 t0 = time.perf_counter()
                 outs[who] = run(prompts)
                 rates[who, 16].append(16 * n_out / (time.perf_counter() - t0))
+            agree += [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), n_out) / n_out
+                      for x, y in zip(outs["ms"], outs["cpp"])]
             for who, run in order:
                 t0 = time.perf_counter()
-                for p in prompts[:4]:
+                for p in singles:
                     run([p])
                 rates[who, 1].append(4 * n_out / (time.perf_counter() - t0))
+        cached = _cached_tokens(llm) - hits
         cpp.close()
         del llm
-        agree = statistics.mean(
-            next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), n_out) / n_out
-            for x, y in zip(outs["ms"], outs["cpp"]))
         med = {k: statistics.median(v) for k, v in rates.items()}
-        rows.append([dtype, med["ms", 16], med["cpp", 16], med["ms", 16] / med["cpp", 16], med["ms", 1],
-                     med["cpp", 1], med["ms", 1] / med["cpp", 1], f"{agree:.0%}"])
-    _table("meshserve vs llama.cpp, same checkpoint, output tokens/s, 16 x (128 in, %d out), greedy (median of "
-           "interleaved rounds)" % n_out,
-           ["dtype", "meshserve b16", "llama.cpp b16", "ratio", "meshserve b1", "llama.cpp b1", "ratio",
-            "tokens agree"], rows)
+        rows.append([dtype, _cpu_path(), llamacpp.instruction_sets(), med["ms", 16], med["cpp", 16],
+                     med["ms", 16] / med["cpp", 16], med["ms", 1], med["cpp", 1], med["ms", 1] / med["cpp", 1],
+                     f"{statistics.mean(agree):.0%}", cached])
+    _table("meshserve vs llama.cpp, same checkpoint, output tokens/s, 16 x (128 in, %d out), greedy, %s (median "
+           "of interleaved rounds; cached: prompt tokens meshserve served from its prefix cache in the timed rounds)"
+           % (n_out, cpu_name()),
+           ["dtype", "meshserve kernels", "llama.cpp build", "meshserve b16", "llama.cpp b16", "ratio",
+            "meshserve b1", "llama.cpp b1", "ratio", "tokens agree", "cached"], rows)
 
 
 def bench_startup():

@@ -1,0 +1,435 @@
+// Standalone check of every instruction-set path this CPU runs (no jaxlib, no FFI): each path's kernels (api.h)
+// against straightforward double-precision references, on pseudo-random inputs from fixed seeds, serially and
+// with helper threads. Built by pallas_kernels/native.py `build_selftest`, also for aarch64 with a cross compiler,
+// so the NEON paths run under qemu on an x86-64 machine (tests/test_native_selftest.py).
+//
+//   selftest [isa ...]   only those paths; exit 0 iff at least one path ran and every check on every path passed
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "api.h"
+
+namespace meshserve {
+namespace {
+
+// splitmix64: the same inputs on every machine and compiler.
+struct Rng {
+  uint64_t s;
+  uint64_t Next() {
+    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float Uniform(float lo, float hi) { return lo + (hi - lo) * static_cast<float>(Next() >> 40) * 0x1p-24f; }
+};
+
+uint16_t ToBf16(float f) {  // round to nearest even (inputs are finite)
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+}
+float FromBf16(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// A tensor as the kernels take it: float32, or bfloat16 as bits. Outputs start as NaN, so an element a kernel
+// never writes fails its check.
+struct Buf {
+  Dt dt;
+  std::vector<float> f;
+  std::vector<uint16_t> h;
+  Buf(Dt t, size_t n) : dt(t) {
+    if (t == Dt::kF32) f.assign(n, NAN);
+    else h.assign(n, 0x7FC0);
+  }
+  void* data() { return dt == Dt::kF32 ? static_cast<void*>(f.data()) : static_cast<void*>(h.data()); }
+  const void* data() const { return const_cast<Buf*>(this)->data(); }
+  double At(size_t i) const { return dt == Dt::kF32 ? f[i] : FromBf16(h[i]); }
+  void Set(size_t i, float v) {
+    if (dt == Dt::kF32) f[i] = v;
+    else h[i] = ToBf16(v);
+  }
+  void CopyFrom(size_t dst, const Buf& src, size_t i) {  // exact: same dtype
+    if (dt == Dt::kF32) f[dst] = src.f[i];
+    else h[dst] = src.h[i];
+  }
+};
+
+Buf Random(Dt dt, size_t n, Rng& rng, float scale = 1) {
+  Buf b(dt, n);
+  for (size_t i = 0; i < n; ++i) b.Set(i, rng.Uniform(-scale, scale));
+  return b;
+}
+
+const char* DtName(Dt dt) { return dt == Dt::kF32 ? "f32" : "bf16"; }
+
+// A kernel's worst error over its checks, in units of the tolerance (above 1 fails), and where it was.
+struct Worst {
+  double ratio = 0;
+  std::string where;
+  void Near(double got, double want, double rtol, double atol, const std::string& ctx, size_t i) {
+    const double err = std::fabs(got - want), r = err <= INFINITY ? err / (atol + rtol * std::fabs(want)) : INFINITY;
+    if (!(r <= ratio)) {  // NaN counts as the worst
+      char s[160];
+      std::snprintf(s, sizeof s, " element %zu: got %.9g, want %.9g (|err| %.3g = %.3g x tolerance)", i, got, want,
+                    err, r);
+      ratio = r;
+      where = ctx + s;
+    }
+  }
+  void Fail(const std::string& why) {  // the first failure is reported
+    if (ratio == INFINITY) return;
+    ratio = INFINITY;
+    where = why;
+  }
+  bool ok() const { return ratio <= 1; }
+};
+
+// float32 out: accumulation error only; bfloat16 out: one rounding (2^-8 relative) of the float32 result.
+// Products of bfloat16 are exact in float32, so bfloat16 in with float32 out is as tight as float32.
+void Compare(Worst& worst, const Buf& got, const std::vector<double>& want, const std::string& ctx) {
+  const double rtol = got.dt == Dt::kF32 ? 1e-5 : 0x1p-8, atol = got.dt == Dt::kF32 ? 1e-4 : 1e-3;
+  for (size_t i = 0; i < want.size(); ++i) worst.Near(got.At(i), want[i], rtol, atol, ctx, i);
+}
+
+// A runner whose helpers are fresh threads, joined after the call: the kernels' work sharing under real
+// concurrency (threads = 1 is the serial runner).
+struct Threads {
+  std::vector<std::thread> started;
+  static void Schedule(void* pool, void (*task)(void*), void* arg) {
+    static_cast<Threads*>(pool)->started.emplace_back(task, arg);  // only the calling thread schedules
+  }
+};
+constexpr int kThreadCounts[] = {1, 3};
+
+template <typename F>
+void Call(int threads, F&& kernel) {
+  Threads pool;
+  kernel(threads > 1 ? Runner{&pool, threads, Threads::Schedule} : Runner{nullptr, 1, nullptr});
+  for (auto& t : pool.started) t.join();
+}
+
+std::string Case(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string Case(const char* fmt, ...) {
+  char s[200];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(s, sizeof s, fmt, args);
+  va_end(args);
+  return s;
+}
+
+std::vector<double> RefMatmul(const Buf& x, const Buf& w, int64_t M, int64_t K, int64_t N) {
+  std::vector<double> o(M * N, 0.0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) o[m * N + n] += x.At(m * K + k) * w.At(k * N + n);
+  return o;
+}
+
+// The combinations the kernels take: f32 -> f32, bf16 -> bf16, bf16 -> f32.
+constexpr Dt kDtypes[3][2] = {{Dt::kF32, Dt::kF32}, {Dt::kBf16, Dt::kBf16}, {Dt::kBf16, Dt::kF32}};
+
+Worst CheckMatmul(const Kernels& k) {
+  Worst worst;
+  const int64_t kKN[][2] = {{1, 20}, {33, 130}, {64, 48}, {127, 200}};  // odd K, N not a multiple of 16
+  for (const auto& dts : kDtypes)
+    for (const auto& kn : kKN)
+      for (int64_t M : {1, 3, 8, 13, 17}) {
+        const int64_t K = kn[0], N = kn[1];
+        Rng rng{static_cast<uint64_t>(M * 100003 + K * 1009 + N)};
+        const Buf x = Random(dts[0], M * K, rng), w = Random(dts[0], K * N, rng);
+        const std::vector<double> want = RefMatmul(x, w, M, K, N);
+        for (int threads : kThreadCounts) {
+          Buf o(dts[1], M * N);
+          Call(threads, [&](const Runner& run) {
+            k.matmul(run, dts[0], dts[1], x.data(), M, K, w.data(), N, o.data());
+          });
+          Compare(worst, o, want,
+                  Case("%s->%s M=%lld K=%lld N=%lld threads=%d", DtName(dts[0]), DtName(dts[1]), (long long)M,
+                       (long long)K, (long long)N, threads));
+        }
+      }
+  return worst;
+}
+
+// pallas_kernels/native.py `_panels` of w[K, N]: f32 [N/32, K, 32, 1]; bf16 [N/64, Kp/2, 64, 2] with K zero-padded
+// to Kp (a multiple of 32) and rows k, k+1 of a column side by side. `kw`: K rows held.
+Buf Pack(const Buf& w, int64_t K, int64_t N, int64_t* kw) {
+  if (w.dt == Dt::kF32) {
+    Buf p(Dt::kF32, K * N);
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) p.CopyFrom((n / 32 * K + k) * 32 + n % 32, w, k * N + n);
+    *kw = K;
+    return p;
+  }
+  const int64_t kp = (K + 31) / 32 * 32;
+  Buf p(Dt::kBf16, kp * N);
+  std::fill(p.h.begin(), p.h.end(), 0);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) p.CopyFrom(((n / 64 * (kp / 2) + k / 2) * 64 + n % 64) * 2 + k % 2, w, k * N + n);
+  *kw = kp;
+  return p;
+}
+
+Worst CheckPacked(const Kernels& k) {
+  Worst worst;
+  for (const auto& dts : kDtypes)
+    for (int64_t K : {1, 33, 64, 100})
+      for (int64_t N : {64, 192})  // whole panels (64: one bf16 panel, two f32 ones)
+        for (int64_t M : {1, 2, 3, 5, 7, 16, 30, 40}) {  // from 24 rows the widened-panel path (no bf16 pairs)
+          Rng rng{static_cast<uint64_t>(7 + M * 100003 + K * 1009 + N)};
+          Buf x = Random(dts[0], M * K, rng), w = Random(dts[0], K * N, rng);
+          int64_t kw;
+          Buf p = Pack(w, K, N, &kw);
+          const int64_t panels = N / (dts[0] == Dt::kF32 ? 32 : 64);
+          const std::vector<double> want = RefMatmul(x, w, M, K, N);
+          for (int threads : kThreadCounts) {
+            Buf o(dts[1], M * N);
+            Call(threads, [&](const Runner& run) {
+              k.matmul_packed(run, dts[0], dts[1], x.data(), M, K, p.data(), panels, kw, o.data());
+            });
+            Compare(worst, o, want,
+                    Case("%s->%s M=%lld K=%lld N=%lld threads=%d", DtName(dts[0]), DtName(dts[1]), (long long)M,
+                         (long long)K, (long long)N, threads));
+          }
+        }
+  return worst;
+}
+
+// pallas_kernels/reference.py: token i of sequence s sits at kv_lens[s] - q_len + i and sees the keys at or before
+// it (and after it minus the window); kv pages [P, page_size, 2 Hkv, D], K of head h at 2h, V at 2h + 1; rows of
+// tokens past cu[num_seqs] are zero.
+struct AttnCase {
+  AttnShape a;
+  int64_t t, num_seqs;
+  std::vector<int32_t> kv_lens, pages, cu;
+};
+
+std::vector<double> RefAttention(const AttnCase& c, const Buf& q, const Buf& kv) {
+  const AttnShape& a = c.a;
+  const int64_t g = a.hq / a.hkv;
+  std::vector<double> out(c.t * a.hq * a.d, 0.0), s;
+  for (int64_t tok = 0; tok < c.cu[c.num_seqs]; ++tok) {
+    int64_t seq = 0;
+    while (c.cu[seq + 1] <= tok) ++seq;
+    const int64_t kv_len = c.kv_lens[seq], pos = kv_len - (c.cu[seq + 1] - c.cu[seq]) + (tok - c.cu[seq]);
+    for (int64_t h = 0; h < a.hq; ++h) {
+      auto key = [&](int64_t p, int half, int64_t e) {  // half 0: K, 1: V
+        const int64_t page = c.pages[seq * a.max_pages + p / a.page_size];
+        return kv.At((((page * a.page_size + p % a.page_size) * 2 * a.hkv) + 2 * (h / g) + half) * a.d + e);
+      };
+      double m = -INFINITY;
+      s.assign(kv_len, -INFINITY);
+      for (int64_t p = 0; p < kv_len; ++p) {
+        if (p > pos || (a.window > 0 && p <= pos - a.window)) continue;
+        double dot = 0;
+        for (int64_t e = 0; e < a.d; ++e) dot += q.At((tok * a.hq + h) * a.d + e) * key(p, 0, e);
+        s[p] = dot * a.sm_scale;
+        if (a.soft_cap > 0) s[p] = a.soft_cap * std::tanh(s[p] / a.soft_cap);
+        m = std::max(m, s[p]);
+      }
+      double sum = 0;
+      double* o = &out[(tok * a.hq + h) * a.d];
+      for (int64_t p = 0; p < kv_len; ++p) {
+        if (s[p] == -INFINITY) continue;
+        const double wgt = std::exp(s[p] - m);
+        sum += wgt;
+        for (int64_t e = 0; e < a.d; ++e) o[e] += wgt * key(p, 1, e);
+      }
+      for (int64_t e = 0; e < a.d; ++e) o[e] = sum > 0 ? o[e] / sum : 0;
+    }
+  }
+  return out;
+}
+
+Worst CheckAttention(const Kernels& k) {
+  Worst worst;
+  // A decode token, a first prefill chunk of 70 tokens (two query blocks, two key chunks), and 5 tokens after 78
+  // cached ones; 4 padding tokens; a fourth sequence slot past num_seqs.
+  AttnCase c;
+  c.a = AttnShape{4, 2, 32, 4, 21, static_cast<float>(1 / std::sqrt(32.0)), 0, 0};
+  c.t = 80;
+  c.num_seqs = 3;
+  c.kv_lens = {9, 70, 83, 0};
+  c.cu = {0, 1, 71, 76, 76};
+  const int64_t num_pages = 72;
+  std::vector<int32_t> perm(num_pages);
+  Rng rng{42};
+  for (int64_t i = 0; i < num_pages; ++i) perm[i] = static_cast<int32_t>(i);
+  for (int64_t i = num_pages - 1; i > 0; --i) std::swap(perm[i], perm[rng.Next() % (i + 1)]);  // scattered pages
+  c.pages.assign(4 * c.a.max_pages, 0);
+  for (int64_t i = 0, used = 0; i < 4; ++i)
+    for (int64_t p = 0; p < (c.kv_lens[i] + 3) / 4; ++p) c.pages[i * c.a.max_pages + p] = perm[used++];
+  for (Dt dt : {Dt::kF32, Dt::kBf16}) {
+    const Buf q = Random(dt, c.t * c.a.hq * c.a.d, rng, 2), kv = Random(dt, num_pages * 4 * 4 * c.a.d, rng, 2);
+    for (int64_t window : {0, 16})
+      for (float cap : {0.0f, 2.0f}) {
+        c.a.window = window;
+        c.a.soft_cap = cap;
+        const std::vector<double> want = RefAttention(c, q, kv);
+        for (int threads : kThreadCounts) {
+          Buf o(dt, c.t * c.a.hq * c.a.d);
+          Call(threads, [&](const Runner& run) {
+            k.attention(run, dt, c.a, c.t, q.data(), kv.data(),
+                        c.kv_lens.data(), c.pages.data(), c.cu.data(), c.num_seqs, o.data());
+          });
+          Compare(worst, o, want,
+                  Case("%s window=%lld soft_cap=%g threads=%d", DtName(dt), (long long)window, cap, threads));
+        }
+      }
+  }
+  return worst;
+}
+
+// pallas_kernels/native.py `greedy_head_screen` of the head as [N, K]: q [N, Kq] (Kq: K rounded up to 64), each
+// row's scale s_j and bound c_j = (||w_j - s_j q_j|| + gamma ||s_j q_j||)(1 + 1e-6), rounded up to float32.
+struct Screen {
+  int64_t kq;
+  std::vector<int8_t> q;
+  std::vector<float> scale, bound;
+};
+
+Screen MakeScreen(const Buf& head_nk, int64_t N, int64_t K) {
+  Screen s{(K + 63) / 64 * 64, {}, std::vector<float>(N), std::vector<float>(N)};
+  s.q.assign(N * s.kq, 0);
+  const double u = 0x1p-24, gamma = (s.kq + 2) * u / (1 - (s.kq + 2) * u);
+  for (int64_t j = 0; j < N; ++j) {
+    double amax = 0;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(head_nk.At(j * K + k)));
+    float scale = static_cast<float>(amax / 127);
+    if (!(scale > 0)) scale = 1;
+    double err2 = 0, approx2 = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double w = head_nk.At(j * K + k);
+      const double qi = std::min(127.0, std::max(-127.0, std::nearbyint(w / scale)));  // half to even, as np.rint
+      const double approx = qi * scale;
+      err2 += (w - approx) * (w - approx);
+      approx2 += approx * approx;
+      s.q[j * s.kq + k] = static_cast<int8_t>(qi);
+    }
+    const double c = (std::sqrt(err2) + gamma * std::sqrt(approx2)) * (1 + 1e-6);
+    float c32 = static_cast<float>(c);
+    if (static_cast<double>(c32) < c) c32 = std::nextafter(c32, INFINITY);
+    s.scale[j] = scale;
+    s.bound[j] = c32;
+  }
+  return s;
+}
+
+Worst CheckGreedyHead(const Kernels& k) {
+  Worst worst;
+  const int64_t N = 704;  // whole f32 and bf16 panels
+  for (Dt dt : {Dt::kF32, Dt::kBf16})
+    for (int64_t K : {64, 100}) {
+      const int64_t max_rows = 6;  // 1..4 in one screening pass, 6 in two
+      Rng rng{static_cast<uint64_t>(K * 31 + (dt == Dt::kBf16))};
+      Buf x = Random(dt, max_rows * K, rng), head = Random(dt, N * K, rng);
+      auto logits = [&](int64_t r) {
+        std::vector<double> l(N, 0.0);
+        for (int64_t j = 0; j < N; ++j)
+          for (int64_t e = 0; e < K; ++e) l[j] += x.At(r * K + e) * head.At(j * K + e);
+        return l;
+      };
+      // A tie: row 0's winner copied to a lower id, which must then win.
+      const std::vector<double> l0 = logits(0);
+      const int64_t best = std::max_element(l0.begin(), l0.end()) - l0.begin();
+      for (int64_t e = 0; e < K; ++e) head.CopyFrom(best / 2 * K + e, head, best * K + e);
+      std::vector<int32_t> want(max_rows);
+      for (int64_t r = 0; r < max_rows; ++r) {
+        const std::vector<double> l = logits(r);
+        want[r] = static_cast<int32_t>(std::max_element(l.begin(), l.end()) - l.begin());  // the first maximum
+      }
+      const Screen s = MakeScreen(head, N, K);
+      Buf kn(dt, K * N);  // [K, N]
+      for (int64_t j = 0; j < N; ++j)
+        for (int64_t e = 0; e < K; ++e) kn.CopyFrom(e * N + j, head, j * K + e);
+      int64_t kw;
+      Buf packed = Pack(kn, K, N, &kw);
+      const int64_t panel = dt == Dt::kF32 ? 32 : 64;
+      for (int32_t layout : {0, 1, 2}) {
+        Buf& w = layout == 0 ? packed : layout == 1 ? kn : head;
+        const HeadWeight hw{w.data(), dt == Dt::kBf16, layout, K, N, layout == 0 ? kw * panel : 0};
+        for (int64_t rows : {1, 2, 3, 4, 6})
+          for (int threads : kThreadCounts) {
+            std::vector<int32_t> tokens(rows, -1), cands(rows, -1);
+            Call(threads, [&](const Runner& run) {
+              k.greedy_head(run, dt, x.data(), rows, K, s.kq, s.q.data(), s.scale.data(), s.bound.data(), hw,
+                            tokens.data(), cands.data());
+            });
+            for (int64_t r = 0; r < rows; ++r)
+              if (tokens[r] != want[r] || cands[r] < 1 || cands[r] > N)
+                worst.Fail(Case("%s layout=%d K=%lld rows=%lld threads=%d row %lld: token %d (%d candidates), want %d",
+                                DtName(dt), layout, (long long)K, (long long)rows, threads, (long long)r, tokens[r],
+                                cands[r], want[r]));
+          }
+      }
+    }
+  return worst;
+}
+
+// api.h's tables by Isa id: null where this build has no copy for it (another architecture's).
+const Kernels* (*const kTables[kNumIsas])() = {KernelsGeneric, KernelsAvx2, KernelsAvx512, KernelsAvx512Bf16,
+                                               KernelsAmx,     KernelsNeon, KernelsNeonBf16};
+
+}  // namespace
+}  // namespace meshserve
+
+int main(int argc, char** argv) {
+  using namespace meshserve;
+  const std::vector<std::string> only(argv + 1, argv + argc);
+  for (const std::string& name : only) {
+    int32_t id = 0;
+    while (id < kNumIsas && name != IsaName(id)) ++id;
+    if (id == kNumIsas) {
+      std::fprintf(stderr, "selftest: unknown path %s\n", name.c_str());
+      return 2;
+    }
+  }
+  int ran = 0, passed = 0;
+  for (int32_t id = 0; id < kNumIsas; ++id) {
+    const char* name = IsaName(id);
+    if (!only.empty() && std::find(only.begin(), only.end(), name) == only.end()) continue;
+    if (!kTables[id]) {
+      if (!only.empty()) std::printf("%s: not built for this architecture\n", name);
+      continue;
+    }
+    const Kernels* k = KernelsFor(id);
+    if (!k) {
+      std::printf("%s: not run (this CPU lacks it)\n", name);
+      continue;
+    }
+    ++ran;
+    std::fflush(stdout);  // a crash in a kernel still shows which paths ran
+    if (std::strcmp(k->name, name) != 0) {
+      std::printf("%s: FAIL (table is %s's)\n", name, k->name);
+      continue;
+    }
+    const char* kernels[] = {"matmul", "matmul_packed", "attention", "greedy_head"};
+    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k), CheckAttention(*k), CheckGreedyHead(*k)};
+    std::string line = std::string(name) + ":";
+    bool ok = true;
+    for (int i = 0; i < 4; ++i) {
+      line += std::string(i ? ", " : " ") + kernels[i] + (results[i].ok() ? " ok" : " FAIL (" + results[i].where + ")");
+      ok = ok && results[i].ok();
+    }
+    std::printf("%s\n", line.c_str());
+    passed += ok;
+  }
+  if (passed == ran)
+    std::printf("selftest: %d paths passed\n", passed);
+  else
+    std::printf("selftest: %d paths passed, %d failed\n", passed, ran - passed);
+  return ran > 0 && passed == ran ? 0 : 1;
+}
