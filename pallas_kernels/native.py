@@ -70,7 +70,11 @@ def machine() -> str:
 
 
 def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    """$CXX (where it names a program that exists), else g++ or clang++ on the PATH."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        return shutil.which(cxx)
+    return shutil.which("g++") or shutil.which("clang++")
 
 
 _CXXFLAGS = ["-O3", "-std=c++17", "-fPIC", "-Wno-attributes", "-Wno-psabi"]
@@ -95,7 +99,8 @@ def _machine_reason() -> str | None:
     if machine() not in ARCH_ISAS or not sys.platform.startswith("linux"):
         return f"needs x86-64 or aarch64 Linux, this is {sys.platform}/{platform.machine()}"
     if _compiler() is None:
-        return "no C++ compiler (g++ or clang++; set CXX)"
+        return ("no C++ compiler (g++ or clang++ on the PATH, or $CXX)" if not os.environ.get("CXX")
+                else f"no C++ compiler: CXX={os.environ['CXX']} is not a program")
     return None
 
 
@@ -449,7 +454,7 @@ def matmul_packed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Greedy LM head by screening (`GreedyHeadImpl` in native/cpu_kernels.cc): the argmax of the exact logits from
+# Greedy LM head by screening (native/greedy_head.h): the argmax of the exact logits from
 # a read of an int8 copy of the head plus the full-precision columns of the few rows its error bounds cannot
 # rule out.
 SCREEN_K_ALIGN = 64  # the int8 copy pads K to a multiple of this

@@ -13,8 +13,8 @@ _ALL_OK = "matmul ok, matmul_packed ok, attention ok, greedy_head ok"
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
 
 
-def _run(cmd: list) -> tuple[int, str]:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=180)
+def _run(cmd: list, env=None) -> tuple[int, str]:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=180, env=env)
     return done.returncode, done.stdout + done.stderr
 
 
@@ -78,3 +78,29 @@ def test_each_path_defines_only_its_own_table():
         assert defined <= {table, "DW.ref.__gxx_personality_v0"} and table in defined, (name, defined)
         tables.append(table)
     assert len(tables) == len(native.ARCH_ISAS[native.machine()])
+
+
+def test_without_a_compiler_the_engine_uses_xla_and_says_so_in_one_line(tmp_path):
+    """A machine without a C++ compiler (and nothing in the kernels' cache) still serves, on XLA's kernels:
+    setup prints one line saying why, and programs traced there call no native kernel."""
+    import os
+    import sys
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "CXX": "", native.CACHE_ENV: str(tmp_path / "cache")}
+    env.pop("CXX")
+    rc, out = _run([sys.executable, "-m", "pallas_kernels.native"], env=env)
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines == ["native CPU kernels not built: no C++ compiler (g++ or clang++ on the PATH, or $CXX) (XLA's "
+                     "kernels will be used)"], out
+    check = ("import jax, jax.numpy as jnp, numpy as np\n"
+             "from models.transformer import matmul\n"
+             "from pallas_kernels import native\n"
+             "assert not native.enabled() and 'no C++ compiler' in native.unavailable_reason()\n"
+             "x, w = jnp.ones((4, 64)), jnp.ones((64, 32))\n"
+             "text = jax.jit(matmul).lower(x, w).as_text()\n"
+             "assert 'meshserve_cpu' not in text, text\n"
+             "np.testing.assert_allclose(np.asarray(jax.jit(matmul)(x, w)), 64.0)\n"
+             "print('xla ok')\n")
+    rc, out = _run([sys.executable, "-c", check], env={**env, "CXX": str(tmp_path / "no-such-g++")})
+    assert rc == 0 and "xla ok" in out, out
+    assert "native CPU kernels unavailable (no C++ compiler: CXX=" in out  # the engine's one warning line

@@ -62,38 +62,50 @@ void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, co
       if (first > last) continue;
       const int nv = last / L + 1;  // score vectors holding a visible key
       const float* qr = qs + r * d;
+      V::F s[kVecs];
       if (transposed) {
-        V::F s[kVecs];
         for (int v = 0; v < kVecs; ++v) s[v] = V::Zero();
         for (int64_t e = 0; e < d; ++e) {
           const V::F qe = V::Set1(qr[e]);
           for (int v = 0; v < kVecs; ++v)
             if (v < nv) s[v] = V::Fma(qe, V::Load(kt + e * kKeys + L * v), s[v]);
         }
-        for (int v = 0; v < nv; ++v) V::Store(sc + L * v, s[v]);
       } else {
         for (int c = first; c <= last; ++c) {
           V::F t = V::Mul(V::Load(qr), V::Load(kc + c * d));
           for (int64_t w = 1; w < dv; ++w) t = V::Fma(V::Load(qr + L * w), V::Load(kc + c * d + L * w), t);
           sc[c] = V::ReduceAdd(t);
         }
+        for (int v = 0; v < nv; ++v) s[v] = V::Load(sc + L * v);
       }
-      // Scaled (and soft-capped) scores; keys outside [first, last] out of the max and weighed zero.
+      // Scaled (and soft-capped) scores; keys outside [first, last] (a chunk the causal edge or the window cuts)
+      // out of the max and weighed zero, through the scores' copy in sc.
       const V::F scale = V::Set1(a.sm_scale);
-      for (int v = 0; v < nv; ++v) V::Store(sc + L * v, V::Mul(V::Load(sc + L * v), scale));
-      if (a.soft_cap > 0)
-        for (int c = first; c <= last; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
-      for (int c = 0; c < first; ++c) sc[c] = -INFINITY;
-      for (int c = last + 1; c < nv * L; ++c) sc[c] = -INFINITY;
+      for (int v = 0; v < nv; ++v) s[v] = V::Mul(s[v], scale);
+      const bool partial = first > 0 || last < nv * L - 1;
+      if (a.soft_cap > 0 || partial) {
+        for (int v = 0; v < nv; ++v) V::Store(sc + L * v, s[v]);
+        if (a.soft_cap > 0)
+          for (int c = first; c <= last; ++c) sc[c] = a.soft_cap * std::tanh(sc[c] / a.soft_cap);
+        for (int c = 0; c < first; ++c) sc[c] = -INFINITY;
+        for (int c = last + 1; c < nv * L; ++c) sc[c] = -INFINITY;
+        for (int v = 0; v < nv; ++v) s[v] = V::Load(sc + L * v);
+      }
       V::F mx = V::Set1(-1e30f);
-      for (int v = 0; v < nv; ++v) mx = V::Max(mx, V::Load(sc + L * v));
+      for (int v = 0; v < nv; ++v) mx = V::Max(mx, s[v]);
       const float m_new = Max(m[r], V::ReduceMax(mx));
       const V::F mv = V::Set1(m_new);
-      for (int v = 0; v < nv; ++v) V::Store(sc + L * v, V::Exp(V::Sub(V::Load(sc + L * v), mv)));
-      for (int c = 0; c < first; ++c) sc[c] = 0.0f;
-      for (int c = last + 1; c < nv * L; ++c) sc[c] = 0.0f;
       V::F sum = V::Zero();
-      for (int v = 0; v < nv; ++v) sum = V::Add(sum, V::Load(sc + L * v));
+      for (int v = 0; v < nv; ++v) {
+        s[v] = V::Exp(V::Sub(s[v], mv));
+        V::Store(sc + L * v, s[v]);
+      }
+      if (partial) {
+        for (int c = 0; c < first; ++c) sc[c] = 0.0f;
+        for (int c = last + 1; c < nv * L; ++c) sc[c] = 0.0f;
+        for (int v = 0; v < nv; ++v) s[v] = V::Load(sc + L * v);
+      }
+      for (int v = 0; v < nv; ++v) sum = V::Add(sum, s[v]);
       const float alpha = std::exp(m[r] - m_new);
       l[r] = alpha * l[r] + V::ReduceAdd(sum);
       m[r] = m_new;

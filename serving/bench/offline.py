@@ -485,12 +485,27 @@ def bench_floor():
                     times.append(time.perf_counter() - t0)
                 steps.append(statistics.median(times))
             screened = steps[3] if len(steps) > 3 else float("nan")
-            rows.append([dtype, m, steps[0] * 1e3, steps[1] * 1e3, steps[2] * 1e3, steps[0] / steps[2],
+            rows.append([dtype, m, _cpu_path(), steps[0] * 1e3, _blas_chain_ms(layers, head, x) if dt == jnp.float32
+                         else "-", steps[1] * 1e3, steps[2] * 1e3, steps[0] / steps[2],
                          weight_bytes / steps[2] / 1e9, m / steps[2], screened * 1e3, m / screened])
-    _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step; screened: the "
-           "LM head replaced by its int8 screen's greedy head (greedy steps of <= %d rows)" % SCREEN_MAX_ROWS,
-           ["dtype", "rows", "XLA dot ms", "native row-major ms", "native packed ms (engine)", "XLA/packed",
-            "weights GB/s", "max tok/s at that batch", "screened ms", "max tok/s screened"], rows)
+    _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step, %s; OpenBLAS: "
+           "the same dots in NumPy (float32; its own threads); screened: the LM head replaced by its int8 screen's "
+           "greedy head (greedy steps of <= %d rows)" % (cpu_name(), SCREEN_MAX_ROWS),
+           ["dtype", "rows", "kernels", "XLA dot ms", "OpenBLAS ms", "native row-major ms", "native packed ms (engine)",
+            "XLA/packed", "weights GB/s", "max tok/s at that batch", "screened ms", "max tok/s screened"], rows)
+
+
+def _blas_chain_ms(layers, head, x) -> float:
+    """The floor's dots (unfused weights) through NumPy's BLAS (OpenBLAS in NumPy's wheels), median of 10."""
+    mats = [np.asarray(m) for p in layers for m in p.values()] + [np.asarray(head)]
+    xs = {a.shape[0]: np.asarray(x[:, :1].repeat(a.shape[0], axis=1)) for a in mats}
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        for a in mats:
+            xs[a.shape[0]] @ a
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
 
 
 BENCHES = dict(throughput=bench_throughput, llamacpp=bench_llamacpp, startup=bench_startup, batching=bench_batching,
