@@ -13,4 +13,6 @@ if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/
       || echo "note: could not install $pkgs; the aarch64 kernel test will skip"
   fi
 fi
-exec .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
+# Two workers, a test file each at a time (module-scoped servers start once): tests that wait on processes and
+# sockets leave a core idle, so two share the machine's cores without slowing each other much.
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests "$@"

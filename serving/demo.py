@@ -96,15 +96,21 @@ def main(argv):
     model = _MODEL.value or default_model_dir(workdir)
     print(f"meshserve demo: model {model}\n  logs and configuration in {workdir}")
     t0 = time.perf_counter()
-    instances = [Process(f"instance{i}", ["-m", "serving.server", f"--model={model}", "--host=127.0.0.1", "--port=0",
-                                          "--metrics_port=0", "--page_size=16", "--num_pages=512",
-                                          "--max_num_seqs=16", "--max_num_batched_tokens=128",
-                                          f"--instance_id=instance{i}"], workdir) for i in range(2)]
+    def instance(i: int) -> ReadyFileProcess:
+        return Process(f"instance{i}", ["-m", "serving.server", f"--model={model}", "--host=127.0.0.1", "--port=0",
+                                        "--metrics_port=0", "--page_size=16", "--num_pages=512", "--max_num_seqs=16",
+                                        "--max_num_batched_tokens=128", f"--instance_id=instance{i}"], workdir)
+
+    # One instance first: the second then loads every program from the compilation cache the first filled,
+    # instead of both compiling the same programs at once on the same cores.
+    instances = [instance(0)]
     procs = list(instances)
     ok = False
     try:
-        for p in instances:
-            p.wait_ready()
+        instances[0].wait_ready()
+        instances.append(instance(1))
+        procs.append(instances[1])
+        instances[1].wait_ready()
         config = {"pools": [{"name": "local", "instances": [
             {"name": p.name, "target": f"127.0.0.1:{p.info['port']}"} for p in instances]}],
             "routing": {"policy": "load_aware"}}

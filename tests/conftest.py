@@ -9,9 +9,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent compilation cache for this run (servers started as subprocesses inherit it): programs that
 # several tests build alike compile once per run, and every run starts cold.
-_COMPILATION_CACHE = tempfile.mkdtemp(prefix="meshserve-xla-cache-")
-os.environ.setdefault("MESHSERVE_COMPILATION_CACHE", _COMPILATION_CACHE)
-atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
+# (pytest-xdist workers inherit it from the controller, which removes it at the end.)
+if "MESHSERVE_COMPILATION_CACHE" not in os.environ:
+    _COMPILATION_CACHE = tempfile.mkdtemp(prefix="meshserve-xla-cache-")
+    os.environ["MESHSERVE_COMPILATION_CACHE"] = _COMPILATION_CACHE
+    atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
 from hypothesis import settings  # noqa: E402

@@ -30,8 +30,11 @@ def model_dir():
 @pytest.fixture(scope="module")
 def instances(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("instances")
-    procs = [InstanceProcess(model_dir, str(root / f"i{k}")) for k in range(3)]
+    # One first, then two that load its programs from the run's compilation cache (tests/conftest.py)
+    procs = [InstanceProcess(model_dir, str(root / "i0"))]
     try:
+        procs[0].wait_ready()
+        procs += [InstanceProcess(model_dir, str(root / f"i{k}")) for k in (1, 2)]
         for p in procs:
             p.wait_ready()
         yield procs
