@@ -3,6 +3,8 @@ deadlines, long lane, preemption order and recompute, caps, aborts, stop tokens,
 
 Every test ends with the idle invariant (all requests ended, every page free or cached, none leaked).
 """
+import zlib
+
 import numpy as np
 import pytest
 
@@ -32,7 +34,8 @@ class Harness:
     def add(self, rid, prompt, *, max_tokens=8, priority=Priority.INTERACTIVE, deadline=None, arrival=None,
             **sp):
         if isinstance(prompt, int):
-            prompt = [(hash(rid) + 7 * i) % 900 + 1 for i in range(prompt)]
+            # zlib's CRC, not hash(): str hashes differ per process (PYTHONHASHSEED), and so would the prompts
+            prompt = [(zlib.crc32(rid.encode()) + 7 * i) % 900 + 1 for i in range(prompt)]
         sp.setdefault("temperature", 0.0)
         r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sp), priority=priority, deadline=deadline,
                     arrival_time=self.now if arrival is None else arrival, eos_token_ids=(EOS,))

@@ -19,6 +19,8 @@ from serving.core.request import FinishReason, Priority
 from serving.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+# How long a failed multi-host step waits for the follower watchdog to report a lost peer (see _peer_lost).
+PEER_LOSS_GRACE_S = 2.0
 
 
 class EngineDeadError(RuntimeError):
@@ -132,6 +134,17 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
 
+    def _peer_lost(self, engine) -> bool:
+        """After a failed step of a multi-host leader: whether a follower is gone. Its death fails the step's
+        collectives and closes its step channel, and either can come first: the channel's watchdog (which calls
+        kill()) gets PEER_LOSS_GRACE_S to say so, so the client hears UNAVAILABLE rather than an engine error."""
+        if getattr(engine, "channel", None) is None:
+            return False
+        deadline = time.monotonic() + PEER_LOSS_GRACE_S
+        while self._error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._error is not None
+
     def _fail_all(self, err: BaseException) -> None:
         for rid in list(self._streams):
             loop, queue = self._streams.pop(rid)
@@ -154,6 +167,9 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                 except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
+                    if self._peer_lost(engine):
+                        log.error("engine step failed with a multi-host peer gone: %s", e)
+                        break  # kill() failed every stream as UNAVAILABLE: retry elsewhere
                     log.exception("engine step failed; failing the requests in it")
                     outputs = engine.fail_inflight(e)
                 for out in outputs:
