@@ -195,13 +195,13 @@ extern "C" __attribute__((visibility("default"))) const char* MeshserveIsaName(i
   return meshserve::IsaName(isa);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, meshserve::MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("isa"));
+// Both matmuls: (pool, x, w) -> out, with the instruction-set path as an attribute.
+static auto MatmulBinding() {
+  return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
+      .Attr<int32_t>("isa");
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, meshserve::MatmulImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::AttentionImpl,
                               ffi::Ffi::Bind()
@@ -218,13 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::Attentio
                                   .Attr<int64_t>("window")
                                   .Attr<int32_t>("isa"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulPacked, meshserve::MatmulPackedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("isa"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulPacked, meshserve::MatmulPackedImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGreedyHead, meshserve::GreedyHeadImpl,
                               ffi::Ffi::Bind()

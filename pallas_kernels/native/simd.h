@@ -1,5 +1,6 @@
 // `V`: the vector operations the kernels are written in, for the instruction set this copy of kernels.cc is built
-// for (MESHSERVE_ISA_ID, see kernels.cc). Included inside that copy's namespace, after the system headers.
+// for (MESHSERVE_ISA_ID, see kernels.cc): one `VOps` per instruction set, plus WidenedPairs where it has no bfloat16
+// dot product. Included inside that copy's namespace, after the system headers.
 //
 //   F                     a vector of kLanes float32
 //   M, Mask(n)            the first n lanes (tails of rows)
@@ -19,7 +20,7 @@
 
 #if MESHSERVE_X86_AVX512
 // ------------------------------------------------------------------------------------------------------------------
-struct V {
+struct VOps {
   using F = __m512;
   using M = __mmask16;
   static constexpr int kLanes = 16;
@@ -107,21 +108,11 @@ struct V {
     return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
   }
 #else
-  static constexpr bool kNativePairs = false;
-  using PairX = float;
-  struct XPair {
-    F even, odd;
-  };
-  struct WPair {
-    F even, odd;
-  };
-  static XPair PairSet1(const float* x) { return {Set1(x[0]), Set1(x[1])}; }
-  static WPair PairLoad(const uint16_t* w) {
+  static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const __m512i v = _mm512_loadu_si512(w);
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
-            _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+    *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  static F PairDot(F acc, XPair x, WPair w) { return Fma(x.odd, w.odd, Fma(x.even, w.even, acc)); }
 #endif
 };
 
@@ -129,7 +120,7 @@ struct V {
 // ------------------------------------------------------------------------------------------------------------------
 alignas(32) const int32_t kTailLanes[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
-struct V {
+struct VOps {
   using F = __m256;
   using M = int;  // lanes in use
   static constexpr int kLanes = 8;
@@ -217,26 +208,16 @@ struct V {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
 
-  static constexpr bool kNativePairs = false;
-  using PairX = float;
-  struct XPair {
-    F even, odd;
-  };
-  struct WPair {
-    F even, odd;
-  };
-  static XPair PairSet1(const float* x) { return {_mm256_broadcast_ss(x), _mm256_broadcast_ss(x + 1)}; }
-  static WPair PairLoad(const uint16_t* w) {
+  static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)),
-            _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))))};
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-  static F PairDot(F acc, XPair x, WPair w) { return Fma(x.odd, w.odd, Fma(x.even, w.even, acc)); }
 };
 
 #elif MESHSERVE_NEON
 // ------------------------------------------------------------------------------------------------------------------
-struct V {
+struct VOps {
   using F = float32x4_t;
   using M = int;
   static constexpr int kLanes = 4;
@@ -340,27 +321,18 @@ struct V {
     return vld1_u16(b);
   }
 #else
-  static constexpr bool kNativePairs = false;
-  using PairX = float;
-  struct XPair {
-    F even, odd;
-  };
-  struct WPair {
-    F even, odd;
-  };
-  static XPair PairSet1(const float* x) { return {vdupq_n_f32(x[0]), vdupq_n_f32(x[1])}; }
-  static WPair PairLoad(const uint16_t* w) {
+  static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const uint32x4_t v = vreinterpretq_u32_u16(vld1q_u16(w));
-    return {vreinterpretq_f32_u32(vshlq_n_u32(v, 16)), vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)))};
+    *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
+    *odd = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)));
   }
-  static F PairDot(F acc, XPair x, WPair w) { return Fma(x.odd, w.odd, Fma(x.even, w.even, acc)); }
 #endif
 };
 
 #else
 // ------------------------------------------------------------------------------------------------------------------
 // Portable C++: four-lane vectors of the compiler's vector extension (SSE2 on x86-64, Advanced SIMD on aarch64).
-struct V {
+struct VOps {
   typedef float F __attribute__((vector_size(16)));
   typedef int32_t I __attribute__((vector_size(16)));
   typedef uint32_t U __attribute__((vector_size(16)));
@@ -445,6 +417,24 @@ struct V {
   }
   static F LoadI8(const int8_t* p) { return F{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
 
+  static void SplitPairs(const uint16_t* w, F* even, F* odd) {
+    U u;
+    std::memcpy(&u, w, sizeof u);
+    const U e = u << 16, o = u & 0xFFFF0000u;
+    std::memcpy(even, &e, sizeof e);
+    std::memcpy(odd, &o, sizeof o);
+  }
+};
+#endif
+
+#if MESHSERVE_BF16_PAIRS
+using V = VOps;
+#else
+// bfloat16 pairs where the CPU has no bfloat16 dot product: SplitPairs widens rows k and k+1 of kLanes columns to
+// float32 in registers, and a pair dot product is two FMAs (x then comes as float32).
+template <typename Ops>
+struct WidenedPairs : Ops {
+  using F = typename Ops::F;
   static constexpr bool kNativePairs = false;
   using PairX = float;
   struct XPair {
@@ -453,18 +443,15 @@ struct V {
   struct WPair {
     F even, odd;
   };
-  static XPair PairSet1(const float* x) { return {Set1(x[0]), Set1(x[1])}; }
+  static XPair PairSet1(const float* x) { return {Ops::Set1(x[0]), Ops::Set1(x[1])}; }
   static WPair PairLoad(const uint16_t* w) {
-    U u;
-    std::memcpy(&u, w, sizeof u);
-    const U e = u << 16, o = u & 0xFFFF0000u;
-    WPair r;
-    std::memcpy(&r.even, &e, sizeof e);
-    std::memcpy(&r.odd, &o, sizeof o);
-    return r;
+    WPair p;
+    Ops::SplitPairs(w, &p.even, &p.odd);
+    return p;
   }
-  static F PairDot(F acc, XPair x, WPair w) { return x.odd * w.odd + (x.even * w.even + acc); }
+  static F PairDot(F acc, XPair x, WPair w) { return Ops::Fma(x.odd, w.odd, Ops::Fma(x.even, w.even, acc)); }
 };
+using V = WidenedPairs<VOps>;
 #endif
 
 // Shared by every path, written in V.
