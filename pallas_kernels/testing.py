@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-from models.batch import SeqChunk, build_ragged_batch
+from pallas_kernels.metadata import ragged_layout
 
 
 @dataclasses.dataclass
@@ -18,7 +18,7 @@ class PagedCase:
     kv_pages: np.ndarray  # [P, page_size, 2*Hkv, D]
     k_dense: list  # per real sequence: [kv_len, Hkv, D] float64
     v_dense: list
-    arrays: dict  # build_ragged_batch output (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, ...)
+    arrays: dict  # ragged_layout's arrays (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, ...)
     q_lens: list
     kv_lens: list
 
@@ -39,18 +39,20 @@ def make_case(rng: np.random.Generator, seqs: Sequence[tuple[int, int]], *, num_
     num_pages = sum(need) + extra_pages
     perm = rng.permutation(num_pages)
     kv_pages = rng.standard_normal((num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(dtype)
-    chunks, k_dense, v_dense, off = [], [], [], 0
-    for (ql, kl), n in zip(seqs, need):
+    tables = np.zeros((len(seqs), max_pages), np.int64)
+    k_dense, v_dense, off = [], [], 0
+    for i, ((ql, kl), n) in enumerate(zip(seqs, need)):
         table = perm[off:off + n]
         off += n
-        chunks.append(SeqChunk(token_ids=[1] * ql, start=kl - ql, block_table=list(table)))
+        tables[i, :n] = table
         flat = kv_pages[table].reshape(n * page_size, num_kv_heads, 2, head_dim)[:kl].astype(np.float64)
         k_dense.append(flat[:, :, 0])
         v_dense.append(flat[:, :, 1])
-    arrays = build_ragged_batch(chunks, page_size=page_size, num_tokens=num_tokens, num_seqs=num_seq_slots,
-                                max_pages=max_pages)
+    q_lens, kv_lens = np.array([ql for ql, _ in seqs], np.int64), np.array([kl for _, kl in seqs], np.int64)
+    arrays = ragged_layout([1] * int(q_lens.sum()), kv_lens - q_lens, q_lens, tables, np.array(need, np.int64),
+                           page_size=page_size, num_tokens=num_tokens, num_seqs=num_seq_slots)
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(dtype)
-    return PagedCase(q, kv_pages, k_dense, v_dense, arrays, [ql for ql, _ in seqs], [kl for _, kl in seqs])
+    return PagedCase(q, kv_pages, k_dense, v_dense, arrays, q_lens.tolist(), kv_lens.tolist())
 
 
 def dense_attention(case: PagedCase, *, sm_scale: float, sliding_window: int | None = None,

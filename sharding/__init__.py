@@ -1,1 +1,1 @@
-"""Device meshes, logical-axis rules, pipeline/expert parallelism, multi-host start-up and the memory ledger."""
+"""Device meshes and logical-axis rules, pipeline stages, expert placement and multi-host start-up."""

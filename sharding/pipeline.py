@@ -5,9 +5,8 @@ Layout: with L layers and pp stages, stage s owns layers s*n .. s*n+n-1 (n = L/p
 cache) of "slot" j — layer j of every stage — are stacked on a leading [pp] axis sharded over 'pipeline', so a
 device holds only its own stage's layers and all devices run one SPMD program.
 
-Schedule (GPipe-style, inference only): the step's flat token batch is cut into M equal micro-batches (a
-sequence's chunk may straddle two: its second piece runs after the first on every stage, so its K/V is already
-written). At tick t stage s runs micro-batch t - s; M + pp - 1 ticks in all, so the bubble is
+Schedule (GPipe-style, inference only): the step's flat token batch is cut into M equal micro-batches
+(`serving.core.batch.split_micro_batches`). At tick t stage s runs micro-batch t - s; M + pp - 1 ticks in all, so the bubble is
 (pp - 1) / (M + pp - 1) of the stage-time.
 """
 from __future__ import annotations
@@ -18,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.batch import SeqChunk
+from sharding.rules import STAGE_AXIS
 
 
 def bubble_fraction(num_stages: int, num_micro_batches: int) -> float:
@@ -33,24 +32,6 @@ def stage_layers(num_layers: int, num_stages: int) -> list[list[int]]:
     return [list(range(s * n, (s + 1) * n)) for s in range(num_stages)]
 
 
-def split_micro_batches(chunks: Sequence, num_tokens: int, num_micro: int) -> list[list[SeqChunk]]:
-    """Cuts a step's chunks (token_ids, start, block_table), laid end to end, into `num_micro` runs of
-    num_tokens / num_micro tokens each; a chunk crossing a boundary is split into two pieces."""
-    if num_tokens % num_micro:
-        raise ValueError(f"{num_micro} micro-batches do not divide a {num_tokens}-token step")
-    size = num_tokens // num_micro
-    out: list[list[SeqChunk]] = [[] for _ in range(num_micro)]
-    offset = 0
-    for c in chunks:
-        ids, start = list(c.token_ids), c.start
-        while ids:
-            m = offset // size
-            take = min(len(ids), size - offset % size)
-            out[m].append(SeqChunk(ids[:take], start, c.block_table))
-            ids, start, offset = ids[take:], start + take, offset + take
-    return out
-
-
 def pipelined(stage_fn: Callable, num_stages: int, num_micro: int):
     """Returns f(slot_params, slot_caches, x[M, Tm, E], micro_md) -> (y[M, Tm, E], slot_caches), to be called
     inside jit under a mesh with a 'pipeline' axis. `stage_fn(params, caches, x, md, valid)` runs one stage's
@@ -60,7 +41,7 @@ def pipelined(stage_fn: Callable, num_stages: int, num_micro: int):
     perm = [(s, s + 1) for s in range(num_stages - 1)]
 
     def body(slot_params, slot_caches, x_all, micro_md):
-        stage = jax.lax.axis_index("pipeline")
+        stage = jax.lax.axis_index(STAGE_AXIS)
         params = jax.tree.map(lambda a: a[0], slot_params)
         caches = [c[0] for c in slot_caches]
         act = jnp.zeros_like(x_all[0])
@@ -73,16 +54,16 @@ def pipelined(stage_fn: Callable, num_stages: int, num_micro: int):
             x = jnp.where(stage == 0, x_all[mbc], act)
             y, caches = stage_fn(params, caches, x, md, valid)
             outs = jnp.where((stage == num_stages - 1) & valid, outs.at[mbc].set(y), outs)
-            act = jax.lax.ppermute(y, "pipeline", perm)
-        outs = jax.lax.psum(outs, "pipeline")  # only the last stage holds them: share with every stage
+            act = jax.lax.ppermute(y, STAGE_AXIS, perm)
+        outs = jax.lax.psum(outs, STAGE_AXIS)  # only the last stage holds them: share with every stage
         return outs, [c[None] for c in caches]
 
     def run(slot_params, slot_caches, x_all, micro_md):
-        stage_spec = jax.tree.map(lambda _: P("pipeline"), slot_params)
-        cache_spec = [P("pipeline")] * len(slot_caches)
+        stage_spec = jax.tree.map(lambda _: P(STAGE_AXIS), slot_params)
+        cache_spec = [P(STAGE_AXIS)] * len(slot_caches)
         md_spec = jax.tree.map(lambda _: P(), micro_md)
         return jax.shard_map(body, in_specs=(stage_spec, cache_spec, P(), md_spec), out_specs=(P(), cache_spec),
-                             axis_names={"pipeline"}, check_vma=False)(slot_params, slot_caches, x_all, micro_md)
+                             axis_names={STAGE_AXIS}, check_vma=False)(slot_params, slot_caches, x_all, micro_md)
 
     return run
 
@@ -97,7 +78,7 @@ def stack_stage_slots(layer_states: Sequence, num_stages: int, mesh) -> list:
 
         def stack(*arrays):
             spec = getattr(arrays[0].sharding, "spec", jax.sharding.PartitionSpec())
-            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pipeline", *spec))
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(STAGE_AXIS, *spec))
             host = np.stack([np.asarray(a) for a in arrays])
             return jax.device_put(host, sharding)
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, MLP, VOCAB
 
 MESH_AXES = ("data", "pipeline", "tensor", "expert")
+STAGE_AXIS = MESH_AXES[1]  # pipeline stages: stacked layer slots (and their KV caches) are split over it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +56,6 @@ DEFAULT_RULES = ShardingRules({
     EMBED: None, HEAD_DIM: None, LAYERS: None,
     HEADS: "tensor", KV_HEADS: "tensor", MLP: "tensor", VOCAB: "tensor", EXPERT: "expert",
 })
-
-
-def make_mesh(dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, devices=None) -> Mesh:
-    """A mesh over ('data', 'pipeline', 'tensor', 'expert') from the given degrees."""
-    devices = list(devices if devices is not None else jax.devices())
-    need = dp * pp * tp * ep
-    if need > len(devices):
-        raise ValueError(f"mesh dp={dp} pp={pp} tp={tp} ep={ep} needs {need} devices; {len(devices)} available")
-    return jax.make_mesh((dp, pp, tp, ep), MESH_AXES, devices=devices[:need],
-                         axis_types=(jax.sharding.AxisType.Explicit,) * 4)
 
 
 class _AxisSizes:

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.batch import SeqChunk, build_ragged_batch, ragged_batch_from_arrays
-from models.transformer import ExpertCounts, init_kv_caches
+from models.batch import ragged_batch_from_arrays
+from serving.core.batch import SeqChunk, build_batch_arrays
+from models.moe import ExpertCounts
+from models.transformer import init_kv_caches
 
 
 class PagedRunner:
@@ -46,7 +48,7 @@ class PagedRunner:
 
     def _arrays(self, chunks, num_tokens, num_seqs):
         total = sum(len(c.token_ids) for c in chunks)
-        arrays = build_ragged_batch(chunks, page_size=self.page_size,
+        arrays = build_batch_arrays(chunks, page_size=self.page_size,
                                     num_tokens=num_tokens or max(8, 1 << (total - 1).bit_length()),
                                     num_seqs=num_seqs or max(2, len(chunks) + 1), max_pages=self.max_pages)
         return {k: jnp.asarray(v) for k, v in arrays.items()}

@@ -14,9 +14,10 @@ from jax.sharding import Mesh, NamedSharding
 from models.config import ModelConfig
 from models.transformer import kv_cache_shape
 from models.weights import abstract_model
-from sharding import ledger
-from sharding.ledger import GB, GiB, KiB, Hardware, Layout, ModelMemory, Workload
-from sharding.rules import DEFAULT_RULES, MESH_AXES, kv_cache_partition_spec, make_mesh, shard_shape
+from serving import ledger
+from serving.ledger import GB, GiB, KiB, Hardware, Layout, ModelMemory, Workload
+from sharding.mesh import make_mesh
+from sharding.rules import DEFAULT_RULES, MESH_AXES, kv_cache_partition_spec, shard_shape
 
 
 def test_source_example_kv_figures():
@@ -196,15 +197,15 @@ def test_device_memory_falls_back_on_cpu():
 
 
 def test_cli_prints_ledger_and_layouts():
-    out = subprocess.run([sys.executable, "-m", "sharding.ledger", "--preset=source-example", "--num_devices=8"],
+    out = subprocess.run([sys.executable, "-m", "serving.ledger", "--preset=source-example", "--num_devices=8"],
                          capture_output=True, text=True, timeout=60, env=_env())
     assert out.returncode == 0, out.stderr
     for text in ("512 KiB/token", "1.000 GiB/request", "Layouts that fit on 8 devices", "bubble fraction"):
         assert text in out.stdout
-    worked = subprocess.run([sys.executable, "-m", "sharding.ledger", "--preset=source-70b"],
+    worked = subprocess.run([sys.executable, "-m", "serving.ledger", "--preset=source-70b"],
                             capture_output=True, text=True, timeout=60, env=_env())
     assert worked.returncode == 0 and "= 456 GB" in worked.stdout, worked.stderr
-    bad = subprocess.run([sys.executable, "-m", "sharding.ledger", "--preset=nope"],
+    bad = subprocess.run([sys.executable, "-m", "serving.ledger", "--preset=nope"],
                          capture_output=True, text=True, timeout=60, env=_env())
     assert bad.returncode != 0 and "unknown preset 'nope'" in bad.stderr
 

@@ -3,7 +3,7 @@ decoding through the paged KV cache."""
 import numpy as np
 import pytest
 
-from models.batch import SeqChunk
+from serving.core.batch import SeqChunk
 from models.weights import load_hf_model
 from tests import hf_models
 from tests.model_runner import PagedRunner

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.transformer import matmul
+from pallas_kernels.matmul import matmul
 from pallas_kernels import native
 
 pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
@@ -376,7 +376,7 @@ def test_engine_greedy_steps_take_the_screen_with_the_same_tokens(tmp_path, monk
     with a sampling request runs the full head."""
     import torch
 
-    from models.transformer import SCREEN_MAX_ROWS
+    from pallas_kernels.matmul import SCREEN_MAX_ROWS
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
     from tests import hf_models

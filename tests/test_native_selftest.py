@@ -93,7 +93,7 @@ def test_without_a_compiler_the_engine_uses_xla_and_says_so_in_one_line(tmp_path
     assert lines == ["native CPU kernels not built: no C++ compiler (g++ or clang++ on the PATH, or $CXX) (XLA's "
                      "kernels will be used)"], out
     check = ("import jax, jax.numpy as jnp, numpy as np\n"
-             "from models.transformer import matmul\n"
+             "from pallas_kernels.matmul import matmul\n"
              "from pallas_kernels import native\n"
              "assert not native.enabled() and 'no C++ compiler' in native.unavailable_reason()\n"
              "x, w = jnp.ones((4, 64)), jnp.ones((64, 32))\n"

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from serving.core import sampling
-from serving.core.engine import make_serving_mesh
+from sharding.mesh import serving_mesh
 from serving.core.sampling_params import SamplingParams
 
 NUM_CANDIDATES = 256  # the engine's _num_candidates
@@ -56,7 +56,7 @@ def _logits(vocab, seed):
 def _run(logits, t, tp, max_logprobs=5):
     if tp == 1:
         return jax.tree.map(np.asarray, sample_jit(jnp.asarray(logits), t, max_logprobs=max_logprobs))
-    mesh = make_serving_mesh(tp=tp)
+    mesh = serving_mesh(tp=tp)
     with jax.set_mesh(mesh):
         sharded = jax.device_put(logits, NamedSharding(mesh, P(None, "tensor") if logits.shape[1] % tp == 0 else P()))
         return jax.tree.map(np.asarray, sample_jit(sharded, t, max_logprobs=max_logprobs))
@@ -93,7 +93,7 @@ def _vocab_sized(lines: list[str], vocab: int) -> list[str]:
 def test_compiled_sampler_exchanges_no_vocab_sized_arrays(tp):
     vocab = 4096  # > tp * NUM_CANDIDATES: the candidates exchanged are fewer than the vocabulary
     t = _tensors(vocab, 0)
-    mesh = make_serving_mesh(tp=tp)
+    mesh = serving_mesh(tp=tp)
     with jax.set_mesh(mesh):
         logits = jax.device_put(_logits(vocab, 0), NamedSharding(mesh, P(None, "tensor")))
         hlo = sample_jit.lower(logits, t, max_logprobs=5).compile().as_text()
@@ -108,7 +108,7 @@ def test_compiled_sampler_exchanges_no_vocab_sized_arrays(tp):
 def test_uneven_vocabulary_keeps_the_unsharded_path():
     vocab = 1026  # not divisible by 4
     t = _tensors(vocab, 1)
-    mesh = make_serving_mesh(tp=4)
+    mesh = serving_mesh(tp=4)
     with jax.set_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(lambda x: sampling.sample(x, t, max_logprobs=2))(jnp.zeros((len(PARAMS), vocab))))
     assert "shard_map" not in jaxpr

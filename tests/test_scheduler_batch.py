@@ -1,15 +1,52 @@
-"""The engine seam: scheduler outputs feed models.batch.build_ragged_batch as they are, and the vectorised
-build_batch_arrays returns exactly the same arrays."""
+"""The engine seam: scheduler outputs feed the batch builder (serving.core.batch) as they are, and it returns
+exactly the arrays of a plain per-sequence loop (the oracle below), errors included."""
 import numpy as np
 import pytest
 
-from models.batch import SeqChunk, build_ragged_batch
-from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, build_batch_arrays
+from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, SeqChunk, build_batch_arrays
 from serving.core.fake_model import FakeModel
 
 
+def oracle(chunks, *, page_size: int, num_tokens: int, num_seqs: int, max_pages: int) -> dict[str, np.ndarray]:
+    """The layout written plainly, a Python loop per sequence: what the vectorised builder must equal."""
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > num_tokens or len(chunks) > num_seqs:
+        raise ValueError(f"{total} tokens / {len(chunks)} seqs do not fit bucket ({num_tokens}, {num_seqs})")
+    input_ids = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slot_mapping = np.full(num_tokens, -1, np.int32)
+    kv_lens = np.zeros(num_seqs, np.int32)
+    page_indices = np.zeros((num_seqs, max_pages), np.int32)
+    cu_q_lens = np.zeros(num_seqs + 1, np.int32)
+    logits_indices = np.zeros(num_seqs, np.int32)
+    off = 0
+    for i, c in enumerate(chunks):
+        n = len(c.token_ids)
+        if n == 0:
+            raise ValueError(f"sequence {i} schedules no tokens")
+        end = c.start + n
+        pages_needed = -(-end // page_size)
+        if pages_needed > max_pages or pages_needed > len(c.block_table):
+            raise ValueError(f"sequence {i} needs {pages_needed} pages; block table has {len(c.block_table)},"
+                             f" max_pages={max_pages}")
+        pos = np.arange(c.start, end, dtype=np.int32)
+        table = np.asarray(c.block_table[:pages_needed], np.int32)
+        input_ids[off:off + n] = c.token_ids
+        positions[off:off + n] = pos
+        slot_mapping[off:off + n] = table[pos // page_size] * page_size + pos % page_size
+        kv_lens[i] = end
+        page_indices[i, :pages_needed] = table
+        cu_q_lens[i + 1] = off + n
+        logits_indices[i] = off + n - 1
+        off += n
+    cu_q_lens[len(chunks) + 1:] = off
+    return dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, kv_lens=kv_lens,
+                page_indices=page_indices, cu_q_lens=cu_q_lens, num_seqs=np.array([len(chunks)], np.int32),
+                logits_indices=logits_indices)
+
+
 def assert_same(chunks, builder=None, **shape):
-    want = build_ragged_batch(chunks, **shape)
+    want = oracle(chunks, **shape)
     gots = [build_batch_arrays(chunks, **shape)]
     if builder is not None:
         gots.append(builder.build(chunks, num_tokens=shape["num_tokens"], num_seqs=shape["num_seqs"]))
@@ -67,7 +104,7 @@ def test_equal_on_random_chunks_and_empty():
     ([SeqChunk([1, 2], 7, [0])], "needs 3 pages"),
 ])
 def test_same_errors(chunks, match):
-    for build in (build_ragged_batch, build_batch_arrays):
+    for build in (oracle, build_batch_arrays):
         with pytest.raises(ValueError, match=match):
             build(chunks, page_size=4, num_tokens=8, num_seqs=2, max_pages=4)
     with pytest.raises(ValueError, match=match):

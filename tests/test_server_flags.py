@@ -42,9 +42,9 @@ def test_memory_fraction_is_sized_by_the_ledger():
 
 def test_memory_fraction_leaves_room_for_the_lm_head_screen(monkeypatch):
     """A single-device CPU engine builds the LM head's int8 screen: the fraction's KV pages are sized after it."""
-    from models.transformer import head_screen_bytes
+    from pallas_kernels.matmul import head_screen_bytes
     from pallas_kernels import native
-    from sharding import ledger
+    from serving import ledger
 
     model = shared_test_model()
     monkeypatch.setattr(ledger, "device_memory", lambda *a, **k: ledger.DeviceMemory(1 << 30, 1 << 30, "fixed"))
@@ -58,7 +58,7 @@ def test_memory_fraction_leaves_room_for_the_lm_head_screen(monkeypatch):
     _, cfg = ledger.load_config(model=model)
     page = 16 * ledger.ModelMemory(cfg, "float32").stage_kv_bytes_per_token(ledger.Layout.of({}), 0)
     # The same budget less the screen's bytes: that many pages fewer, give or take the page the cut falls in.
-    screen = head_screen_bytes(cfg) if native_here else 0
+    screen = head_screen_bytes(cfg.vocab_size, cfg.hidden_size) if native_here else 0
     assert without - with_screen in (screen // page, -(-screen // page)), (without, with_screen, screen, page)
 
 

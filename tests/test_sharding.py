@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as tf
 
-from models.batch import SeqChunk
+from serving.core.batch import SeqChunk
 from serving.core.engine import Engine, EngineConfig
 from serving.core.sampling_params import SamplingParams
 from tests import hf_models

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from models import tiny_corpus, train_tiny
-from models.batch import SeqChunk
-from models.tiny_llama import TinyLlamaConfig, forward
+from models.training import corpus as tiny_corpus, train as train_tiny
+from serving.core.batch import SeqChunk
+from models.training.tiny_llama import TinyLlamaConfig, forward
 from models.tokenizer import Tokenizer
 from models.weights import load_hf_model
 from tests.model_runner import PagedRunner

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from models.batch import SeqChunk
+from serving.core.batch import SeqChunk
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError
 from models.weights import load_hf_model, load_model, load_orbax_model, save_orbax
-from sharding.rules import make_mesh
+from sharding.mesh import make_mesh
 from tests import hf_models
 from tests.model_runner import PagedRunner
 

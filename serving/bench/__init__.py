@@ -1,1 +1,2 @@
-"""Benchmarks: host-side overhead of the serving core (host_overhead); more to come."""
+"""Every benchmark of the project, a module each behind `python -m serving.bench NAME` (see __main__.py);
+harness.py holds what they share."""

@@ -1,20 +1,48 @@
-"""Benchmarks: `python -m serving.bench offline ...` (serving core) — see serving/bench/offline.py;
-`python -m serving.bench serve --target=HOST:PORT ...` (a server over gRPC) — see serving/bench/serve.py."""
+"""`python -m serving.bench NAME [flags]`: every benchmark of the project behind one entry point. NAME is a module
+of this package with absl flags and a `main()` (`python -m serving.bench` lists them; `NAME --help` gives its
+flags); serving/bench/harness.py holds what they share."""
+import importlib
 import sys
 
-from absl import app
+from absl import app, flags
+
+BENCHMARKS = {
+    "offline": "the serving core in-process on the ~125M Llama: vs HF and llama.cpp, start-up, caches, roofline",
+    "serve": "a server or gateway over gRPC, `vllm bench serve`-style (--sweep: rates vs the offline engine)",
+    "gateway": "the gateway's routing policies in front of N instances, one of them slow or stuck",
+    "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",
+    "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
+    "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
+    "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",
+    "host_overhead": "host time per engine step with N running decodes, the device stubbed out",
+}
 
 
-def main(argv):
-    commands = {"offline": "serving.bench.offline", "serve": "serving.bench.serve"}
-    if len(argv) < 2 or argv[1] not in commands:
-        raise app.UsageError(f"usage: python -m serving.bench {{{','.join(commands)}}} [flags]")
-    module = __import__(commands[argv[1]], fromlist=["main"])
-    module.main()
+def _usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    return "usage: python -m serving.bench NAME [flags]   (NAME --help: its flags)\n\n" + "\n".join(
+        f"  {name:<{width}}  {what}" for name, what in BENCHMARKS.items())
+
+
+def main() -> None:
+    name = sys.argv[1] if len(sys.argv) > 1 else ""
+    if name not in BENCHMARKS:
+        asked = name in ("-h", "--help", "help")
+        print(_usage(), file=sys.stdout if asked else sys.stderr)
+        sys.exit(0 if asked else 2)
+    # Only the chosen benchmark is imported: flag names repeat across them (--workdir, --dtype, --steps, --target)
+    # and layouts sets XLA_FLAGS before jax is first imported.
+    module = importlib.import_module(f"serving.bench.{name}")
+    flags.adopt_module_key_flags(module)  # --help lists its flags
+    sys.modules["__main__"].__doc__ = module.__doc__  # what absl's --help prints above the flags
+
+    def run(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+        module.main()
+
+    app.run(run, argv=[f"{sys.argv[0]} {name}", *sys.argv[2:]])
 
 
 if __name__ == "__main__":
-    # Flags of every benchmark module are defined at import, so absl parses them all.
-    import serving.bench.offline  # noqa: F401
-    import serving.bench.serve  # noqa: F401
-    app.run(main, argv=sys.argv)
+    main()

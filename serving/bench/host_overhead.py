@@ -5,7 +5,7 @@ allocated every page_size steps per sequence, full blocks go to the prefix cache
 tensors (built only for steps that sample other than greedily; greedy steps take the forward's own argmax), and
 output processing (incremental detokenisation and the stop-string check with the shipped tokenizer). The
 synchronous engine runs update, schedule and the batch before each launch and the outputs while the step runs;
-with async scheduling (greedy steps) all of it overlaps the device. Run: python -m serving.bench.host_overhead
+with async scheduling (greedy steps) all of it overlaps the device. Run: python -m serving.bench host_overhead
 """
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import os
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from models.tokenizer import Tokenizer
+from serving.bench.harness import table
 from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, sampling
 from serving.core.engine import _Detok
 
@@ -87,16 +88,16 @@ def measure_host_overhead(num_seqs: int = 256, prompt_len: int = 512, steps: int
     return result
 
 
-def main(argv):
-    del argv
-    r = measure_host_overhead(_NUM_SEQS.value, _PROMPT_LEN.value, _STEPS.value, _PAGE_SIZE.value)
-    print(f"host time per step, {_NUM_SEQS.value} running decode sequences, {_STEPS.value} steps (microseconds)")
-    print(f"{'':18s} {'mean':>8s} {'p50':>8s} {'p99':>8s}")
-    for name in [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]:
-        print(f"{name:24s} {r[name + '_mean_us']:8.1f} {r[name + '_p50_us']:8.1f} {r[name + '_p99_us']:8.1f}")
-    print(f"share of a greedy step's host time hidden behind the device, synchronous engine: "
-          f"{r['overlapped_share']:.0%}")
+def report(num_seqs: int = 256, steps: int = 1000, prompt_len: int = 512, page_size: int = 16) -> None:
+    """Measures and prints the table (offline's `--only=host` runs it too)."""
+    r = measure_host_overhead(num_seqs, prompt_len, steps, page_size)
+    parts = [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]
+    table(f"Host time per step, {num_seqs} running decodes, {steps} steps (device stubbed)",
+          ["part", "mean (us)", "p50 (us)", "p99 (us)"],
+          [[p, r[f"{p}_mean_us"], r[f"{p}_p50_us"], r[f"{p}_p99_us"]] for p in parts]
+          + [["share hidden behind the device, greedy, synchronous (outputs / total; async scheduling: offline's "
+              "roofline table's idle columns)", f"{r['overlapped_share']:.0%}", "", ""]])
 
 
-if __name__ == "__main__":
-    app.run(main)
+def main() -> None:
+    report(_NUM_SEQS.value, _STEPS.value, _PROMPT_LEN.value, _PAGE_SIZE.value)

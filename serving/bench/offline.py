@@ -19,28 +19,15 @@ import time
 import numpy as np
 from absl import flags
 
+from serving.bench.harness import BENCH_WORKDIR, LLAMA_125M, llama_125m, median_time, read_bandwidth, table
+
 _ONLY = flags.DEFINE_list("only", ["throughput", "llamacpp", "startup", "batching", "prefix", "chunked", "host",
                                    "roofline", "floor"],
                           "benchmarks to run")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes for the throughput benchmark")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/meshserve-bench", "where the benchmark model is written")
+_WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark model is written")
 _QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (for a smoke run)")
 _HF_BASELINE = flags.DEFINE_bool("hf_baseline", True, "also time HF transformers generate")
-
-LLAMA_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=32768,
-                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-
-
-def model_dir(dtype: str) -> str:
-    d = os.path.join(_WORKDIR.value, f"llama125m-{dtype}")
-    if not os.path.exists(os.path.join(d, "config.json")):
-        import torch
-        import transformers as tf
-        torch.manual_seed(0)
-        tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_125M)).to(getattr(torch, dtype)).save_pretrained(d)
-    return d
-
 
 def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
@@ -71,37 +58,16 @@ def _cpu_path() -> str:
     return f"native {native.isa()}" if native.enabled() else "xla"
 
 
-def cpu_name() -> str:
-    """The CPU model, as /proc/cpuinfo names it (every benchmark table names it)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or platform.machine()
-
-
 def _llm(dtype: str, **options):
     from serving.core.llm import LLM
     base = dict(dtype=dtype, page_size=16, num_pages=4096, max_num_seqs=16, max_num_batched_tokens=256)
     base.update(options)
-    return LLM(model_dir(dtype), **base)
+    return LLM(llama_125m(dtype, _WORKDIR.value), **base)
 
 
 def _greedy(max_tokens: int):
     from serving.core.sampling_params import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for r in rows:
-        print("| " + " | ".join(f"{c:.3g}" if isinstance(c, float) else str(c) for c in r) + " |")
-    sys.stdout.flush()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,17 +121,18 @@ def bench_throughput():
             hf16, hf1 = _hf_throughput(dtype, _fresh_prompts(16, n_in), n_out)
         rows.append([dtype, _cpu_path(), ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1, hf1, ms1 / hf1,
                      f"{cached['b16']} / {cached['b1']}"])
-    _table("Output tokens/s, 16 x (128 in, %d out), greedy, %s (sync: async scheduling off; full head: batch 1 "
-           "without the LM head's int8 screen; cached: prompt tokens served from the prefix cache in the b16 / b1 "
-           "cells)" % (n_out, cpu_name()),
-           ["dtype", "meshserve kernels", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync",
-            "full head", "HF b1", "ratio", "cached"], rows)
+    table("Output tokens/s, 16 x (128 in, %d out), greedy (sync: async scheduling off; full head: batch 1 "
+          "without the LM head's int8 screen; cached: prompt tokens served from the prefix cache in the b16 / b1 "
+          "cells)" % n_out,
+          ["dtype", "meshserve kernels", "meshserve b16", "sync", "HF b16", "ratio", "meshserve b1", "sync",
+           "full head", "HF b1", "ratio", "cached"], rows)
 
 
 def _hf_throughput(dtype: str, prompts, n_out: int) -> tuple[float, float]:
     import torch
     import transformers as tf
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir(dtype), dtype=getattr(torch, dtype)).eval()
+    model = tf.AutoModelForCausalLM.from_pretrained(llama_125m(dtype, _WORKDIR.value),
+                                                    dtype=getattr(torch, dtype)).eval()
     kw = dict(max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
         model.generate(torch.tensor(prompts[:1]), max_new_tokens=2, do_sample=False, pad_token_id=0)
@@ -196,7 +163,7 @@ def bench_llamacpp():
     n_in, n_out = 128, (32 if _QUICK.value else 128)
     rows = []
     for dtype in _DTYPES.value:
-        hf_dir = model_dir(dtype)
+        hf_dir = llama_125m(dtype, _WORKDIR.value)
         path = os.path.join(_WORKDIR.value, f"llama125m-{dtype}.gguf")
         if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(hf_dir, "config.json")):
             llamacpp.write_gguf(hf_dir, path)
@@ -236,11 +203,11 @@ def bench_llamacpp():
         rows.append([dtype, _cpu_path(), llamacpp.instruction_sets(), med["ms", 16], med["cpp", 16],
                      med["ms", 16] / med["cpp", 16], med["ms", 1], med["cpp", 1], med["ms", 1] / med["cpp", 1],
                      f"{statistics.mean(agree):.0%}", cached])
-    _table("meshserve vs llama.cpp, same checkpoint, output tokens/s, 16 x (128 in, %d out), greedy, %s (median "
-           "of interleaved rounds; cached: prompt tokens meshserve served from its prefix cache in the timed rounds)"
-           % (n_out, cpu_name()),
-           ["dtype", "meshserve kernels", "llama.cpp build", "meshserve b16", "llama.cpp b16", "ratio",
-            "meshserve b1", "llama.cpp b1", "ratio", "tokens agree", "cached"], rows)
+    table("meshserve vs llama.cpp, same checkpoint, output tokens/s, 16 x (128 in, %d out), greedy (median "
+          "of interleaved rounds; cached: prompt tokens meshserve served from its prefix cache in the timed rounds)"
+          % n_out,
+          ["dtype", "meshserve kernels", "llama.cpp build", "meshserve b16", "llama.cpp b16", "ratio",
+           "meshserve b1", "llama.cpp b1", "ratio", "tokens agree", "cached"], rows)
 
 
 def bench_startup():
@@ -249,8 +216,8 @@ def bench_startup():
     import tempfile
     dtype = _DTYPES.value[0]
     code = ("import time, psutil; from serving.core.llm import LLM; "
-            f"llm = LLM({model_dir(dtype)!r}, dtype={dtype!r}, page_size=16, num_pages=4096, max_num_seqs=16, "
-            "max_num_batched_tokens=256); "
+            f"llm = LLM({llama_125m(dtype, _WORKDIR.value)!r}, dtype={dtype!r}, page_size=16, num_pages=4096, "
+            "max_num_seqs=16, max_num_batched_tokens=256); "
             "e = llm.engine; print('READY', time.time() - psutil.Process().create_time(), e.load_time_s, "
             "e.compile_count, e.compile_time_s, len(e.buckets))")
     rows = []
@@ -262,8 +229,8 @@ def bench_startup():
             _, total, load, count, compile_s, buckets = next(
                 line for line in out.splitlines() if line.startswith("READY")).split()
             rows.append([dtype, name, float(total), float(load), int(buckets), int(count), float(compile_s)])
-    _table("Start-up (fresh process)", ["dtype", "compilation cache", "process start -> ready (s)",
-                                        "weights load (s)", "token buckets", "programs", "compile (s)"], rows)
+    table("Start-up (fresh process)", ["dtype", "compilation cache", "process start -> ready (s)",
+                                       "weights load (s)", "token buckets", "programs", "compile (s)"], rows)
 
 
 def bench_batching():
@@ -290,11 +257,11 @@ def bench_batching():
     steps2 = llm.engine.step_count
     # Engine steps are what an accelerator pays for (its step time hardly depends on the batch); a CPU step
     # gets cheaper as the batch empties, which favours static batching's tails.
-    _table(f"Continuous vs static batching, {n} requests, output 16-{max(lengths)} tokens, {batch} slots",
-           ["mode", "output tok/s", "engine steps"],
-           [["continuous", continuous, steps1 - steps0], ["static", static, steps2 - steps1],
-            ["gain (tok/s: continuous/static; steps: static/continuous)", continuous / static,
-             (steps2 - steps1) / (steps1 - steps0)]])
+    table(f"Continuous vs static batching, {n} requests, output 16-{max(lengths)} tokens, {batch} slots",
+          ["mode", "output tok/s", "engine steps"],
+          [["continuous", continuous, steps1 - steps0], ["static", static, steps2 - steps1],
+           ["gain (tok/s: continuous/static; steps: static/continuous)", continuous / static,
+            (steps2 - steps1) / (steps1 - steps0)]])
 
 
 def bench_prefix():
@@ -313,8 +280,8 @@ def bench_prefix():
         rows.append(["on" if on else "off", statistics.mean(ttft) * 1e3,
                      sum(o for o in [out.metrics.num_cached_prompt_tokens])])
     rows.append(["ratio off/on", rows[0][1] / rows[1][1], ""])
-    _table("Prefix cache, 1,024-token shared system prompt + 32-token user turn",
-           ["prefix cache", "mean TTFT (ms)", "cached prompt tokens (last)"], rows)
+    table("Prefix cache, 1,024-token shared system prompt + 32-token user turn",
+          ["prefix cache", "mean TTFT (ms)", "cached prompt tokens (last)"], rows)
 
 
 def bench_chunked():
@@ -347,20 +314,15 @@ def bench_chunked():
                      np.percentile(itl, 99) * 1e3, itl.max() * 1e3,
                      long.metrics.first_token_time - long.metrics.arrival_time, overlapped])
         del llm, eng
-    _table(f"Inter-token latency of 16 decoding requests while a {long_len}-token prompt is prefilled",
-           ["mode", "ITL p50 (ms)", "ITL p99 (ms)", "ITL max (ms)", "long prompt TTFT (s)",
-            "decoders running past its prefill"], rows)
+    table(f"Inter-token latency of 16 decoding requests while a {long_len}-token prompt is prefilled",
+          ["mode", "ITL p50 (ms)", "ITL p99 (ms)", "ITL max (ms)", "long prompt TTFT (s)",
+           "decoders running past its prefill"], rows)
 
 
 def bench_host():
     """Host time per step with 256 running sequences, device work stubbed out."""
-    from serving.bench.host_overhead import measure_host_overhead
-    r = measure_host_overhead(num_seqs=256, steps=200 if _QUICK.value else 1000)
-    parts = [k.removesuffix("_p50_us") for k in r if k.endswith("_p50_us")]
-    _table("Host time per step, 256 running decodes (device stubbed)", ["part", "p50 (us)", "mean (us)", "p99 (us)"],
-           [[p, r[f"{p}_p50_us"], r[f"{p}_mean_us"], r.get(f"{p}_p99_us", float("nan"))] for p in parts]
-           + [["share hidden behind the device, greedy, synchronous (outputs / total; async scheduling: the "
-                "roofline table's idle columns)", f"{r['overlapped_share']:.0%}", "", ""]])
+    from serving.bench.host_overhead import report
+    report(num_seqs=256, steps=200 if _QUICK.value else 1000)
 
 
 def bench_roofline():
@@ -369,7 +331,6 @@ def bench_roofline():
     import jax
     from flax import nnx
     rows = []
-    from pallas_kernels.bench import read_bandwidth
     bw = read_bandwidth()
     for dtype in _DTYPES.value:
         llm = _llm(dtype, max_num_seqs=32, max_num_batched_tokens=256)
@@ -404,23 +365,23 @@ def bench_roofline():
             rows.append([dtype, batch, step_bytes(batch) / 1e6, step * 1e3, roof * 1e3, roof / step, batch / step, idle[False] * 1e3,
                          idle[True] * 1e3])
         del llm, eng
-    _table(f"Decode step vs roofline (weight bytes a step reads / read bandwidth, {bw / 1e9:.1f} GB/s measured now;"
-           " batch 1: the LM head's int8 screen instead of the head); device idle per step waiting on the host, "
-           "async scheduling off / on",
-           ["dtype", "batch", "MB read", "step (ms)", "roofline (ms)", "roofline/step", "tok/s", "idle off (ms)",
-            "idle on (ms)"], rows)
+    table(f"Decode step vs roofline (weight bytes a step reads / read bandwidth, {bw / 1e9:.1f} GB/s measured now;"
+          " batch 1: the LM head's int8 screen instead of the head); device idle per step waiting on the host, "
+          "async scheduling off / on",
+          ["dtype", "batch", "MB read", "step (ms)", "roofline (ms)", "roofline/step", "tok/s", "idle off (ms)",
+           "idle on (ms)"], rows)
 
 
 def bench_floor():
     """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
     benchmark model's shapes, nothing else jitted in but an RMS scaling per layer): a floor under any decode step, side by side for XLA's dot,
-    the native kernel on the row-major weights, and what the engine runs (`models.transformer.matmul` on weights
-    packed at load as `pack_native_weights` does: q|k|v and gate|up fused, in the huge-page buffer, when the
+    the native kernel on the row-major weights, and what the engine runs (`pallas_kernels.matmul.matmul` on weights
+    packed at load as `CausalLM.pack_for_cpu_kernels` does: q|k|v and gate|up fused, in the huge-page buffer, when the
     native kernels are on)."""
     import jax
     import jax.numpy as jnp
 
-    from models.transformer import SCREEN_MAX_ROWS, matmul
+    from pallas_kernels.matmul import SCREEN_MAX_ROWS, matmul
     from pallas_kernels import native
     c = LLAMA_125M
     e, i, v, kv = c["hidden_size"], c["intermediate_size"], c["vocab_size"], \
@@ -477,35 +438,23 @@ def bench_floor():
                 variants.append((matmul, packed, screen))
             for mm, ws, scr in variants:
                 f = jax.jit(functools.partial(chain, mm, screen=scr))
-                f(*ws, x).block_until_ready()
-                times = []
-                for _ in range(10):
-                    t0 = time.perf_counter()
-                    f(*ws, x).block_until_ready()
-                    times.append(time.perf_counter() - t0)
-                steps.append(statistics.median(times))
+                steps.append(median_time(lambda: f(*ws, x).block_until_ready(), 10))
             screened = steps[3] if len(steps) > 3 else float("nan")
             rows.append([dtype, m, _cpu_path(), steps[0] * 1e3, _blas_chain_ms(layers, head, x) if dt == jnp.float32
                          else "-", steps[1] * 1e3, steps[2] * 1e3, steps[0] / steps[2],
                          weight_bytes / steps[2] / 1e9, m / steps[2], screened * 1e3, m / screened])
-    _table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step, %s; OpenBLAS: "
-           "the same dots in NumPy (float32; its own threads); screened: the LM head replaced by its int8 screen's "
-           "greedy head (greedy steps of <= %d rows)" % (cpu_name(), SCREEN_MAX_ROWS),
-           ["dtype", "rows", "kernels", "XLA dot ms", "OpenBLAS ms", "native row-major ms", "native packed ms (engine)",
-            "XLA/packed", "weights GB/s", "max tok/s at that batch", "screened ms", "max tok/s screened"], rows)
+    table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step; OpenBLAS: "
+          "the same dots in NumPy (float32; its own threads); screened: the LM head replaced by its int8 screen's "
+          "greedy head (greedy steps of <= %d rows)" % SCREEN_MAX_ROWS,
+          ["dtype", "rows", "kernels", "XLA dot ms", "OpenBLAS ms", "native row-major ms", "native packed ms (engine)",
+           "XLA/packed", "weights GB/s", "max tok/s at that batch", "screened ms", "max tok/s screened"], rows)
 
 
 def _blas_chain_ms(layers, head, x) -> float:
     """The floor's dots (unfused weights) through NumPy's BLAS (OpenBLAS in NumPy's wheels), median of 10."""
     mats = [np.asarray(m) for p in layers for m in p.values()] + [np.asarray(head)]
     xs = {a.shape[0]: np.asarray(x[:, :1].repeat(a.shape[0], axis=1)) for a in mats}
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        for a in mats:
-            xs[a.shape[0]] @ a
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return median_time(lambda: [xs[a.shape[0]] @ a for a in mats], 10) * 1e3
 
 
 BENCHES = dict(throughput=bench_throughput, llamacpp=bench_llamacpp, startup=bench_startup, batching=bench_batching,

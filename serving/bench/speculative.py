@@ -1,12 +1,12 @@
 """Speculative decoding benchmark on the shipped tiny target/draft pair (models/tiny/{target,draft}).
 
-    python -m serving.bench.speculative [--target=DIR] [--draft=DIR] [--k=4] [--batch_sizes=1,8]
+    python -m serving.bench speculative [--target=DIR] [--draft=DIR] [--k=4] [--batch_sizes=1,8]
                                         [--max_tokens=64] [--json=FILE]
 
 For each batch size: decode tokens/s, TPOT and acceptance rate without speculation, with the draft model, and
 with prompt lookup, on two workloads: `text` (held-out source code continued) and `edit` (the prompt holds a
 snippet and asks for it again: summarise/edit-style output that repeats the prompt). Greedy decoding; every
-program is compiled before timing. Also prints the draft's memory cost from the ledger (sharding.ledger).
+program is compiled before timing. Also prints the draft's memory cost from the ledger (serving.ledger).
 """
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import os
 import statistics
 import time
 
-from absl import app, flags
+from absl import flags
+
+from serving.bench.harness import table
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "models", "tiny")
 _TARGET = flags.DEFINE_string("target", os.path.join(_ROOT, "target"), "target model directory")
@@ -76,8 +78,7 @@ def measure(llm, batch, max_tokens: int, rounds: int) -> dict:
     return best
 
 
-def main(argv):
-    del argv
+def main() -> None:
     from serving.core.llm import LLM
     from serving.core.speculative import draft_memory
     batch_sizes = [int(b) for b in _BATCH_SIZES.value]
@@ -107,21 +108,14 @@ def main(argv):
             results.append(dict(method="draft_memory", ledger=mem, measured=measured))
         del llm
 
-    print(f"\n| workload | batch | method | decode tok/s | TPOT ms | speed-up | acceptance | accepted/pos |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        if "workload" not in r:
-            continue
-        base = next((x for x in results if x.get("method") == "off" and x.get("workload") == r["workload"]
-                     and x.get("batch") == r["batch"]), None)
-        speed = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base else float("nan")
-        print(f"| {r['workload']} | {r['batch']} | {r['method']} | {r['decode_tokens_per_s']:.1f} | "
-              f"{r['tpot_ms']:.2f} | {speed:.2f}x | {r.get('acceptance_rate', float('nan')):.2f} | "
-              f"{r.get('accepted_per_pos', '')} |")
+    base = {(r["workload"], r["batch"]): r["decode_tokens_per_s"] for r in results if r["method"] == "off"}
+    table(f"Speculative decoding, k={_K.value}, {_MAX_TOKENS.value} tokens per request, greedy ({_DTYPE.value})",
+          ["workload", "batch", "method", "decode tok/s", "TPOT ms", "speed-up", "acceptance", "accepted/pos"],
+          [[r["workload"], r["batch"], r["method"], r["decode_tokens_per_s"], r["tpot_ms"],
+            f"{r['decode_tokens_per_s'] / base.get((r['workload'], r['batch']), float('nan')):.2f}x",
+            r.get("acceptance_rate", float("nan")), r.get("accepted_per_pos", "")]
+           for r in results if "workload" in r])
     if _JSON.value:
         with open(_JSON.value, "w") as f:
             json.dump(results, f, indent=1)
 
-
-if __name__ == "__main__":
-    app.run(main)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import tempfile
 import time
 
 from serving.bench import serve
+from serving.bench.harness import llama_125m, table
 
 # The engine of both sides (as serving/bench/offline.py runs it, with fewer pages: 32 x 192 tokens fit in 512).
 ENGINE_OPTIONS = dict(dtype="float32", page_size=16, num_pages=1024, max_num_seqs=16, max_num_batched_tokens=256,
@@ -25,21 +25,6 @@ def _server_flags() -> list[str]:
     for k, v in ENGINE_OPTIONS.items():
         out.append(f"--{k}={v}" if not isinstance(v, bool) else f"--{'' if v else 'no'}{k}")
     return out
-
-
-def _cell(c) -> str:
-    if not isinstance(c, float):
-        return str(c)
-    return f"{c:.0f}" if abs(c) >= 100 else f"{c:.1f}" if abs(c) >= 10 else f"{c:.3g}"
-
-
-def _table(title: str, header: list[str], rows: list[list]) -> None:
-    print(f"\n## {title}")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for r in rows:
-        print("| " + " | ".join(_cell(c) for c in r) + " |")
-    sys.stdout.flush()
 
 
 def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
@@ -59,11 +44,10 @@ def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
 
 
 def main() -> None:
-    from serving.bench.offline import model_dir
     from serving.server.testing import ServerProcess
     rates = [float(x) for x in serve._SWEEP_RATES.value]
     n, n_in, n_out = serve._SWEEP_NUM_PROMPTS.value, serve._SWEEP_INPUT_LEN.value, serve._SWEEP_OUTPUT_LEN.value
-    model = model_dir("float32")
+    model = llama_125m("float32")
     print(json.dumps({"sweep_rates": serve._SWEEP_RATES.value, "num_prompts": n, "input_len": n_in,
                       "output_len": n_out, "engine": ENGINE_OPTIONS, "cpus": os.cpu_count(),
                       "load": os.getloadavg()}), flush=True)
@@ -89,24 +73,24 @@ def main() -> None:
     rows = [[r["request_rate"], r["completed"], r["failed"], r["median_ttft_ms"], r["p99_ttft_ms"],
              r["median_tpot_ms"], r["p99_tpot_ms"], r["request_throughput"], r["output_throughput"],
              r["total_token_throughput"]] for r in results]
-    _table(f"Serving sweep over gRPC: ~125M Llama float32, {n} requests x ({n_in} in, {n_out} out), "
-           f"max_num_seqs {ENGINE_OPTIONS['max_num_seqs']}",
-           ["rate (req/s)", "completed", "failed", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)",
-            "req/s", "output tok/s", "total tok/s"], rows)
+    table(f"Serving sweep over gRPC: ~125M Llama float32, {n} requests x ({n_in} in, {n_out} out), "
+          f"max_num_seqs {ENGINE_OPTIONS['max_num_seqs']}",
+          ["rate (req/s)", "completed", "failed", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)", "TPOT p99 (ms)",
+           "req/s", "output tok/s", "total tok/s"], rows)
 
     offline = offline_throughput(model, requests)
     # The all-at-once run is the offline engine's workload; without one, the fastest rate.
     inf_runs = [r for r in results if r["request_rate"] == "inf"]
     grpc = inf_runs[-1] if inf_runs else max(results, key=lambda r: r["output_throughput"])
     ratio = grpc["output_throughput"] / offline["output_throughput"]
-    _table("gRPC path vs offline engine, same workload all at once",
-           ["path", "duration (s)", "output tok/s", "total tok/s"],
-           [[f"gRPC (rate {grpc['request_rate']})", grpc["duration"], grpc["output_throughput"],
-             grpc["total_token_throughput"]],
-            ["offline LLM.generate", offline["duration"], offline["output_throughput"],
-             offline["total_token_throughput"]],
-            ["ratio gRPC / offline", grpc["duration"] / offline["duration"], ratio,
-             grpc["total_token_throughput"] / offline["total_token_throughput"]]])
+    table("gRPC path vs offline engine, same workload all at once",
+          ["path", "duration (s)", "output tok/s", "total tok/s"],
+          [[f"gRPC (rate {grpc['request_rate']})", grpc["duration"], grpc["output_throughput"],
+            grpc["total_token_throughput"]],
+           ["offline LLM.generate", offline["duration"], offline["output_throughput"],
+            offline["total_token_throughput"]],
+           ["ratio gRPC / offline", grpc["duration"] / offline["duration"], ratio,
+            grpc["total_token_throughput"] / offline["total_token_throughput"]]])
     print(f"\nsweep took {time.perf_counter() - t_start:.0f} s; load average now {os.getloadavg()}", flush=True)
     if serve._RESULT_JSON.value:
         summary = {"runs": [{k: v for k, v in r.items() if not isinstance(v, (list, dict)) or k == "goodput_slos_ms"}

@@ -15,7 +15,8 @@ import time
 import jax
 import numpy as np
 
-from serving.core.engine import Engine, EngineConfig, StepOutput, StepRecord, make_serving_mesh
+from serving.core.engine import Engine, EngineConfig, StepOutput, StepRecord
+from sharding.mesh import serving_mesh
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
 
@@ -112,7 +113,7 @@ class DataParallelEngine:
         self.config = config
         self.replicas: list[Engine] = []
         for r in range(dp):
-            mesh = make_serving_mesh(tp=config.tp, ep=config.ep, devices=devices[r * per:(r + 1) * per])
+            mesh = serving_mesh(tp=config.tp, ep=config.ep, devices=devices[r * per:(r + 1) * per])
             self.replicas.append(Engine(replica_config, tokenizer=tokenizer, mesh=mesh))
             tokenizer = self.replicas[0].tokenizer  # loaded once
         self.scheduler = _PooledSchedulers(self.replicas)

@@ -30,15 +30,16 @@ from flax import nnx
 from models.batch import ragged_batch_from_arrays
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
-from models.transformer import CausalLM, ExpertCounts, MoE, SCREEN_MAX_ROWS, add_head_screen, init_kv_caches, \
-    pack_native_weights
+from models.moe import ExpertCounts, MoE
+from models.transformer import CausalLM, init_kv_caches
+from pallas_kernels.matmul import SCREEN_MAX_ROWS
 from pallas_kernels import native
 from serving.core import sampling
-from serving.core.batch_builder import BatchBuilder
+from serving.core.batch import BatchBuilder
 from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from sharding.multihost import local_value, to_global
-from sharding.rules import MESH_AXES
+from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
 from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -161,29 +162,6 @@ def default_min_token_bucket(dtype: str, platform: str | None = None) -> int:
     return 8
 
 
-def make_serving_mesh(*, tp: int = 1, ep: int = 1, devices=None) -> jax.sharding.Mesh:
-    """A ('data', 'pipeline', 'tensor', 'expert') mesh for one engine; Auto axes, so XLA propagates shardings
-    from the parameters and inserts the collectives (kernels run per shard inside shard_map)."""
-    devices = list(devices if devices is not None else jax.devices())
-    if tp * ep > len(devices):
-        raise ValueError(f"tp={tp} x ep={ep} needs {tp * ep} devices; {len(devices)} available")
-    return jax.make_mesh((1, 1, tp, ep), MESH_AXES, devices=devices[:tp * ep],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
-
-
-def kv_cache_sharding(cfg: ModelConfig, mesh):
-    """One layer's KV pages: split on the head axis over 'tensor' when the degree divides the KV heads."""
-    if mesh is None:
-        return None
-    tp = mesh.shape["tensor"]
-    heads = "tensor" if tp > 1 and cfg.num_kv_heads % tp == 0 else None
-    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, None, heads, None))
-
-
-def mesh_context(mesh):
-    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
-
-
 @dataclasses.dataclass(slots=True)
 class Logprob:
     token_id: int
@@ -271,7 +249,7 @@ class Engine:
         self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
         dtype = DTYPES[config.dtype]
         if mesh is None and config.tp * config.ep > 1:
-            mesh = make_serving_mesh(tp=config.tp, ep=config.ep)
+            mesh = serving_mesh(tp=config.tp, ep=config.ep)
         self.mesh = mesh
         if model is None:
             from models.weights import is_orbax_dir, load_hf_model, load_model
@@ -309,7 +287,7 @@ class Engine:
         self.num_pages = num_pages
         self.max_pages = -(-max_model_len // config.page_size)
         try:
-            from sharding.ledger import ledger_summary
+            from serving.ledger import ledger_summary
             log.info("%s", ledger_summary(mc, dtype=config.dtype, page_size=config.page_size, num_pages=num_pages,
                                           mesh_shape={"tensor": config.tp, "expert": config.ep,
                                                       "pipeline": config.pp},
@@ -332,13 +310,13 @@ class Engine:
             # Single-device CPU serving: weights into the native kernels' panel layout (a clone: the caller's
             # model keeps its own).
             model = nnx.clone(model)
-            self.screen_greedy = config.greedy_head_screen and add_head_screen(model)
+            self.screen_greedy = config.greedy_head_screen and model.add_head_screen()
             if self.screen_greedy:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
-            self.packed_weights = pack_native_weights(model)
+            self.packed_weights = model.pack_for_cpu_kernels()
             log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
         self.graphdef, self.state = nnx.split(model)
-        self._kv_sharding = kv_cache_sharding(mc, mesh)
+        self._kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
         self.kv_caches = init_kv_caches(mc, num_pages, config.page_size, dtype, self._kv_sharding)
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 3), static_argnames=("greedy_only",))
         # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous

@@ -15,22 +15,14 @@ import numpy as np
 from flax import nnx
 
 from models.batch import RaggedBatch
-from models.transformer import embed_lookup
+from models.layers import embed_lookup
 from pallas_kernels.metadata import AttentionMetadata
-from serving.core.batch_builder import build_batch_arrays
+from serving.core.batch import build_batch_arrays, split_micro_batches
 from serving.core.engine import Engine, EngineConfig, default_min_token_bucket
 from sharding import pipeline
-from sharding.rules import MESH_AXES
+from sharding.mesh import kv_cache_sharding, serving_mesh
 
 _MD_FIELDS = ("positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
-
-
-def make_pipeline_mesh(pp: int, tp: int = 1, devices=None) -> jax.sharding.Mesh:
-    devices = list(devices if devices is not None else jax.devices())
-    if pp * tp > len(devices):
-        raise ValueError(f"pp={pp} x tp={tp} needs {pp * tp} devices; {len(devices)} available")
-    return jax.make_mesh((1, pp, tp, 1), MESH_AXES, devices=devices[:pp * tp],
-                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
 
 
 class PipelineEngine(Engine):
@@ -39,7 +31,7 @@ class PipelineEngine(Engine):
         self.num_micro = config.micro_batches or pp
         if config.ep > 1 or config.dp > 1:
             raise ValueError("pipeline parallelism combines with tensor parallelism only (pp x tp)")
-        mesh = mesh or make_pipeline_mesh(pp, config.tp)
+        mesh = mesh or serving_mesh(pp=pp, tp=config.tp)
         smallest = config.min_token_bucket or default_min_token_bucket(config.dtype)
         if smallest < self.num_micro:
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
@@ -62,8 +54,7 @@ class PipelineEngine(Engine):
                                 "lm_head": None if mc.tie_word_embeddings else model.lm_head.get_value()},
                       "slots": pipeline.stack_stage_slots(layer_states, pp, mesh)}
         # One KV buffer per slot: [pp, pages, page_size, 2*kv_heads, head_dim], the stage axis over 'pipeline'.
-        heads = self._kv_sharding.spec[2] if self._kv_sharding is not None else None
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pipeline", None, None, heads, None))
+        sharding = kv_cache_sharding(mc.num_kv_heads, mesh, stacked=True)
         shape = (pp,) + self.kv_caches[0].shape
         self.kv_caches = [jnp.zeros(shape, self.kv_caches[0].dtype, device=sharding)
                           for _ in range(len(self.stages[0]))]
@@ -103,6 +94,6 @@ class PipelineEngine(Engine):
         tm = num_tokens // self.num_micro
         sm = min(tm, cfg.max_num_seqs)
         parts = [build_batch_arrays(p, page_size=cfg.page_size, num_tokens=tm, num_seqs=sm, max_pages=self.max_pages)
-                 for p in pipeline.split_micro_batches(chunks, num_tokens, self.num_micro)]
+                 for p in split_micro_batches(chunks, num_tokens, self.num_micro)]
         micro = {k: np.stack([p[k] for p in parts]) for k in _MD_FIELDS}
         return {"input_ids": full["input_ids"], "logits_indices": full["logits_indices"], "micro": micro}

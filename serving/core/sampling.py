@@ -40,13 +40,15 @@ import numpy as np
 from jax import lax
 
 from serving.core.sampling_params import SamplingParams
+from sharding.axes import VOCAB
+from sharding.mesh import mesh_axis
 
 _BLOCK = 256  # tokens per block of the two-level inverse CDF
 _MIN_CANDIDATES = 64  # smallest lax.top_k width compiled, so small top_k values share one program
 _TOP_P_CANDIDATES = 256  # top-p mass is looked for among this many candidates before the bisection fallback
 _MAX_CANDIDATES = 1024  # wider top_k values use the bisection (lax.top_k(K) grows ~linearly in K on CPU)
 _MIN_WINDOW = 16  # smallest token-id window for penalties
-VOCAB_AXIS = "tensor"  # the mesh axis that shards the LM head, hence the logits' vocabulary
+VOCAB_AXIS = mesh_axis(VOCAB)  # the mesh axis that shards the LM head, hence the logits' vocabulary
 
 
 @dataclasses.dataclass(slots=True)

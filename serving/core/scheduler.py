@@ -76,7 +76,7 @@ class SchedulerConfig:
 
 @dataclasses.dataclass(slots=True)
 class ScheduledSequence:
-    """One sequence's share of a step; duck-types as models.batch.SeqChunk (token_ids, start, block_table)."""
+    """One sequence's share of a step; duck-types as serving.core.batch.SeqChunk (token_ids, start, block_table)."""
     request: Request
     token_ids: list[int]  # fed this step, at positions start .. start+len-1
     start: int  # tokens already in the KV cache

@@ -22,7 +22,8 @@ from jax import lax
 from models.batch import RaggedBatch, ragged_batch_from_arrays
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core import sampling
-from serving.core.batch_builder import BatchBuilder, build_batch_arrays
+from serving.core.batch import BatchBuilder, build_batch_arrays
+from sharding.mesh import kv_cache_sharding, mesh_context
 from serving.core.request import Request, RequestStatus
 from serving.core.sampling_params import SamplingParams
 
@@ -93,15 +94,15 @@ def ngram_propose(token_ids: Sequence[int] | np.ndarray, k: int, n_min: int, n_m
 
 def draft_kv_bytes_per_page(draft_model: str, dtype: str, page_size: int) -> int:
     """KV bytes one page costs in the draft's cache (the draft keeps a buffer per layer, with the target's pages)."""
-    from sharding.ledger import ModelMemory, load_config
+    from serving.ledger import ModelMemory, load_config
     _, cfg = load_config(model=draft_model)
     return ModelMemory(cfg, dtype).kv_bytes_per_token * page_size
 
 
 def draft_memory(draft_model: str, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None) -> dict:
-    """The draft's memory per device from the ledger (sharding.ledger): weights and its KV buffers for
+    """The draft's memory per device from the ledger (serving.ledger): weights and its KV buffers for
     `num_pages` pages, bytes."""
-    from sharding.ledger import Layout, ModelMemory, load_config
+    from serving.ledger import Layout, ModelMemory, load_config
     _, cfg = load_config(model=draft_model)
     mm = ModelMemory(cfg, dtype)
     layout = Layout.of(mesh_shape or {})
@@ -255,7 +256,7 @@ class SpeculativeDecoder:
         cost = 0.02  # per draft: the extra query token in the target's step
         if config.method == "draft":
             from models.weights import load_model
-            from serving.core.engine import DTYPES, kv_cache_sharding
+            from serving.core.engine import DTYPES
             dtype = DTYPES[engine.config.dtype]
             draft = load_model(config.model, dtype=dtype, mesh=engine.mesh)
             dc = draft.config
@@ -267,7 +268,7 @@ class SpeculativeDecoder:
                                  f"{engine.max_model_len}")
             self.draft_config = dc
             self.draft_graphdef, self.draft_state = nnx.split(draft)
-            self._draft_kv_sharding = kv_cache_sharding(dc, engine.mesh)
+            self._draft_kv_sharding = kv_cache_sharding(dc.num_kv_heads, engine.mesh)
             self._init_draft_kv()
             draft_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_state))
             cost += draft_bytes / max(1, target_bytes)
@@ -372,7 +373,6 @@ class SpeculativeDecoder:
         return tokens, all_probs, draft_kv
 
     def _run(self, verify_arrays, draft_arrays, spec, st):
-        from serving.core.engine import mesh_context
         e = self.engine
         with mesh_context(e.mesh):
             packed, e.kv_caches, self.draft_kv = self._step_fn(e.state, e.kv_caches, self.draft_state, self.draft_kv,

@@ -1,7 +1,7 @@
 """`python -m serving.gateway --config=FILE [--port=...]`: the gateway (meshserve.v1.Inference for clients,
 meshserve.gateway.v1 Jobs and GatewayAdmin, grpc.health.v1), Prometheus on --metrics_port, OTLP traces with
 --otlp_endpoint. The configuration file is re-read when it changes. SIGTERM stops admitting, lets running
-requests finish (up to --drain_grace_s) and exits 0. The routing benchmark is `python -m serving.gateway.bench`."""
+requests finish (up to --drain_grace_s) and exits 0. The routing benchmark is `python -m serving.bench gateway`."""
 from __future__ import annotations
 
 import asyncio

@@ -39,7 +39,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_float, "kv_cache_memory_fraction", 0.0,
       "If > 0 (and --num_pages=0): this instance may use this fraction of the device's memory (at most what is "
       "free); the KV cache gets what the weights and activations leave (vLLM's gpu_memory_utilization; sized "
-      "by sharding.ledger).")
+      "by serving.ledger).")
     d(flags.DEFINE_integer, "max_model_len", 0, "Context cap in tokens; 0: the model's.")
     d(flags.DEFINE_integer, "max_num_seqs", 64, "Sequences running at once (per --dp replica).")
     d(flags.DEFINE_integer, "max_num_batched_tokens", 512, "Token budget per step (the largest compiled bucket).")
@@ -105,15 +105,15 @@ def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page
                             draft_model: str = "", head_screen: bool = False) -> int:
     """KV pages that fit in this instance's share of the device, `fraction` of its memory (vLLM's per-instance
     gpu_memory_utilization; at most what is free now), after the weights and the largest step's activations and
-    buffers (sharding.ledger); with a draft model, after its weights too, each page paying for both caches;
+    buffers (serving.ledger); with a draft model, after its weights too, each page paying for both caches;
     with `head_screen` (a single-device CPU engine builds one), after the LM head's int8 screen."""
-    from models.transformer import head_screen_bytes
-    from sharding.ledger import Layout, ModelMemory, device_memory, load_config, plan_kv_pages
+    from pallas_kernels.matmul import head_screen_bytes
+    from serving.ledger import Layout, ModelMemory, device_memory, load_config, plan_kv_pages
     _, model_config = load_config(model=model_dir)
     mem = device_memory()
     budget = min(int(fraction * mem.total), mem.free)  # this instance's share, as far as it is free
     if head_screen:
-        budget -= head_screen_bytes(model_config)
+        budget -= head_screen_bytes(model_config.vocab_size, model_config.hidden_size)
     mesh_shape = {"tensor": tp, "expert": ep}
     share = 1.0
     if draft_model:

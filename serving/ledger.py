@@ -1,6 +1,6 @@
 """Memory ledger and layout planner (R1): per-device weights, KV cache, activations, communication buffers and
 runtime reserve for a model, workload and device mesh; the (dp, pp, tp, ep) layouts that fit, ranked by a
-simple decode-latency cost. `python -m sharding.ledger --help`; the engine calls `plan_kv_pages` and
+simple decode-latency cost. `python -m serving.ledger --help`; the engine calls `plan_kv_pages` and
 `ledger_summary`. Units: GB = 1e9 bytes, GiB = 2**30 bytes; both are printed wherever a size is.
 
 Layout assumptions (the same ones the sharding rules make):
@@ -642,7 +642,7 @@ def main(argv: Sequence[str]) -> None:
     try:
         print(_report_from_flags(f))
     except (ValueError, OSError) as err:
-        raise SystemExit(f"sharding.ledger: {err}") from None  # a plain message, not the whole --help
+        raise SystemExit(f"serving.ledger: {err}") from None  # a plain message, not the whole --help
 
 
 def _report_from_flags(f) -> str:

@@ -2,7 +2,7 @@
 byte-level BPE) on the Python standard library, on CPU, deterministically from a seed, and writes each as an HF
 directory with its held-out text and a training report.
 
-    python -m models.train_tiny --out=models/tiny --which=both --seed=0
+    python -m models.training.train --out=models/tiny --which=both --seed=0
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ import optax
 from absl import app, flags, logging
 from safetensors.numpy import save_file
 
-from models import tiny_corpus
-from models.tiny_llama import TinyLlamaConfig, count_params, forward, init_params, token_losses
+from models.training import corpus as tiny_corpus
+from models.training.tiny_llama import TinyLlamaConfig, count_params, forward, init_params, token_losses
 
 VOCAB_SIZE = 8192
 CONTEXT = 256
@@ -254,7 +254,7 @@ def train_one(which: str, seed: int, out_root: str, corpus: tiny_corpus.Corpus, 
     tokens_seen = run.steps * run.batch_size * run.seq_len
     report = {
         "model": which,
-        "command": f"python -m models.train_tiny --out={out_root} --which={which} --seed={seed}"
+        "command": f"python -m models.training.train --out={out_root} --which={which} --seed={seed}"
                    + (f" --steps={_STEPS.value}" if _STEPS.value else "")
                    + (f" --batch_size={_BATCH.value}" if _BATCH.value else ""),
         "corpus": corpus.description,

@@ -1,17 +1,20 @@
 """Per-step time of every tested parallel layout, on 8 fake CPU devices (for regression only: the fake devices
 share this machine's cores, so more devices never means faster here).
 
-    python -m sharding.bench_layouts [--steps=20]
+    python -m serving.bench layouts [--steps=20]
 """
 import os
 
+# Before jax is first imported (the dispatcher imports this module before anything that imports jax).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from serving.bench.harness import table  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 20, "decode steps timed per layout")
 
@@ -36,13 +39,12 @@ def _models(root):
     return out
 
 
-def main(argv):
-    del argv
+def _rows():
+    """A table row per layout, as each is measured: the median decode step after the first 3 steps."""
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
     models = _models(tempfile.mkdtemp())
     prompts = [[(7 * i + j) % 150 + 3 for j in range(24)] for i in range(8)]
-    print("| model | layout | devices | decode step (ms, median) |\n|---|---|---|---|")
     for name, layout in LAYOUTS:
         llm = LLM(models[name], page_size=8, num_pages=256, max_num_seqs=8, max_num_batched_tokens=64,
                   min_token_bucket=64, enable_prefix_caching=False, **layout)
@@ -57,8 +59,9 @@ def main(argv):
             times.append(time.perf_counter() - t0)
         devices = sum(len(e.kv_caches[0].sharding.device_set) for e in engines)
         tag = " ".join(f"{k}={v}" for k, v in layout.items()) or "single device"
-        print(f"| {name} | {tag} | {devices} | {statistics.median(times[3:]) * 1e3:.1f} |", flush=True)
+        yield [name, tag, devices, statistics.median(times[3:]) * 1e3]
 
 
-if __name__ == "__main__":
-    app.run(main)
+def main() -> None:
+    table("Decode step per parallel layout, 8 fake CPU devices (regression only: they share this machine's cores)",
+          ["model", "layout", "devices", "decode step (ms, median)"], _rows())

@@ -1,4 +1,4 @@
-"""`python -m serving.gateway.bench`: routing policies under one request stream, one run.
+"""`python -m serving.bench gateway`: the gateway's routing policies under one request stream, one run.
 
 Starts N instance processes of a small model (one of them slowed down with --debug_step_delay_s, or kept stuck on
 very long requests sent straight to it), then for each policy (round_robin, least_requests, load_aware, and
@@ -16,8 +16,9 @@ import statistics
 import tempfile
 import time
 
-from absl import app, flags
+from absl import flags
 
+from serving.bench.harness import table
 from serving.process import ReadyFileProcess
 
 FLAGS = flags.FLAGS
@@ -132,13 +133,12 @@ async def _keep_stuck(target: str, stop: asyncio.Event) -> None:
         await asyncio.gather(*(worker(k) for k in range(FLAGS.stuck_requests)))
 
 
-def main(argv):
-    del argv
+def main() -> None:
     model = FLAGS.model
     if not model:
         from serving.server.testing import shared_test_model
         model = shared_test_model()
-    workdir = tempfile.mkdtemp(prefix="meshserve-gateway-bench-")
+    workdir = tempfile.mkdtemp(prefix="meshserve-bench-gateway-")
     print(f"starting {FLAGS.num_instances} instances of {model} (logs under {workdir}) ...", flush=True)
     instances = _start_instances(model, workdir)
     bad = f"i{FLAGS.num_instances - 1}"
@@ -179,22 +179,16 @@ def main(argv):
             p.terminate()
     bad_desc = (f"+{FLAGS.slow_delay_s * 1e3:.0f} ms per step" if FLAGS.scenario == "slow" else
                 f"{FLAGS.stuck_requests} long requests (400 tokens) kept running on it")
-    print(f"\n{FLAGS.num_instances} instances, {bad} bad ({bad_desc}); {FLAGS.num_requests} requests at "
-          f"{FLAGS.rate:g}/s, prompts {FLAGS.min_prompt}-{FLAGS.max_prompt} tokens, {FLAGS.max_tokens} generated")
-    header = (f"{'policy':<22}{'TTFT p50':>10}{'TTFT p99':>10}{'E2E p50':>10}{'E2E p99':>10}{'E2E mean':>10}"
-              f"{'to ' + bad:>8}{'errors':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['policy']:<22}{r['ttft_p50'] * 1e3:>8.0f}ms{r['ttft_p99'] * 1e3:>8.0f}ms"
-              f"{r['e2e_p50'] * 1e3:>8.0f}ms{r['e2e_p99'] * 1e3:>8.0f}ms{r['e2e_mean'] * 1e3:>8.0f}ms"
-              f"{r['to_bad']:>8}{r['errors']:>8}")
+    table(f"Routing policies: {FLAGS.num_instances} instances, {bad} bad ({bad_desc}); {FLAGS.num_requests} "
+          f"requests at {FLAGS.rate:g}/s, prompts {FLAGS.min_prompt}-{FLAGS.max_prompt} tokens, {FLAGS.max_tokens} "
+          "generated",
+          ["policy", "TTFT p50 (ms)", "TTFT p99 (ms)", "E2E p50 (ms)", "E2E p99 (ms)", "E2E mean (ms)",
+           f"sent to {bad}", "errors"],
+          [[r["policy"], *(r[k] * 1e3 for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99", "e2e_mean")),
+            r["to_bad"], r["errors"]] for r in rows])
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump(dict(flags={k: getattr(FLAGS, k) for k in ("num_instances", "scenario", "slow_delay_s",
                                                                   "num_requests", "rate", "max_tokens")},
                            rows=rows), f, indent=1)
 
-
-if __name__ == "__main__":
-    app.run(main)

@@ -1,0 +1,100 @@
+"""Attention with rotary positions over the paged KV cache: q/k/v projections (fused into one packed matrix on the
+native CPU kernels), the KV write and ragged paged attention (`pallas_kernels`), per tensor-parallel shard under a
+mesh."""
+from __future__ import annotations
+
+import math
+
+import jax
+from flax import nnx
+
+import pallas_kernels
+from models.batch import RaggedBatch
+from models.config import ModelConfig
+from models.layers import RMSNorm, param, zeros
+from models.rope import apply_rope, inverse_frequencies
+from pallas_kernels.matmul import dense_weight, matmul
+from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
+from sharding.mesh import axis_size, mesh_axis
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
+        e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = param(rngs, (e, hq, d), (EMBED, HEADS, HEAD_DIM), dtype)
+        self.k_proj = param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+        self.v_proj = param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+        self.o_proj = param(rngs, (hq, d, e), (HEADS, HEAD_DIM, EMBED), dtype)
+        if cfg.qkv_bias:
+            self.q_bias = zeros((hq, d), (HEADS, HEAD_DIM), dtype)
+            self.k_bias = zeros((hkv, d), (KV_HEADS, HEAD_DIM), dtype)
+            self.v_bias = zeros((hkv, d), (KV_HEADS, HEAD_DIM), dtype)
+        if cfg.o_bias:
+            self.o_bias = zeros((e,), (EMBED,), dtype)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
+        self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.qkv_proj = nnx.data(None)  # q|k|v fused and packed by `pallas_kernels.matmul.pack_groups` (then q/k/v_proj are None)
+        self.sm_scale = 1.0 / math.sqrt(d)
+        self.sliding_window = cfg.sliding_windows[layer]
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
+
+    def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
+        t, e = x.shape
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = matmul(x, self.qkv_proj[...])
+            q = qkv[:, :hq * d].reshape(t, hq, d)
+            k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].reshape(t, hkv, d)
+        else:
+            q = matmul(x, dense_weight(self.q_proj, e)).reshape(t, hq, d)
+            k = matmul(x, dense_weight(self.k_proj, e)).reshape(t, hkv, d)
+            v = matmul(x, dense_weight(self.v_proj, e)).reshape(t, hkv, d)
+        if self.qkv_bias:
+            q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, self.inv_freq)
+        k = apply_rope(k, positions, self.inv_freq)
+        out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
+                                        sliding_window=self.sliding_window)
+        # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
+        y = matmul(out.reshape(t, -1), dense_weight(self.o_proj, hq * d))
+        if self.o_bias_on:
+            y = y + self.o_bias[...]
+        return y, kv_pages
+
+
+def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
+    """Pure. Writes this step's K/V into the pages, then attends. Under a mesh that splits the heads (the rules'
+    mesh axis for HEADS) it runs per shard (heads are independent): q heads split; KV heads split too when the
+    degree divides them, else replicated, each shard reading only the KV heads its q heads use."""
+    tp, heads_axis = axis_size(HEADS), mesh_axis(HEADS)
+    hq, hkv = q.shape[1], k.shape[1]
+
+    def local(q, k, v, kv_pages, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+        kv_pages = pallas_kernels.write_kv(kv_pages, k, v, slot_mapping)
+        view = kv_pages
+        if tp > 1 and k.shape[1] == hkv:  # KV replicated: slice the heads these q heads read
+            group = hq // hkv
+            hq_local = q.shape[1]
+            first = jax.lax.axis_index(heads_axis) * hq_local // group
+            view = jax.lax.dynamic_slice_in_dim(kv_pages, 2 * first, 2 * max(1, hq_local // group), axis=2)
+        out = pallas_kernels.ragged_paged_attention(q, view, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                                    sm_scale=sm_scale, sliding_window=sliding_window)
+        return out, kv_pages
+
+    args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    if tp == 1:
+        return local(*args)
+    if hq % tp:
+        raise ValueError(f"tensor parallelism {tp} does not divide the {hq} attention heads")
+    P = jax.sharding.PartitionSpec
+    heads = P(None, heads_axis, None)
+    kv_heads = heads if hkv % tp == 0 else P()
+    pages = P(None, None, heads_axis, None) if hkv % tp == 0 else P()
+    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, pages, P(), P(), P(), P(), P()),
+                         out_specs=(heads, pages), check_vma=False)(*args)

@@ -1,0 +1,111 @@
+"""Mixture of experts: top-k routing, expert weights per physical slot (replicas of hot experts in the extra slots,
+see `sharding.experts`), tokens dispatched to grouped matmuls, split over the mesh's expert and tensor axes."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import ModelConfig
+from models.layers import MLP, param
+from sharding.axes import EMBED, EXPERT, MLP as MLP_AXIS
+from sharding.mesh import axis_size, mesh_axis
+
+
+class ExpertMap(nnx.Variable):
+    """Non-trainable routing state: which physical slots hold each logical expert (see sharding.experts)."""
+
+
+class ExpertCounts(nnx.Intermediate):
+    """Tokens routed to each physical expert slot in the last forward (exported as expert load)."""
+
+
+class MoE(nnx.Module):
+    """Top-k routed experts (softmax over all experts, then top-k, optionally renormalised), plus an optional
+    sigmoid-gated shared expert (Qwen2-MoE).
+
+    Expert weights are stored per physical slot ([num_slots, ...], num_slots >= num_experts; the extra slots
+    hold replicas of hot experts). Tokens are dispatched: each (token, expert) pair is sorted by slot and run
+    through grouped matmuls (`ragged_dot`), so a token costs k experts, not all of them. Under a mesh the slots
+    are split over 'expert' (and the expert MLP over 'tensor'); each device computes the pairs routed to its
+    slots and the partial outputs are summed across devices.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, num_slots: int | None = None):
+        e, n, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        slots = num_slots or n
+        self.router = param(rngs, (e, n), (EMBED, None), dtype)
+        self.gate_proj = param(rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
+        self.up_proj = param(rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
+        self.down_proj = param(rngs, (slots, i, e), (EXPERT, MLP_AXIS, EMBED), dtype)
+        table = np.zeros((n, max(1, slots - n + 1)), np.int32)
+        table[:, 0] = np.arange(n)
+        self.replica_slots = ExpertMap(jnp.asarray(table))
+        self.replica_count = ExpertMap(jnp.ones((n,), jnp.int32))
+        self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_expert = MLP(e, cfg.shared_expert_intermediate_size, dtype, rngs)
+            self.shared_expert_gate = param(rngs, (e, 1), (EMBED, None), dtype)
+
+    def routing(self, x) -> tuple[jax.Array, jax.Array]:
+        """Pure. Per token: the top-k expert ids [T, k] and their combine weights [T, k] (float32)."""
+        logits = (x @ self.router[...]).astype(jnp.float32)
+        probs = jax.nn.softmax(logits, axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return experts, weights
+
+    def __call__(self, x, valid=None):
+        """`valid[T]` marks real tokens; padding tokens are neither computed nor counted."""
+        experts, weights = self.routing(x)
+        t, k = experts.shape
+        num_slots = self.gate_proj.shape[0]
+        # A replicated expert's tokens are split over its replicas, round robin over the token index.
+        token = jnp.arange(t, dtype=jnp.int32)[:, None]
+        replica = token % self.replica_count[...][experts]
+        slots = self.replica_slots[...][experts, replica]  # [T, k]
+        if valid is not None:
+            slots = jnp.where(valid[:, None], slots, -1)
+        counted = jnp.where(slots < 0, num_slots, slots).reshape(-1)  # padding -> out of range (negative wraps)
+        self.sow(ExpertCounts, "counts", jnp.zeros((num_slots,), jnp.int32).at[counted].add(1, mode="drop"))
+        y = expert_mlp(x, slots, weights.astype(x.dtype), self.gate_proj[...], self.up_proj[...],
+                       self.down_proj[...])
+        if self.has_shared:
+            gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
+            y = y + gate * self.shared_expert(x)
+        return y
+
+
+def expert_mlp(x, slots, weights, gate, up, down):
+    """Pure. sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), dispatched by slot; sharded over the mesh axes the
+    rules give EXPERT (slots) and MLP (expert MLP columns) when the mesh splits them."""
+    expert_axis = mesh_axis(EXPERT) if axis_size(EXPERT) > 1 else None
+    mlp_axis = mesh_axis(MLP_AXIS) if axis_size(MLP_AXIS) > 1 else None
+    axes = [a for a in (expert_axis, mlp_axis) if a is not None]
+    t, k = slots.shape
+
+    def local(x, slots, weights, gate, up, down):
+        n_local = gate.shape[0]
+        first = jax.lax.axis_index(expert_axis) * n_local if expert_axis else 0
+        flat = slots.reshape(-1) - first
+        mine = (flat >= 0) & (flat < n_local) & (slots.reshape(-1) >= 0)
+        key = jnp.where(mine, flat, n_local)  # pairs for other devices' slots sort last and are not computed
+        order = jnp.argsort(key, stable=True)
+        group_sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]
+        token = order // k
+        xs = x[token]
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+        out = jax.lax.ragged_dot(h, down, group_sizes)
+        w = jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(out.dtype)
+        y = jnp.zeros_like(x).at[token].add(out * w[:, None])
+        return jax.lax.psum(y, tuple(axes)) if axes else y
+
+    if not axes:
+        return local(x, slots, weights, gate, up, down)
+    P = jax.sharding.PartitionSpec
+    e, m = expert_axis, mlp_axis
+    return jax.shard_map(local, in_specs=(P(), P(), P(), P(e, None, m), P(e, None, m), P(e, m, None)),
+                         out_specs=P(), check_vma=False)(x, slots, weights, gate, up, down)

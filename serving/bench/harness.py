@@ -1,0 +1,94 @@
+"""What the benchmarks of `python -m serving.bench` share: the markdown table (every one names the CPU), the median
+of timed calls, the read-bandwidth roofline and the ~125M Llama (random weights) the serving-core benchmarks run.
+Imports neither jax nor the serving core at import (the routing benchmark, gateway.py, runs without them)."""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable, Iterable
+
+BENCH_WORKDIR = "/tmp/meshserve-bench"
+
+LLAMA_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                  num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=32768,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+
+
+def llama_125m(dtype: str, workdir: str = BENCH_WORKDIR) -> str:
+    """The directory of the ~125M Llama's HF checkpoint in `dtype` under `workdir`: written once (seed 0), then
+    reused."""
+    d = os.path.join(workdir, f"llama125m-{dtype}")
+    if not os.path.exists(os.path.join(d, "config.json")):
+        import torch
+        import transformers as tf
+        torch.manual_seed(0)
+        tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_125M)).to(getattr(torch, dtype)).save_pretrained(d)
+    return d
+
+
+def cpu_name() -> str:
+    """The CPU model, as /proc/cpuinfo names it."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn` after one untimed call (compilation, first touch); `fn` waits for
+    its own result (jax.block_until_ready)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, *, huge_pages: bool | None = None) -> float:
+    """Bytes/s at which a jitted program streams a buffer it only reads (a reduction), measured now on the
+    default device: what attention does with the KV pages and a decode step with the weights. (A copy into a
+    fresh output measures page faults on CPU, not the memory.) On CPU the buffer is backed by transparent huge
+    pages by default, as the engine's packed weights are (`native.pack_weights`); 4 KiB pages read slower."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    if huge_pages is None:
+        huge_pages = jax.default_backend() == "cpu"
+    if huge_pages:
+        from pallas_kernels import native
+        host = np.frombuffer(native.huge_page_buffer(nbytes), np.float32)
+        host[...] = 1.0
+        x = jax.device_put(host, jax.devices("cpu")[0])
+    else:
+        x = jnp.ones((nbytes // 4,), jnp.float32)
+    fn = jax.jit(lambda a: jnp.sum(a))
+    jax.block_until_ready(fn(x))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def _cell(c) -> str:
+    if not isinstance(c, float):
+        return str(c)
+    return f"{c:.0f}" if abs(c) >= 100 else f"{c:.1f}" if abs(c) >= 10 else f"{c:.3g}"
+
+
+def table(title: str, header: list[str], rows: Iterable[list]) -> None:
+    """Prints a markdown table titled `title` and the CPU, a row as soon as `rows` yields it (a slow benchmark
+    shows its progress); floats: 3 significant digits below 10, one decimal below 100, whole numbers above."""
+    print(f"\n## {title}; CPU: {cpu_name()}")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header), flush=True)
+    for r in rows:
+        print("| " + " | ".join(_cell(c) for c in r) + " |", flush=True)

@@ -1,0 +1,102 @@
+"""The one batch builder: a step's scheduled sequences -> the arrays of the ragged batch the jitted step takes
+(`pallas_kernels.metadata.ragged_layout`), and the micro-batches a pipelined step cuts them into.
+
+A sequence's share of a step is anything with `token_ids`, `start` and `block_table` (the scheduler's
+ScheduledSequence, or a SeqChunk).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from pallas_kernels.metadata import ragged_layout
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """One sequence's share of a step: `token_ids` are new tokens at positions `start .. start+len-1`."""
+    token_ids: Sequence[int]
+    start: int  # number of tokens already in the KV cache
+    block_table: Sequence[int]  # page ids holding positions 0 .. start+len-1 (and maybe more)
+
+
+class BatchBuilder:
+    """Builds a step's arrays, keeping a numpy copy of each scheduled block table from step to step and copying
+    only the pages appended since the last step, so page_indices is one gather instead of a Python pass over every
+    page of every sequence.
+
+    Relies on the BlockManager's contract: a block-table list only grows in place; any other change (free,
+    truncate, preemption) replaces the list, which shows here as a new identity and a full copy.
+    """
+
+    def __init__(self, *, page_size: int, max_pages: int, max_seqs: int):
+        self.page_size, self.max_pages = page_size, max_pages
+        self.tables = np.zeros((max_seqs, max_pages), np.int32)
+        self._entries: dict[int, list] = {}  # id(block_table) -> [block_table (kept alive), row, pages copied]
+        self._free_rows = list(range(max_seqs - 1, -1, -1))
+
+    def build(self, chunks: Sequence, *, num_tokens: int, num_seqs: int) -> dict[str, np.ndarray]:
+        s, width = len(chunks), self.max_pages
+        if s > num_seqs or s > len(self.tables):
+            raise ValueError(f"{s} seqs do not fit bucket {num_seqs} (rows: {len(self.tables)})")
+        lens, starts, table_lens, rows = [0] * s, [0] * s, [0] * s, [0] * s
+        ids: list[int] = []
+        old, new, free_rows, tables = self._entries, {}, self._free_rows, self.tables
+        for i, c in enumerate(chunks):
+            t, bt = c.token_ids, c.block_table
+            ids += t
+            lens[i], starts[i], n = len(t), c.start, len(bt)
+            table_lens[i] = n
+            key = id(bt)
+            entry = old.pop(key, None)
+            if entry is None:
+                entry = new.get(key)  # the same table twice in one step: share the row
+                if entry is None:
+                    entry = [bt, free_rows.pop() if free_rows else self._steal_row(old), 0]
+            if entry[2] < n:
+                m = min(n, width)
+                if entry[2] < m:
+                    tables[entry[1], entry[2]:m] = bt[entry[2]:m]
+                entry[2] = n
+            new[key] = entry
+            rows[i] = entry[1]
+        for entry in old.values():
+            free_rows.append(entry[1])
+        self._entries = new
+        return ragged_layout(ids, np.array(starts, np.int64), np.array(lens, np.int64), tables[np.array(rows, np.int64)],
+                             np.array(table_lens, np.int64), page_size=self.page_size, num_tokens=num_tokens,
+                             num_seqs=num_seqs)
+
+    def _steal_row(self, old: dict) -> int:
+        """All rows are taken: reuse the row of a sequence not seen yet this step (it is re-copied if it shows)."""
+        key, entry = next(iter(old.items()))
+        del old[key]
+        return entry[1]
+
+
+def build_batch_arrays(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: int,
+                       max_pages: int) -> dict[str, np.ndarray]:
+    """Stateless: a fresh BatchBuilder's arrays (the engine loop keeps one BatchBuilder across steps)."""
+    return BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=max(num_seqs, len(chunks), 1)).build(
+        chunks, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def split_micro_batches(chunks: Sequence, num_tokens: int, num_micro: int) -> list[list[SeqChunk]]:
+    """Cuts a step's chunks, laid end to end, into `num_micro` runs of num_tokens / num_micro tokens each; a chunk
+    crossing a boundary is split into two pieces (the second runs after the first on every pipeline stage, so its
+    K/V is already written)."""
+    if num_tokens % num_micro:
+        raise ValueError(f"{num_micro} micro-batches do not divide a {num_tokens}-token step")
+    size = num_tokens // num_micro
+    out: list[list[SeqChunk]] = [[] for _ in range(num_micro)]
+    offset = 0
+    for c in chunks:
+        ids, start = list(c.token_ids), c.start
+        while ids:
+            m = offset // size
+            take = min(len(ids), size - offset % size)
+            out[m].append(SeqChunk(ids[:take], start, c.block_table))
+            ids, start, offset = ids[take:], start + take, offset + take
+    return out

@@ -1,0 +1,63 @@
+"""The one place device meshes are built and the KV cache gets its sharding.
+
+Every mesh has the axes ('data', 'pipeline', 'tensor', 'expert'). Parameters get theirs from the rules
+(`sharding.rules`); code that must name a mesh axis (inside `shard_map`) asks the rules which one a logical axis
+maps to (`mesh_axis`), never writes one down itself.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import DEFAULT_RULES, MESH_AXES, STAGE_AXIS, ShardingRules, kv_cache_partition_spec
+
+
+def make_mesh(dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, devices=None, *, auto: bool = False) -> Mesh:
+    """A mesh over ('data', 'pipeline', 'tensor', 'expert') from the given degrees, on the first devices.
+    `auto`: Auto axes (an engine's mesh: XLA propagates shardings from the parameters and inserts the collectives;
+    kernels run per shard inside shard_map); else Explicit."""
+    devices = list(devices if devices is not None else jax.devices())
+    need = dp * pp * tp * ep
+    if need > len(devices):
+        raise ValueError(f"mesh dp={dp} pp={pp} tp={tp} ep={ep} needs {need} devices; {len(devices)} available")
+    kind = jax.sharding.AxisType.Auto if auto else jax.sharding.AxisType.Explicit
+    return jax.make_mesh((dp, pp, tp, ep), MESH_AXES, devices=devices[:need], axis_types=(kind,) * 4)
+
+
+def serving_mesh(*, pp: int = 1, tp: int = 1, ep: int = 1, devices=None) -> Mesh:
+    """One engine's mesh (data parallelism is replicas of engines, each with its own mesh)."""
+    return make_mesh(1, pp, tp, ep, devices, auto=True)
+
+
+def mesh_axis(logical: str, rules: ShardingRules = DEFAULT_RULES) -> str | None:
+    """The mesh axis a logical axis (`sharding.axes`) is split over, or None."""
+    return rules.rules.get(logical)
+
+
+def axis_size(logical: str, rules: ShardingRules = DEFAULT_RULES) -> int:
+    """Trace-time. How many ways the mesh in context splits `logical` (1 without a mesh or a mapping)."""
+    axis = mesh_axis(logical, rules)
+    mesh = jax.sharding.get_abstract_mesh()
+    if axis is None or mesh.empty or axis not in mesh.axis_names:
+        return 1
+    return mesh.shape[axis]
+
+
+def kv_cache_sharding(num_kv_heads: int, mesh: Mesh | None, *, stacked: bool = False,
+                      rules: ShardingRules = DEFAULT_RULES) -> NamedSharding | None:
+    """One layer's KV pages [pages, page_size, 2*kv_heads, head_dim] on `mesh` (`kv_cache_partition_spec`: heads
+    split when the degree divides them); `stacked`: a leading [stages] axis over the pipeline's mesh axis
+    (pipeline slots). None without a mesh."""
+    if mesh is None:
+        return None
+    spec = kv_cache_partition_spec(num_kv_heads, dict(mesh.shape), rules)
+    if stacked:
+        spec = PartitionSpec(STAGE_AXIS, *spec)
+    return NamedSharding(mesh, spec)
+
+
+def mesh_context(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)`, or nothing without a mesh."""
+    return jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()
