@@ -601,6 +601,45 @@ def plan_kv_pages(cfg: ModelConfig, *, dtype: str, page_size: int, free_bytes: i
     return int(pages) * layout.dp
 
 
+def kv_cache_pages(cfg: ModelConfig, *, dtype: str, page_size: int, mesh_shape=None,
+                   kv_cache_bytes: float | None = None, memory_fraction: float | None = None,
+                   draft: ModelConfig | None = None, head_screen_bytes: int = 0, max_batched_tokens: int = 2048,
+                   max_seqs: int = 256) -> int:
+    """An engine's KV pages, the one place they are sized (the engine and the server both call it). Either
+    `kv_cache_bytes` for the whole cache (every layer, every device, the draft's pages too: a draft's cache uses the
+    same page ids), or `memory_fraction` of each device's memory (vLLM's gpu_memory_utilization; at most what is
+    free now) after the weights, the largest step's activations and buffers, the draft's weights and
+    `head_screen_bytes` (the LM head's int8 screen), each page then paying for both caches. Raises ValueError if
+    not one page fits."""
+    mm = ModelMemory(cfg, dtype)
+    if kv_cache_bytes is not None:
+        per_token = mm.kv_bytes_per_token + (ModelMemory(draft, dtype).kv_bytes_per_token if draft else 0)
+        return max(1, int(kv_cache_bytes // (page_size * per_token)))
+    if memory_fraction is None:
+        raise ValueError("kv_cache_pages: give kv_cache_bytes or memory_fraction")
+    mem = device_memory()
+    budget = min(int(memory_fraction * mem.total), mem.free) - head_screen_bytes  # this instance's share
+    layout = Layout.of(mesh_shape or {})
+    share = 1.0
+    if draft is not None:
+        one_page = draft_memory(draft, dtype=dtype, page_size=page_size, num_pages=layout.dp, mesh_shape=mesh_shape)
+        budget -= one_page["weights"]
+        target_kv = mm.stage_kv_bytes_per_token(layout, 0)
+        share = target_kv / (target_kv + one_page["kv_cache"] / page_size)
+    return int(share * plan_kv_pages(cfg, dtype=dtype, page_size=page_size, free_bytes=budget,
+                                     mesh_shape=mesh_shape or {}, weights_loaded=False, reserve_fraction=0.0,
+                                     max_batched_tokens=max_batched_tokens, max_seqs=max_seqs))
+
+
+def draft_memory(draft: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None) -> dict:
+    """A speculative draft model's memory per device: weights and its KV buffers for `num_pages` pages, bytes."""
+    mm = ModelMemory(draft, dtype)
+    layout = Layout.of(mesh_shape or {})
+    weights = mm.stage_weight_bytes(layout, 0)
+    kv = num_pages // layout.dp * page_size * mm.stage_kv_bytes_per_token(layout, 0)
+    return dict(weights=weights, kv_cache=kv, total=weights + kv, params=mm.num_params)
+
+
 def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape,
                    kv_dtype: str | None = None, max_batched_tokens: int = 2048, max_seqs: int = 256,
                    device_total_bytes: int | None = None, reserve_fraction: float = 0.05,

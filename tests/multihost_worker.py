@@ -23,7 +23,8 @@ def main():
     initialize(cfg)
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
-    from serving.core.engine import Engine, EngineConfig
+    from serving.core.config import EngineConfig
+    from serving.core.engine import Engine
     from serving.core.sampling_params import SamplingParams
     from tests.hf_models import random_prompt
     engine = Engine(EngineConfig(model=model_dir, tp=8, page_size=8, num_pages=64, max_num_seqs=8,
@@ -39,7 +40,7 @@ def main():
             json.dump({"error": "UNAVAILABLE", "detail": str(err)}, f)
         os._exit(3)
 
-    engine.channel = LeaderChannel(step_port, 1, on_follower_lost=lost)
+    engine.runner.channel = LeaderChannel(step_port, 1, on_follower_lost=lost)
     prompts = [random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -49,7 +50,7 @@ def main():
         for o in engine.step():
             tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
             print(f"LEADER: step {engine.step_count}", flush=True)
-    engine.channel.close()
+    engine.runner.channel.close()
     with open(out, "w") as f:
         json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
                    "devices": jax.device_count(), "processes": jax.process_count()}, f)

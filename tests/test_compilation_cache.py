@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from serving.core.engine import enable_compilation_cache
+from serving.core.model_runner import enable_compilation_cache
 from serving.server.testing import shared_test_model
 
 _CHILD = r"""
@@ -20,7 +20,7 @@ out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6,
 print("RESULT", json.dumps({"hits": events.count("/jax/compilation_cache/cache_hits"),
                             "misses": events.count("/jax/compilation_cache/cache_misses"),
                             "programs": llm.engine.compile_count, "tokens": out.token_ids,
-                            "dir": llm.engine.compilation_cache_dir}))
+                            "dir": llm.engine.runner.compilation_cache_dir}))
 """
 
 

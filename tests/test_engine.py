@@ -11,7 +11,8 @@ from pallas_kernels import native
 import transformers as tf
 
 from serving.core.async_engine import AsyncEngine
-from serving.core.engine import Engine, EngineConfig
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine
 from serving.core.llm import LLM
 from serving.core.request import FinishReason
 from serving.core.sampling_params import SamplingParams
@@ -83,15 +84,15 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
     eng = llm.engine
     # Per token bucket: the forward and 8 sampling variants; buckets of up to SCREEN_MAX_ROWS sequences also
     # the greedy-only forward with the screened LM head (when the native kernels run).
-    screened = [t for t in eng.buckets if eng._screens(eng.seq_bucket(t))]
+    screened = [t for t in eng.buckets if eng.runner.screens(eng.runner.seq_bucket(t))]
     if min_bucket == 16:
         assert eng.buckets == [16, 32, 64] and screened == []
     else:
         assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
         assert screened == ([1, 2, 4] if native.enabled() else [])
     assert eng.compile_count == len(eng.buckets) * (1 + 8) + len(screened)
-    forward_programs = eng._forward_fn._cache_size()
-    sample_programs = eng._sample_fn._cache_size()
+    forward_programs = eng.runner._forward_fn._cache_size()
+    sample_programs = eng.runner._sample_fn._cache_size()
     _run(llm, workload)
     for p in workload[0][:3]:  # lone greedy requests: steps of one sequence
         llm.generate([p], SamplingParams(temperature=0.0, max_tokens=3))
@@ -99,12 +100,12 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
              SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, max_tokens=5),
              SamplingParams(temperature=1.0, seed=4, top_k=5, min_p=0.1, frequency_penalty=0.5, max_tokens=5)]
     llm.generate(workload[0][:3], mixed)
-    assert eng._forward_fn._cache_size() == forward_programs
-    assert eng._sample_fn._cache_size() == sample_programs
+    assert eng.runner._forward_fn._cache_size() == forward_programs
+    assert eng.runner._sample_fn._cache_size() == sample_programs
 
 
 def test_default_token_buckets_follow_the_platform_and_dtype(monkeypatch):
-    from serving.core.engine import default_min_token_bucket
+    from serving.core.config import default_min_token_bucket
     assert default_min_token_bucket("float32", "cpu") == 1  # a lone decode is not padded on CPU
     # XLA:CPU's fast bf16 matmuls start at ~8 rows; the native kernels take the smaller steps
     assert default_min_token_bucket("bfloat16", "cpu") == (1 if native.enabled() else 8)

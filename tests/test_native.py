@@ -260,7 +260,8 @@ def test_native_and_xla_kernels_give_the_same_generations(tmp_path, monkeypatch,
 
 def test_engine_packs_its_weights_and_leaves_the_callers_model_alone(tmp_path):
     from models.weights import load_model
-    from serving.core.engine import Engine, EngineConfig
+    from serving.core.config import EngineConfig
+    from serving.core.engine import Engine
     from tests import hf_models
 
     hf_models.save_hf_model("qwen3", str(tmp_path / "qwen3"))
@@ -268,15 +269,15 @@ def test_engine_packs_its_weights_and_leaves_the_callers_model_alone(tmp_path):
     shape = model.layers[0].self_attn.q_proj[...].shape
     engine = Engine(EngineConfig(model=str(tmp_path / "qwen3"), num_pages=16, max_num_seqs=2,
                                  max_num_batched_tokens=32), model=model)
-    assert engine.packed_weights > 0
+    assert engine.runner.packed_weights > 0
     assert model.layers[0].self_attn.q_proj[...].shape == shape  # the engine packed a clone
-    packed = [x for x in jax.tree_util.tree_leaves(engine.state) if native.is_packed(x)]
-    assert len(packed) == engine.packed_weights
+    packed = [x for x in jax.tree_util.tree_leaves(engine.runner.state) if native.is_packed(x)]
+    assert len(packed) == engine.runner.packed_weights
     # q|k|v and gate|up fused (one kernel call each), o/down/LM head alone: 2 layers x 4 + 1
-    layer = nnx.merge(engine.graphdef, engine.state).layers[0]
+    layer = nnx.merge(engine.runner.graphdef, engine.runner.state).layers[0]
     assert layer.self_attn.q_proj is None and native.is_packed(layer.self_attn.qkv_proj[...])
     assert layer.mlp.gate_proj is None and native.is_packed(layer.mlp.gate_up_proj[...])
-    assert engine.packed_weights == 2 * 4 + 1
+    assert engine.runner.packed_weights == 2 * 4 + 1
     assert sum(x.size for x in packed) == sum(
         x.size for x in jax.tree_util.tree_leaves(nnx.state(model)) if x.ndim == 2 and x is not model.embed_tokens[...]
     ) + sum(x.size for layer in model.layers for x in (layer.self_attn.q_proj[...], layer.self_attn.k_proj[...],
@@ -395,13 +396,13 @@ def test_engine_greedy_steps_take_the_screen_with_the_same_tokens(tmp_path, monk
             llm = LLM(path, dtype=str(dtype).removeprefix("torch."), max_num_seqs=4, num_pages=64,
                       max_num_batched_tokens=64, greedy_head_screen=screen)
             eng = llm.engine
-            assert eng.screen_greedy is screen
+            assert eng.runner.screen_greedy is screen
             runs[screen] = [o.token_ids for o in llm.generate(prompts, greedy)]
             assert bool(traced) is screen
             if screen:
-                screened = sum(eng._screens(eng.seq_bucket(t)) for t in eng.buckets)
-                assert screened > 0 and all(eng.seq_bucket(t) > SCREEN_MAX_ROWS for t in eng.buckets
-                                            if not eng._screens(eng.seq_bucket(t)))
+                screened = sum(eng.runner.screens(eng.runner.seq_bucket(t)) for t in eng.buckets)
+                assert screened > 0 and all(eng.runner.seq_bucket(t) > SCREEN_MAX_ROWS for t in eng.buckets
+                                            if not eng.runner.screens(eng.runner.seq_bucket(t)))
                 # Mixed with a sampling request the steps run the full head; the greedy request's tokens hold.
                 mixed = llm.generate(prompts[:2], [greedy, SamplingParams(max_tokens=12, temperature=0.8, seed=1)])
                 assert mixed[0].token_ids == runs[True][0]

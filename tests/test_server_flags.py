@@ -3,7 +3,7 @@ memory ledger and refuses a fraction that holds no page; --dp refuses the layout
 import pytest
 from absl import app, flags
 
-from serving.core.engine import EngineConfig
+from serving.core.config import EngineConfig
 from serving.server import __main__ as server_main
 from serving.server.testing import shared_test_model
 

@@ -9,7 +9,8 @@ import torch
 import transformers as tf
 
 from serving.core.batch import SeqChunk
-from serving.core.engine import Engine, EngineConfig
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine
 from serving.core.sampling_params import SamplingParams
 from tests import hf_models
 
@@ -48,7 +49,7 @@ def _engine(path, **kw):
 
 def _prompt_logits(engine):
     chunks = [SeqChunk(p, 0, list(range(i * 6, i * 6 + 6))) for i, p in enumerate(PROMPTS[:2])]
-    logits, engine.kv_caches = engine._run_forward(engine._step_arrays(chunks, 64, 8))
+    logits, _ = engine.runner.run_forward(engine.runner.step_arrays(chunks, 64, 8))
     return np.asarray(logits)[:2]
 
 
@@ -84,12 +85,12 @@ LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("llama", dict(tp=8)),
 def test_layout_matches_single_device(models, reference, name, layout):
     engine = _engine(models[name], **layout)
     if "tp" in layout:
-        q = engine.state["layers"][0]["self_attn"]["q_proj"].get_value()
+        q = engine.runner.state["layers"][0]["self_attn"]["q_proj"].get_value()
         assert q.sharding.spec[1] == "tensor" and len(q.sharding.device_set) == layout["tp"] * layout.get("ep", 1)
-        kv_spec = engine.kv_caches[0].sharding.spec
+        kv_spec = engine.runner.kv_caches[0].sharding.spec
         assert (kv_spec[2] == "tensor") == (2 % layout["tp"] == 0)  # 2 KV heads: split only at tp=2
     if "ep" in layout:
-        w = engine.state["layers"][0]["mlp"]["gate_proj"].get_value()
+        w = engine.runner.state["layers"][0]["mlp"]["gate_proj"].get_value()
         assert w.sharding.spec[0] == "expert"
         assert w.addressable_shards[0].data.shape[0] == 8 // layout["ep"]
     logits_ref, tokens_ref = reference[name]
@@ -168,7 +169,7 @@ def test_data_parallel_replicas(models, reference, layout):
     engine = DataParallelEngine(EngineConfig(model=models["llama"], page_size=8, num_pages=128, max_num_seqs=8,
                                              max_num_batched_tokens=64, min_token_bucket=64,
                                              enable_prefix_caching=False, **layout))
-    devices = [set(r.kv_caches[0].sharding.device_set) for r in engine.replicas]
+    devices = [set(r.devices) for r in engine.replicas]
     assert len(devices) == layout["dp"] and all(len(d) == layout.get("tp", 1) for d in devices)
     assert not set.intersection(*devices)
     tokens = _greedy(engine)
@@ -181,21 +182,20 @@ def test_data_parallel_replicas(models, reference, layout):
                                           ("llama", dict(pp=2, micro_batches=4))])
 def test_pipeline_parallel(models, reference, name, layout):
     """Stages over 'pipeline' with micro-batches: the single-device logits and greedy tokens."""
-    from serving.core.pipeline_engine import PipelineEngine
     from sharding.pipeline import bubble_fraction
     cfg = EngineConfig(model=models[name], page_size=8, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
                        min_token_bucket=64, enable_prefix_caching=False, **layout)
-    engine = PipelineEngine(cfg)
+    engine = Engine(cfg)
     pp = layout["pp"]
     m = layout.get("micro_batches", pp)
     assert engine.bubble_fraction == bubble_fraction(pp, m) == (pp - 1) / (m + pp - 1)
-    kv = engine.kv_caches[0]
+    kv = engine.runner.kv_caches[0]
     assert kv.sharding.spec[0] == "pipeline" and kv.addressable_shards[0].data.shape[0] == 1
-    w = engine.state["slots"][0]["self_attn"]["q_proj"].get_value()
+    w = engine.runner.state["slots"][0]["self_attn"]["q_proj"].get_value()
     assert w.shape[0] == pp and w.sharding.spec[0] == "pipeline"
     if name not in reference:
         eng = _engine(models[name])
         reference[name] = (_prompt_logits(eng), _greedy(_engine(models[name])))
     logits_ref, tokens_ref = reference[name]
     np.testing.assert_allclose(_prompt_logits(engine), logits_ref, atol=1e-4, rtol=1e-4)
-    assert _greedy(PipelineEngine(cfg)) == tokens_ref
+    assert _greedy(Engine(cfg)) == tokens_ref

@@ -14,7 +14,8 @@ import transformers as tf
 from scipy import stats
 
 from serving.core import sampling
-from serving.core.engine import Engine, EngineConfig
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine
 from serving.core.llm import LLM
 from serving.core.request import FinishReason
 from serving.core.sampling_params import SamplingParams

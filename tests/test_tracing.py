@@ -13,7 +13,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode, set_span_in_context
 
-from serving.core.engine import Engine, EngineConfig
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine
 from serving.server.app import InstanceServer, ServerConfig
 from serving.server.client import Client, ClientError
 from serving.server.testing import shared_test_model
@@ -89,7 +90,7 @@ def test_request_spans_with_parents_chunks_and_token_events(traced):
 def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_serving(traced):
     server, exporter, client = traced
     engine = server.engine
-    real = engine._forward_fn
+    real = engine.runner._forward_fn
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -98,14 +99,14 @@ def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_se
             raise RuntimeError("injected device failure")
         return real(*args, **kwargs)
 
-    engine._forward_fn = failing
+    engine.runner._forward_fn = failing
     exporter.clear()
     try:
         with pytest.raises(ClientError) as e:
             client.complete([5, 6, 7, 8], max_tokens=4, request_id="doomed")
         assert e.value.code == grpc.StatusCode.INTERNAL and "injected device failure" in e.value.details
     finally:
-        engine._forward_fn = real
+        engine.runner._forward_fn = real
     assert client.complete([5, 6, 7, 8], max_tokens=4, ignore_eos=True).completion_tokens == 4
     load = client.get_load(check_invariants=True)
     assert load.invariant_error == "" and load.kv_pages_free == load.kv_pages_total

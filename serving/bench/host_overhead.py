@@ -18,7 +18,7 @@ from absl import flags
 from models.tokenizer import Tokenizer
 from serving.bench.harness import table
 from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, sampling
-from serving.core.engine import _Detok
+from serving.core.output_processor import _Detok
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              "models", "tiny", "target")

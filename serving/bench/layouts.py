@@ -48,7 +48,6 @@ def _rows():
     for name, layout in LAYOUTS:
         llm = LLM(models[name], page_size=8, num_pages=256, max_num_seqs=8, max_num_batched_tokens=64,
                   min_token_bucket=64, enable_prefix_caching=False, **layout)
-        engines = getattr(llm.engine, "replicas", [llm.engine])
         params = SamplingParams(temperature=0.0, max_tokens=_STEPS.value + 4, ignore_eos=True)
         times = []
         for i, p in enumerate(prompts):
@@ -57,7 +56,7 @@ def _rows():
             t0 = time.perf_counter()
             llm.engine.step()
             times.append(time.perf_counter() - t0)
-        devices = sum(len(e.kv_caches[0].sharding.device_set) for e in engines)
+        devices = len(llm.engine.devices)
         tag = " ".join(f"{k}={v}" for k, v in layout.items()) or "single device"
         yield [name, tag, devices, statistics.median(times[3:]) * 1e3]
 

@@ -82,7 +82,7 @@ def bench_throughput():
         llm = _llm(dtype)
         llm.generate(_fresh_prompts(16, n_in), _greedy(n_out))  # first touch of the KV pages and the programs
         eng = llm.engine
-        screen = eng.screen_greedy
+        screen = eng.runner.screen_greedy
         cached = {"b16": 0, "b1": 0}
 
         def batch16():
@@ -94,7 +94,7 @@ def bench_throughput():
             return rate
 
         def batch1(prompt, screened: bool) -> float:
-            eng.screen_greedy = screened
+            eng.runner.screen_greedy = screened
             hits = _cached_tokens(llm)
             t0 = time.perf_counter()
             llm.generate([prompt], _greedy(n_out))
@@ -337,15 +337,15 @@ def bench_roofline():
         eng = llm.engine
         # Bytes a decode step reads: every weight but the embedding table, of which it gathers a row per token;
         # a greedy step of few sequences reads the LM head's int8 screen instead of the head.
-        model = nnx.merge(eng.graphdef, eng.state)
+        model = nnx.merge(eng.runner.graphdef, eng.runner.state)
         tied = eng.model_config.tie_word_embeddings
         embed = model.embed_tokens[...]
         head = embed if tied else model.lm_head[...]
         screen = 0 if model.head_screen is None else model.head_screen[...].nbytes + model.head_screen_bounds[...].nbytes
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.state)) - (0 if tied else embed.nbytes) - screen
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state)) - (0 if tied else embed.nbytes) - screen
 
         def step_bytes(batch):
-            return weight_bytes - head.nbytes + screen if eng._screens(eng.seq_bucket(batch)) else weight_bytes
+            return weight_bytes - head.nbytes + screen if eng.runner.screens(eng.runner.seq_bucket(batch)) else weight_bytes
         for batch in (1, 32):
             idle = {}
             for look_ahead in (False, True):  # async scheduling off, then on: the device's idle time between steps

@@ -14,7 +14,8 @@ import threading
 import time
 from typing import AsyncIterator, Callable, Sequence
 
-from serving.core.engine import Engine, StepOutput
+from serving.core.interface import ServingEngine
+from serving.core.output_processor import StepOutput
 from serving.core.request import FinishReason, Priority
 from serving.core.sampling_params import SamplingParams
 
@@ -28,7 +29,7 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: ServingEngine):
         self.engine = engine
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
@@ -67,7 +68,7 @@ class AsyncEngine:
         """Ends a request from any thread; its stream gets a final output with `reason`."""
         self._call(lambda: self._abort(request_id, reason))
 
-    def call(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+    def call(self, fn: Callable[[ServingEngine], object]) -> concurrent.futures.Future:
         """Runs fn(engine) on the engine thread between steps (for consistent stats snapshots)."""
         return self._call(lambda: fn(self.engine))
 

@@ -15,7 +15,9 @@ import time
 import jax
 import numpy as np
 
-from serving.core.engine import Engine, EngineConfig, StepOutput, StepRecord
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine, StepRecord
+from serving.core.output_processor import StepOutput
 from sharding.mesh import serving_mesh
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
@@ -33,6 +35,10 @@ class _PooledBlockManagers:
     @property
     def _managers(self):
         return [r.scheduler.block_manager for r in self._replicas]
+
+    @property
+    def buckets(self) -> list[int]:
+        return self.replicas[0].buckets
 
     @property
     def num_pages(self) -> int:
@@ -143,6 +149,7 @@ class DataParallelEngine:
     def max_model_len(self) -> int:
         return self.replicas[0].max_model_len
 
+
     @property
     def buckets(self) -> list[int]:
         return self.replicas[0].buckets
@@ -152,12 +159,8 @@ class DataParallelEngine:
         return sum(r.num_pages for r in self.replicas)
 
     @property
-    def kv_caches(self) -> list:
-        return [kv for r in self.replicas for kv in r.kv_caches]
-
-    @property
     def devices(self) -> list:
-        return [d for r in self.replicas for d in sorted(r.kv_caches[0].sharding.device_set, key=lambda d: d.id)]
+        return [d for r in self.replicas for d in r.devices]
 
     @property
     def compile_count(self) -> int:

@@ -6,7 +6,9 @@ import dataclasses
 import itertools
 from typing import Sequence
 
-from serving.core.engine import Engine, EngineConfig, Logprob, StepOutput
+from serving.core.config import EngineConfig
+from serving.core.interface import build_engine
+from serving.core.output_processor import Logprob, StepOutput
 from serving.core.request import FinishReason, Priority, RequestMetrics
 from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import QueueFullError
@@ -26,15 +28,7 @@ class Completion:
 
 class LLM:
     def __init__(self, model: str, *, warmup: bool = True, **engine_options):
-        config = EngineConfig(model=model, **engine_options)
-        if config.dp > 1:  # refuses pp and speculative decoding with a clear error
-            from serving.core.data_parallel import DataParallelEngine
-            self.engine = DataParallelEngine(config)
-        elif config.pp > 1:
-            from serving.core.pipeline_engine import PipelineEngine
-            self.engine = PipelineEngine(config)
-        else:
-            self.engine = Engine(config)
+        self.engine = build_engine(EngineConfig(model=model, **engine_options))
         if warmup:
             self.engine.warmup()
         self._ids = itertools.count()

@@ -20,43 +20,19 @@ from flax import nnx
 from jax import lax
 
 from models.batch import RaggedBatch, ragged_batch_from_arrays
+from models.transformer import init_kv_caches
+from models.weights import load_model
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core import sampling
 from serving.core.batch import BatchBuilder, build_batch_arrays
+from serving.core.config import DTYPES, SpeculativeConfig
 from sharding.mesh import kv_cache_sharding, mesh_context
 from serving.core.request import Request, RequestStatus
 from serving.core.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-METHODS = ("draft", "ngram")
 _TAG_ACCEPT, _TAG_RESAMPLE, _TAG_DRAFT = 1, 2, 3  # fold_in tags: independent uniforms per purpose
-
-
-@dataclasses.dataclass(slots=True)
-class SpeculativeConfig:
-    method: str  # "draft" (a draft model) or "ngram" (prompt lookup)
-    num_speculative_tokens: int = 4  # k: drafts per speculating sequence per step
-    model: str = ""  # the draft model's directory (method "draft")
-    prompt_lookup_min: int = 1  # n-gram lengths tried, longest first (method "ngram")
-    prompt_lookup_max: int = 4
-    disable_by_batch_size: int = 0  # no speculation while this many requests or more are running; 0 = never
-    min_acceptance: float = -1.0  # per-request EMA acceptance below which it stops speculating; < 0: break-even
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"speculative_method must be one of {METHODS}, got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
-        if self.method == "draft" and not self.model:
-            raise ValueError("speculative_method='draft' needs speculative_model (a directory)")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
-                             f"{self.prompt_lookup_max}")
-        if self.disable_by_batch_size < 0:
-            raise ValueError(f"speculative_disable_by_batch_size must be >= 0, got {self.disable_by_batch_size}")
-        if self.min_acceptance > 1.0:
-            raise ValueError(f"speculative_min_acceptance must be <= 1, got {self.min_acceptance}")
 
 
 def break_even_acceptance(k: int, cost_per_draft: float) -> float:
@@ -90,25 +66,6 @@ def ngram_propose(token_ids: Sequence[int] | np.ndarray, k: int, n_min: int, n_m
             start = int(full[-1] if full.size else hits[0]) + n
             return tokens[start:start + k].tolist()
     return []
-
-
-def draft_kv_bytes_per_page(draft_model: str, dtype: str, page_size: int) -> int:
-    """KV bytes one page costs in the draft's cache (the draft keeps a buffer per layer, with the target's pages)."""
-    from serving.ledger import ModelMemory, load_config
-    _, cfg = load_config(model=draft_model)
-    return ModelMemory(cfg, dtype).kv_bytes_per_token * page_size
-
-
-def draft_memory(draft_model: str, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None) -> dict:
-    """The draft's memory per device from the ledger (serving.ledger): weights and its KV buffers for
-    `num_pages` pages, bytes."""
-    from serving.ledger import Layout, ModelMemory, load_config
-    _, cfg = load_config(model=draft_model)
-    mm = ModelMemory(cfg, dtype)
-    layout = Layout.of(mesh_shape or {})
-    weights = mm.stage_weight_bytes(layout, 0)
-    kv = num_pages // layout.dp * page_size * mm.stage_kv_bytes_per_token(layout, 0)
-    return dict(weights=weights, kv_cache=kv, total=weights + kv, params=mm.num_params)
 
 
 # ------------------------------------------------------------------------------------------------ device side
@@ -238,42 +195,42 @@ class _SpecSeqChunk:
 
 
 class SpeculativeDecoder:
-    """Owned by the Engine (`engine.spec`). `launch` replaces the plain step when this step can speculate,
-    `accept` turns the packed device result into per-sequence token lists and rolls back rejected K/V, and
-    `after_update` restores the accepted K/V length once the scheduler has appended the tokens."""
+    """Owned by the Engine (`engine.spec`), on its ModelRunner and Scheduler. `launch` replaces the plain step when
+    this step can speculate, `accept` turns the packed device result into per-sequence token lists and rolls back
+    rejected K/V, and `after_update` restores the accepted K/V length once the scheduler has appended the
+    tokens."""
 
-    def __init__(self, engine, config: SpeculativeConfig):
-        if getattr(engine.config, "pp", 1) > 1:
+    def __init__(self, runner, scheduler, config: SpeculativeConfig):
+        if runner.config.pp > 1:
             raise ValueError("speculative decoding does not run with pipeline parallelism (pp > 1) yet")
-        self.engine = engine
+        self.runner, self.scheduler = runner, scheduler
         self.config = config
+        self.steps = 0  # steps this decoder planned (launch calls): the clock of per-request back-off
         self.k = config.num_speculative_tokens
-        mc = engine.model_config
+        mc = runner.model_config
         self.draft_graphdef = self.draft_state = None
         self.draft_kv = None
         self.draft_config = None
-        target_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(engine.state))
+        target_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.state))
         cost = 0.02  # per draft: the extra query token in the target's step
         if config.method == "draft":
-            from models.weights import load_model
-            from serving.core.engine import DTYPES
-            dtype = DTYPES[engine.config.dtype]
-            draft = load_model(config.model, dtype=dtype, mesh=engine.mesh)
+            dtype = DTYPES[runner.config.dtype]
+            draft = load_model(config.model, dtype=dtype, mesh=runner.mesh)
             dc = draft.config
             if dc.vocab_size != mc.vocab_size:
                 raise ValueError(f"speculative_model {config.model!r} has vocab_size {dc.vocab_size}; the target has "
                                  f"{mc.vocab_size} (the draft must share the target's tokenizer)")
-            if dc.max_position_embeddings < engine.max_model_len:
+            if dc.max_position_embeddings < runner.max_model_len:
                 raise ValueError(f"speculative_model context {dc.max_position_embeddings} < max_model_len "
-                                 f"{engine.max_model_len}")
+                                 f"{runner.max_model_len}")
             self.draft_config = dc
             self.draft_graphdef, self.draft_state = nnx.split(draft)
-            self._draft_kv_sharding = kv_cache_sharding(dc.num_kv_heads, engine.mesh)
+            self._draft_kv_sharding = kv_cache_sharding(dc.num_kv_heads, runner.mesh)
             self._init_draft_kv()
             draft_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_state))
             cost += draft_bytes / max(1, target_bytes)
-            self._draft_builder = BatchBuilder(page_size=engine.config.page_size, max_pages=engine.max_pages,
-                                               max_seqs=engine.config.max_num_seqs)
+            self._draft_builder = BatchBuilder(page_size=runner.config.page_size, max_pages=runner.max_pages,
+                                               max_seqs=runner.config.max_num_seqs)
         self.min_acceptance = (config.min_acceptance if config.min_acceptance >= 0
                                else min(0.8, break_even_acceptance(self.k, cost)))
         self._states: dict[str, _SeqState] = {}
@@ -288,9 +245,7 @@ class SpeculativeDecoder:
                  self.min_acceptance)
 
     def _init_draft_kv(self) -> None:
-        from models.transformer import init_kv_caches
-        from serving.core.engine import DTYPES
-        e = self.engine
+        e = self.runner
         self.draft_kv = init_kv_caches(self.draft_config, e.num_pages, e.config.page_size,
                                        DTYPES[e.config.dtype], self._draft_kv_sharding)
 
@@ -325,7 +280,7 @@ class SpeculativeDecoder:
             verify_arrays = dict(verify_arrays, input_ids=input_ids)
         else:
             draft_tokens, draft_probs = spec["draft_tokens"], None
-        model = nnx.merge(self.engine.graphdef, target_state)
+        model = nnx.merge(self.runner.graphdef, target_state)
         batch = ragged_batch_from_arrays(verify_arrays)
         hidden, target_kv = model(batch, target_kv)
         logits = model.compute_logits(hidden[spec["verify_index"].reshape(-1)]).reshape(s, k + 1, -1)
@@ -336,7 +291,7 @@ class SpeculativeDecoder:
         """Pure. Runs the draft over its catch-up batch (rows 0..num_spec-1 end at the speculating sequences' last
         tokens), then k-1 one-token steps. Returns drafts [S, K], their distributions [S, K, V] or None, caches."""
         k = self.k
-        ps = self.engine.config.page_size
+        ps = self.runner.config.page_size
         model = nnx.merge(self.draft_graphdef, draft_state)
         batch = ragged_batch_from_arrays(arrays)
         hidden, draft_kv = model(batch, draft_kv)
@@ -373,7 +328,7 @@ class SpeculativeDecoder:
         return tokens, all_probs, draft_kv
 
     def _run(self, verify_arrays, draft_arrays, spec, st):
-        e = self.engine
+        e = self.runner
         with mesh_context(e.mesh):
             packed, e.kv_caches, self.draft_kv = self._step_fn(e.state, e.kv_caches, self.draft_state, self.draft_kv,
                                                                verify_arrays, draft_arrays, spec, st)
@@ -381,7 +336,7 @@ class SpeculativeDecoder:
 
     def warmup(self) -> int:
         """Compiles the speculative program for every token bucket (greedy and sampling). Returns the count."""
-        e = self.engine
+        e = self.runner
         count = 0
         for t in e.buckets:
             s = e.seq_bucket(t)
@@ -389,7 +344,7 @@ class SpeculativeDecoder:
                                        max_pages=e.max_pages)
             spec = self._spec_arrays([], s, t)
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)):
-                st = e._sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)
+                st = e.sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)
                 st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
                 draft_arrays = dict(empty) if self.draft_state is not None else None
                 self._run(empty, draft_arrays, spec, st).block_until_ready()
@@ -406,16 +361,17 @@ class SpeculativeDecoder:
     def launch(self, sched) -> tuple | None:
         """Plans and launches this step speculatively; None if it must run the plain program (a sampling
         sequence wants logprobs or penalties, or, n-grams, nothing to propose). Returns (packed, plan)."""
-        e, cfg, k = self.engine, self.config, self.k
+        e, cfg, k = self.runner, self.config, self.k
+        self.steps += 1
         seqs = sched.scheduled
         for s in seqs:
             p = s.request.sampling_params
             if s.sample and (p.logprobs is not None or p.has_penalties):
                 return None
-        scheduler = e.scheduler
+        scheduler = self.scheduler
         bm, ps = scheduler.block_manager, e.config.page_size
         max_tokens = e.buckets[-1]
-        if e.step_count % 64 == 0 and len(self._states) > 2 * len(scheduler.requests):
+        if self.steps % 64 == 0 and len(self._states) > 2 * len(scheduler.requests):
             self._states = {rid: st for rid, st in self._states.items() if rid in scheduler.requests}
         batch_on = not cfg.disable_by_batch_size or len(scheduler.running) < cfg.disable_by_batch_size
         use_draft = self.draft_state is not None
@@ -443,7 +399,7 @@ class SpeculativeDecoder:
                 caught_up = dc + take == end
             k_i = 0
             if (batch_on and caught_up and s.sample and len(s.token_ids) == 1 and end == len(r.token_ids)
-                    and e.step_count >= state.off_until):
+                    and self.steps >= state.off_until):
                 k_i = min(k, r.max_num_tokens - len(r.token_ids) - 1, max_tokens - verify_total)
                 if k_i > 0 and not use_draft:
                     drafts = ngram_propose(r.token_ids, k_i, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
@@ -466,7 +422,7 @@ class SpeculativeDecoder:
             drafts = ngram_drafts.get(row.index) or [0] * row.num_draft
             verify_chunks.append(_SpecSeqChunk(list(s.token_ids) + drafts, s.start, s.request.block_table)
                                  if row.num_draft else s)
-        verify_arrays = e._batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
+        verify_arrays = e.batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
         draft_arrays = None
         if use_draft:
             draft_chunks = []
@@ -479,7 +435,7 @@ class SpeculativeDecoder:
                     row.draft_end = end + row.num_draft - 1
             draft_arrays = self._draft_builder.build(draft_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
         spec = self._spec_arrays(rows, s_bucket, t_bucket, ngram_drafts)
-        st = e._sampling_tensors([row.seq.request for row in rows], s_bucket)
+        st = e.sampling_tensors([row.seq.request for row in rows], s_bucket)
         st = dataclasses.replace(st, valid=st.valid & np.array(
             [row.seq.sample for row in rows] + [False] * (s_bucket - len(rows))))
         packed = self._run(verify_arrays, draft_arrays, spec, st)
@@ -515,7 +471,7 @@ class SpeculativeDecoder:
     def accept(self, sched, plan: SpecPlan, host: np.ndarray) -> list:
         """Per scheduled sequence (scheduler order) the tokens it emitted; rolls rejected drafts' K/V back.
         Call `after_update(plan)` after `Scheduler.update`."""
-        e = self.engine
+        e = self.runner
         tokens: list = [0] * len(sched.scheduled)
         running = RequestStatus.RUNNING
         for i, row in enumerate(plan.rows):
@@ -534,11 +490,11 @@ class SpeculativeDecoder:
             state = self._state(r)
             state.acceptance = 0.8 * state.acceptance + 0.2 * accepted / row.num_draft
             if state.acceptance < self.min_acceptance:
-                state.off_until = e.step_count + state.backoff
+                state.off_until = self.steps + state.backoff
                 state.backoff = min(256, state.backoff * 2)
                 state.acceptance = 1.0  # a fresh start after the pause
             end = row.seq.start + 1
-            kept = e.scheduler.truncate_computed(r.request_id, end + accepted)
+            kept = self.scheduler.truncate_computed(r.request_id, end + accepted)
             assert kept == end + accepted, f"roll-back of {r.request_id} stopped at {kept}, not {end + accepted}"
             r.num_computed_tokens = end  # update() registers full blocks of known tokens only; see after_update
             if row.draft_end:

@@ -100,49 +100,16 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "ready_file", "", "Written (JSON: port, metrics_port, pid) once the server is SERVING.")
 
 
-def num_pages_from_fraction(fraction: float, model_dir: str, *, dtype: str, page_size: int,
-                            max_num_batched_tokens: int, max_num_seqs: int, tp: int = 1, ep: int = 1,
-                            draft_model: str = "", head_screen: bool = False) -> int:
-    """KV pages that fit in this instance's share of the device, `fraction` of its memory (vLLM's per-instance
-    gpu_memory_utilization; at most what is free now), after the weights and the largest step's activations and
-    buffers (serving.ledger); with a draft model, after its weights too, each page paying for both caches;
-    with `head_screen` (a single-device CPU engine builds one), after the LM head's int8 screen."""
-    from pallas_kernels.matmul import head_screen_bytes
-    from serving.ledger import Layout, ModelMemory, device_memory, load_config, plan_kv_pages
-    _, model_config = load_config(model=model_dir)
-    mem = device_memory()
-    budget = min(int(fraction * mem.total), mem.free)  # this instance's share, as far as it is free
-    if head_screen:
-        budget -= head_screen_bytes(model_config.vocab_size, model_config.hidden_size)
-    mesh_shape = {"tensor": tp, "expert": ep}
-    share = 1.0
-    if draft_model:
-        from serving.core.speculative import draft_memory
-        draft = draft_memory(draft_model, dtype=dtype, page_size=page_size, num_pages=1, mesh_shape=mesh_shape)
-        budget -= draft["weights"]
-        target_kv = ModelMemory(model_config, dtype).stage_kv_bytes_per_token(Layout.of(mesh_shape), 0)
-        share = target_kv / (target_kv + draft["kv_cache"] / page_size)
-    try:
-        return int(share * plan_kv_pages(model_config, dtype=dtype, page_size=page_size, free_bytes=budget,
-                                         mesh_shape=mesh_shape, weights_loaded=False, reserve_fraction=0.0,
-                                         max_batched_tokens=max_num_batched_tokens, max_seqs=max_num_seqs))
-    except ValueError as e:
-        raise app.UsageError(f"--kv_cache_memory_fraction={fraction}: {e}") from e
-
-
 def screens_head(f: flags.FlagValues) -> bool:
-    """Whether the engine these flags configure builds the LM head's int8 screen (as `Engine` decides: a
-    single-device engine per replica, one process, the native CPU kernels)."""
-    import jax
-
-    from pallas_kernels import native
-    return (f.greedy_head_screen and f.tp * f.ep * f.pp == 1 and f.num_processes <= 1
-            and native.unavailable_reason() is None and jax.default_backend() == "cpu")
+    """Whether the engine these flags configure builds the LM head's int8 screen (the engine's own test,
+    `model_runner.packs_for_cpu_kernels`, on the devices and processes the flags give it)."""
+    from serving.core.model_runner import packs_for_cpu_kernels
+    return f.greedy_head_screen and packs_for_cpu_kernels(f.tp * f.ep * f.pp, f.num_processes)
 
 
 def configs_from_flags(f: flags.FlagValues = FLAGS):
     """(EngineConfig, ServerConfig) from parsed flags."""
-    from serving.core.engine import EngineConfig
+    from serving.core.config import EngineConfig
     from serving.server.app import ServerConfig
     if f.dp < 1:
         raise app.UsageError(f"--dp must be >= 1, got {f.dp}")
@@ -154,11 +121,19 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
                                  "--tp/--ep only, on one host")
     num_pages = f.num_pages
     if f.kv_cache_memory_fraction > 0 and not num_pages:
-        num_pages = f.dp * num_pages_from_fraction(  # the fraction of each replica's own devices
-            f.kv_cache_memory_fraction, f.model, dtype=f.dtype, page_size=f.page_size,
-            max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs, tp=f.tp, ep=f.ep,
-            draft_model=f.speculative_model if f.speculative_method == "draft" else "",
-            head_screen=screens_head(f))
+        # Sized before the engine loads anything, by the engine's own sizing, on each replica's own devices.
+        from serving import ledger
+        from serving.core.model_runner import kv_cache_pages
+        sizing = EngineConfig(model=f.model, dtype=f.dtype, page_size=f.page_size,
+                              max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs,
+                              tp=f.tp, ep=f.ep, speculative_method=f.speculative_method,
+                              speculative_model=f.speculative_model)
+        try:
+            num_pages = f.dp * kv_cache_pages(sizing, ledger.load_config(model=f.model)[1],
+                                              head_screen=screens_head(f),
+                                              memory_fraction=f.kv_cache_memory_fraction)
+        except ValueError as e:
+            raise app.UsageError(f"--kv_cache_memory_fraction={f.kv_cache_memory_fraction}: {e}") from e
         logging.getLogger("serving.server").info("--kv_cache_memory_fraction=%g: %d KV pages",
                                                  f.kv_cache_memory_fraction, num_pages)
     engine_config = EngineConfig(
@@ -229,7 +204,7 @@ async def _serve(dist=None) -> int:
             # Steps can no longer complete: fail every request (UNAVAILABLE) and leave, rather than hang.
             server.aengine.kill(err)
             threading.Timer(1.0, lambda: os._exit(4)).start()
-        engine.channel = await asyncio.to_thread(LeaderChannel, dist.step_channel_port, dist.num_processes - 1,
+        engine.runner.channel = await asyncio.to_thread(LeaderChannel, dist.step_channel_port, dist.num_processes - 1,
                                                  on_follower_lost=follower_lost)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop_requested.wait())

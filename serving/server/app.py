@@ -18,7 +18,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from serving.core.async_engine import AsyncEngine
-from serving.core.engine import Engine, EngineConfig
+from models.tokenizer import Tokenizer
+from serving.core import interface
+from serving.core.config import EngineConfig
+from serving.core.interface import ServingEngine
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
 from serving.telemetry.metrics import ServerMetrics
@@ -56,7 +59,7 @@ class ServerConfig:
 
 
 class InstanceServer:
-    def __init__(self, engine: Engine, config: ServerConfig, *, span_exporter=None):
+    def __init__(self, engine: ServingEngine, config: ServerConfig, *, span_exporter=None):
         self.engine = engine
         self.config = config
         self.instance_id = config.instance_id or f"{socket.gethostname()}:{os.getpid()}"
@@ -182,7 +185,7 @@ class InstanceServer:
         await self._stopped.wait()
 
 
-def expert_stats(engine: Engine) -> dict:
+def expert_stats(engine: ServingEngine) -> dict:
     """MoE expert load for metrics: tokens per physical slot and their variance over expert-parallel devices."""
     load, per_device = engine.expert_load(), engine.expert_device_load()
     layers = engine.moe_layer_indices()
@@ -190,15 +193,8 @@ def expert_stats(engine: Engine) -> dict:
             "expert_load_variance": float(per_device.var(axis=1).mean())}
 
 
-def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> Engine:
-    tokenizer = None
-    if tokenizer_dir:
-        from models.tokenizer import Tokenizer
-        tokenizer = Tokenizer.from_pretrained(tokenizer_dir)
-    if engine_config.dp > 1:  # refuses pp and speculative decoding with a clear error
-        from serving.core.data_parallel import DataParallelEngine
-        return DataParallelEngine(engine_config, tokenizer=tokenizer)
-    if engine_config.pp > 1:
-        from serving.core.pipeline_engine import PipelineEngine
-        return PipelineEngine(engine_config, tokenizer=tokenizer)
-    return Engine(engine_config, tokenizer=tokenizer)
+def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> ServingEngine:
+    """The engine the config asks for (`serving.core.interface.build_engine`), with the tokenizer of
+    `tokenizer_dir` when given (else the model's)."""
+    tokenizer = Tokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else None
+    return interface.build_engine(engine_config, tokenizer)

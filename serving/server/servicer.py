@@ -384,7 +384,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             has_chat_template=bool(tok is not None and tok.chat_template), page_size=c.page_size,
             num_pages=e.num_pages, max_num_seqs=c.max_num_seqs * c.dp, max_num_batched_tokens=c.max_num_batched_tokens,
             token_buckets=list(e.buckets), compile_count=e.compile_count, compile_time_s=e.compile_time_s,
-            devices=[str(d) for d in _devices(e)], instance_id=self.options.instance_id,
+            devices=[str(d) for d in e.devices], instance_id=self.options.instance_id,
             max_waiting_requests=c.max_waiting_requests * c.dp, max_waiting_tokens=c.max_waiting_tokens * c.dp,
             max_request_bytes=self.options.max_request_bytes)
 
@@ -437,14 +437,3 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         stats = self.engine.scheduler.stats()
         return pb.DrainResponse(draining=self.draining, num_waiting=int(stats["num_waiting"]),
                                 num_running=int(stats["num_running"]))
-
-
-def _devices(engine) -> list:
-    import jax
-    if hasattr(engine, "devices"):  # data parallel: every replica's devices
-        return engine.devices
-    try:
-        leaves = jax.tree_util.tree_leaves(engine.kv_caches)
-        return sorted(leaves[0].sharding.device_set, key=lambda d: d.id) if leaves else jax.devices()[:1]
-    except Exception:  # noqa: BLE001 - informational only
-        return jax.devices()[:1]

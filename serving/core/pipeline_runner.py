@@ -1,9 +1,9 @@
-"""PipelineEngine: the Engine with its decoder layers split into stages over the mesh's 'pipeline' axis.
+"""PipelineModelRunner: the ModelRunner with its decoder layers split into stages over the mesh's pipeline axis
+(the Engine takes one when config.pp > 1).
 
 Each step's flat token batch is cut into micro-batches that flow through the stages (sharding.pipeline);
-embedding, final norm and logits run outside the pipeline on the whole step. Everything else (scheduler,
-sampling, buckets, warm-up) is the Engine's. The bubble fraction of the schedule is exported as
-`bubble_fraction`.
+embedding, final norm and logits run outside the pipeline on the whole step. Everything else (sampling, buckets,
+warm-up) is the ModelRunner's. The bubble fraction of the schedule is exported as `bubble_fraction`.
 """
 from __future__ import annotations
 
@@ -18,15 +18,16 @@ from models.batch import RaggedBatch
 from models.layers import embed_lookup
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core.batch import build_batch_arrays, split_micro_batches
-from serving.core.engine import Engine, EngineConfig, default_min_token_bucket
+from serving.core.config import EngineConfig, default_min_token_bucket
+from serving.core.model_runner import ModelRunner
 from sharding import pipeline
 from sharding.mesh import kv_cache_sharding, serving_mesh
 
 _MD_FIELDS = ("positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 
 
-class PipelineEngine(Engine):
-    def __init__(self, config: EngineConfig, mesh=None, tokenizer=None):
+class PipelineModelRunner(ModelRunner):
+    def __init__(self, config: EngineConfig, *, model=None, mesh=None):
         pp = config.pp
         self.num_micro = config.micro_batches or pp
         if config.ep > 1 or config.dp > 1:
@@ -35,7 +36,7 @@ class PipelineEngine(Engine):
         smallest = config.min_token_bucket or default_min_token_bucket(config.dtype)
         if smallest < self.num_micro:
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
-        super().__init__(config, mesh=mesh, tokenizer=tokenizer)
+        super().__init__(config, model=model, mesh=mesh)
         mc = self.model_config
         if mc.is_moe:
             raise ValueError("pipeline parallelism is not implemented for MoE models; use ep (and tp)")
@@ -45,23 +46,22 @@ class PipelineEngine(Engine):
         if len(layer_graphdefs) != 1:
             raise ValueError("pipeline parallelism needs identical layers (e.g. no per-layer sliding windows)")
         self.layer_graphdef = nnx.split(model.layers[0])[0]
-        outer = {"embed_tokens": model.embed_tokens, "norm": model.norm}
-        if not mc.tie_word_embeddings:
-            outer["lm_head"] = model.lm_head
         self.norm_graphdef = nnx.split(model.norm)[0]
         layer_states = [nnx.split(layer)[1] for layer in model.layers]
         self.state = {"outer": {"embed": model.embed_tokens.get_value(), "norm": nnx.split(model.norm)[1],
                                 "lm_head": None if mc.tie_word_embeddings else model.lm_head.get_value()},
                       "slots": pipeline.stack_stage_slots(layer_states, pp, mesh)}
-        # One KV buffer per slot: [pp, pages, page_size, 2*kv_heads, head_dim], the stage axis over 'pipeline'.
-        sharding = kv_cache_sharding(mc.num_kv_heads, mesh, stacked=True)
-        shape = (pp,) + self.kv_caches[0].shape
-        self.kv_caches = [jnp.zeros(shape, self.kv_caches[0].dtype, device=sharding)
-                          for _ in range(len(self.stages[0]))]
-        self._kv_sharding = sharding
+        # One KV buffer per slot: [pp, pages, page_size, 2*kv_heads, head_dim], the stage axis over the pipeline's.
+        self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh, stacked=True)
+        self._cache_shape, self._cache_dtype = (pp,) + self.kv_caches[0].shape, self.kv_caches[0].dtype
+        self.reset_kv_caches()
         self.bubble_fraction = pipeline.bubble_fraction(pp, self.num_micro)
         self._run = pipeline.pipelined(self._stage, pp, self.num_micro)
         del model
+
+    def reset_kv_caches(self) -> None:
+        self.kv_caches = [jnp.zeros(self._cache_shape, self._cache_dtype, device=self.kv_sharding)
+                          for _ in range(len(self.stages[0]))]
 
     def _stage(self, params, caches, x, md, valid):
         """Pure. This device's stage layers on one micro-batch."""
@@ -86,7 +86,7 @@ class PipelineEngine(Engine):
         head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32), None, kv_caches, expert_load
 
-    def _step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
+    def step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
         """The whole step's input ids and logits rows, plus per-micro-batch metadata stacked on [M]."""
         cfg = self.config
         full = build_batch_arrays(chunks, page_size=cfg.page_size, num_tokens=num_tokens, num_seqs=num_seqs,

@@ -1,0 +1,130 @@
+"""EngineConfig: one engine's settings (model, dtype, KV pages, buckets, parallel degrees, speculation), validated
+when built, and the token buckets they imply; SpeculativeConfig, the speculation settings."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import native
+
+SPECULATIVE_METHODS = ("draft", "ngram")
+
+
+@dataclasses.dataclass(slots=True)
+class SpeculativeConfig:
+    method: str  # "draft" (a draft model) or "ngram" (prompt lookup)
+    num_speculative_tokens: int = 4  # k: drafts per speculating sequence per step
+    model: str = ""  # the draft model's directory (method "draft")
+    prompt_lookup_min: int = 1  # n-gram lengths tried, longest first (method "ngram")
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int = 0  # no speculation while this many requests or more are running; 0 = never
+    min_acceptance: float = -1.0  # per-request EMA acceptance below which it stops speculating; < 0: break-even
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.method == "draft" and not self.model:
+            raise ValueError("speculative_method='draft' needs speculative_model (a directory)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 0:
+            raise ValueError(f"speculative_disable_by_batch_size must be >= 0, got {self.disable_by_batch_size}")
+        if self.min_acceptance > 1.0:
+            raise ValueError(f"speculative_min_acceptance must be <= 1, got {self.min_acceptance}")
+
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(slots=True)
+class EngineConfig:
+    model: str  # HF directory or Orbax checkpoint (models.convert)
+    dtype: str = "float32"  # parameter and KV-cache dtype
+    page_size: int = 16
+    num_pages: int = 0  # 0: sized from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0
+    max_model_len: int | None = None  # default: the model's context, capped by the page pool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    min_token_bucket: int = 0  # 0: the platform's smallest efficient matmul height (`default_min_token_bucket`)
+    max_prefill_chunk: int | None = None
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 22
+    long_prompt_threshold: int = 8192
+    max_long_prefills: int = 1
+    priority_ageing_s: float = 10.0
+    seed: int = 0
+    # Greedy steps: launch the next step before this one's tokens reach the host (its decodes read them on device)
+    async_scheduling: bool = True
+    # JAX's persistent compilation cache: None = $MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla; "" = off
+    compilation_cache_dir: str | None = None
+    # Greedy steps of few sequences on the native CPU kernels: the LM head's argmax from an int8 copy of it plus
+    # the few rows its error bounds leave open (the same tokens, a quarter / an eighth of the head's read)
+    greedy_head_screen: bool = True
+    debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
+    tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
+    ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
+    dp: int = 1  # data-parallel replicas inside the instance (serving.core.data_parallel)
+    pp: int = 1  # pipeline stages (serving.core.pipeline_runner)
+    micro_batches: int = 0  # pipeline micro-batches per step; 0 = pp
+    spare_expert_slots: int = 0  # MoE: extra physical slots per layer for replicas of hot experts
+    # Speculative decoding (serving.core.speculative): "" = off, "draft" (speculative_model) or "ngram"
+    speculative_method: str = ""
+    speculative_model: str = ""
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    speculative_disable_by_batch_size: int = 0
+    speculative_min_acceptance: float = -1.0  # < 0: the break-even rate for k and the draft's cost
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.min_token_bucket < 0:
+            raise ValueError(f"EngineConfig.min_token_bucket must be >= 0 (0 = auto), got {self.min_token_bucket}")
+        for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
+            raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
+        if self.speculative_method:
+            self.speculative_config()  # validates
+
+    def speculative_config(self):
+        """The SpeculativeConfig of these settings, or None when speculation is off."""
+        if not self.speculative_method:
+            return None
+        return SpeculativeConfig(
+            method=self.speculative_method, num_speculative_tokens=self.num_speculative_tokens,
+            model=self.speculative_model, prompt_lookup_min=self.prompt_lookup_min,
+            prompt_lookup_max=self.prompt_lookup_max, disable_by_batch_size=self.speculative_disable_by_batch_size,
+            min_acceptance=self.speculative_min_acceptance)
+
+    def token_buckets(self) -> list[int]:
+        smallest = self.min_token_bucket or default_min_token_bucket(self.dtype)
+        out, t = [], min(smallest, self.max_num_batched_tokens)
+        while t < self.max_num_batched_tokens:
+            out.append(t)
+            t *= 2
+        return out + [self.max_num_batched_tokens]
+
+
+def default_min_token_bucket(dtype: str, platform: str | None = None) -> int:
+    """The smallest token bucket worth compiling. On CPU a float32 step costs about its weights' read at any
+    height, so a lone decode runs as 1 row (padding it to 16 costs 2.5x); XLA:CPU's bf16 matmuls (AMX, f32
+    accumulation) are fast only from ~8 rows, below which they fall off to a path ~4x slower than float32 —
+    unless the native CPU kernels (`pallas_kernels.native`) run those small steps. Accelerators: 8 (a sublane tile)."""
+    platform = platform or jax.default_backend()
+    if platform == "cpu":
+        dt = jnp.dtype(DTYPES[dtype])
+        if dt.itemsize == 4 or (dt == jnp.bfloat16 and native.enabled()):
+            return 1  # the native kernels take bf16 below 8 rows at about its weights' read
+        return 8
+    return 8

@@ -1,0 +1,394 @@
+"""ModelRunner: the device side of one engine. It loads the model (packed for the native CPU kernels on one CPU
+device), sizes and holds the paged KV caches, compiles the forward and sampling programs for every token bucket at
+start-up, and launches them; a multi-host follower runs the same calls the leader announces. It knows nothing of
+requests beyond the tensors a step needs.
+
+One jitted forward runs a ragged batch (prefill chunks + decode tokens) through the model, writes new K/V into the
+donated per-layer page buffers and computes logits only at each sequence's last token, plus their greedy tokens
+(greedy steps need no sampling program; steps of few sequences may take the LM head's int8 screen instead of the
+full head). Token counts are padded to power-of-two buckets, the sequence bucket following the token bucket.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.batch import ragged_batch_from_arrays
+from models.config import ModelConfig
+from models.moe import ExpertCounts, MoE
+from models.transformer import CausalLM, init_kv_caches
+from pallas_kernels import native
+from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
+from serving import ledger
+from serving.core import sampling
+from serving.core.batch import BatchBuilder
+from serving.core.config import DTYPES, EngineConfig
+from serving.core.request import Request
+from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from sharding.experts import balanced_placement, identity_placement
+from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
+from sharding.multihost import to_global
+
+log = logging.getLogger(__name__)
+
+COMPILATION_CACHE_ENV = "MESHSERVE_COMPILATION_CACHE"
+# Programs compiling faster than this are not written to the cache (they cost less than reading it back).
+COMPILATION_CACHE_MIN_SECS_ENV = "MESHSERVE_COMPILATION_CACHE_MIN_SECS"
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turns on JAX's persistent compilation cache, so a restart with the same model, flags and JAX build loads
+    its programs instead of compiling them (start-up to ready: minutes -> seconds). `path` None: the
+    MESHSERVE_COMPILATION_CACHE environment variable, else ~/.cache/meshserve/xla; "" or "off": leave it off.
+    MESHSERVE_COMPILATION_CACHE_MIN_SECS (default 0.2): programs compiling faster are not cached.
+    Returns the directory in use, or None."""
+    if path is None:
+        path = os.environ.get(COMPILATION_CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "meshserve", "xla"))
+    if not path or path.lower() in ("off", "none", "0"):
+        return None
+    if jax.config.jax_compilation_cache_dir != path:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ.get(COMPILATION_CACHE_MIN_SECS_ENV, "0.2")))
+        # An LRU bound; it also makes readers and writers take the cache's file lock, so instances started
+        # together never read a half-written entry.
+        jax.config.update("jax_compilation_cache_max_size", 8 << 30)
+    return path
+
+
+def packs_for_cpu_kernels(num_devices: int, num_processes: int) -> bool:
+    """Whether an engine on `num_devices` devices of `num_processes` processes packs its weights for the native
+    CPU kernels (and, unless turned off, builds the LM head's int8 screen): one CPU device in one process, with the
+    kernels on. The engine and the server (sizing the KV pages) ask the same question here."""
+    return num_devices == 1 and num_processes == 1 and native.enabled()
+
+
+def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_screen: bool,
+                   memory_fraction: float | None = None) -> int:
+    """The engine's KV pages (`serving.ledger.kv_cache_pages`): `config.num_pages`, else `memory_fraction` of each
+    device's memory when given (the server's --kv_cache_memory_fraction), else `config.kv_cache_memory_gb`; a draft
+    model's cache shares them (same page ids), and the LM head's screen comes out of a fraction's budget."""
+    if config.num_pages:
+        return config.num_pages
+    draft = None
+    if config.speculative_method == "draft":
+        draft = ledger.load_config(model=config.speculative_model)[1]
+    gb = None if memory_fraction is not None else config.kv_cache_memory_gb * (1 << 30)
+    screen = head_screen_bytes(model_config.vocab_size, model_config.hidden_size) if head_screen else 0
+    return ledger.kv_cache_pages(model_config, dtype=config.dtype, page_size=config.page_size,
+                                 mesh_shape={"tensor": config.tp, "expert": config.ep}, kv_cache_bytes=gb,
+                                 memory_fraction=memory_fraction, draft=draft, head_screen_bytes=screen,
+                                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs)
+
+
+def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
+    from models.weights import is_orbax_dir, load_hf_model, load_model
+    if config.spare_expert_slots and not is_orbax_dir(config.model):
+        cfg = ModelConfig.from_pretrained(config.model)
+        cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
+        return load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg)
+    if config.spare_expert_slots:
+        raise ValueError("spare_expert_slots needs an HF checkpoint (Orbax stores the slots it was saved with)")
+    return load_model(config.model, dtype=dtype, mesh=mesh)
+
+
+class ModelRunner:
+    """The device side of an engine: model state, KV caches, the compiled programs and their launches."""
+
+    def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, mesh=None):
+        self.config = config
+        t0 = time.perf_counter()
+        self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
+        dtype = DTYPES[config.dtype]
+        if mesh is None and config.tp * config.ep > 1:
+            mesh = serving_mesh(tp=config.tp, ep=config.ep)
+        self.mesh = mesh
+        model = model if model is not None else _load_model(config, dtype, mesh)
+        self.model_config: ModelConfig = model.config
+        self.load_time_s = time.perf_counter() - t0
+        mc = self.model_config
+        cpu_panels = packs_for_cpu_kernels(1 if mesh is None else mesh.size, jax.process_count())
+        self.num_pages = kv_cache_pages(config, mc, head_screen=cpu_panels and config.greedy_head_screen)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
+                                 self.num_pages * config.page_size)
+        self.max_pages = -(-self.max_model_len // config.page_size)
+        try:
+            log.info("%s", ledger.ledger_summary(
+                mc, dtype=config.dtype, page_size=config.page_size, num_pages=self.num_pages,
+                mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
+                max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
+        except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
+            log.warning("memory ledger unavailable: %s", e)
+        self.buckets = config.token_buckets()
+        self.packed_weights = 0
+        # Greedy steps of few sequences take the LM head's int8 screen (settable: the benchmark flips it to compare)
+        self.screen_greedy = False
+        if cpu_panels:
+            # Weights into the native kernels' panel layout (a clone: the caller's model keeps its own).
+            model = nnx.clone(model)
+            self.screen_greedy = config.greedy_head_screen and model.add_head_screen()
+            if self.screen_greedy:
+                log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
+            self.packed_weights = model.pack_for_cpu_kernels()
+            log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
+        self.graphdef, self.state = nnx.split(model)
+        self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
+        self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding)
+        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 3), static_argnames=("greedy_only",))
+        self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
+        # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous
+        # step's tokens whatever its bucket (no extra programs).
+        self.token_slots = max(self.seq_bucket(t) for t in self.buckets)
+        self._no_src: dict[int, np.ndarray] = {}
+        self._flat_state = None  # (state, leaves, treedef): the forward takes the state as a flat list
+        self._placements = {}
+        self._expert_load = None
+        if mc.is_moe:
+            slots = mc.num_expert_slots or mc.num_experts
+            self._placements = {i: identity_placement(mc.num_experts, slots, config.ep)
+                                for i in self.moe_layer_indices()}
+            self._expert_load = jnp.zeros((len(self._placements), slots), jnp.int32)
+        self.batch_builder = BatchBuilder(page_size=config.page_size, max_pages=self.max_pages,
+                                          max_seqs=config.max_num_seqs)
+        self._penalty_window = 1 << (self.max_model_len - 1).bit_length()
+        self._num_candidates = min(256, mc.vocab_size)
+        self.compile_count = 0
+        self.compile_time_s = 0.0
+        self.multihost = jax.process_count() > 1
+        self.channel = None  # multi-host leader: the LeaderChannel to the followers (sharding.multihost)
+        # Stand-in for "the previous step's greedy tokens" when a step reads none. On one device it lives there, as
+        # a look-ahead step's real ones do, so both run the same warmed-up program.
+        self.no_prev = np.zeros(self.token_slots, np.int32)
+        if self.single_device:
+            self.no_prev = jax.device_put(self.no_prev, next(iter(jax.tree.leaves(self.state)[0].devices())))
+
+    @property
+    def single_device(self) -> bool:
+        return (self.mesh is None or self.mesh.size == 1) and not self.multihost
+
+    # ------------------------------------------------------------------ the programs
+    def _state_leaves(self) -> list:
+        """The state's arrays as a flat list, cached: jit's C++ fast path takes a list of arrays in microseconds,
+        while flattening the nnx State's ~100 Variables in Python cost ~1 ms of host time per step."""
+        if self._flat_state is None or self._flat_state[0] is not self.state:
+            leaves, treedef = jax.tree.flatten(self.state)
+            self._flat_state = (self.state, leaves, treedef)
+        return self._flat_state[1]
+
+    def _forward_flat(self, leaves, kv_caches, arrays, expert_load, greedy_only=False):
+        """The forward on the flat state, plus each sequence's greedy token [token slots]. Input tokens with a
+        source row (`token_src` >= 0: look-ahead decodes) are the previous step's greedy tokens there."""
+        arrays = dict(arrays)
+        src, prev = arrays.pop("token_src"), arrays.pop("prev_tokens")
+        arrays["input_ids"] = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], arrays["input_ids"])
+        logits, tokens, kv_caches, expert_load = self._forward(
+            jax.tree.unflatten(self._flat_state[2], leaves), kv_caches, arrays, expert_load, greedy_only)
+        if tokens is None:
+            tokens = sampling.greedy(logits)
+        return logits, kv_caches, expert_load, jnp.pad(tokens, (0, self.token_slots - tokens.shape[0]))
+
+    def _forward(self, state, kv_caches, arrays, expert_load, greedy_only):
+        """Pure. The model over a ragged batch: float32 logits at each sequence's last token, their greedy tokens
+        (or None: the caller takes the argmax), the caches, and (MoE) the running per-slot expert token counts
+        [moe_layers, slots] plus this step's. `greedy_only` (static; `screens` says when): only the greedy
+        tokens will be read, and the model's screened greedy head runs instead of the full head (no logits: an
+        empty [S, 0])."""
+        model = nnx.merge(self.graphdef, state)
+        batch = ragged_batch_from_arrays(arrays)
+        if expert_load is None:
+            hidden, kv_caches = model(batch, kv_caches)
+        else:  # the MoE layers sow their per-slot token counts
+            (hidden, kv_caches), sown = nnx.capture(model, ExpertCounts)(batch, kv_caches)
+            counts = [sown["layers"][i]["mlp"]["counts"].get_value()[0]
+                      for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+            expert_load = expert_load + jnp.stack(counts)
+        rows = hidden[batch.logits_indices]
+        tokens = model.screened_greedy(rows, batch.attention.num_seqs) if greedy_only else None
+        if tokens is not None:
+            return jnp.zeros((rows.shape[0], 0), jnp.float32), tokens, kv_caches, expert_load
+        return model.compute_logits(rows), None, kv_caches, expert_load  # (also if the screen cannot run here)
+
+    @staticmethod
+    def _sample(logits, sampling_tensors, max_logprobs):
+        """Pure. Sampling, packed into one float32 array [S, 2 + 2 * max_logprobs] for a single host copy:
+        token id, its logprob, then the top-n ids and their logprobs."""
+        out = sampling.sample(logits, sampling_tensors, max_logprobs=max_logprobs)
+        return jnp.concatenate([
+            out.token_ids.astype(jnp.float32)[:, None], out.logprobs[:, None],
+            out.top_logprob_ids.astype(jnp.float32), out.top_logprobs], axis=1)
+
+    def sampling_tensors(self, requests: Sequence[Request], num_slots: int) -> sampling.SamplingTensors:
+        """Per-step sampling inputs, with the static variant canonicalised so that a bucket has only the few
+        programs `warmup` compiles (greedy or not, penalties or not)."""
+        params = [r.sampling_params for r in requests]
+        penalties = any(p.has_penalties for p in params)
+        st = sampling.build_sampling_tensors(
+            params, vocab_size=self.model_config.vocab_size, num_slots=num_slots,
+            token_ids=[r.token_ids for r in requests], num_prompt_tokens=[r.num_prompt_tokens for r in requests])
+        if not penalties:
+            st = dataclasses.replace(st, token_ids=None, num_prompt_tokens=None)
+        else:
+            window = np.full((num_slots, self._penalty_window), -1, np.int32)
+            window[:, :st.token_ids.shape[1]] = st.token_ids
+            st = dataclasses.replace(st, token_ids=window)
+        if not st.all_greedy:
+            st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
+        return st
+
+    def run_forward(self, arrays, token_src: np.ndarray | None = None, prev_tokens=None, greedy_only=False):
+        """Launches the forward; returns (logits, greedy tokens) and keeps the new caches. `greedy_only`: the step
+        reads only the greedy tokens (the logits may be left out)."""
+        if "token_src" not in arrays:
+            t = len(arrays["input_ids"])
+            if token_src is None:
+                token_src = self._no_src.get(t)
+                if token_src is None:
+                    token_src = self._no_src[t] = np.full(t, -1, np.int32)
+            prev_tokens = self.no_prev if prev_tokens is None else prev_tokens
+            arrays = dict(arrays, token_src=token_src, prev_tokens=prev_tokens)
+        if self.channel is not None:  # multi-host leader: the followers run the same call
+            self.channel.broadcast(("forward", arrays, greedy_only))
+        if self.multihost:
+            arrays = to_global(arrays, self.mesh)
+        with mesh_context(self.mesh):
+            logits, self.kv_caches, self._expert_load, tokens = self._forward_fn(
+                self._state_leaves(), self.kv_caches, arrays, self._expert_load, greedy_only=greedy_only)
+        return logits, tokens
+
+    def run_sample(self, logits, st, max_logprobs):
+        if self.channel is not None:
+            self.channel.broadcast(("sample", st, max_logprobs))
+        if self.multihost:
+            st = to_global(st, self.mesh)
+        with mesh_context(self.mesh):
+            return self._sample_fn(logits, st, max_logprobs)
+
+    def follow(self, channel) -> None:
+        """Multi-host follower: runs each jitted call the leader announces, until it says stop."""
+        logits = None
+        while True:
+            message = channel.recv()
+            if message[0] == "forward":
+                logits, _ = self.run_forward(message[1], greedy_only=message[2])
+            elif message[0] == "sample":
+                self.run_sample(logits, message[1], message[2])
+            elif message[0] == "stop":
+                return
+            else:
+                raise ValueError(f"unknown step-channel message {message[0]!r}")
+
+    def reset_kv_caches(self) -> None:
+        """Fresh zeroed caches (after a failed step lost the donated ones)."""
+        self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
+                                        DTYPES[self.config.dtype], self.kv_sharding)
+
+    # ------------------------------------------------------------------ buckets and warm-up
+    def step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
+        """Host-side. The step's input arrays, padded to the bucket (a pipelined runner lays them out differently)."""
+        return self.batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def bucket_for(self, num_tokens: int) -> tuple[int, int]:
+        """(token bucket, sequence bucket) of a step of `num_tokens` tokens."""
+        for t in self.buckets:
+            if t >= num_tokens:
+                return t, self.seq_bucket(t)
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.buckets[-1]}")
+
+    def seq_bucket(self, token_bucket: int) -> int:
+        """Sequence slots of a token bucket: the next power of 4 (capped by max_num_seqs), so token buckets share
+        sampling programs (a padded slot costs one row of logits; each sampling variant is a separate program,
+        and compiling them dominated start-up)."""
+        s = 1
+        while s < token_bucket:
+            s *= 4
+        return min(s, self.config.max_num_seqs)
+
+    def screens(self, seq_bucket: int) -> bool:
+        """Whether a greedy step with this many sequence slots takes the screened greedy head (its own program)."""
+        return self.screen_greedy and seq_bucket <= SCREEN_MAX_ROWS
+
+    def warmup(self) -> int:
+        """Compiles every program a request can need (per token bucket: the forward, and the sampling variants
+        greedy/random x penalties/none x logprobs/none), so no request ever waits on a compile. Returns how many."""
+        t0 = time.perf_counter()
+        count = 0
+        variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
+                    SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                    SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1)]
+        for t in self.buckets:
+            s = self.seq_bucket(t)
+            arrays = self.step_arrays([], t, s)
+            logits, _ = self.run_forward(arrays)
+            count += 1
+            if self.screens(s):
+                self.run_forward(arrays, greedy_only=True)
+                count += 1
+            for params in variants:
+                st = self.sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)
+                st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
+                for n in (0, MAX_LOGPROBS):
+                    self.run_sample(logits, st, n).block_until_ready()
+                    count += 1
+        self.compile_count += count
+        self.compile_time_s += time.perf_counter() - t0
+        return count
+
+    # ------------------------------------------------------------------ expert load (MoE)
+    def moe_layer_indices(self) -> list[int]:
+        return [i for i, moe in enumerate(self.model_config.moe_layers) if moe]
+
+    def expert_load(self) -> np.ndarray | None:
+        """Tokens routed to each physical expert slot since the last reset, [moe_layers, slots]."""
+        return None if self._expert_load is None else np.asarray(self._expert_load)
+
+    def expert_device_load(self) -> np.ndarray | None:
+        """Tokens per expert-parallel device since the last reset, [moe_layers, ep]."""
+        load = self.expert_load()
+        if load is None:
+            return None
+        return load.reshape(load.shape[0], self.config.ep, -1).sum(axis=2)
+
+    def reset_expert_load(self) -> None:
+        if self._expert_load is not None:
+            self._expert_load = jnp.zeros_like(self._expert_load)
+
+    def rebalance_experts(self) -> dict[str, float]:
+        """Rebuilds every MoE layer's logical -> physical expert map from the load observed since the last
+        reset (hot experts get the spare slots, replicas spread over devices) and moves the expert weights to
+        match, between steps. Returns the per-device load variance the new placement predicts, before/after."""
+        load = self.expert_load()
+        if load is None:
+            raise ValueError("rebalance_experts: the model has no MoE layers")
+        before, after = [], []
+        for row, layer in zip(load, self.moe_layer_indices()):
+            old = self._placements[layer]
+            logical = np.bincount(old.slot_to_expert, weights=row, minlength=old.num_experts)
+            new = balanced_placement(logical, old.num_slots, old.num_devices)
+            # Predicted per-slot load under the new map: each expert's load split over its replicas.
+            per_replica = logical / np.bincount(new.slot_to_expert, minlength=old.num_experts)
+            before.append(np.var(old.device_load(row)))
+            after.append(np.var(new.device_load(per_replica[new.slot_to_expert])))
+            source = np.array([np.flatnonzero(old.slot_to_expert == e)[0] for e in new.slot_to_expert], np.int32)
+            mlp = self.state["layers"][layer]["mlp"]
+            with mesh_context(self.mesh):
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    w = mlp[name].get_value()
+                    gather = jax.jit(lambda w, i: w[i], out_shardings=w.sharding, donate_argnums=(0,))
+                    mlp[name].set_value(gather(w, jnp.asarray(source)))
+                table, count = new.replica_table(mlp["replica_slots"].get_value().shape[1])
+                for name, value in (("replica_slots", table), ("replica_count", count)):
+                    old_value = mlp[name].get_value()
+                    mlp[name].set_value(jax.device_put(value, old_value.sharding))
+            self._placements[layer] = new
+        self._flat_state = None  # the expert weights were replaced in the state
+        self.reset_expert_load()
+        return {"variance_before": float(np.mean(before)), "variance_after": float(np.mean(after))}
