@@ -33,12 +33,11 @@ class RaggedBatch:
     def num_seq_slots(self) -> int:
         return self.logits_indices.shape[0]
 
-
-def ragged_batch_from_arrays(a: dict) -> RaggedBatch:
-    """Wraps a ragged batch's arrays (`pallas_kernels.metadata.ragged_layout`; numpy or device arrays) as a
-    RaggedBatch."""
-    return RaggedBatch(
-        input_ids=a["input_ids"], positions=a["positions"], logits_indices=a["logits_indices"],
-        attention=AttentionMetadata(slot_mapping=a["slot_mapping"], kv_lens=a["kv_lens"],
-                                    page_indices=a["page_indices"], cu_q_lens=a["cu_q_lens"],
-                                    num_seqs=a["num_seqs"]))
+    @classmethod
+    def from_layout(cls, a: dict) -> "RaggedBatch":
+        """A ragged batch's arrays (`pallas_kernels.metadata.ragged_layout`; numpy or device arrays) as a
+        RaggedBatch."""
+        return cls(input_ids=a["input_ids"], positions=a["positions"], logits_indices=a["logits_indices"],
+                   attention=AttentionMetadata(slot_mapping=a["slot_mapping"], kv_lens=a["kv_lens"],
+                                               page_indices=a["page_indices"], cu_q_lens=a["cu_q_lens"],
+                                               num_seqs=a["num_seqs"]))

@@ -7,8 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.batch import ragged_batch_from_arrays
-from serving.core.batch import SeqChunk, build_batch_arrays
+from serving.core.batch import SeqChunk, build_batch
 from models.moe import ExpertCounts
 from models.transformer import init_kv_caches
 
@@ -26,15 +25,14 @@ class PagedRunner:
             (hidden, kv), _ = nnx.capture(m, ExpertCounts)(batch, kv)
             return hidden, kv
 
-        def step(state, kv, arrays):
+        def step(state, kv, batch):
             m = nnx.merge(self.graphdef, state)
-            batch = ragged_batch_from_arrays(arrays)
             hidden, kv = forward(m, batch, kv)
             return m.compute_logits(hidden[batch.logits_indices]), kv
 
-        def all_logits(state, kv, arrays):
+        def all_logits(state, kv, batch):
             m = nnx.merge(self.graphdef, state)
-            hidden, kv = forward(m, ragged_batch_from_arrays(arrays), kv)
+            hidden, kv = forward(m, batch, kv)
             return m.compute_logits(hidden), kv
 
         self._step = jax.jit(step, donate_argnums=(1,))
@@ -48,10 +46,10 @@ class PagedRunner:
 
     def _arrays(self, chunks, num_tokens, num_seqs):
         total = sum(len(c.token_ids) for c in chunks)
-        arrays = build_batch_arrays(chunks, page_size=self.page_size,
-                                    num_tokens=num_tokens or max(8, 1 << (total - 1).bit_length()),
-                                    num_seqs=num_seqs or max(2, len(chunks) + 1), max_pages=self.max_pages)
-        return {k: jnp.asarray(v) for k, v in arrays.items()}
+        batch = build_batch(chunks, page_size=self.page_size,
+                            num_tokens=num_tokens or max(8, 1 << (total - 1).bit_length()),
+                            num_seqs=num_seqs or max(2, len(chunks) + 1), max_pages=self.max_pages)
+        return jax.tree.map(jnp.asarray, batch)
 
     def step(self, chunks: list[SeqChunk], num_tokens: int | None = None, num_seqs: int | None = None):
         """Logits at the last token of each chunk, [len(chunks), vocab]."""

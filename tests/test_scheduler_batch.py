@@ -3,7 +3,7 @@ exactly the arrays of a plain per-sequence loop (the oracle below), errors inclu
 import numpy as np
 import pytest
 
-from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, SeqChunk, build_batch_arrays
+from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, SeqChunk, build_batch, build_layout
 from serving.core.fake_model import FakeModel
 
 
@@ -47,9 +47,12 @@ def oracle(chunks, *, page_size: int, num_tokens: int, num_seqs: int, max_pages:
 
 def assert_same(chunks, builder=None, **shape):
     want = oracle(chunks, **shape)
-    gots = [build_batch_arrays(chunks, **shape)]
+    gots = [build_layout(chunks, **shape)]
     if builder is not None:
-        gots.append(builder.build(chunks, num_tokens=shape["num_tokens"], num_seqs=shape["num_seqs"]))
+        gots.append(builder.layout(chunks, num_tokens=shape["num_tokens"], num_seqs=shape["num_seqs"]))
+    batch = build_batch(chunks, **shape)  # the same arrays in the RaggedBatch the step takes
+    np.testing.assert_array_equal(batch.input_ids, want["input_ids"])
+    np.testing.assert_array_equal(batch.attention.page_indices, want["page_indices"])
     for got in gots:
         assert want.keys() == got.keys()
         for k in want:
@@ -104,7 +107,7 @@ def test_equal_on_random_chunks_and_empty():
     ([SeqChunk([1, 2], 7, [0])], "needs 3 pages"),
 ])
 def test_same_errors(chunks, match):
-    for build in (oracle, build_batch_arrays):
+    for build in (oracle, build_layout, build_batch):
         with pytest.raises(ValueError, match=match):
             build(chunks, page_size=4, num_tokens=8, num_seqs=2, max_pages=4)
     with pytest.raises(ValueError, match=match):

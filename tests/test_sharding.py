@@ -49,7 +49,7 @@ def _engine(path, **kw):
 
 def _prompt_logits(engine):
     chunks = [SeqChunk(p, 0, list(range(i * 6, i * 6 + 6))) for i, p in enumerate(PROMPTS[:2])]
-    logits, _ = engine.runner.run_forward(engine.runner.step_arrays(chunks, 64, 8))
+    logits, _ = engine.runner.run_forward(engine.runner.step_batch(chunks, 64, 8))
     return np.asarray(logits)[:2]
 
 

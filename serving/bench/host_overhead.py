@@ -18,7 +18,7 @@ from absl import flags
 from models.tokenizer import Tokenizer
 from serving.bench.harness import table
 from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, sampling
-from serving.core.output_processor import _Detok
+from serving.core.output_processor import RequestText
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                              "models", "tiny", "target")
@@ -52,7 +52,7 @@ def measure_host_overhead(num_seqs: int = 256, prompt_len: int = 512, steps: int
         sched.update(out, tokens[:len(out.scheduled)], now)
     builder = BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=num_seqs)
     tokenizer = Tokenizer.from_pretrained(TOKENIZER_DIR)
-    detoks = {r.request_id: _Detok(tokenizer, r.prompt_token_ids, r.sampling_params) for r in sched.running}
+    detoks = {r.request_id: RequestText(tokenizer, r.prompt_token_ids, r.sampling_params) for r in sched.running}
     times = np.zeros((steps + warmup, 6), np.int64)
     for i in range(steps + warmup):
         now += 1

@@ -1,5 +1,5 @@
-"""The one batch builder: a step's scheduled sequences -> the arrays of the ragged batch the jitted step takes
-(`pallas_kernels.metadata.ragged_layout`), and the micro-batches a pipelined step cuts them into.
+"""The one batch builder: a step's scheduled sequences -> the RaggedBatch the jitted step takes, as it is (its
+arrays laid out by `pallas_kernels.metadata.ragged_layout`), and the micro-batches a pipelined step cuts them into.
 
 A sequence's share of a step is anything with `token_ids`, `start` and `block_table` (the scheduler's
 ScheduledSequence, or a SeqChunk).
@@ -11,6 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
+from models.batch import RaggedBatch
 from pallas_kernels.metadata import ragged_layout
 
 
@@ -37,7 +38,12 @@ class BatchBuilder:
         self._entries: dict[int, list] = {}  # id(block_table) -> [block_table (kept alive), row, pages copied]
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
-    def build(self, chunks: Sequence, *, num_tokens: int, num_seqs: int) -> dict[str, np.ndarray]:
+    def build(self, chunks: Sequence, *, num_tokens: int, num_seqs: int) -> RaggedBatch:
+        """The step's batch of `chunks`, padded to `num_tokens` tokens and `num_seqs` sequences (numpy arrays)."""
+        return RaggedBatch.from_layout(self.layout(chunks, num_tokens=num_tokens, num_seqs=num_seqs))
+
+    def layout(self, chunks: Sequence, *, num_tokens: int, num_seqs: int) -> dict[str, np.ndarray]:
+        """`build`'s arrays by name (`ragged_layout`'s dict)."""
         s, width = len(chunks), self.max_pages
         if s > num_seqs or s > len(self.tables):
             raise ValueError(f"{s} seqs do not fit bucket {num_seqs} (rows: {len(self.tables)})")
@@ -76,11 +82,17 @@ class BatchBuilder:
         return entry[1]
 
 
-def build_batch_arrays(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: int,
-                       max_pages: int) -> dict[str, np.ndarray]:
-    """Stateless: a fresh BatchBuilder's arrays (the engine loop keeps one BatchBuilder across steps)."""
-    return BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=max(num_seqs, len(chunks), 1)).build(
+def build_layout(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: int,
+                 max_pages: int) -> dict[str, np.ndarray]:
+    """Stateless: a fresh BatchBuilder's arrays by name (the engine loop keeps one BatchBuilder across steps)."""
+    return BatchBuilder(page_size=page_size, max_pages=max_pages, max_seqs=max(num_seqs, len(chunks), 1)).layout(
         chunks, num_tokens=num_tokens, num_seqs=num_seqs)
+
+
+def build_batch(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: int, max_pages: int) -> RaggedBatch:
+    """Stateless: `build_layout` as the RaggedBatch the jitted step takes."""
+    return RaggedBatch.from_layout(build_layout(chunks, page_size=page_size, num_tokens=num_tokens,
+                                                num_seqs=num_seqs, max_pages=max_pages))
 
 
 def split_micro_batches(chunks: Sequence, num_tokens: int, num_micro: int) -> list[list[SeqChunk]]:

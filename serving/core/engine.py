@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 class _InFlight:
     """A launched step whose results have not reached the host."""
     sched: SchedulerOutput
-    result: jax.Array  # greedy: int32 [token slots]; else the sampler's packed float32 [S, 2 + 2 * n]
+    result: jax.Array  # greedy: int32 [token slots]; else the sampler's packed int32 [S, 2 + 2 * n] (sampling.pack)
     start: float  # time.perf_counter() at launch
     greedy: bool
     launched: float  # time.perf_counter() when the launch returned (the device has its work)
@@ -257,11 +257,11 @@ class Engine:
                 return
         runner = self.runner
         t_bucket, s_bucket = runner.bucket_for(sched.num_scheduled_tokens)
-        arrays = runner.step_arrays(sched.scheduled, t_bucket, s_bucket)
+        batch = runner.step_batch(sched.scheduled, t_bucket, s_bucket)
         src = self._token_sources(sched, t_bucket, prev)
         fast_greedy = self._fast_greedy(sched)
         t0 = time.perf_counter()
-        logits, tokens = runner.run_forward(arrays, src, None if src is None else prev.result,
+        logits, tokens = runner.run_forward(batch, src, None if src is None else prev.result,
                                             fast_greedy and runner.screens(s_bucket))
         launched = time.perf_counter()
         self.look_ahead_steps += src is not None
@@ -305,13 +305,13 @@ class Engine:
         self.step_count += 1
         n = len(sched.scheduled)
         if step.greedy:
-            no_logprobs = np.zeros(0, np.float32)
+            no_logprobs = np.zeros(0, np.int32)
             return [(o, no_logprobs) for o in self.scheduler.update(sched, host[:n].astype(np.int64))]
         plan, self._pending_spec = self._pending_spec, None
         if plan is not None:  # speculative step: several tokens per sequence, rejected K/V rolled back
             results = self.scheduler.update(sched, self.spec.accept(sched, plan, host))
             self.spec.after_update(plan)
-            no_logprobs = np.zeros(2, np.float32)
+            no_logprobs = np.zeros(2, np.int32)
             return [(o, no_logprobs) for o in results]
         results = self.scheduler.update(sched, host[:n, 0].astype(np.int64))
         rows = {s.request_id: i for i, s in enumerate(sched.scheduled)}

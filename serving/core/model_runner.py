@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.batch import ragged_batch_from_arrays
+from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
 from models.transformer import CausalLM, init_kv_caches
@@ -143,7 +143,7 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
         self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding)
-        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 3), static_argnames=("greedy_only",))
+        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 5), static_argnames=("greedy_only",))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
         # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous
         # step's tokens whatever its bucket (no extra programs).
@@ -184,26 +184,32 @@ class ModelRunner:
             self._flat_state = (self.state, leaves, treedef)
         return self._flat_state[1]
 
-    def _forward_flat(self, leaves, kv_caches, arrays, expert_load, greedy_only=False):
+    def _forward_flat(self, leaves, kv_caches, batch, token_src, prev_tokens, expert_load, greedy_only=False):
         """The forward on the flat state, plus each sequence's greedy token [token slots]. Input tokens with a
         source row (`token_src` >= 0: look-ahead decodes) are the previous step's greedy tokens there."""
-        arrays = dict(arrays)
-        src, prev = arrays.pop("token_src"), arrays.pop("prev_tokens")
-        arrays["input_ids"] = jnp.where(src >= 0, prev[jnp.maximum(src, 0)], arrays["input_ids"])
+        fed = jnp.where(token_src >= 0, prev_tokens[jnp.maximum(token_src, 0)], self._input_ids(batch))
         logits, tokens, kv_caches, expert_load = self._forward(
-            jax.tree.unflatten(self._flat_state[2], leaves), kv_caches, arrays, expert_load, greedy_only)
+            jax.tree.unflatten(self._flat_state[2], leaves), kv_caches, self._with_input_ids(batch, fed),
+            expert_load, greedy_only)
         if tokens is None:
             tokens = sampling.greedy(logits)
         return logits, kv_caches, expert_load, jnp.pad(tokens, (0, self.token_slots - tokens.shape[0]))
 
-    def _forward(self, state, kv_caches, arrays, expert_load, greedy_only):
+    @staticmethod
+    def _input_ids(batch: RaggedBatch):
+        return batch.input_ids
+
+    @staticmethod
+    def _with_input_ids(batch: RaggedBatch, input_ids) -> RaggedBatch:
+        return dataclasses.replace(batch, input_ids=input_ids)
+
+    def _forward(self, state, kv_caches, batch: RaggedBatch, expert_load, greedy_only):
         """Pure. The model over a ragged batch: float32 logits at each sequence's last token, their greedy tokens
         (or None: the caller takes the argmax), the caches, and (MoE) the running per-slot expert token counts
         [moe_layers, slots] plus this step's. `greedy_only` (static; `screens` says when): only the greedy
         tokens will be read, and the model's screened greedy head runs instead of the full head (no logits: an
         empty [S, 0])."""
         model = nnx.merge(self.graphdef, state)
-        batch = ragged_batch_from_arrays(arrays)
         if expert_load is None:
             hidden, kv_caches = model(batch, kv_caches)
         else:  # the MoE layers sow their per-slot token counts
@@ -219,12 +225,9 @@ class ModelRunner:
 
     @staticmethod
     def _sample(logits, sampling_tensors, max_logprobs):
-        """Pure. Sampling, packed into one float32 array [S, 2 + 2 * max_logprobs] for a single host copy:
-        token id, its logprob, then the top-n ids and their logprobs."""
-        out = sampling.sample(logits, sampling_tensors, max_logprobs=max_logprobs)
-        return jnp.concatenate([
-            out.token_ids.astype(jnp.float32)[:, None], out.logprobs[:, None],
-            out.top_logprob_ids.astype(jnp.float32), out.top_logprobs], axis=1)
+        """Pure. Sampling, packed into one int32 array [S, 2 + 2 * max_logprobs] for a single host copy
+        (`sampling.pack`)."""
+        return sampling.pack(sampling.sample(logits, sampling_tensors, max_logprobs=max_logprobs))
 
     def sampling_tensors(self, requests: Sequence[Request], num_slots: int) -> sampling.SamplingTensors:
         """Per-step sampling inputs, with the static variant canonicalised so that a bucket has only the few
@@ -244,24 +247,24 @@ class ModelRunner:
             st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
         return st
 
-    def run_forward(self, arrays, token_src: np.ndarray | None = None, prev_tokens=None, greedy_only=False):
-        """Launches the forward; returns (logits, greedy tokens) and keeps the new caches. `greedy_only`: the step
-        reads only the greedy tokens (the logits may be left out)."""
-        if "token_src" not in arrays:
-            t = len(arrays["input_ids"])
+    def run_forward(self, batch, token_src: np.ndarray | None = None, prev_tokens=None, greedy_only=False):
+        """Launches the forward on `step_batch`'s batch; returns (logits, greedy tokens) and keeps the new caches.
+        `token_src`/`prev_tokens`: a look-ahead step's decodes read their input token from the previous step's
+        greedy tokens. `greedy_only`: the step reads only the greedy tokens (the logits may be left out)."""
+        if self.channel is not None:  # multi-host leader: the followers run the same call (never a look-ahead)
+            self.channel.broadcast(("forward", batch, greedy_only))
+        if token_src is None:
+            t = len(self._input_ids(batch))
+            token_src = self._no_src.get(t)
             if token_src is None:
-                token_src = self._no_src.get(t)
-                if token_src is None:
-                    token_src = self._no_src[t] = np.full(t, -1, np.int32)
-            prev_tokens = self.no_prev if prev_tokens is None else prev_tokens
-            arrays = dict(arrays, token_src=token_src, prev_tokens=prev_tokens)
-        if self.channel is not None:  # multi-host leader: the followers run the same call
-            self.channel.broadcast(("forward", arrays, greedy_only))
+                token_src = self._no_src[t] = np.full(t, -1, np.int32)
+        prev_tokens = self.no_prev if prev_tokens is None else prev_tokens
         if self.multihost:
-            arrays = to_global(arrays, self.mesh)
+            batch, token_src, prev_tokens = to_global((batch, token_src, prev_tokens), self.mesh)
         with mesh_context(self.mesh):
             logits, self.kv_caches, self._expert_load, tokens = self._forward_fn(
-                self._state_leaves(), self.kv_caches, arrays, self._expert_load, greedy_only=greedy_only)
+                self._state_leaves(), self.kv_caches, batch, token_src, prev_tokens, self._expert_load,
+                greedy_only=greedy_only)
         return logits, tokens
 
     def run_sample(self, logits, st, max_logprobs):
@@ -292,8 +295,9 @@ class ModelRunner:
                                         DTYPES[self.config.dtype], self.kv_sharding)
 
     # ------------------------------------------------------------------ buckets and warm-up
-    def step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
-        """Host-side. The step's input arrays, padded to the bucket (a pipelined runner lays them out differently)."""
+    def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> RaggedBatch:
+        """Host-side. The step's input, padded to the bucket, as the forward takes it (a pipelined runner lays it
+        out its own way)."""
         return self.batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs)
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
@@ -326,11 +330,11 @@ class ModelRunner:
                     SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1)]
         for t in self.buckets:
             s = self.seq_bucket(t)
-            arrays = self.step_arrays([], t, s)
-            logits, _ = self.run_forward(arrays)
+            batch = self.step_batch([], t, s)
+            logits, _ = self.run_forward(batch)
             count += 1
             if self.screens(s):
-                self.run_forward(arrays, greedy_only=True)
+                self.run_forward(batch, greedy_only=True)
                 count += 1
             for params in variants:
                 st = self.sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)

@@ -10,7 +10,8 @@ import numpy as np
 
 from models.tokenizer import Tokenizer
 from serving.core.request import FinishReason, Request
-from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.core.sampling import unpack_row
+from serving.core.sampling_params import SamplingParams
 from serving.core.scheduler import RequestOutput
 
 
@@ -34,7 +35,7 @@ class StepOutput:
     request: Request
 
 
-class _Detok:
+class RequestText:
     """Per-request text state: incremental detokenizer plus the stop-string search window."""
     __slots__ = ("detok", "text", "emitted", "stops", "max_stop", "include_stop")
 
@@ -78,18 +79,16 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, finish: Callable[[str, FinishReason, str], object]):
         self.tokenizer = tokenizer
         self._finish = finish
-        self._detoks: dict[str, _Detok] = {}
+        self._detoks: dict[str, RequestText] = {}
 
     def add(self, request: Request) -> None:
-        self._detoks[request.request_id] = _Detok(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        self._detoks[request.request_id] = RequestText(self.tokenizer, request.prompt_token_ids, request.sampling_params)
 
     def process(self, out: RequestOutput, row: np.ndarray) -> StepOutput:
         r = out.request
         logprobs = None
         if r.sampling_params.logprobs is not None and out.new_token_ids:
-            n = r.sampling_params.logprobs
-            top = [(int(row[2 + j]), float(row[2 + MAX_LOGPROBS + j])) for j in range(n)]
-            logprobs = [Logprob(int(row[0]), float(row[1]), top)]
+            logprobs = [Logprob(*unpack_row(row, r.sampling_params.logprobs))]
         d = self._detoks.get(r.request_id)
         trimmed = False
         if d is not None and d.stops and len(out.new_token_ids) > 1:
@@ -109,7 +108,7 @@ class OutputProcessor:
         return StepOutput(r.request_id, out.new_token_ids, text, finished, reason, stop_reason, logprobs, r)
 
     @staticmethod
-    def _add_until_stop(d: _Detok, out: RequestOutput) -> tuple[str, str | None, bool]:
+    def _add_until_stop(d: RequestText, out: RequestOutput) -> tuple[str, str | None, bool]:
         """Detokenizes a multi-token step one token at a time; at a stop string the tokens after it are dropped
         (from the output and the request) so a speculative step never emits past it."""
         tokens = out.new_token_ids

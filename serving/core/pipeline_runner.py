@@ -17,7 +17,7 @@ from flax import nnx
 from models.batch import RaggedBatch
 from models.layers import embed_lookup
 from pallas_kernels.metadata import AttentionMetadata
-from serving.core.batch import build_batch_arrays, split_micro_batches
+from serving.core.batch import build_layout, split_micro_batches
 from serving.core.config import EngineConfig, default_min_token_bucket
 from serving.core.model_runner import ModelRunner
 from sharding import pipeline
@@ -77,6 +77,14 @@ class PipelineModelRunner(ModelRunner):
             new.append(kv)
         return x, new
 
+    @staticmethod
+    def _input_ids(batch: dict):
+        return batch["input_ids"]
+
+    @staticmethod
+    def _with_input_ids(batch: dict, input_ids) -> dict:
+        return dict(batch, input_ids=input_ids)
+
     def _forward(self, state, kv_caches, arrays, expert_load, greedy_only):
         outer, micro = state["outer"], arrays["micro"]
         m, tm = micro["positions"].shape
@@ -86,14 +94,14 @@ class PipelineModelRunner(ModelRunner):
         head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32), None, kv_caches, expert_load
 
-    def step_arrays(self, chunks, num_tokens: int, num_seqs: int) -> dict:
+    def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> dict:
         """The whole step's input ids and logits rows, plus per-micro-batch metadata stacked on [M]."""
         cfg = self.config
-        full = build_batch_arrays(chunks, page_size=cfg.page_size, num_tokens=num_tokens, num_seqs=num_seqs,
-                                  max_pages=self.max_pages)
+        full = build_layout(chunks, page_size=cfg.page_size, num_tokens=num_tokens, num_seqs=num_seqs,
+                            max_pages=self.max_pages)
         tm = num_tokens // self.num_micro
         sm = min(tm, cfg.max_num_seqs)
-        parts = [build_batch_arrays(p, page_size=cfg.page_size, num_tokens=tm, num_seqs=sm, max_pages=self.max_pages)
+        parts = [build_layout(p, page_size=cfg.page_size, num_tokens=tm, num_seqs=sm, max_pages=self.max_pages)
                  for p in split_micro_batches(chunks, num_tokens, self.num_micro)]
         micro = {k: np.stack([p[k] for p in parts]) for k in _MD_FIELDS}
         return {"input_ids": full["input_ids"], "logits_indices": full["logits_indices"], "micro": micro}

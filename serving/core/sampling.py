@@ -99,6 +99,22 @@ jax.tree_util.register_dataclass(
     SamplerOutput, data_fields=["token_ids", "logprobs", "top_logprob_ids", "top_logprobs"], meta_fields=[])
 
 
+def pack(out: SamplerOutput) -> jax.Array:
+    """Pure. The sampler's output as one int32 array [S, 2 + 2n] for a single host copy: token id, its logprob, the
+    top-n ids and their logprobs; token ids stay integers, logprobs travel as their float32 bits."""
+    bits = lambda a: lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)  # noqa: E731
+    return jnp.concatenate([out.token_ids.astype(jnp.int32)[:, None], bits(out.logprobs)[:, None],
+                            out.top_logprob_ids.astype(jnp.int32), bits(out.top_logprobs)], axis=1)
+
+
+def unpack_row(row: np.ndarray, n: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """Host-side. One `pack` row: (token id, its logprob, the first n of the top (id, logprob) pairs)."""
+    row = np.ascontiguousarray(row, np.int32)
+    floats = row.view(np.float32)
+    width = (len(row) - 2) // 2
+    return int(row[0]), float(floats[1]), [(int(row[2 + j]), float(floats[2 + width + j])) for j in range(n)]
+
+
 def _next_power_of_two(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, int(n) - 1).bit_length())
 

@@ -19,12 +19,12 @@ import numpy as np
 from flax import nnx
 from jax import lax
 
-from models.batch import RaggedBatch, ragged_batch_from_arrays
+from models.batch import RaggedBatch
 from models.transformer import init_kv_caches
 from models.weights import load_model
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core import sampling
-from serving.core.batch import BatchBuilder, build_batch_arrays
+from serving.core.batch import BatchBuilder, build_batch
 from serving.core.config import DTYPES, SpeculativeConfig
 from sharding.mesh import kv_cache_sharding, mesh_context
 from serving.core.request import Request, RequestStatus
@@ -266,34 +266,32 @@ class SpeculativeDecoder:
                     spec_decode_num_steps=self.num_spec_steps)
 
     # ---- device program ----------------------------------------------------------------------------------
-    def _spec_step(self, target_state, target_kv, draft_state, draft_kv, verify_arrays, draft_arrays, spec, st):
+    def _spec_step(self, target_state, target_kv, draft_state, draft_kv, verify: RaggedBatch,
+                   draft_batch: RaggedBatch | None, spec, st):
         """Pure. Draft proposals (draft model: catch-up chunk, then k-1 one-token steps), the target over the
         verify batch, logits at k+1 positions per row, rejection sampling. Returns (packed int32 [S, K+2]:
         emitted count then tokens, target caches, draft caches)."""
         k = self.k
         s = spec["num_draft"].shape[0]
         if draft_state is not None:
-            draft_tokens, draft_probs, draft_kv = self._propose(draft_state, draft_kv, draft_arrays,
-                                                                verify_arrays["page_indices"], spec, st)
-            input_ids = verify_arrays["input_ids"].at[spec["draft_slot"].reshape(-1)].set(
-                draft_tokens.reshape(-1), mode="drop")
-            verify_arrays = dict(verify_arrays, input_ids=input_ids)
+            draft_tokens, draft_probs, draft_kv = self._propose(draft_state, draft_kv, draft_batch,
+                                                                verify.attention.page_indices, spec, st)
+            input_ids = verify.input_ids.at[spec["draft_slot"].reshape(-1)].set(draft_tokens.reshape(-1), mode="drop")
+            verify = dataclasses.replace(verify, input_ids=input_ids)
         else:
             draft_tokens, draft_probs = spec["draft_tokens"], None
         model = nnx.merge(self.runner.graphdef, target_state)
-        batch = ragged_batch_from_arrays(verify_arrays)
-        hidden, target_kv = model(batch, target_kv)
+        hidden, target_kv = model(verify, target_kv)
         logits = model.compute_logits(hidden[spec["verify_index"].reshape(-1)]).reshape(s, k + 1, -1)
         tokens, emitted = rejection_sample(logits, draft_tokens, draft_probs, spec["num_draft"], st)
         return jnp.concatenate([emitted[:, None], tokens], axis=1), target_kv, draft_kv
 
-    def _propose(self, draft_state, draft_kv, arrays, page_indices, spec, st):
+    def _propose(self, draft_state, draft_kv, batch: RaggedBatch, page_indices, spec, st):
         """Pure. Runs the draft over its catch-up batch (rows 0..num_spec-1 end at the speculating sequences' last
         tokens), then k-1 one-token steps. Returns drafts [S, K], their distributions [S, K, V] or None, caches."""
         k = self.k
         ps = self.runner.config.page_size
         model = nnx.merge(self.draft_graphdef, draft_state)
-        batch = ragged_batch_from_arrays(arrays)
         hidden, draft_kv = model(batch, draft_kv)
         token, probs = draft_sample(model.compute_logits(hidden[batch.logits_indices]), st, 0)
         s = token.shape[0]
@@ -327,11 +325,11 @@ class SpeculativeDecoder:
             draft_kv, tokens, all_probs = lax.fori_loop(1, k, body, (draft_kv, tokens, all_probs))
         return tokens, all_probs, draft_kv
 
-    def _run(self, verify_arrays, draft_arrays, spec, st):
+    def _run(self, verify, draft_batch, spec, st):
         e = self.runner
         with mesh_context(e.mesh):
             packed, e.kv_caches, self.draft_kv = self._step_fn(e.state, e.kv_caches, self.draft_state, self.draft_kv,
-                                                               verify_arrays, draft_arrays, spec, st)
+                                                               verify, draft_batch, spec, st)
         return packed
 
     def warmup(self) -> int:
@@ -340,14 +338,12 @@ class SpeculativeDecoder:
         count = 0
         for t in e.buckets:
             s = e.seq_bucket(t)
-            empty = build_batch_arrays([], page_size=e.config.page_size, num_tokens=t, num_seqs=s,
-                                       max_pages=e.max_pages)
+            empty = build_batch([], page_size=e.config.page_size, num_tokens=t, num_seqs=s, max_pages=e.max_pages)
             spec = self._spec_arrays([], s, t)
             for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)):
                 st = e.sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)
                 st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
-                draft_arrays = dict(empty) if self.draft_state is not None else None
-                self._run(empty, draft_arrays, spec, st).block_until_ready()
+                self._run(empty, empty if self.draft_state is not None else None, spec, st).block_until_ready()
                 count += 1
         return count
 
@@ -422,8 +418,8 @@ class SpeculativeDecoder:
             drafts = ngram_drafts.get(row.index) or [0] * row.num_draft
             verify_chunks.append(_SpecSeqChunk(list(s.token_ids) + drafts, s.start, s.request.block_table)
                                  if row.num_draft else s)
-        verify_arrays = e.batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
-        draft_arrays = None
+        verify = e.batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
+        draft_batch = None
         if use_draft:
             draft_chunks = []
             for row in rows:
@@ -433,12 +429,12 @@ class SpeculativeDecoder:
                 if row.num_draft:
                     end = row.seq.start + len(row.seq.token_ids)
                     row.draft_end = end + row.num_draft - 1
-            draft_arrays = self._draft_builder.build(draft_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
+            draft_batch = self._draft_builder.build(draft_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
         spec = self._spec_arrays(rows, s_bucket, t_bucket, ngram_drafts)
         st = e.sampling_tensors([row.seq.request for row in rows], s_bucket)
         st = dataclasses.replace(st, valid=st.valid & np.array(
             [row.seq.sample for row in rows] + [False] * (s_bucket - len(rows))))
-        packed = self._run(verify_arrays, draft_arrays, spec, st)
+        packed = self._run(verify, draft_batch, spec, st)
         self.num_spec_steps += bool(spec_rows)
         return packed, SpecPlan(rows, len(spec_rows))
 
