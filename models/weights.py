@@ -23,6 +23,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from models.transformer import CausalLM
+from sharding.experts import identity_placement
 from sharding.rules import DEFAULT_RULES, ShardingRules
 
 log = logging.getLogger(__name__)
@@ -170,7 +171,6 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
 
 def _init_routing_state(rest, cfg: ModelConfig, mesh: Mesh | None):
     """Concrete values for the non-parameter state (MoE expert maps: the identity placement)."""
-    from sharding.experts import identity_placement
     sharding = SingleDeviceSharding(jax.devices()[0]) if mesh is None else \
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if cfg.num_experts:

@@ -11,7 +11,7 @@ import os
 
 import jax
 
-from pallas_kernels import reference
+from pallas_kernels import cpu, native, reference
 
 BACKENDS = ("reference", "cpu", "gpu", "tpu")
 ENV_VAR = "MESHSERVE_ATTENTION"
@@ -36,12 +36,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     """
     backend = attention_backend()
     if backend == "cpu":
-        from pallas_kernels import native
-        if native.attention_supported(q, kv_pages):
-            fn = native.ragged_paged_attention
-        else:
-            from pallas_kernels.cpu import ragged_paged_attention_cpu as fn
-    elif backend == "gpu":
+        fn = native.ragged_paged_attention if native.attention_supported(q, kv_pages) else \
+            cpu.ragged_paged_attention_cpu
+    elif backend == "gpu":  # the accelerator backends load their Pallas lowering stacks only where they run
         from pallas_kernels.gpu import ragged_paged_attention_gpu as fn
     elif backend == "tpu":
         from pallas_kernels.tpu import ragged_paged_attention_tpu as fn

@@ -8,7 +8,8 @@ from absl import app, flags
 
 BENCHMARKS = {
     "offline": "the serving core in-process on the ~125M Llama: vs HF and llama.cpp, start-up, caches, roofline",
-    "serve": "a server or gateway over gRPC, `vllm bench serve`-style (--sweep: rates vs the offline engine)",
+    "serve": "a server or gateway over gRPC, `vllm bench serve`-style",
+    "sweep": "serve at several request rates against a local server on the ~125M Llama, vs the offline engine",
     "gateway": "the gateway's routing policies in front of N instances, one of them slow or stuck",
     "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",

@@ -5,7 +5,6 @@ arrivals, or all at once) with an optional concurrency cap, streamed through mes
         [--num_prompts=1000] [--dataset=random --random_input_len=1024 --random_output_len=128
          --random_range_ratio=0 --random_prefix_len=0 | --dataset=sharegpt --dataset_path=FILE.json]
         [--goodput=ttft:500,tpot:50] [--result_json=OUT.json] [--plot=OUT.png]
-    python -m serving.bench serve --sweep     # local server on the ~125M model: rate sweep + offline engine
 
 Reports completed/failed requests, request and token throughput, TTFT / TPOT / ITL / E2E latency (mean, median,
 p90, p99) and goodput under the given SLOs. TTFT is the first streamed chunk carrying tokens; ITL the gaps between
@@ -50,12 +49,6 @@ _RESULT_JSON = flags.DEFINE_string("result_json", "", "Write the result here as 
 _PLOT = flags.DEFINE_string("plot", "", "Write latency CDFs and throughput over time here (PNG).")
 _DISABLE_TQDM = flags.DEFINE_boolean("disable_tqdm", False, "No progress bar.")
 _REQUEST_TIMEOUT_S = flags.DEFINE_float("request_timeout_s", 0.0, "Deadline of each request; 0: none.")
-_SWEEP = flags.DEFINE_boolean("sweep", False, "Run serving/bench/sweep.py: a local server on the ~125M model, "
-                              "rates --sweep_rates, then the same workload through the offline engine.")
-_SWEEP_RATES = flags.DEFINE_list("sweep_rates", ["1", "2", "4", "8", "inf"], "Sweep: request rates.")
-_SWEEP_NUM_PROMPTS = flags.DEFINE_integer("sweep_num_prompts", 32, "Sweep: requests per rate.")
-_SWEEP_INPUT_LEN = flags.DEFINE_integer("sweep_input_len", 128, "Sweep: prompt tokens.")
-_SWEEP_OUTPUT_LEN = flags.DEFINE_integer("sweep_output_len", 64, "Sweep: output tokens.")
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)
@@ -435,10 +428,6 @@ def benchmark(target: str, requests: Sequence[SampleRequest], *, dataset: str = 
 
 
 def main() -> None:
-    if _SWEEP.value:
-        from serving.bench import sweep
-        sweep.main()
-        return
     requests = load_requests(_TARGET.value, _DATASET.value, _NUM_PROMPTS.value, seed=_SEED.value,
                              input_len=_RANDOM_INPUT_LEN.value, output_len=_RANDOM_OUTPUT_LEN.value,
                              range_ratio=_RANDOM_RANGE_RATIO.value, prefix_len=_RANDOM_PREFIX_LEN.value,

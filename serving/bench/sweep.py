@@ -1,4 +1,4 @@
-"""`python -m serving.bench serve --sweep`: the serving benchmark at several request rates against a local server
+"""`python -m serving.bench sweep`: the serving benchmark at several request rates against a local server
 on the ~125M Llama (float32, random weights), then the same workload through the offline engine in-process, for
 the overhead of the gRPC path (output throughput, gRPC at rate inf / offline). Prints both tables.
 
@@ -12,8 +12,15 @@ import os
 import tempfile
 import time
 
+from absl import flags
+
 from serving.bench import serve
 from serving.bench.harness import llama_125m, table
+
+_SWEEP_RATES = flags.DEFINE_list("sweep_rates", ["1", "2", "4", "8", "inf"], "Sweep: request rates.")
+_SWEEP_NUM_PROMPTS = flags.DEFINE_integer("sweep_num_prompts", 32, "Sweep: requests per rate.")
+_SWEEP_INPUT_LEN = flags.DEFINE_integer("sweep_input_len", 128, "Sweep: prompt tokens.")
+_SWEEP_OUTPUT_LEN = flags.DEFINE_integer("sweep_output_len", 64, "Sweep: output tokens.")
 
 # The engine of both sides (as serving/bench/offline.py runs it, with fewer pages: 32 x 192 tokens fit in 512).
 ENGINE_OPTIONS = dict(dtype="float32", page_size=16, num_pages=1024, max_num_seqs=16, max_num_batched_tokens=256,
@@ -45,10 +52,10 @@ def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
 
 def main() -> None:
     from serving.server.testing import ServerProcess
-    rates = [float(x) for x in serve._SWEEP_RATES.value]
-    n, n_in, n_out = serve._SWEEP_NUM_PROMPTS.value, serve._SWEEP_INPUT_LEN.value, serve._SWEEP_OUTPUT_LEN.value
+    rates = [float(x) for x in _SWEEP_RATES.value]
+    n, n_in, n_out = _SWEEP_NUM_PROMPTS.value, _SWEEP_INPUT_LEN.value, _SWEEP_OUTPUT_LEN.value
     model = llama_125m("float32")
-    print(json.dumps({"sweep_rates": serve._SWEEP_RATES.value, "num_prompts": n, "input_len": n_in,
+    print(json.dumps({"sweep_rates": _SWEEP_RATES.value, "num_prompts": n, "input_len": n_in,
                       "output_len": n_out, "engine": ENGINE_OPTIONS, "cpus": os.cpu_count(),
                       "load": os.getloadavg()}), flush=True)
     workdir = tempfile.mkdtemp(prefix="meshserve-sweep-")

@@ -25,6 +25,7 @@ from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
 from models.transformer import CausalLM, init_kv_caches
+from models.weights import is_orbax_dir, load_hf_model, load_model
 from pallas_kernels import native
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from serving import ledger
@@ -91,7 +92,6 @@ def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_scre
 
 
 def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
-    from models.weights import is_orbax_dir, load_hf_model, load_model
     if config.spare_expert_slots and not is_orbax_dir(config.model):
         cfg = ModelConfig.from_pretrained(config.model)
         cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
