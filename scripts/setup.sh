@@ -13,6 +13,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   echo "$want" > "$stamp"
 fi
-# Native CPU kernels (pallas_kernels/native.py): compiled once into ~/.cache/meshserve/native; a machine
+# Native CPU kernels (pallas_kernels/native/): compiled once into ~/.cache/meshserve/native; a machine
 # without a C++ compiler or AVX-512 BF16 is told so and uses XLA's kernels.
 .venv/bin/python -m pallas_kernels.native

@@ -18,6 +18,7 @@ import time
 
 from absl import app, flags
 
+from models.synthetic import random_llama
 from serving.process import REPO_ROOT as REPO, ReadyFileProcess
 
 _MODEL = flags.DEFINE_string("model", None, "HF or Orbax model directory (default: the embedded model)")
@@ -40,19 +41,8 @@ REQUESTS = [  # (label, prompt, priority)
 def default_model_dir(workdir: str) -> str:
     if os.path.exists(os.path.join(EMBEDDED, "config.json")):
         return EMBEDDED
-    d = os.path.join(workdir, "random-llama")  # no shipped model: a random one (its text is noise)
-    if not os.path.exists(os.path.join(d, "config.json")):
-        import torch
-        import transformers as tf
-
-        from models.testing import make_test_tokenizer
-        torch.manual_seed(0)
-        tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                           max_position_embeddings=512, bos_token_id=0, eos_token_id=1,
-                                           pad_token_id=2)).save_pretrained(d)
-        make_test_tokenizer(d, vocab_size=512)
-    return d
+    # No shipped model: a random one (its text is noise).
+    return random_llama(os.path.join(workdir, "random-llama"), hidden_size=128, intermediate_size=256)
 
 
 def Process(name: str, args: list[str], workdir: str) -> ReadyFileProcess:
@@ -96,6 +86,7 @@ def main(argv):
     model = _MODEL.value or default_model_dir(workdir)
     print(f"meshserve demo: model {model}\n  logs and configuration in {workdir}")
     t0 = time.perf_counter()
+
     def instance(i: int) -> ReadyFileProcess:
         return Process(f"instance{i}", ["-m", "serving.server", f"--model={model}", "--host=127.0.0.1", "--port=0",
                                         "--metrics_port=0", "--page_size=16", "--num_pages=512", "--max_num_seqs=16",

@@ -11,7 +11,7 @@ import yaml
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
 from serving.process import ReadyFileProcess
-from serving.server.testing import ServerProcess
+from serving.process import ServerProcess
 
 
 class InstanceProcess(ServerProcess):

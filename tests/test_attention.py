@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pallas_kernels
 from pallas_kernels import cpu, gpu, native, reference, tpu
-from pallas_kernels.testing import dense_attention, make_case
+from pallas_kernels.cases import dense_attention, make_case
 
 NATIVE = [f"native-{isa}" for isa in native.runnable_isas()]  # none where the kernels cannot be built
 BACKENDS = {

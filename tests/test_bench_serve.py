@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from serving.bench import serve
-from serving.server.testing import REPO_ROOT, ServerProcess, shared_test_model
+from models.synthetic import shared_small_llama
+from serving.process import REPO_ROOT, ServerProcess
 
 
 def test_random_requests_lengths_and_shared_prefix():
@@ -60,7 +61,7 @@ def test_metrics_follow_vllm():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(shared_test_model(), str(tmp_path_factory.mktemp("bench_server")))
+    proc = ServerProcess(shared_small_llama(), str(tmp_path_factory.mktemp("bench_server")))
     try:
         yield proc.wait_ready()
     finally:

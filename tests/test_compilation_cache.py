@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from serving.core.model_runner import enable_compilation_cache
-from serving.server.testing import shared_test_model
+from models.synthetic import shared_small_llama
 
 _CHILD = r"""
 import json, sys
@@ -35,7 +35,7 @@ def _run(model: str, cache: str) -> dict:
 
 
 def test_restart_loads_programs_from_the_cache(tmp_path):
-    model, cache = shared_test_model(), str(tmp_path / "xla")
+    model, cache = shared_small_llama(), str(tmp_path / "xla")
     cold = _run(model, cache)
     assert cold["dir"] == cache and cold["hits"] == 0 and cold["misses"] > 0
     assert any(name.endswith("-cache") for name in os.listdir(cache))

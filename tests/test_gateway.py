@@ -21,7 +21,7 @@ from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scor
 from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate
 from serving.server.client import generate_request
 from serving.server.proto import meshserve_pb2 as pb
-from serving.server.testing import REPO_ROOT
+from serving.process import REPO_ROOT
 
 BASE = {"pools": [{"name": "a", "instances": [{"name": "i0", "target": "127.0.0.1:1"},
                                               {"name": "i1", "target": "127.0.0.1:2", "long_lane": True,

@@ -16,7 +16,7 @@ import pytest
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
 from serving.server.client import Client, ClientError, generate_request
-from serving.server.testing import shared_test_model
+from models.synthetic import shared_small_llama
 from tests.gateway_support import GatewayProcess, InstanceProcess, wait_for, write_config
 
 pytestmark = pytest.mark.timeout(600)
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return shared_test_model()
+    return shared_small_llama()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ import pytest
 from serving.demo import Process
 from serving.server.client import Client, ClientError, generate_request
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
-from serving.server.testing import ServerProcess, shared_test_model
+from models.synthetic import shared_small_llama
+from serving.process import ServerProcess
 
 
 def _openssl(*args, cwd):
@@ -35,7 +36,7 @@ def pki(tmp_path_factory):
 
 
 def test_gateway_to_instance_mutual_tls(pki, tmp_path):
-    instance = ServerProcess(shared_test_model(), str(tmp_path / "instance"), f"--tls_cert={pki['server_cert']}",
+    instance = ServerProcess(shared_small_llama(), str(tmp_path / "instance"), f"--tls_cert={pki['server_cert']}",
                              f"--tls_key={pki['server_key']}", f"--tls_client_ca={pki['ca']}")
     gateway = None
     try:

@@ -93,7 +93,7 @@ def served_model(tmp_path_factory):
     import torch
     import transformers as tf
 
-    from models.testing import make_test_tokenizer
+    from models.synthetic import make_test_tokenizer
     d = str(tmp_path_factory.mktemp("multihost_served") / "llama")
     torch.manual_seed(0)
     tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
@@ -109,7 +109,7 @@ def test_grpc_server_across_two_processes(served_model, tmp_path):
     import grpc
 
     from serving.server.client import Client, ClientError
-    from serving.server.testing import ServerProcess
+    from serving.process import ServerProcess
     coord = _free_port()
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     common = (f"--coordinator_address=127.0.0.1:{coord}", "--num_processes=2", "--tp=8", "--min_token_bucket=32",

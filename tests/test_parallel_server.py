@@ -9,9 +9,10 @@ import torch
 import transformers as tf
 from prometheus_client.parser import text_string_to_metric_families
 
-from models.testing import make_test_tokenizer
+from models.synthetic import make_test_tokenizer
 from serving.server.client import AsyncClient, Client
-from serving.server.testing import ServerProcess, shared_test_model
+from models.synthetic import shared_small_llama
+from serving.process import ServerProcess
 
 
 def _metrics(server) -> dict:
@@ -102,7 +103,7 @@ def _serve_and_measure(server) -> dict:
 
 @pytest.fixture(scope="module")
 def dp1_reference(tmp_path_factory):
-    server = ServerProcess(shared_test_model(), str(tmp_path_factory.mktemp("dp1")), env=EIGHT_DEVICES)
+    server = ServerProcess(shared_small_llama(), str(tmp_path_factory.mktemp("dp1")), env=EIGHT_DEVICES)
     try:
         yield _serve_and_measure(server.wait_ready(600))
     finally:
@@ -113,7 +114,7 @@ def dp1_reference(tmp_path_factory):
 def test_data_parallel_server(tmp_path, dp1_reference, dp, tp):
     """--dp replicas behind one gRPC server: the dp=1 server's outputs, requests spread over every replica,
     aborts reach the right replica, KV pages summed in the load report and none leaked once idle."""
-    server = ServerProcess(shared_test_model(), str(tmp_path / "srv"), f"--dp={dp}", f"--tp={tp}", env=EIGHT_DEVICES)
+    server = ServerProcess(shared_small_llama(), str(tmp_path / "srv"), f"--dp={dp}", f"--tp={tp}", env=EIGHT_DEVICES)
     try:
         got = _serve_and_measure(server.wait_ready(600))
         assert got["tokens"] == dp1_reference["tokens"]

@@ -13,14 +13,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.server.client import AsyncClient, Client, ClientError
-from serving.server.testing import REPO_ROOT, ServerProcess, shared_test_model
+from models.synthetic import shared_small_llama
+from serving.process import REPO_ROOT, ServerProcess
 
 ENGINE_OPTIONS = dict(page_size=8, num_pages=512, max_num_seqs=32, max_num_batched_tokens=32, min_token_bucket=32)
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return shared_test_model()
+    return shared_small_llama()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from absl import app, flags
 
 from serving.core.config import EngineConfig
 from serving.server import __main__ as server_main
-from serving.server.testing import shared_test_model
+from models.synthetic import shared_small_llama
 
 
 def parse(*argv):
@@ -32,7 +32,7 @@ def test_flagfile_makes_the_configs(tmp_path):
 
 
 def test_memory_fraction_is_sized_by_the_ledger():
-    model = shared_test_model()
+    model = shared_small_llama()
     engine_config, _ = server_main.configs_from_flags(parse(f"--model={model}", "--kv_cache_memory_fraction=0.01",
                                                             "--page_size=16"))
     assert engine_config.num_pages > 100
@@ -46,7 +46,7 @@ def test_memory_fraction_leaves_room_for_the_lm_head_screen(monkeypatch):
     from pallas_kernels import native
     from serving import ledger
 
-    model = shared_test_model()
+    model = shared_small_llama()
     monkeypatch.setattr(ledger, "device_memory", lambda *a, **k: ledger.DeviceMemory(1 << 30, 1 << 30, "fixed"))
     args = (f"--model={model}", "--kv_cache_memory_fraction=0.01", "--page_size=16")
     native_here = native.unavailable_reason() is None

@@ -13,7 +13,8 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.server.client import AsyncClient, Client, ClientError
-from serving.server.testing import ServerProcess, shared_test_model
+from models.synthetic import shared_small_llama
+from serving.process import ServerProcess
 
 
 class Collector(trace_service_pb2_grpc.TraceServiceServicer):
@@ -47,7 +48,7 @@ def server(tmp_path_factory, collector):
     flagfile.write_text("\n".join(["--debug_step_delay_s=0.05", "--max_num_seqs=4", "--max_waiting_requests=4",
                                    "--retry_after_s=0.25", "--drain_grace_s=30", "--log_format=json",
                                    f"--otlp_endpoint=127.0.0.1:{collector.port}"]) + "\n")
-    proc = ServerProcess(shared_test_model(), str(workdir), f"--flagfile={flagfile}",
+    proc = ServerProcess(shared_small_llama(), str(workdir), f"--flagfile={flagfile}",
                          env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
     try:
         yield proc.wait_ready()

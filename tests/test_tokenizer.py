@@ -1,4 +1,4 @@
-"""models.tokenizer against transformers' AutoTokenizer on the local test tokenizer from models.testing."""
+"""models.tokenizer against transformers' AutoTokenizer on the local test tokenizer from models.synthetic."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from models.testing import TEST_CHAT_TEMPLATE, make_test_tokenizer
+from models.synthetic import TEST_CHAT_TEMPLATE, make_test_tokenizer
 from models.tokenizer import IncrementalDetokenizer, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -286,7 +286,7 @@ def _sentencepiece_style_tokenizer() -> Tokenizer:
     from tokenizers import Tokenizer as Backend
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from models.testing import _BUILTIN_CORPUS
+    from models.synthetic import _BUILTIN_CORPUS
 
     backend = Backend(models.BPE(byte_fallback=True, fuse_unk=True, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)

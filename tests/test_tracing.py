@@ -17,14 +17,14 @@ from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.server.app import InstanceServer, ServerConfig
 from serving.server.client import Client, ClientError
-from serving.server.testing import shared_test_model
+from models.synthetic import shared_small_llama
 from serving.telemetry.tracing import make_tracer_provider
 
 
 @pytest.fixture(scope="module")
 def traced():
     exporter = InMemorySpanExporter()
-    engine = Engine(EngineConfig(model=shared_test_model(), page_size=8, num_pages=256, max_num_seqs=8,
+    engine = Engine(EngineConfig(model=shared_small_llama(), page_size=8, num_pages=256, max_num_seqs=8,
                                  max_num_batched_tokens=32, min_token_bucket=32, max_prefill_chunk=16))
     server = InstanceServer(engine, ServerConfig(port=0, metrics_port=-1, warmup=False), span_exporter=exporter)
     loop = asyncio.new_event_loop()

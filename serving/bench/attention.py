@@ -16,7 +16,7 @@ import numpy as np
 from absl import flags
 
 from pallas_kernels import attention
-from pallas_kernels.testing import make_case
+from pallas_kernels.cases import make_case
 from serving.bench.harness import median_time, read_bandwidth, table
 
 _BACKEND = flags.DEFINE_string("backend", "", "cpu|gpu|tpu|reference; default: the platform's own")

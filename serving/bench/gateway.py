@@ -41,7 +41,7 @@ flags.DEFINE_string("json_out", "", "Also write the results here as JSON.")
 
 
 def _start_instances(model: str, workdir: str):
-    from serving.server.testing import ServerProcess
+    from serving.process import ServerProcess
     procs = []
     for k in range(FLAGS.num_instances):
         extra = [f"--instance_id=i{k}"]
@@ -136,8 +136,8 @@ async def _keep_stuck(target: str, stop: asyncio.Event) -> None:
 def main() -> None:
     model = FLAGS.model
     if not model:
-        from serving.server.testing import shared_test_model
-        model = shared_test_model()
+        from models.synthetic import shared_small_llama
+        model = shared_small_llama()
     workdir = tempfile.mkdtemp(prefix="meshserve-bench-gateway-")
     print(f"starting {FLAGS.num_instances} instances of {model} (logs under {workdir}) ...", flush=True)
     instances = _start_instances(model, workdir)

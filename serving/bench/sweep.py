@@ -51,7 +51,7 @@ def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
 
 
 def main() -> None:
-    from serving.server.testing import ServerProcess
+    from serving.process import ServerProcess
     rates = [float(x) for x in _SWEEP_RATES.value]
     n, n_in, n_out = _SWEEP_NUM_PROMPTS.value, _SWEEP_INPUT_LEN.value, _SWEEP_OUTPUT_LEN.value
     model = llama_125m("float32")

@@ -39,7 +39,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).parent / "native"
+SOURCE_DIR = Path(__file__).parent
 ENV_VAR = "MESHSERVE_CPU_KERNELS"  # native (default when it builds) | xla
 ISA_ENV_VAR = "MESHSERVE_CPU_ISA"  # unset/auto: the best this CPU runs | one of ISAS (a lower path, e.g. avx2)
 CACHE_ENV = "MESHSERVE_NATIVE_CACHE"
@@ -554,6 +554,3 @@ def main(argv=None) -> int:
     print(f"native CPU kernels: {lib} (paths this CPU runs: {', '.join(runnable)}; {use})")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,15 @@
-"""Helpers that build small, deterministic artefacts for tests: no hub downloads, no accelerator.
-
-`make_test_tokenizer` writes an HF-format tokenizer directory (tokenizer.json, tokenizer_config.json,
-chat_template.jinja, generation_config.json) that both `transformers.AutoTokenizer` and
-`models.tokenizer.Tokenizer` load.
+"""Small deterministic models built locally (no hub downloads, no accelerator), for the demo's fallback model,
+benchmarks and tests: `make_test_tokenizer` writes an HF-format tokenizer directory (tokenizer.json,
+tokenizer_config.json, chat_template.jinja, generation_config.json) that both `transformers.AutoTokenizer` and
+`models.tokenizer.Tokenizer` load; `random_llama` a random-weight Llama with it (needs torch and transformers, the
+test extras); `shared_small_llama` the 2-layer one tests and benchmarks share, built once per machine.
 """
 from __future__ import annotations
 
 import json
 import os
-
+import shutil
+import tempfile
 
 from models.tokenizer import CHATML_TURNS, train_byte_level_bpe
 
@@ -105,3 +106,33 @@ def make_test_tokenizer(
                 "pad_token_id": backend.token_to_id(TEST_PAD_TOKEN),
             }, f, indent=2)
     return out_dir
+
+
+def random_llama(out_dir: str, *, hidden_size: int = 64, intermediate_size: int = 96, seed: int = 0) -> str:
+    """A 2-layer random Llama (vocab 512, context 512) with the test BPE tokenizer and chat template, written to
+    `out_dir` (kept if it is there already)."""
+    if os.path.exists(os.path.join(out_dir, "tokenizer.json")):
+        return out_dir
+    import torch  # the test extras: not needed to serve
+    import transformers as tf
+    torch.manual_seed(seed)
+    cfg = tf.LlamaConfig(vocab_size=512, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=0,
+                         eos_token_id=1, pad_token_id=2)
+    tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    make_test_tokenizer(out_dir, vocab_size=512)
+    return out_dir
+
+
+def shared_small_llama() -> str:
+    """`random_llama()` once per machine and user (kept between runs; built atomically)."""
+    path = os.path.join(tempfile.gettempdir(), f"meshserve-test-llama512-v1-{os.getuid()}")
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        tmp = tempfile.mkdtemp(prefix="meshserve-test-llama512-", dir=tempfile.gettempdir())
+        random_llama(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # built concurrently by another process: use theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
