@@ -33,19 +33,6 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
     return table[ids]
 
 
-def _param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02) -> nnx.Param:
-    value = (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
-    return nnx.Param(value, axes=axes)
-
-
-def _ones(shape, axes, dtype) -> nnx.Param:
-    return nnx.Param(jnp.ones(shape, dtype), axes=axes)
-
-
-def _zeros(shape, axes, dtype) -> nnx.Param:
-    return nnx.Param(jnp.zeros(shape, dtype), axes=axes)
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, axis_name: str, dtype):
         self.weight = ones((dim,), (axis_name,), dtype)

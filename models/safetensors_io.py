@@ -1,8 +1,6 @@
-"""Zero-copy reading of safetensors files (single or sharded by `model.safetensors.index.json`).
-
-Tensors are numpy views over an mmap of the file, so reading one tensor touches only its bytes; bf16 comes
-back as `ml_dtypes.bfloat16`.
-"""
+"""Zero-copy reading of safetensors files: `SafetensorsFile` (one file), `SafetensorsCheckpoint` (single or sharded by
+`model.safetensors.index.json`) and `CheckpointError`. Tensors are numpy views over an mmap of the file, so reading
+one tensor touches only its bytes; bf16 comes back as `ml_dtypes.bfloat16`."""
 from __future__ import annotations
 
 import json

@@ -1,9 +1,6 @@
-"""Small deterministic models built locally (no hub downloads, no accelerator), for the demo's fallback model,
-benchmarks and tests: `make_test_tokenizer` writes an HF-format tokenizer directory (tokenizer.json,
-tokenizer_config.json, chat_template.jinja, generation_config.json) that both `transformers.AutoTokenizer` and
-`models.tokenizer.Tokenizer` load; `random_llama` a random-weight Llama with it (needs torch and transformers, the
-test extras); `shared_small_llama` the 2-layer one tests and benchmarks share, built once per machine.
-"""
+"""Small deterministic models built locally (no hub downloads, no accelerator) for the demo's fallback model,
+benchmarks and tests: `make_test_tokenizer` (an HF-format tokenizer directory), `random_llama` (a random-weight Llama
+with it) and `shared_small_llama` (the 2-layer one, built once per machine). Details: docs/models.md."""
 from __future__ import annotations
 
 import json

@@ -1,10 +1,6 @@
-"""Tokenizer: an HF tokenizer directory (tokenizer.json, tokenizer_config.json, chat templates,
-generation_config.json) behind encode / decode / chat-template rendering, plus `IncrementalDetokenizer`
-for streaming text that never emits half a UTF-8 character.
-
-Behaviour follows transformers 5 (`AutoTokenizer`, `apply_chat_template(..., tokenize=False)`) so that prompts
-are token-for-token what the model was trained and evaluated with.
-"""
+"""`Tokenizer`: an HF tokenizer directory behind encode / decode / chat-template rendering, as transformers 5 does
+them; `IncrementalDetokenizer` for streaming text that never emits half a UTF-8 character; `train_byte_level_bpe`.
+Details: docs/models.md."""
 from __future__ import annotations
 
 import datetime

@@ -1,12 +1,6 @@
-"""Decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE) in Flax NNX: the decoder
-layer, the causal LM and its paged KV cache.
-
-The forward takes a RaggedBatch (prefill chunks and decode tokens mixed) and the per-layer paged KV cache, and
-returns the hidden states of every token plus the updated cache. Every parameter carries its logical axes in
-the `axes` metadata (names from `sharding.axes`), so sharding only adds rules. Layers are kept as a list of
-per-layer arrays (slicing a stacked [L, ...] array copies it every step on CPU). Building blocks live in
-`models.layers`, attention in `models.attention`, experts in `models.moe`.
-"""
+"""The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE) in Flax NNX: `DecoderLayer`,
+`CausalLM` (forward over a RaggedBatch, logits, the hooks for the native CPU kernels' weight packing and head screen)
+and its paged KV cache (`kv_cache_shape`, `init_kv_caches`). Details: docs/models.md."""
 from __future__ import annotations
 
 import jax

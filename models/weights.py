@@ -1,9 +1,5 @@
-"""Weights: HF safetensors -> model, tensor by tensor onto each parameter's target sharding; Orbax save/restore.
-
-Each parameter is read from the mmap-ed checkpoint, transposed/reshaped into our layout, cast, and handed to
-`jax.make_array_from_callback`, so every device receives only its own shard and the whole model is never
-materialised on one device. Mismatches raise CheckpointError naming the tensor.
-"""
+"""Weights: HF safetensors -> model, tensor by tensor onto each parameter's target sharding (`load_hf_model`); Orbax
+save/restore (`save_orbax`, `load_orbax_model`); `load_model` for either. Details: docs/models.md."""
 from __future__ import annotations
 
 import json

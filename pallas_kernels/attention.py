@@ -1,10 +1,6 @@
-"""The entry points models call: `ragged_paged_attention` and `write_kv`, dispatched by backend at trace time.
-
-Backend = the default JAX platform (cpu -> native C++ kernel (`pallas_kernels/native`) where it builds and takes the dtypes,
-else the pure-JAX fast path; gpu -> Triton kernel, tpu -> Mosaic kernel).
-MESHSERVE_ATTENTION=reference|cpu|gpu|tpu forces one (read at trace time, so it applies to new traces only).
-Kernels work on the heads they are given, so they can run per shard inside shard_map.
-"""
+"""The entry points models call, `ragged_paged_attention` and `write_kv` (with `attention_backend`, `kv_storage_dtype`),
+dispatched at trace time to the platform's backend: native C++ or pure JAX on cpu, Triton on gpu, Mosaic on tpu;
+MESHSERVE_ATTENTION forces one. Details: docs/attention.md."""
 from __future__ import annotations
 
 import os

@@ -1,10 +1,6 @@
-"""CPU backend: ragged paged attention in pure JAX, written for XLA:CPU (what CI and the CPU server run).
-
-The batch is cut into query blocks of one sequence each (`plan.py`); a while loop visits only the real
-blocks, and for each block an inner loop streams just the pages its causal/sliding range needs, in chunks,
-with an online softmax. Memory is O(block * chunk), never O(T * L). Single-token blocks (decodes) take a
-narrow branch so a decode does no padded work.
-"""
+"""CPU backend in pure JAX, written for XLA:CPU (`ragged_paged_attention_cpu`): what runs on CPU where the native
+kernel cannot. Query blocks of one sequence each stream only the pages they need, in chunks, with an online softmax.
+Details: docs/attention.md."""
 from __future__ import annotations
 
 import functools

@@ -1,9 +1,6 @@
-"""GPU backend: ragged paged attention as a Pallas kernel on the Triton lowering, flash-decoding style.
-
-Grid (query block, KV head, KV split): each program streams its split's pages of one sequence with an online
-softmax and writes a partial result plus its log-sum-exp; a small JAX epilogue merges the splits, so a lone
-long decode still spreads over the whole device. Query blocks come from `plan.py` (one sequence each).
-"""
+"""GPU backend: ragged paged attention as a Pallas kernel on the Triton lowering, flash-decoding style
+(`ragged_paged_attention_gpu`): one program per (query block, KV head, KV split), the splits merged by a JAX epilogue.
+Details: docs/attention.md."""
 from __future__ import annotations
 
 import functools

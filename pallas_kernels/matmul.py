@@ -1,11 +1,6 @@
-"""The model's matmul and the weight plumbing of the native CPU kernels (`pallas_kernels.native`).
-
-`matmul` runs a dot on the native kernels where they take it (weights packed into panels, or small steps on
-row-major weights) and on XLA's dot elsewhere. `pack_groups` repacks a model's dense weights into the kernels'
-panel layout, fusing the weights that read the same input; the head screen gives greedy steps of few rows the
-argmax of the LM head's exact logits from an int8 copy of it. The model says which weights form a group and where
-its head is (`models.transformer.CausalLM`); the mechanics live here.
-"""
+"""The model's `matmul` (native CPU kernels where they take it, else XLA) and their weight plumbing: `dense_weight`,
+`pack_groups` (dense weights repacked into panels, fused where they read the same input) and the LM head's int8
+screen for greedy steps (`head_screen`, `screened_greedy`). Details: docs/native-kernels.md."""
 from __future__ import annotations
 
 import jax

@@ -1,11 +1,6 @@
-"""AttentionMetadata: where each token of a ragged batch reads and writes the paged KV cache, and `ragged_layout`,
-which lays a step's sequences out as those arrays.
-
-A ragged batch is `T` tokens from `S` sequences laid end to end (prefill chunks and single decode tokens
-mixed). Sequence `s` owns tokens `cu_q_lens[s]:cu_q_lens[s+1]`; after this step it holds `kv_lens[s]` tokens
-of KV (the new ones included), in the pages `page_indices[s, :]`. Padding tokens have `slot_mapping == -1`;
-padding sequences (index >= num_seqs) have zero query length and zero KV length.
-"""
+"""`AttentionMetadata`: where each token of a ragged batch reads and writes the paged KV cache; `ragged_layout`, which
+lays a step's sequences out as those arrays (with the batch's input ids, positions and logits indices).
+Details: docs/attention.md."""
 from __future__ import annotations
 
 import dataclasses

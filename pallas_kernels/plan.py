@@ -1,9 +1,6 @@
-"""Work plan shared by every backend: a ragged batch cut into query blocks of at most `block_tokens` tokens.
-
-Each block ("item") belongs to one sequence, so a kernel program reads one sequence's pages once per block
-instead of once per token. Rows of a block are `token * G + g` for the G query heads sharing a KV head.
-All shapes are static (bounded by T and S); the number of real items is a traced scalar.
-"""
+"""The work plan the attention kernels share (`WorkPlan`, `make_plan`): a ragged batch cut into query blocks of at most
+`block_tokens` tokens, each of one sequence, and the gather / scatter of their query rows.
+Details: docs/attention.md."""
 from __future__ import annotations
 
 import dataclasses

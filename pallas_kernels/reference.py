@@ -1,8 +1,6 @@
-"""Pure-JAX reference for ragged paged attention and the KV-cache write: the test oracle and CPU fallback.
-
-KV pages are laid out `[num_pages, page_size, 2 * kv_heads, head_dim]` with K and V interleaved on the head
-axis (K of head h at 2h, V at 2h+1), so sharding that axis over 'tensor' keeps each head's K and V together.
-"""
+"""Pure-JAX reference ragged paged attention (`ragged_paged_attention_reference`: the test oracle), the KV-cache write
+of every backend but tpu (`write_kv`), and the KV page layout and storage dtype (`kv_storage_dtype`, `kv_values`).
+Details: docs/attention.md."""
 from __future__ import annotations
 
 import jax

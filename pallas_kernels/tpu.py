@@ -1,11 +1,6 @@
-"""TPU backend: ragged paged attention as a Pallas Mosaic kernel.
-
-One grid step per query block (`plan.py`). The block's sequence, positions, KV length and the block table
-arrive as scalar prefetch (SMEM); the KV pages stay in HBM and are streamed into VMEM by DMA, a chunk of
-pages at a time, double buffered so the next chunk's copy overlaps this chunk's compute. Each whole page
-(all KV heads, K and V interleaved) is one contiguous DMA; K and V of head h are read back with a strided
-load. Rows are padded to the sublane tile (8 for f32, 16 for bf16).
-"""
+"""TPU backend: ragged paged attention as a Pallas Mosaic kernel (`ragged_paged_attention_tpu`: KV pages streamed from
+HBM into VMEM by double-buffered DMA, one grid step per query block) and the in-place KV write as an aliased DMA
+kernel (`write_kv_tpu`). Details: docs/attention.md."""
 from __future__ import annotations
 
 import functools

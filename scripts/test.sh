@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The native kernels' aarch64 paths are cross-compiled and run under qemu-user by tests/test_native_selftest.py:
+# The native kernels' aarch64 paths are cross-compiled and run under qemu-user by tests/pallas_kernels/test_native_selftest.py:
 # Debian's cross compiler and qemu, installed here where apt can (as root); elsewhere that test says what it lacks.
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

@@ -1,12 +1,7 @@
-"""The README's main job: a gateway and two instance servers on 127.0.0.1 serving the embedded default model.
+"""The README's main job: a gateway and two instance servers on 127.0.0.1 serving the embedded default model, a few
+streamed requests through them with their timings, then shutdown (--serve: keep serving). Details: docs/server.md.
 
     python -m serving.demo [--serve] [--model=DIR]
-
-Starts two `serving.server` instances and a `serving.gateway` in front of them, sends a handful of streamed
-requests through the gateway (two sharing a long system prompt, one at batch priority), prints each as it
-streams with its time to first token and tokens/s, prints where the metrics and traces are, and shuts
-everything down (or, with --serve, keeps serving and prints how to query it). Exits non-zero if any request
-did not complete with text.
 """
 from __future__ import annotations
 

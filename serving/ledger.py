@@ -1,16 +1,8 @@
-"""Memory ledger and layout planner (R1): per-device weights, KV cache, activations, communication buffers and
-runtime reserve for a model, workload and device mesh; the (dp, pp, tp, ep) layouts that fit, ranked by a
-simple decode-latency cost. `python -m serving.ledger --help`; the engine calls `plan_kv_pages` and
-`ledger_summary`. Units: GB = 1e9 bytes, GiB = 2**30 bytes; both are printed wherever a size is.
+"""Memory ledger and layout planner (R1): per-device weights, KV cache, activations, communication buffers and runtime
+reserve for a model, workload and mesh; the (dp, pp, tp, ep) layouts that fit, ranked by a decode-latency cost; an
+engine's KV pages (`kv_cache_pages`) and its start-up summary (`ledger_summary`). Details: docs/ledger.md.
 
-Layout assumptions (the same ones the sharding rules make):
-- weights: each parameter's per-device shard follows `sharding.rules` (a dimension a mesh axis does not divide
-  is replicated, e.g. KV heads fewer than TP); 'data' replicates weights; 'expert' splits expert weights only.
-- pipeline: layers split evenly over stages (the first `L % pp` stages take one more); embeddings live on the
-  first stage, final norm and lm_head on the last (tied embeddings: on both); the largest stage is reported.
-- KV cache: one [pages, page_size, 2*kv_heads, head_dim] buffer per layer on its stage, pages split over 'data'
-  (each replica its own pool), heads over 'tensor' when it divides the KV-head count, else replicated;
-  replicated over 'expert' (attention is not expert-parallel under the rules).
+    python -m serving.ledger --preset=llama-3-70b --num_devices=8 --device_memory=80GB
 """
 from __future__ import annotations
 
@@ -537,7 +529,7 @@ def render_report(name: str, mm: ModelMemory, work: Workload, hw: Hardware, link
         lines.append(f"Layouts that do not fit ({len(no_fit)}), per-device total GB: " + ", ".join(
             f"[{p.layout}] {p.ledger.total / GB:.1f}" for p in no_fit[:6]) + (" ..." if len(no_fit) > 6 else ""))
     least = fewest_devices(mm, work, hw, micro_batches, limit=max(64, hw.num_devices))
-    lines.append(f"Fewest devices that fit: "
+    lines.append("Fewest devices that fit: "
                  + (f"{least.layout.num_devices} ({least.layout}, {least.ledger.total / GB:.1f} GB per device)"
                     if least else "more than 64"))
     lines += ["", COST_EXPLANATION]

@@ -1,6 +1,6 @@
-"""Sampling-parameter checks shared by the instance server (serving.core.SamplingParams) and the gateway, which
-must not import serving.core: pure Python, no gRPC, no NumPy. Every invalid value raises ValueError naming the
-field, the value and the valid range."""
+"""Request checks shared by the instance server and the gateway (which must not import serving.core), pure Python with
+no gRPC or NumPy: sampling parameters (`check_sampling`) and a GenerateRequest's size, id, priority and context
+(`check_request_header`, `check_context`). Errors are ValueErrors naming the field, the value and the valid range."""
 from __future__ import annotations
 
 import math
@@ -59,3 +59,42 @@ def check_float(name: str, value, *, lo: float | None = None, hi: float | None =
         rng = f"{left}{lo}, {hi}]" if hi is not None else (f"> {lo}" if lo_open else f">= {lo}")
         raise ValueError(f"{name} must be in {rng}, got {value!r}" if hi is not None
                          else f"{name} must be {rng}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------- GenerateRequest checks
+# The instance server (serving.server.servicer) and the gateway (serving.gateway.validation) run these with the
+# same messages; `req` is a meshserve.v1 GenerateRequest, read by duck typing (no protobuf import here).
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidArgument(ValueError):
+    """A bad field; the message starts with the field's name."""
+
+
+def check_request_header(req, max_request_bytes: int, priorities) -> str | None:
+    """The request's size, request_id and priority (a value in `priorities`), in that order; raises
+    InvalidArgument. Returns which prompt field is set (`req.WhichOneof("prompt")`)."""
+    which = req.WhichOneof("prompt")
+    size = req.ByteSize()
+    if size > max_request_bytes:
+        field = {"text": "text", "token_ids": "token_ids", "chat": "chat.messages"}.get(which, "request")
+        raise InvalidArgument(f"{field}: the request is {size} bytes, over the server's limit of "
+                              f"{max_request_bytes} bytes (--max_request_bytes)")
+    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id: {len(req.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
+    if req.priority not in priorities:
+        raise InvalidArgument(f"priority: unknown value {req.priority}; use PRIORITY_INTERACTIVE or "
+                              "PRIORITY_BATCH")
+    return which
+
+
+def check_context(field: str, num_prompt_tokens: int, max_tokens: int | None, limit: int) -> None:
+    """The prompt (named `field` in the message) and max_tokens against the model's context of `limit` tokens;
+    raises InvalidArgument."""
+    if num_prompt_tokens >= limit:
+        raise InvalidArgument(f"{field}: the prompt has {num_prompt_tokens} tokens but the model's context is "
+                              f"{limit} tokens; at most {limit - 1} prompt tokens leave room to generate")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        raise InvalidArgument(f"sampling.max_tokens: the prompt ({num_prompt_tokens} tokens) + max_tokens "
+                              f"({max_tokens}) = {num_prompt_tokens + max_tokens} exceeds the model's "
+                              f"context of {limit} tokens; use max_tokens <= {limit - num_prompt_tokens}")

@@ -1,11 +1,6 @@
-"""Expert placement for expert parallelism: a logical -> physical expert map with spare slots for replicas of
-hot experts, rebuilt from observed load.
-
-`num_slots` physical slots (experts plus spares) are split evenly over the 'expert' mesh axis, slot s on device
-s // (num_slots / ep). Every logical expert has at least one replica; spare slots go to the experts with the
-highest load per replica, and replicas are placed so that devices carry similar load. A token's assignment to a
-replicated expert is split over its replicas (round robin over the token's position).
-"""
+"""Expert placement for expert parallelism (`ExpertPlacement`, `identity_placement`, `balanced_placement`): a logical ->
+physical expert map with spare slots for replicas of hot experts, rebuilt from observed load.
+Details: docs/sharding.md."""
 from __future__ import annotations
 
 import dataclasses

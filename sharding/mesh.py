@@ -1,9 +1,6 @@
-"""The one place device meshes are built and the KV cache gets its sharding.
-
-Every mesh has the axes ('data', 'pipeline', 'tensor', 'expert'). Parameters get theirs from the rules
-(`sharding.rules`); code that must name a mesh axis (inside `shard_map`) asks the rules which one a logical axis
-maps to (`mesh_axis`), never writes one down itself.
-"""
+"""The one place device meshes are built (`make_mesh`, `serving_mesh`, `mesh_context`) and the KV cache gets its
+sharding (`kv_cache_sharding`); `mesh_axis` and `axis_size` tell code inside `shard_map` which mesh axis a logical
+axis maps to and how many ways it is split. Details: docs/sharding.md."""
 from __future__ import annotations
 
 import contextlib

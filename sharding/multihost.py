@@ -1,12 +1,6 @@
-"""Multi-host start-up and the leader -> follower step channel.
-
-Every process calls `initialize` (JAX's multi-controller runtime: `jax.distributed.initialize`, gloo collectives
-on CPU, NCCL/ICI on accelerators), so one mesh spans the devices of all hosts. The leader (process 0) runs the
-scheduler (and gRPC); before each jitted call it sends the call's host inputs to the followers over a TCP
-`StepChannel`, and every process then runs the same program on global arrays. A follower that dies closes its
-socket: the leader's watchdog sees it at once and calls `on_follower_lost` (fail the requests, exit non-zero)
-rather than waiting in a collective that can never complete.
-"""
+"""Multi-host start-up (`DistributedConfig`, `initialize`, `shutdown`, `to_global`, `local_value`) and the leader ->
+follower step channel (`LeaderChannel`, `FollowerChannel`: each jitted call's host inputs sent over TCP, a dead
+follower seen at once by the leader's watchdog). Details: docs/sharding.md."""
 from __future__ import annotations
 
 import dataclasses

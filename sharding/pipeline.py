@@ -1,14 +1,6 @@
-"""Pipeline parallelism: decoder layers split into stages over the mesh's 'pipeline' axis, micro-batches flowing
-stage to stage with `ppermute` inside `jax.shard_map`.
-
-Layout: with L layers and pp stages, stage s owns layers s*n .. s*n+n-1 (n = L/pp). The parameters (and KV
-cache) of "slot" j — layer j of every stage — are stacked on a leading [pp] axis sharded over 'pipeline', so a
-device holds only its own stage's layers and all devices run one SPMD program.
-
-Schedule (GPipe-style, inference only): the step's flat token batch is cut into M equal micro-batches
-(`serving.core.batch.split_micro_batches`). At tick t stage s runs micro-batch t - s; M + pp - 1 ticks in all, so the bubble is
-(pp - 1) / (M + pp - 1) of the stage-time.
-"""
+"""Pipeline parallelism: decoder layers split into stages over the mesh's 'pipeline' axis (`stage_layers`,
+`stack_stage_slots`), micro-batches flowing stage to stage with `ppermute` inside `jax.shard_map` (`pipelined`;
+GPipe-style, `bubble_fraction`). Details: docs/sharding.md."""
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -1,15 +1,11 @@
-"""Logical-axis -> mesh-axis rules, as data.
-
-A rule set maps each logical axis name (see `sharding.axes`) to a mesh axis or None (replicated). Turning an
-array's logical axes into a PartitionSpec rejects a spec that would put two dimensions on one mesh axis, and
-replicates a dimension the mesh axis does not divide (e.g. fewer KV heads than the tensor-parallel degree).
-"""
+"""Logical-axis -> mesh-axis rules, as data (`ShardingRules`, `DEFAULT_RULES`, `MESH_AXES`), and the PartitionSpecs and
+shard shapes they give parameters and the KV cache (`partition_spec_for_sizes`, `shard_shape`,
+`kv_cache_partition_spec`). Details: docs/sharding.md."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Mapping, Sequence
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, MLP, VOCAB

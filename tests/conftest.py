@@ -2,6 +2,8 @@
 import atexit
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -16,6 +18,7 @@ if "MESHSERVE_COMPILATION_CACHE" not in os.environ:
     atexit.register(shutil.rmtree, _COMPILATION_CACHE, ignore_errors=True)
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 # CI (`.ci/run` sets MESHSERVE_CI=1): the property tests draw the same examples on every run (seeded per test), so
@@ -26,3 +29,40 @@ if os.environ.get("MESHSERVE_CI"):
     settings.load_profile("ci")
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# End-to-end tests (those that start Python processes: servers, gateways, workers, command-line runs) carry the
+# `e2e` mark, so `-m e2e` / `-m "not e2e"` runs or skips them as a group. The mark is enforced: a test without it
+# that starts a Python process fails, naming the mark to add.
+_E2E_ITEM = {"item": None}
+
+
+def _starts_python(args) -> bool:
+    argv = [args] if isinstance(args, (str, bytes, os.PathLike)) else list(args or [])
+    if not argv:
+        return False
+    exe = os.path.basename(os.fsdecode(argv[0])).split()[0]
+    return exe == os.path.basename(sys.executable) or exe.startswith("python")
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self, args, *a, **kw):
+    item = _E2E_ITEM["item"]
+    if item is not None and item.get_closest_marker("e2e") is None and _starts_python(args):
+        raise RuntimeError(f"{item.nodeid} starts a Python process ({args!r}): mark it @pytest.mark.e2e "
+                           "(or the module: pytestmark = pytest.mark.e2e)")
+    _popen_init(self, args, *a, **kw)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _E2E_ITEM["item"] = item
+    try:
+        return (yield)
+    finally:
+        _E2E_ITEM["item"] = None

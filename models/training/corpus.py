@@ -1,8 +1,6 @@
-"""The tiny models' training text and tokenizer: the Python standard library's own source (code, comments and
-docstrings), which every machine with CPython has offline. Selection is a sorted file list under a fixed byte
-budget, the split is by a hash of each file's path, and the corpus hash is recorded, so a run is reproducible
-and a different patch release is visible as a different hash.
-"""
+"""The tiny models' training text and tokenizer: the Python standard library's own source, selected, split and hashed
+reproducibly (`load_corpus`, `Corpus`), the tokenizer trained on it (`train_tokenizer`, `save_tokenizer`) and the
+encoded documents (`encode_documents`). Details: docs/models.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,6 @@
-"""A plain functional Llama (jnp only) for training the tiny models: parameters are a flat dict keyed by HF
-tensor names in HF layout ([out, in] linears), so a checkpoint is the dict itself. Numerically the same model
-as `models.transformer.CausalLM` and transformers' LlamaForCausalLM (tests/test_tiny_models.py checks it).
-"""
+"""A plain functional Llama (jnp only) for training the tiny models (`TinyLlamaConfig`, `init_params`, `forward`,
+`token_losses`): parameters are a flat dict of HF tensor names in HF layout ([out, in] linears), so a checkpoint is the
+dict itself. Numerically `models.transformer.CausalLM` and transformers' LlamaForCausalLM (test_tiny_models checks)."""
 from __future__ import annotations
 
 import dataclasses

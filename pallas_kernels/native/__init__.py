@@ -1,21 +1,6 @@
-"""Native CPU kernels (C++) called from XLA:CPU programs through the XLA FFI, on every common CPU.
-
-XLA:CPU's dots are slow for serving's shapes (few rows against a large weight: ~15% of the FMA peak in f32,
-and bf16 below 8 rows ~5x slower than f32), and attention written in jax.numpy pays for gathers and tiny
-dots per sequence. `native/` has a matmul on weights packed at load into column panels (any number of rows;
-f32 FMAs, bf16 pair dot products or AMX, f32 accumulation), a small-M matmul on row-major weights for those that
-are not packed, the ragged paged attention of `reference.py`, and a greedy LM head (the argmax of the exact logits
-from an int8 screen of the head), all spread over XLA's intra-op threads.
-
-One library serves every CPU of its architecture: `native/kernels.cc` is compiled once per instruction set (x86-64:
-generic, AVX2+FMA+F16C, AVX-512, AVX-512 BF16, AMX; aarch64: generic, NEON, NEON with bf16 dot products), each copy
-in its own namespace, and the path is chosen at run time from what the CPU reports (cpuid / hwcaps, read by the
-library itself), never from the build machine. Every FFI call carries the path it was traced for (`isa`);
-MESHSERVE_CPU_ISA forces a lower one. The library is compiled on first use with the system C++ compiler into a
-cache keyed by the sources, compiler, jaxlib and architecture, under a file lock; `python -m pallas_kernels.native`
-builds it ahead (scripts/setup.sh does). Without a compiler, or with MESHSERVE_CPU_KERNELS=xla, everything falls
-back to the pure-XLA paths, with the same results.
-"""
+"""Native CPU kernels (C++ in this directory) called from XLA:CPU programs through the XLA FFI: their build into a
+cache, load and per-CPU instruction-set choice (`build`, `enabled`, `isa`), and the calls `matmul`, `matmul_packed`
+(with `pack_weights`), `greedy_head` and `ragged_paged_attention`. Details: docs/native-kernels.md."""
 from __future__ import annotations
 
 import concurrent.futures

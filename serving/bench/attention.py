@@ -1,9 +1,7 @@
-"""Microbenchmark of ragged paged attention: `python -m serving.bench attention [--backend=cpu] [--quick]`.
+"""Microbenchmark of ragged paged attention: decode, prefill and mixed batches, each timed against the read-bandwidth
+roofline and a dense (non-paged) attention on the same batch. Details: docs/benchmarks.md.
 
-Decode-only, prefill-only and mixed batches at several batch sizes and context lengths. Per case: time per
-call, bytes of KV read, achieved bandwidth, its ratio to the memory-bandwidth roofline (a read-only stream
-measured now, on this device) and the speed ratio to a dense (non-paged, contiguous K/V) attention run in the same
-process on the same batch.
+    python -m serving.bench attention [--backend=cpu] [--quick]
 """
 from __future__ import annotations
 

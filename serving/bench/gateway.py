@@ -1,11 +1,6 @@
-"""`python -m serving.bench gateway`: the gateway's routing policies under one request stream, one run.
-
-Starts N instance processes of a small model (one of them slowed down with --debug_step_delay_s, or kept stuck on
-very long requests sent straight to it), then for each policy (round_robin, least_requests, load_aware, and
-load_aware with slow-node isolation) a gateway in front of them, and replays the same open-loop request stream
-(Poisson arrivals, fixed seed) through it. Prints p50/p99 of TTFT and end-to-end latency, and how many requests
-each policy sent to the bad instance.
-"""
+"""`python -m serving.bench gateway`: the gateway's routing policies under one request stream, one run: N instances
+of a small model, one slow or stuck, a gateway per policy in front; p50/p99 of TTFT and end-to-end latency, and how
+many requests each policy sent to the bad instance. Details: docs/benchmarks.md; results: docs/gateway.md."""
 from __future__ import annotations
 
 import asyncio

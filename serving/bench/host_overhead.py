@@ -1,11 +1,7 @@
-"""Host time per engine step with N running decode sequences: schedule(), batch arrays, update(), outputs.
+"""Host time per engine step with N running decode sequences: schedule(), batch arrays, update(), outputs, with a fake
+model returning random tokens so only host work is timed. Details: docs/benchmarks.md.
 
-A fake model returns random tokens, so only host work is timed: scheduling, block bookkeeping (a page is
-allocated every page_size steps per sequence, full blocks go to the prefix cache), batch arrays and the sampling
-tensors (built only for steps that sample other than greedily; greedy steps take the forward's own argmax), and
-output processing (incremental detokenisation and the stop-string check with the shipped tokenizer). The
-synchronous engine runs update, schedule and the batch before each launch and the outputs while the step runs;
-with async scheduling (greedy steps) all of it overlaps the device. Run: python -m serving.bench host_overhead
+    python -m serving.bench host_overhead [--num_seqs=256]
 """
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""llama.cpp side by side with meshserve on the same checkpoint (the bars of #3 were set by llama.cpp at batch 1).
-
-`write_gguf` writes a local HF Llama checkpoint (safetensors, float32 or bfloat16) as a GGUF file holding the same
-weights in the same dtype (norms in float32, as llama.cpp keeps them); q/k rows are reordered from HF's
-rotate-half RoPE layout to the interleaved pairs llama.cpp's `llama` architecture rotates. The benchmark models
-carry no tokenizer, so the GGUF gets a placeholder vocabulary of the right size (`<unk>`, `<s>`, `</s>`, the 256
-byte tokens, then `t<id>`): prompts go in as token ids and greedy token ids come out, as on meshserve's side.
-
-`LlamaCpp.generate` runs prompts through llama-cpp-python's low-level API the way a serving loop would: every
-prompt prefilled in one batch, then one decode batch per step holding every unfinished sequence, the greedy token
-taken from each sequence's logits. Needs the optional extra: `pip install -e '.[llamacpp]'` (builds llama.cpp
-from source for this CPU; ~6 minutes on 2 cores).
-"""
+"""llama.cpp side by side with meshserve on the same checkpoint, for `offline --only=llamacpp`: `write_gguf` (an HF
+Llama as a GGUF file of the same weights) and `LlamaCpp` (greedy batched generation through llama-cpp-python,
+the optional `llamacpp` extra). Details: docs/benchmarks.md."""
 from __future__ import annotations
 
 import ctypes

@@ -1,14 +1,7 @@
-"""Serving benchmark over gRPC, in the method of `vllm bench serve`: an open-loop request stream (Poisson or gamma
-arrivals, or all at once) with an optional concurrency cap, streamed through meshserve.v1 Inference.Generate.
+"""Serving benchmark over gRPC, in the method of `vllm bench serve`: an open-loop request stream through
+meshserve.v1 Inference.Generate; throughput, TTFT / TPOT / ITL / E2E latency and goodput. Details: docs/benchmarks.md.
 
-    python -m serving.bench serve --target=HOST:PORT [--request_rate=8] [--burstiness=1] [--max_concurrency=N]
-        [--num_prompts=1000] [--dataset=random --random_input_len=1024 --random_output_len=128
-         --random_range_ratio=0 --random_prefix_len=0 | --dataset=sharegpt --dataset_path=FILE.json]
-        [--goodput=ttft:500,tpot:50] [--result_json=OUT.json] [--plot=OUT.png]
-
-Reports completed/failed requests, request and token throughput, TTFT / TPOT / ITL / E2E latency (mean, median,
-p90, p99) and goodput under the given SLOs. TTFT is the first streamed chunk carrying tokens; ITL the gaps between
-such chunks; TPOT = (E2E - TTFT) / (output tokens - 1), as vLLM computes them.
+    python -m serving.bench serve --target=HOST:PORT [--request_rate=8] [--dataset=random|sharegpt] [...]
 """
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Speculative decoding benchmark on the shipped tiny target/draft pair (models/tiny/{target,draft}).
+"""Speculative decoding benchmark on the shipped tiny target/draft pair (models/tiny/{target,draft}): decode tokens/s,
+TPOT and acceptance rate without speculation, with the draft, with prompt lookup. Details: docs/benchmarks.md.
 
-    python -m serving.bench speculative [--target=DIR] [--draft=DIR] [--k=4] [--batch_sizes=1,8]
-                                        [--max_tokens=64] [--json=FILE]
-
-For each batch size: decode tokens/s, TPOT and acceptance rate without speculation, with the draft model, and
-with prompt lookup, on two workloads: `text` (held-out source code continued) and `edit` (the prompt holds a
-snippet and asks for it again: summarise/edit-style output that repeats the prompt). Greedy decoding; every
-program is compiled before timing. Also prints the draft's memory cost from the ledger (serving.ledger).
+    python -m serving.bench speculative [--k=4] [--batch_sizes=1,8] [--max_tokens=64] [--json=FILE]
 """
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""`python -m serving.bench sweep`: the serving benchmark at several request rates against a local server
-on the ~125M Llama (float32, random weights), then the same workload through the offline engine in-process, for
-the overhead of the gRPC path (output throughput, gRPC at rate inf / offline). Prints both tables.
-
-Prefix caching is off on both sides so repeating the prompts at every rate measures the same work each time.
-"""
+"""`python -m serving.bench sweep`: the serving benchmark at several request rates against a local server on the ~125M
+Llama, then the same workload through the offline engine in-process, for the overhead of the gRPC path.
+Details: docs/benchmarks.md."""
 from __future__ import annotations
 
 import json

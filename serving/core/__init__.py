@@ -1,8 +1,5 @@
-"""Serving core, host side: sampling parameters, request state, KV block manager + prefix cache, scheduler.
-
-Pure Python/NumPy (no JAX): the engine step (serving.core.engine) turns a SchedulerOutput into a device batch
-and hands the sampled tokens back to Scheduler.update.
-"""
+"""The serving core, free of gRPC and HTTP: the engine (step loop, model runner, outputs; data-parallel, pipelined,
+speculative), scheduler, KV block manager + prefix cache, requests, sampling. Re-exports the host-side pieces here."""
 from serving.core.batch import BatchBuilder, SeqChunk, build_batch, build_layout
 from serving.core.block_manager import BlockManager
 from serving.core.request import FinishReason, Priority, Request, RequestMetrics, RequestStatus

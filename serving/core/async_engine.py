@@ -1,9 +1,6 @@
-"""AsyncEngine: the Engine on a background thread, with an asyncio interface for servers.
-
-`generate(...)` is an async iterator of StepOutputs for one request; leaving it early (client cancel) aborts the
-request and frees its pages at once. The engine thread owns the Engine: admissions and aborts reach it as
-commands applied between steps, so nothing else ever touches scheduler state.
-"""
+"""`AsyncEngine`: the engine on a background thread that alone touches it, with an asyncio interface for servers
+(`generate` streams one request's StepOutputs; `abort`, `call`, `shutdown`, `kill`); `EngineDeadError` once that
+thread is gone. Details: docs/engine.md."""
 from __future__ import annotations
 
 import asyncio
@@ -36,7 +33,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self._error: BaseException | None = None
-        self.step_listeners: list[Callable[[Engine, float], None]] = []  # called after each step (metrics)
+        self.step_listeners: list[Callable[[ServingEngine, float], None]] = []  # called after each step (metrics)
         self._thread = threading.Thread(target=self._run, name="meshserve-engine", daemon=True)
         self._thread.start()
 

@@ -1,9 +1,6 @@
-"""The one batch builder: a step's scheduled sequences -> the RaggedBatch the jitted step takes, as it is (its
-arrays laid out by `pallas_kernels.metadata.ragged_layout`), and the micro-batches a pipelined step cuts them into.
-
-A sequence's share of a step is anything with `token_ids`, `start` and `block_table` (the scheduler's
-ScheduledSequence, or a SeqChunk).
-"""
+"""The one batch builder (`BatchBuilder`, `build_batch`, `build_layout`, `SeqChunk`): a step's scheduled sequences ->
+the RaggedBatch the jitted step takes, and the micro-batches a pipelined step cuts them into (`split_micro_batches`).
+Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,6 @@
-"""BlockManager: the KV cache's pages (free list, reference counts, per-request block tables) and the prefix cache.
-
-A page is in exactly one state: free (ref 0, not cached), cached and idle (ref 0, evictable in LRU order), or
-in use (ref > 0; shared between requests only when it is a cached full block).
-
-Prefix cache: a full block is keyed by `(parent_id, block_tokens)`, where `parent_id` is the id of the cached
-block before it (0 for the first). The dict hashes that key (the chain hash) and compares it exactly on a hit,
-tokens and parent included, so a hash collision can never hand a request the wrong K/V. Ids are never reused,
-so an id names one token prefix for the life of the cache.
-"""
+"""`BlockManager`: the KV cache's pages (free list, reference counts, per-request block tables) and the prefix cache
+(full blocks keyed by their parent block's id and their tokens, compared exactly on a hit, evicted in LRU order).
+Details: docs/engine.md."""
 from __future__ import annotations
 
 import collections

@@ -1,12 +1,6 @@
-"""DataParallelEngine: `dp` independent replicas of the model inside one instance, each on its own group of
-devices (the mesh's 'data' axis), each with its own scheduler, KV pages and sequences.
-
-A request goes to the replica with the least queued work (ties: round robin) and stays there; a step steps every
-busy replica (each launches its device work asynchronously, so replicas run side by side). The interface is
-Engine's, as AsyncEngine, the gRPC servicer and the metrics use it: `scheduler` is a read-only view of the
-replicas' schedulers (stats and KV pages summed), `last_step` merges the replicas' steps of one `step()`, and the
-MoE expert load is summed over replicas (per device: every replica's devices).
-"""
+"""`DataParallelEngine`: `dp` independent replicas of the model inside one instance, each on its own group of devices
+(the mesh's 'data' axis) with its own scheduler, KV pages and sequences, behind Engine's interface; a request stays on
+the replica with the least queued work. Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,10 +29,6 @@ class _PooledBlockManagers:
     @property
     def _managers(self):
         return [r.scheduler.block_manager for r in self._replicas]
-
-    @property
-    def buckets(self) -> list[int]:
-        return self.replicas[0].buckets
 
     @property
     def num_pages(self) -> int:
@@ -148,7 +138,6 @@ class DataParallelEngine:
     @property
     def max_model_len(self) -> int:
         return self.replicas[0].max_model_len
-
 
     @property
     def buckets(self) -> list[int]:

@@ -1,13 +1,6 @@
-"""Engine: the step loop. Each step the Scheduler plans a ragged batch, the ModelRunner launches it on the device,
-and the OutputProcessor turns the tokens of the step before into text while it runs.
-
-The sampled tokens (and logprobs) of a step are packed into one array and copied to the host once,
-asynchronously; while step N runs on the device, the host turns step N-1's tokens into text and delivers them.
-After a greedy step the engine looks one step ahead (`EngineConfig.async_scheduling`): it schedules and launches
-step N+1 before step N's tokens reach the host, its decodes fed from step N's tokens on the device, so the host's
-work between steps (collecting, scheduling, building inputs, dispatch) no longer leaves the device idle. A request
-that step N ends (a stop token) wastes one token of step N+1, dropped.
-"""
+"""`Engine`: the step loop. Each step the Scheduler plans a ragged batch, the ModelRunner launches it on the device,
+and the OutputProcessor turns the tokens of the step before into text while it runs; after a greedy step it looks one
+step ahead. Also the in-flight step state and `StepRecord`. Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,9 +1,6 @@
-"""FakeModel: a deterministic stand-in for the engine step, for scheduler tests and host benchmarks.
-
-Its "K/V" is the token ids themselves, written into pages through the block tables; the next token is a hash
-of the context read back through the block table. So a wrong page, a stale prefix-cache hit or a token lost
-in preemption changes the output, and `greedy_continuation` gives the output an uncorrupted run must produce.
-"""
+"""`FakeModel`: a deterministic stand-in for the engine step, for scheduler tests and host benchmarks, whose output
+changes on a wrong page, a stale prefix-cache hit or a token lost in preemption (`greedy_continuation`: the right one).
+Details: docs/engine.md."""
 from __future__ import annotations
 
 from typing import Sequence

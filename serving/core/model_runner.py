@@ -1,13 +1,6 @@
-"""ModelRunner: the device side of one engine. It loads the model (packed for the native CPU kernels on one CPU
-device), sizes and holds the paged KV caches, compiles the forward and sampling programs for every token bucket at
-start-up, and launches them; a multi-host follower runs the same calls the leader announces. It knows nothing of
-requests beyond the tensors a step needs.
-
-One jitted forward runs a ragged batch (prefill chunks + decode tokens) through the model, writes new K/V into the
-donated per-layer page buffers and computes logits only at each sequence's last token, plus their greedy tokens
-(greedy steps need no sampling program; steps of few sequences may take the LM head's int8 screen instead of the
-full head). Token counts are padded to power-of-two buckets, the sequence bucket following the token bucket.
-"""
+"""`ModelRunner`: the device side of one engine: model load (packed for the native CPU kernels on one CPU device), the
+paged KV caches (`kv_cache_pages`), the forward and sampling programs compiled per bucket at start-up and launched,
+the multi-host follower, expert load; the compilation cache switch. Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses

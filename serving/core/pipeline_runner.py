@@ -1,15 +1,10 @@
-"""PipelineModelRunner: the ModelRunner with its decoder layers split into stages over the mesh's pipeline axis
-(the Engine takes one when config.pp > 1).
-
-Each step's flat token batch is cut into micro-batches that flow through the stages (sharding.pipeline);
-embedding, final norm and logits run outside the pipeline on the whole step. Everything else (sampling, buckets,
-warm-up) is the ModelRunner's. The bubble fraction of the schedule is exported as `bubble_fraction`.
-"""
+"""`PipelineModelRunner`: the ModelRunner with its decoder layers split into stages over the mesh's pipeline axis,
+each step's tokens flowing through them as micro-batches (the Engine takes one when config.pp > 1).
+Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

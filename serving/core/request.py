@@ -1,9 +1,5 @@
-"""Request: the host-side state of one generation request, from arrival to its finish reason.
-
-A request's tokens are one list (prompt, then outputs). `num_computed_tokens` of them have their K/V in the
-pages of `block_table`; each step feeds `token_ids[num_computed_tokens:...]`, so a decode, a prefill chunk and
-a re-prefill after preemption are the same operation.
-"""
+"""`Request`: the host-side state of one generation request, from arrival to its finish reason, with its enums
+(`Priority`, `RequestStatus`, `FinishReason`) and `RequestMetrics`. Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses

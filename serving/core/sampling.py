@@ -1,34 +1,6 @@
-"""On-device sampling: one token per sequence slot from float32 logits [S, V], inside the engine's jitted step.
-
-Owns `SamplingTensors` (per-slot parameters as a pytree, built on the host by `build_sampling_tensors`), the
-pure function `sample` and its `SamplerOutput`. Order of processing, as in vLLM v1: penalties -> temperature ->
-min-p -> top-k -> top-p -> draw; each filter keeps a "top set" (every token whose logit is >= a per-row
-threshold, so tokens tied at the boundary are all kept) and the next filter sees the renormalised survivors.
-
-Design notes (CPU costs measured on 2 cores at S = 256, V = 32000):
-- No full sort of V: it costs ~3 s there, against ~30 ms for lax.top_k(64). Top-k and top-p thresholds come
-  from `lax.top_k` over a static number of candidates (`num_candidates`, a power of two >= the batch's largest
-  top_k, >= 256 when top-p is on). Only a row whose top-k exceeds the candidates or whose top-p mass is not
-  reached inside them falls back to an exact 32-step bisection over the float bit patterns of the whole row
-  (~0.7 s there), behind a batch-level `lax.cond` that skips it when no row needs it.
-- The draw is an inverse-CDF over the kept probabilities with one uniform per row (two-level: blocks of
-  `_BLOCK` tokens, then inside one block), not Gumbel-max, whose V random numbers per row cost ~0.9 s on CPU.
-- Randomness: the key of a row is fold_in(key(seed), number of tokens the request has generated), so a
-  request's tokens depend only on its seed, its logits and its parameters: not on batch-mates, slot or bucket.
-- Penalties never send [S, V] arrays from the host: the host sends the token ids seen so far, [S, W] int32
-  (prompt then output, W bucketed to a power of two), and the step scatters them into [S, V] counts on device.
-  A batch without penalties carries `token_ids=None` and compiles without that work.
-- Log-probabilities are of the raw model distribution (log_softmax of the unprocessed logits), as vLLM's
-  default: the sampled token's, plus the top `max_logprobs` alternatives sorted descending.
-- Vocabulary-sharded logits (tensor parallelism shards the LM head over 'tensor'): when the mesh in context has
-  'tensor' > 1 dividing V, `sample` runs per shard inside `jax.shard_map` and never gathers [S, V]. Every
-  reduction over the vocabulary goes through a `_Rows` object; its sharded form exchanges only per-row
-  partials: max / argmax / logsumexp [S, tp], the local top-K candidates with global ids [S, tp * K] (merged
-  into the exact global top-K), the inverse CDF's block masses [S, V / _BLOCK], and psums of [S] values.
-  Penalties are applied per shard to the ids the shard owns. The results equal the unsharded path's: the same
-  candidates, thresholds and block masses (bit-identical when V / tp is a multiple of _BLOCK), so the same
-  tokens for the same seeds; logprobs differ only by the rounding of the combined logsumexp.
-"""
+"""On-device sampling, one token per sequence slot from float32 logits [S, V] inside the engine's jitted step:
+`SamplingTensors` (per-slot parameters, built on the host by `build_sampling_tensors`), the pure `sample` and its
+`SamplerOutput`, `greedy`, and `pack` / `unpack_row` for the packed result. Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,11 +1,6 @@
-"""Scheduler: which requests run in the next step, and what their sampled tokens do to them.
-
-Pure host code. `schedule(now)` fills a token budget: running decodes first, then running prefill chunks,
-then new admissions from the waiting queue (ordered by priority class with ageing, with a lane capping
-concurrent long prefills). When pages run out it preempts by recompute (victim: lowest priority, then newest).
-`update(output, sampled_token_ids, now)` appends the tokens the engine sampled and finishes requests on stop
-tokens, max_tokens and the context length. Not thread-safe: the engine loop owns it.
-"""
+"""`Scheduler`: which requests run in the next step (`schedule` -> `SchedulerOutput`, preempting by recompute when pages
+run out), and what their sampled tokens do to them (`update`); `SchedulerConfig` and the admission errors.
+Details: docs/engine.md."""
 from __future__ import annotations
 
 import bisect

@@ -1,12 +1,6 @@
-"""Speculative decoding: proposers, the fused propose -> verify -> accept device program, and the host-side
-plan / roll-back around the scheduler.
-
-Proposers: a draft model (same tokenizer; its own KV buffers with the target's page geometry, indexed by the
-target's block tables, so the one BlockManager manages both) or prompt-lookup n-grams over the request's own
-tokens. A speculating decode feeds `k+1` query tokens (its last token and `k` drafts) in the same ragged step as
-everything else; `rejection_sample` keeps the target's distribution (greedy: exactly the target's argmax
-tokens); the K/V of rejected positions is rolled back with `Scheduler.truncate_computed`.
-"""
+"""Speculative decoding (`SpeculativeDecoder`): proposers (a draft model, prompt-lookup n-grams), the fused propose ->
+verify -> accept device program (`rejection_sample`) and the host-side plan / roll-back around the scheduler.
+Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -467,7 +461,6 @@ class SpeculativeDecoder:
     def accept(self, sched, plan: SpecPlan, host: np.ndarray) -> list:
         """Per scheduled sequence (scheduler order) the tokens it emitted; rolls rejected drafts' K/V back.
         Call `after_update(plan)` after `Scheduler.update`."""
-        e = self.runner
         tokens: list = [0] * len(sched.scheduled)
         running = RequestStatus.RUNNING
         for i, row in enumerate(plan.rows):

@@ -1,7 +1,6 @@
 """`python -m serving.gateway --config=FILE [--port=...]`: the gateway (meshserve.v1.Inference for clients,
 meshserve.gateway.v1 Jobs and GatewayAdmin, grpc.health.v1), Prometheus on --metrics_port, OTLP traces with
---otlp_endpoint. The configuration file is re-read when it changes. SIGTERM stops admitting, lets running
-requests finish (up to --drain_grace_s) and exits 0. The routing benchmark is `python -m serving.bench gateway`."""
+--otlp_endpoint; the config file is re-read when it changes; SIGTERM drains and exits 0. Details: docs/gateway.md."""
 from __future__ import annotations
 
 import asyncio
@@ -13,7 +12,7 @@ import sys
 
 from absl import app, flags
 
-from serving.telemetry.logs import setup_logging
+from serving.telemetry.logs import start_entry_point
 
 FLAGS = flags.FLAGS
 
@@ -92,13 +91,7 @@ async def _serve() -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS.config:
-        raise app.UsageError("--config is required")
-    setup_logging(FLAGS.log_format)
-    import prometheus_client
-    prometheus_client.disable_created_metrics()
+    start_entry_point(argv, FLAGS.log_format, config=FLAGS.config)
     code = asyncio.run(_serve())
     logging.getLogger("serving.gateway").info("exited cleanly")
     logging.shutdown()

@@ -1,8 +1,6 @@
-"""The gateway's configuration file (the configuration centre): pools of instances with labels, routing policy
-and score weights, slow-node isolation, long lane, admission bounds, tenants with API keys, rate limits and
-priorities, admin keys, callback allow-list. YAML or JSON (JSON is YAML). `ConfigWatcher` re-reads the file when
-its mtime (or size) changes; an invalid file is logged and the previous configuration kept. Format: docs/gateway.md.
-"""
+"""The gateway's configuration file (the configuration centre), YAML or JSON: `parse_config` / `load_config` ->
+`GatewayConfig` (pools, routing, isolation, long lane, admission, tenants with keys, rate limits and priorities, admin
+keys, callbacks, instance TLS) and `ConfigWatcher`, which re-reads it when it changes. Format: docs/gateway.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,13 +1,6 @@
-"""Slow-node isolation and failure handling, as a pure state machine per instance.
-
-Every window the gateway measures each instance's inter-token latency (the median gap between streamed
-responses, which is its step time; from client traffic, or from probes while quarantined) and compares it with
-its peers. Abnormal (> slow_ratio x the peers' median and > slow_min_delta_s above it) for N consecutive windows:
-quarantined (no new traffic; running requests finish), probed every window, readmitted after M consecutive
-healthy windows. A failing instance (connection error, health NOT_SERVING) is removed at once and readmitted the
-same way after M healthy checks. An admin drain holds it out until resumed. Every transition is returned to the
-caller, which logs and counts it.
-"""
+"""Slow-node isolation and failure handling as a pure state machine per instance (`HealthTracker`, `Transition`):
+quarantine after N slow windows against the peers, readmission after M healthy ones, failures and admin drains; each
+transition is returned to the caller, which logs and counts it. Details: docs/gateway.md."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,7 +1,6 @@
-"""Asynchronous jobs (R16): SubmitJob stores the request in a local SQLite file and returns its id at once; a
-background task runs it through the gateway's normal path (admission, routing, retries) and stores the result or
-the error; GetJob / WatchJob read it; an optional callback POSTs the finished job as JSON to a URL whose host is on
-the configured allow-list. Unfinished jobs are run again when the gateway restarts."""
+"""Asynchronous jobs (R16): `JobStore` (a local SQLite file) and `JobManager`, which runs a submitted job through the
+gateway's normal path, stores its result or error, feeds GetJob / WatchJob, POSTs an optional callback to an
+allow-listed host (`check_callback_url`) and runs unfinished jobs again at restart. Details: docs/gateway.md."""
 from __future__ import annotations
 
 import asyncio

@@ -1,24 +1,17 @@
 """GenerateRequest checks the gateway runs before routing, with the instance server's codes and messages
-(serving.server.servicer.parse_generate): size, request_id, priority, every sampling field (the shared
-serving.validation checks), the prompt's shape, token ids against the vocabulary and prompt + max_tokens against
-the context when the prompt is token ids. Text and chat prompts are tokenized by the instance, which checks their
-length; the gateway estimates it (or counts it with a configured tokenizer) only to choose a lane."""
+(`check_generate`: the shared serving.validation checks, the prompt's shape, token ids against vocabulary and context),
+and the prompt-length estimate that picks a lane (`estimate_prompt_tokens`). Details: docs/gateway.md."""
 from __future__ import annotations
 
 import dataclasses
 
 from serving.server.proto import meshserve_pb2 as pb
-from serving.validation import check_sampling
+from serving.validation import InvalidArgument, check_context, check_request_header, check_sampling
 
-MAX_REQUEST_ID_CHARS = 256
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 PRIORITY_VALUES = (pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH)
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
              "spaces_between_special_tokens")
-
-
-class InvalidArgument(ValueError):
-    """A bad field; the message starts with the field's name."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,28 +92,11 @@ def check_prompt(which: str | None, req: pb.GenerateRequest, limits: ModelLimits
 def check_generate(req: pb.GenerateRequest, limits: ModelLimits) -> tuple[_Sampling, list[int] | None]:
     """Every field in the server's order; raises InvalidArgument. Returns the sampling fields and the prompt's
     token ids (None unless the prompt is token ids)."""
-    which = req.WhichOneof("prompt")
-    size = req.ByteSize()
-    if size > limits.max_request_bytes:
-        field = {"text": "text", "token_ids": "token_ids", "chat": "chat.messages"}.get(which, "request")
-        raise InvalidArgument(f"{field}: the request is {size} bytes, over the server's limit of "
-                              f"{limits.max_request_bytes} bytes (--max_request_bytes)")
-    if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(f"request_id: {len(req.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
-    if req.priority not in PRIORITY_VALUES:
-        raise InvalidArgument(f"priority: unknown value {req.priority}; use PRIORITY_INTERACTIVE or "
-                              "PRIORITY_BATCH")
+    which = check_request_header(req, limits.max_request_bytes, PRIORITY_VALUES)
     sampling = check_sampling_fields(req.sampling, limits)
     ids = check_prompt(which, req, limits)
-    limit = limits.max_model_len
-    if ids is not None and limit:
-        if len(ids) >= limit:
-            raise InvalidArgument(f"token_ids: the prompt has {len(ids)} tokens but the model's context is {limit} "
-                                  f"tokens; at most {limit - 1} prompt tokens leave room to generate")
-        if sampling.max_tokens is not None and len(ids) + sampling.max_tokens > limit:
-            raise InvalidArgument(f"sampling.max_tokens: the prompt ({len(ids)} tokens) + max_tokens "
-                                  f"({sampling.max_tokens}) = {len(ids) + sampling.max_tokens} exceeds the model's "
-                                  f"context of {limit} tokens; use max_tokens <= {limit - len(ids)}")
+    if ids is not None and limits.max_model_len:
+        check_context("token_ids", len(ids), sampling.max_tokens, limits.max_model_len)
     return sampling, ids
 
 

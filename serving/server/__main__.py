@@ -11,7 +11,7 @@ import threading
 
 from absl import app, flags
 
-from serving.telemetry.logs import setup_logging
+from serving.telemetry.logs import start_entry_point
 
 FLAGS = flags.FLAGS
 
@@ -219,13 +219,7 @@ async def _serve(dist=None) -> int:
 
 
 def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if not FLAGS.model:
-        raise app.UsageError("--model is required")
-    setup_logging(FLAGS.log_format)
-    import prometheus_client
-    prometheus_client.disable_created_metrics()  # the *_created series only add noise to every scrape
+    start_entry_point(argv, FLAGS.log_format, model=FLAGS.model)
     dist = _distributed_config()
     if dist is not None:
         from sharding.multihost import initialize

@@ -1,9 +1,6 @@
-"""InstanceServer: one engine behind a grpc.aio server, with health, Prometheus metrics and traces.
-
-Start-up: open the ports (health NOT_SERVING), warm up every compiled bucket, then SERVING. Shutdown (SIGTERM or
-`stop()`): stop admitting (UNAVAILABLE, health NOT_SERVING), let accepted requests finish up to a grace period,
-abort what is left, close the ports.
-"""
+"""`InstanceServer` (with `ServerConfig`): one engine behind a grpc.aio server, with health, Prometheus metrics and
+traces, its start-up (warm-up before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_stats`.
+Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio

@@ -1,11 +1,6 @@
-"""Client library for meshserve.v1.Inference (an instance server or the gateway): `Client` (blocking) and
-`AsyncClient` (asyncio) with the same methods. `generate` streams GenerateResponses; `complete` joins them into a
-Completion. Failures raise ClientError with the gRPC status code, the server's message and its retry hint.
-
-    with Client("127.0.0.1:50051") as c:
-        for r in c.generate("Hello", max_tokens=32, temperature=0):
-            print(r.text, end="", flush=True)
-"""
+"""Client library for meshserve.v1.Inference (an instance server or the gateway): `Client` (blocking) and `AsyncClient`
+(asyncio); `generate` streams GenerateResponses, `complete` joins them into a Completion; failures raise ClientError
+with the gRPC status code, the server's message and its retry hint. Example: docs/server.md."""
 from __future__ import annotations
 
 import dataclasses

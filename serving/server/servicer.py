@@ -1,10 +1,6 @@
-"""The meshserve.v1.Inference servicer: requests in, validated and tokenized, through the AsyncEngine, tokens
-streamed back; load reports, drain. Knows serving.core only through AsyncEngine / Engine.
-
-Every accepted request ends with its last response or an explicit status: INVALID_ARGUMENT (the field named),
-RESOURCE_EXHAUSTED (+ `grpc-retry-pushback-ms`), DEADLINE_EXCEEDED, UNAVAILABLE (starting, draining, shut down
-before it finished), INTERNAL (the engine failed on its step). A client cancel aborts it and frees its pages.
-"""
+"""The meshserve.v1.Inference servicer (`InferenceServicer`): requests in, validated and tokenized, through the
+AsyncEngine, tokens streamed back, every request ending in a last response or an explicit status; load reports
+(`LoadTracker`), drain. Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio
@@ -26,6 +22,7 @@ from serving.server.proto import meshserve_pb2 as pb
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer
+from serving.validation import InvalidArgument, check_context, check_request_header
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +32,9 @@ FINISH_REASONS = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server retry hint
-MAX_REQUEST_ID_CHARS = 256
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 STEP_WINDOW_S = 10.0
 LARGE_REQUEST_BYTES = 32 << 10  # parsed and tokenized off the event loop
-
-
-class InvalidArgument(ValueError):
-    """A bad field; the message starts with the field's name."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -195,29 +187,12 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             raise InvalidArgument(f"sampling.{e}") from e
 
     def parse_generate(self, req: pb.GenerateRequest) -> tuple[list[int], SamplingParams, int]:
-        which = req.WhichOneof("prompt")
-        size = req.ByteSize()
-        if size > self.options.max_request_bytes:
-            field = {"text": "text", "token_ids": "token_ids", "chat": "chat.messages"}.get(which, "request")
-            raise InvalidArgument(f"{field}: the request is {size} bytes, over the server's limit of "
-                                  f"{self.options.max_request_bytes} bytes (--max_request_bytes)")
-        if len(req.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidArgument(f"request_id: {len(req.request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
-        if req.priority not in (p.value for p in Priority):
-            raise InvalidArgument(f"priority: unknown value {req.priority}; use PRIORITY_INTERACTIVE or "
-                                  "PRIORITY_BATCH")
+        which = check_request_header(req, self.options.max_request_bytes, [p.value for p in Priority])
         params = self._sampling_params(req.sampling)
         ids = self._tokenize_prompt(which, req)
         if not ids:
             raise InvalidArgument(f"{which}: the prompt has no tokens")
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise InvalidArgument(f"{which}: the prompt has {len(ids)} tokens but the model's context is {limit} "
-                                  f"tokens; at most {limit - 1} prompt tokens leave room to generate")
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise InvalidArgument(f"sampling.max_tokens: the prompt ({len(ids)} tokens) + max_tokens "
-                                  f"({params.max_tokens}) = {len(ids) + params.max_tokens} exceeds the model's "
-                                  f"context of {limit} tokens; use max_tokens <= {limit - len(ids)}")
+        check_context(which, len(ids), params.max_tokens, self.engine.max_model_len)
         return ids, params, int(req.priority)
 
     # ------------------------------------------------------------------ Generate

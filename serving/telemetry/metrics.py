@@ -1,10 +1,6 @@
-"""Prometheus metrics of one instance server, named like vLLM's (`vllm:` -> `meshserve:`) so routers that scrape
-vLLM (the Gateway API inference extension, production-stack) read them with only the prefix changed.
-
-`ServerMetrics` owns a private CollectorRegistry: gauges are read from the engine at scrape time, per-request
-counters and histograms are recorded when a request finishes, per-step ones by the engine's step listener.
-The table of names is docs/metrics.md.
-"""
+"""`ServerMetrics`: the Prometheus metrics of one instance server in a private registry, with their buckets, named like
+vLLM's (`vllm:` -> `meshserve:`) so routers that scrape vLLM read them with only the prefix changed.
+Names and details: docs/metrics.md."""
 from __future__ import annotations
 
 import threading

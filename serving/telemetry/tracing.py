@@ -1,9 +1,6 @@
-"""OpenTelemetry traces of requests: one `generate` span per request with children `queue`, one `prefill_chunk`
-per prefill step (a preempted request shows its recompute chunks too) and `decode`, whose events are the output
-tokens with their times. Spans are written when the request ends, from the scheduler's timestamps and the engine's
-step records, so the hot path only appends to lists. Exported over OTLP/gRPC when an endpoint is configured;
-tests pass an in-memory exporter.
-"""
+"""`RequestTracer`: OpenTelemetry traces of requests (a `generate` span with `queue`, `prefill_chunk` and `decode`
+children), written when the request ends; `make_tracer_provider` exports them over OTLP/gRPC or to a test exporter.
+Details: docs/metrics.md."""
 from __future__ import annotations
 
 import threading

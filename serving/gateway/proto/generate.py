@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from serving.server.proto.generate import REPO_ROOT, generate_stubs
+from serving.server.proto.generate import REPO_ROOT, generate_stubs, main
 
 PROTO = "serving/gateway/proto/gateway.proto"
 GENERATED = ("gateway_pb2.py", "gateway_pb2.pyi", "gateway_pb2_grpc.py")
@@ -16,6 +16,4 @@ def generate(out_root: str = REPO_ROOT) -> list[str]:
 
 
 if __name__ == "__main__":
-    for path in generate():
-        print(path)
-    sys.exit(0)
+    sys.exit(main(generate))

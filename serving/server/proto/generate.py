@@ -1,5 +1,6 @@
 """Regenerates meshserve_pb2.py, meshserve_pb2.pyi and meshserve_pb2_grpc.py from meshserve.proto (needs
-grpcio-tools). Run from anywhere: `python -m serving.server.proto.generate`."""
+grpcio-tools). Run from anywhere: `python -m serving.server.proto.generate`. `generate_stubs` and `main` are shared
+with the gateway's proto/generate.py."""
 from __future__ import annotations
 
 import os
@@ -24,12 +25,18 @@ def generate_stubs(proto: str, out_root: str = REPO_ROOT) -> list[str]:
             for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
 
 
+def main(write_stubs) -> int:
+    """A `python -m ...proto.generate` run: calls `write_stubs()` (a module's `generate`) and prints the paths it
+    wrote; returns 0."""
+    for path in write_stubs():
+        print(path)
+    return 0
+
+
 def generate(out_root: str = REPO_ROOT) -> list[str]:
     """Writes the stubs under out_root/serving/server/proto/ (imports stay `serving.server.proto.*`)."""
     return generate_stubs(PROTO, out_root)
 
 
 if __name__ == "__main__":
-    for path in generate():
-        print(path)
-    sys.exit(0)
+    sys.exit(main(generate))

@@ -1,0 +1,107 @@
+"""The native kernels' standalone self-test (native/selftest.cc, built by `native.build_selftest`): every
+instruction-set path against double-precision references, with no jaxlib or FFI in between; the aarch64 paths
+(generic, NEON, NEON with bf16 dot products) cross-compiled and run under qemu-user, so an x86-64 machine checks
+them too."""
+import shutil
+import subprocess
+
+import pytest
+
+from pallas_kernels import native
+
+_ALL_OK = "matmul ok, matmul_packed ok, attention ok, greedy_head ok"
+_AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
+
+
+def _run(cmd: list, env=None) -> tuple[int, str]:
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=180, env=env)
+    return done.returncode, done.stdout + done.stderr
+
+
+def _passed(output: str) -> set[str]:
+    """The paths whose line says every kernel passed."""
+    return {name for name, _, rest in (line.partition(": ") for line in output.splitlines()) if rest == _ALL_OK}
+
+
+def test_selftest_runs_every_path_on_this_cpu(tmp_path):
+    if native._machine_reason():
+        pytest.skip(f"native kernels cannot be built here: {native._machine_reason()}")
+    exe = native.build_selftest(native._compiler(), native.machine(), tmp_path / "selftest",
+                                objects=native.kernel_objects())  # the library's own objects
+    rc, out = _run([exe])
+    assert rc == 0, out
+    runnable = set(native.runnable_isas())
+    passed = _passed(out)
+    assert "generic" in passed, out
+    if runnable:  # the library's own detection (cpu.cc too) agrees with the selftest's
+        assert passed == runnable, out
+    assert f"selftest: {len(passed)} paths passed" in out.splitlines(), out
+
+
+@pytest.mark.timeout(300)  # cross-compiles three copies of the kernels (~35 s on 2 cores), then ~10 s of qemu
+def test_aarch64_paths_compile_and_run_under_qemu(tmp_path):
+    cxx = shutil.which("aarch64-linux-gnu-g++")
+    if cxx is None:
+        pytest.skip(f"no aarch64 cross compiler (aarch64-linux-gnu-g++): {_AARCH64_TOOLS}")
+    # Static: qemu-user then needs no aarch64 sysroot. Compiling must pass even where qemu is missing.
+    exe = native.build_selftest(cxx, "aarch64", tmp_path / "selftest", static=True)
+    assert exe.is_file()
+    qemu = shutil.which("qemu-aarch64")
+    if qemu is None:
+        pytest.skip("the aarch64 selftest built, but qemu-aarch64 is missing to run it: Debian package qemu-user; "
+                    "scripts/test.sh installs it where apt can")
+    # -cpu max has FEAT_BF16: every aarch64 path runs.
+    rc, out = _run([qemu, "-cpu", "max", exe])
+    assert rc == 0, out
+    assert _passed(out) == {"generic", "neon", "neon_bf16"}, out
+    # A Cortex-A72 has no bf16: the hwcaps check must keep the bfdot path off, the others still run.
+    rc, out = _run([qemu, "-cpu", "cortex-a72", exe])
+    assert rc == 0, out
+    assert _passed(out) == {"generic", "neon"}, out
+    assert "neon_bf16: not run (this CPU lacks it)" in out.splitlines(), out
+
+
+def test_each_path_defines_only_its_own_table():
+    """The copies of kernels.cc built for different instruction sets share no code: each object defines nothing
+    global but its own table (weak: a build may lack a path) and the C++ runtime's personality pointer, so the
+    linker can never pick one copy's inline function (built for AVX-512) to serve another (run on an AVX2 CPU). Every
+    other symbol is internal to its copy's namespace."""
+    if native._machine_reason():
+        pytest.skip(f"native kernels cannot be built here: {native._machine_reason()}")
+    tables = []
+    for obj in native.kernel_objects()[:-1]:
+        name = obj.stem.removeprefix("kernels_")
+        table = "meshserve::Kernels" + "".join(part.capitalize() for part in name.split("_")) + "()"
+        rc, out = _run(["nm", "-C", "--defined-only", "-g", obj])
+        assert rc == 0, out
+        defined = {line.split(" ", 2)[2] for line in out.splitlines() if line.strip()}
+        assert defined <= {table, "DW.ref.__gxx_personality_v0"} and table in defined, (name, defined)
+        tables.append(table)
+    assert len(tables) == len(native.ARCH_ISAS[native.machine()])
+
+
+@pytest.mark.e2e
+def test_without_a_compiler_the_engine_uses_xla_and_says_so_in_one_line(tmp_path):
+    """A machine without a C++ compiler (and nothing in the kernels' cache) still serves, on XLA's kernels:
+    setup prints one line saying why, and programs traced there call no native kernel."""
+    import os
+    import sys
+    env = {**os.environ, "PATH": str(tmp_path / "bin"), "CXX": "", native.CACHE_ENV: str(tmp_path / "cache")}
+    env.pop("CXX")
+    rc, out = _run([sys.executable, "-m", "pallas_kernels.native"], env=env)
+    assert rc == 0, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines == ["native CPU kernels not built: no C++ compiler (g++ or clang++ on the PATH, or $CXX) (XLA's "
+                     "kernels will be used)"], out
+    check = ("import jax, jax.numpy as jnp, numpy as np\n"
+             "from pallas_kernels.matmul import matmul\n"
+             "from pallas_kernels import native\n"
+             "assert not native.enabled() and 'no C++ compiler' in native.unavailable_reason()\n"
+             "x, w = jnp.ones((4, 64)), jnp.ones((64, 32))\n"
+             "text = jax.jit(matmul).lower(x, w).as_text()\n"
+             "assert 'meshserve_cpu' not in text, text\n"
+             "np.testing.assert_allclose(np.asarray(jax.jit(matmul)(x, w)), 64.0)\n"
+             "print('xla ok')\n")
+    rc, out = _run([sys.executable, "-c", check], env={**env, "CXX": str(tmp_path / "no-such-g++")})
+    assert rc == 0 and "xla ok" in out, out
+    assert "native CPU kernels unavailable (no C++ compiler: CXX=" in out  # the engine's one warning line

@@ -1,0 +1,276 @@
+"""Engine end to end on a real (small) model: continuous batching, chunked prefill, prefix cache and
+preemption all give HF's greedy tokens; warm-up compiles everything; sampling is reproducible per seed."""
+import asyncio
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+
+from pallas_kernels import native
+import transformers as tf
+
+from serving.core.async_engine import AsyncEngine
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine
+from serving.core.llm import LLM
+from serving.core.request import FinishReason
+from serving.core.sampling_params import SamplingParams
+from tests.support import hf_models
+
+N_REQUESTS = 32
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("engine") / "llama")
+    hf_models.save_hf_model("llama", d)
+    hf = tf.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager").eval()
+    return d, hf
+
+
+@pytest.fixture(scope="module")
+def workload(llama):
+    """32 requests, mixed prompt and output lengths, half sharing a 24-token system prompt, and HF's greedy
+    continuation of each, computed one request at a time."""
+    _, hf = llama
+    rng = np.random.default_rng(0)
+    system = hf_models.random_prompt(24, 160, seed=99)
+    prompts, lengths = [], []
+    for i in range(N_REQUESTS):
+        p = hf_models.random_prompt(int(rng.integers(2, 50)), 160, seed=100 + i)
+        prompts.append(system + p if i % 2 else p)
+        lengths.append(int(rng.integers(1, 24)))
+    expected = [hf_models.hf_greedy(hf, p, n) for p, n in zip(prompts, lengths)]
+    return prompts, lengths, expected
+
+
+def _run(llm: LLM, workload):
+    prompts, lengths, expected = workload
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = llm.generate(prompts, params)
+    for o, n in zip(outs, lengths):
+        assert o.finish_reason is FinishReason.LENGTH and len(o.token_ids) == n
+    llm.engine.scheduler.block_manager.check_idle()
+    return outs
+
+
+@pytest.mark.parametrize("name, options", [
+    ("chunked_prefill", dict(max_num_batched_tokens=64, max_prefill_chunk=16, enable_prefix_caching=False)),
+    ("prefix_cache", dict(max_num_batched_tokens=128, enable_prefix_caching=True)),
+    ("preemption", dict(max_num_batched_tokens=64, num_pages=24, enable_prefix_caching=True)),
+    ("synchronous", dict(max_num_batched_tokens=64, num_pages=24, async_scheduling=False)),
+])
+def test_concurrent_greedy_matches_hf(llama, workload, name, options):
+    options = {"page_size": 8, "num_pages": 256, "max_num_seqs": 16, **options}
+    llm = LLM(llama[0], warmup=False, **options)
+    outs = _run(llm, workload)
+    got = [o.token_ids for o in outs]
+    assert got == workload[2]
+    # greedy steps look one step ahead (decodes fed from the previous step's tokens on the device) unless off
+    assert (llm.engine.look_ahead_steps > 0) == options.get("async_scheduling", True)
+    if name == "prefix_cache":
+        assert sum(o.metrics.num_cached_prompt_tokens for o in outs) >= 16 * 24 // 2
+    if name in ("preemption", "synchronous"):
+        assert sum(o.metrics.num_preemptions for o in outs) > 0
+    if name == "chunked_prefill":
+        assert llm.engine.scheduler.config.prefill_chunk == 16
+
+
+@pytest.mark.parametrize("min_bucket", [16, 1])
+def test_warmup_compiles_every_program(llama, workload, min_bucket):
+    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
+              min_token_bucket=min_bucket)
+    eng = llm.engine
+    # Per token bucket: the forward and 8 sampling variants; buckets of up to SCREEN_MAX_ROWS sequences also
+    # the greedy-only forward with the screened LM head (when the native kernels run).
+    screened = [t for t in eng.buckets if eng.runner.screens(eng.runner.seq_bucket(t))]
+    if min_bucket == 16:
+        assert eng.buckets == [16, 32, 64] and screened == []
+    else:
+        assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
+        assert screened == ([1, 2, 4] if native.enabled() else [])
+    assert eng.compile_count == len(eng.buckets) * (1 + 8) + len(screened)
+    forward_programs = eng.runner._forward_fn._cache_size()
+    sample_programs = eng.runner._sample_fn._cache_size()
+    _run(llm, workload)
+    for p in workload[0][:3]:  # lone greedy requests: steps of one sequence
+        llm.generate([p], SamplingParams(temperature=0.0, max_tokens=3))
+    mixed = [SamplingParams(temperature=0.7, seed=3, top_p=0.9, max_tokens=5),
+             SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, max_tokens=5),
+             SamplingParams(temperature=1.0, seed=4, top_k=5, min_p=0.1, frequency_penalty=0.5, max_tokens=5)]
+    llm.generate(workload[0][:3], mixed)
+    assert eng.runner._forward_fn._cache_size() == forward_programs
+    assert eng.runner._sample_fn._cache_size() == sample_programs
+
+
+def test_default_token_buckets_follow_the_platform_and_dtype(monkeypatch):
+    from serving.core.config import default_min_token_bucket
+    assert default_min_token_bucket("float32", "cpu") == 1  # a lone decode is not padded on CPU
+    # XLA:CPU's fast bf16 matmuls start at ~8 rows; the native kernels take the smaller steps
+    assert default_min_token_bucket("bfloat16", "cpu") == (1 if native.enabled() else 8)
+    monkeypatch.setenv("MESHSERVE_CPU_KERNELS", "xla")
+    assert default_min_token_bucket("bfloat16", "cpu") == 8
+    assert default_min_token_bucket("bfloat16", "tpu") == 8
+    assert EngineConfig(model="/m", max_num_batched_tokens=48).token_buckets() == [1, 2, 4, 8, 16, 32, 48]
+    assert EngineConfig(model="/m", dtype="bfloat16", max_num_batched_tokens=64).token_buckets() == [8, 16, 32, 64]
+    assert EngineConfig(model="/m", min_token_bucket=16, max_num_batched_tokens=64).token_buckets() == [16, 32, 64]
+    with pytest.raises(ValueError, match="min_token_bucket"):
+        EngineConfig(model="/m", min_token_bucket=-1)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llama, workload):
+    llm = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    prompts = workload[0]
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([prompts[0]], params)[0].token_ids
+    crowd = llm.generate(prompts[:8], [params] + [dataclasses.replace(params, seed=i) for i in range(7)])
+    assert crowd[0].token_ids == alone
+    assert len({tuple(o.token_ids) for o in crowd}) > 4
+
+
+def test_logprobs_and_stop_tokens(llama, workload):
+    llm = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    prompt, _, expected = workload[0][0], None, workload[2][0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, logprobs=3, ignore_eos=True))[0]
+    assert len(out.logprobs) == 6
+    for lp, tok in zip(out.logprobs, out.token_ids):
+        assert lp.token_id == tok and lp.top[0][0] == tok  # greedy: the sampled token is the most likely
+        assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1] and abs(lp.logprob - lp.top[0][1]) < 1e-5
+    stop_at = expected[2]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_at]))[0]
+    first = expected.index(stop_at)
+    assert out.token_ids == expected[:first + 1] and out.finish_reason is FinishReason.STOP
+    assert out.stop_reason == stop_at
+
+
+def test_look_ahead_with_stops_aborts_and_mixed_sampling(llama, workload):
+    """Greedy steps run one step ahead: a stop token ends a request (the decode already launched on that token
+    is dropped), a request with logprobs (the sampling program) mixes in, an abort lands with a step in flight,
+    and every output still matches HF's with all pages back."""
+    prompts, lengths, expected = workload
+    eng = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16,
+              max_num_batched_tokens=64).engine
+    picks = [i for i in range(len(prompts)) if lengths[i] >= 4][:6]
+    requests = {}
+    for i in picks:
+        stop = expected[i][2]
+        requests[i] = eng.make_request(f"s{i}", prompts[i], SamplingParams(
+            temperature=0.0, max_tokens=lengths[i], stop_token_ids=[stop], ignore_eos=True))
+    mixed = eng.make_request("lp", prompts[picks[0]], SamplingParams(
+        temperature=0.0, max_tokens=lengths[picks[0]], logprobs=2, ignore_eos=True))
+    doomed = eng.make_request("doomed", prompts[1], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    for r in [*requests.values(), doomed]:
+        eng.add_request(r)
+    outputs: dict[str, list] = {}
+    steps = 0
+    while eng.has_unfinished():
+        for o in eng.step():
+            outputs.setdefault(o.request_id, []).append(o)
+        steps += 1
+        if steps == 3:
+            eng.add_request(mixed)  # joins greedy work in flight
+        if steps == 6:
+            assert eng._pending is not None  # a step is on the device
+            final = eng.abort("doomed")
+            assert final.finished and final.finish_reason is FinishReason.ABORT
+    for i, r in requests.items():
+        want = expected[i][:expected[i].index(expected[i][2]) + 1]
+        assert r.output_token_ids == want and r.finish_reason is FinishReason.STOP
+        assert [t for o in outputs[r.request_id] for t in o.new_token_ids] == want
+    assert mixed.output_token_ids == expected[picks[0]]
+    assert all(lp.token_id == t for o in outputs["lp"] for lp, t in zip(o.logprobs or [], o.new_token_ids))
+    assert 0 < doomed.num_output_tokens < 200
+    assert eng.look_ahead_steps > 0
+    eng.scheduler.check_invariants()
+    eng.scheduler.block_manager.check_idle()
+
+
+def test_step_records_do_not_overlap_under_look_ahead(llama, workload):
+    """A look-ahead step is launched while the one before it runs; its reported device time starts when that one's
+    results arrived, so consecutive steps' [start, end] never overlap and their times never sum past the wall."""
+    eng = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64).engine
+    for i, p in enumerate(workload[0][:4]):
+        eng.add_request(eng.make_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)))
+    records, t0 = [], time.monotonic()
+    while eng.has_unfinished():
+        eng.step()
+        if eng.last_step is not None and (not records or eng.last_step is not records[-1]):
+            records.append(eng.last_step)
+    wall = time.monotonic() - t0
+    assert eng.look_ahead_steps > 0 and len(records) > 10
+    for before, after in zip(records, records[1:]):
+        assert after.start_time >= before.end_time - 1e-3
+    assert sum(r.end_time - r.start_time for r in records) <= wall + 1e-3  # (records mix two clocks: us apart)
+    # every step after the first was launched before the previous one's tokens arrived: the device never
+    # waited on the host; synchronously it waits every step (collect, schedule, build, dispatch)
+    assert eng.host_gap_s == 0.0 and eng.host_gap_steps == len(records) - 1
+    eng.look_ahead = False
+    eng.add_request(eng.make_request("sync", workload[0][0], SamplingParams(temperature=0.0, max_tokens=8)))
+    eng.run_until_idle()
+    assert eng.host_gap_s > 0.0 and eng.host_gap_steps > len(records)
+
+
+def test_async_engine_survives_a_caller_cancelling_its_call(llama):
+    """A call whose future is cancelled before the engine thread runs it (its RPC ended) still runs, and the
+    engine keeps serving; setting the cancelled future's result used to kill the engine thread."""
+    import threading
+    engine = Engine(EngineConfig(model=llama[0], page_size=8, num_pages=64, max_num_seqs=4,
+                                 max_num_batched_tokens=32))
+    aeng = AsyncEngine(engine)
+    try:
+        release, ran = threading.Event(), []
+        blocker = aeng.call(lambda e: release.wait(10))
+        late = aeng.call(lambda e: ran.append(True) or "late")
+        assert late.cancel()
+        release.set()
+        assert blocker.result(10) is True
+        assert aeng.call(lambda e: e.has_unfinished()).result(10) is False
+        assert ran == [True] and late.cancelled() and aeng.is_alive
+    finally:
+        aeng.shutdown()
+
+
+def test_async_engine_abort_deadline_and_streaming(llama, workload):
+    engine = Engine(EngineConfig(model=llama[0], page_size=8, num_pages=128, max_num_seqs=8,
+                                 max_num_batched_tokens=32))
+    aeng = AsyncEngine(engine)
+    prompts, _, expected = workload
+
+    async def stream(i, n):
+        toks = []
+        async for out in aeng.generate(f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=n,
+                                                                             ignore_eos=True)):
+            toks += out.new_token_ids
+            last = out
+        return toks, last
+
+    async def cancelled(i):
+        gen = aeng.generate(f"c{i}", prompts[i], SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
+        async for out in gen:
+            if out.new_token_ids:
+                break
+        await gen.aclose()  # the client went away: the request is aborted, pages freed
+
+    async def timed_out():
+        outs = []
+        async for out in aeng.generate("late", prompts[1], SamplingParams(temperature=0, max_tokens=10_000,
+                                                                          ignore_eos=True),
+                                       deadline=time.monotonic() + 0.3):
+            outs.append(out)
+        return outs[-1]
+
+    async def main():
+        return await asyncio.gather(*[stream(i, 8) for i in range(6)], *[cancelled(i) for i in range(3)],
+                                    timed_out())
+
+    try:
+        results = asyncio.run(main())
+        for i in range(6):
+            toks, last = results[i]
+            assert toks == hf_models.hf_greedy(llama[1], prompts[i], 8) and last.finished
+        assert results[-1].finish_reason is FinishReason.TIMEOUT
+        idle = aeng.call(lambda e: (e.has_unfinished(), e.scheduler.block_manager.check_idle())).result(10)
+        assert idle[0] is False
+    finally:
+        aeng.shutdown()

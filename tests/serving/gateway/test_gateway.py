@@ -1,0 +1,284 @@
+"""Gateway unit tests without processes: configuration, routing score, prefix index, slow-node state machine,
+admission queues, rate limits, validation parity with the server, job store, generated stubs, import rules."""
+from __future__ import annotations
+
+import asyncio
+import filecmp
+import os
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from serving.gateway import config as gconfig
+from serving.gateway.admission import Admission, QueueFull, RateLimiter
+from serving.gateway.config import ConfigError, ConfigWatcher, IsolationConfig, ScoreWeights, parse_config
+from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker
+from serving.gateway.jobs import JobError, JobStore, check_callback_url
+from serving.gateway.proto import gateway_pb2 as gpb
+from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scores, prompt_blocks
+from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate
+from serving.server.client import generate_request
+from serving.server.proto import meshserve_pb2 as pb
+from serving.process import REPO_ROOT
+
+BASE = {"pools": [{"name": "a", "instances": [{"name": "i0", "target": "127.0.0.1:1"},
+                                              {"name": "i1", "target": "127.0.0.1:2", "long_lane": True,
+                                               "labels": {"zone": "z1"}}]},
+                  {"name": "b", "instances": [{"name": "i2", "target": "127.0.0.1:3"}]}],
+        "tenants": [{"name": "acme", "api_keys": ["k1"], "priority": "batch", "pools": ["b", "a"],
+                     "rate_limit": {"requests_per_s": 2, "burst": 3}}],
+        "admin_keys": ["adm"], "long_lane": {"threshold_tokens": 100}, "callbacks": {"allowed_hosts": ["Hooks.X"]}}
+
+
+def test_generated_stubs_are_up_to_date(tmp_path):
+    from serving.gateway.proto import generate
+    for path in generate.generate(str(tmp_path)):
+        ours = os.path.join(REPO_ROOT, "serving/gateway/proto", os.path.basename(path))
+        assert filecmp.cmp(path, ours, shallow=False), f"{ours} is stale: run python -m serving.gateway.proto.generate"
+
+
+@pytest.mark.e2e
+def test_gateway_never_imports_core():
+    code = ("import sys, serving.gateway.service, serving.bench.gateway, serving.gateway.__main__; "
+            "bad = [m for m in sys.modules if m.startswith('serving.core') or m == 'jax']; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": REPO_ROOT})
+
+
+def test_config_parses_pools_tenants_lanes():
+    cfg = parse_config(BASE)
+    assert cfg.pools == ("a", "b")
+    assert [(i.name, i.pool, i.long_lane) for i in cfg.instances] == [("i0", "a", False), ("i1", "a", True),
+                                                                       ("i2", "b", False)]
+    assert cfg.instances[1].labels == (("zone", "z1"),)
+    assert cfg.tenants[0].pools == ("b", "a") and cfg.tenants[0].rate_limit.burst == 3
+    assert cfg.callback_allowed_hosts == ("hooks.x",) and cfg.auth_enabled
+    assert cfg.routing.policy == "load_aware" and cfg.admission.queue_bound("batch") == 1024
+
+
+@pytest.mark.parametrize("patch, message", [
+    ({"routing": {"policy": "random"}}, "routing.policy"),
+    ({"routing": {"weights": {"kv": "high"}}}, "routing.weights.kv"),
+    ({"isolation": {"abnormal_windows": 0}}, "isolation.abnormal_windows"),
+    ({"admission": {"queue_bounds": {"interactive": -1}}}, "admission.queue_bounds.interactive"),
+    ({"tenants": [{"name": "x", "pools": ["nope"]}]}, "tenants[0].pools"),
+    ({"tenants": [{"name": "x", "api_keys": ["adm"]}]}, "tenants[0].api_keys"),
+    ({"bogus": 1}, "bogus: unknown key"),
+    ({"pools": [{"name": "a", "instances": [{"name": "i0", "target": "nohost"}]}]}, "pools[0].instances[0].target"),
+    ({"pools": [{"name": "a", "instances": [{"name": "i0", "target": "h:1"}, {"name": "i0", "target": "h:2"}]}]},
+     "defined twice"),
+])
+def test_config_errors_name_the_key(patch, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_config({**BASE, **patch})
+
+
+def test_watcher_keeps_old_config_on_invalid_file(tmp_path):
+    path = tmp_path / "gw.yaml"
+    path.write_text("routing: {policy: round_robin}\n")
+    w = ConfigWatcher(str(path))
+    assert w.config.routing.policy == "round_robin"
+    path.write_text("routing: {policy: [unclosed\n")
+    os.utime(path, ns=(1, 1))
+    assert not w.poll() and "not valid YAML" in w.last_error and w.config.routing.policy == "round_robin"
+    path.write_text("routing: {policy: least_requests}\n")
+    assert w.poll() and w.config.routing.policy == "least_requests" and w.version == 2 and not w.last_error
+
+
+def _report(**kw) -> pb.LoadReport:
+    base = dict(max_num_seqs=32, serving=True, step_time_p50_s=0.01, generation_tokens_per_s=100.0, num_running=1)
+    return pb.LoadReport(**{**base, **kw})
+
+
+def test_load_score_prefers_less_loaded_and_treats_stale_as_unknown():
+    w = ScoreWeights()
+    views = [InstanceView("busy", report=_report(num_waiting=20, num_running=32, kv_cache_usage=0.9), report_age_s=0.1),
+             InstanceView("idle", report=_report(num_running=1, kv_cache_usage=0.1), report_age_s=0.1)]
+    s = load_scores(views, w, stale_after_s=1.0)
+    assert s["idle"] < s["busy"]
+    # A stale report is unknown load: the busy numbers no longer count, only in-flight + the unknown penalty.
+    views[0].report_age_s = 5.0
+    s = load_scores(views, w, stale_after_s=1.0)
+    assert s["busy"] == pytest.approx(w.unknown)
+    # Slowness: a step 10x the fleet median outweighs a moderate queue elsewhere.
+    views = [InstanceView("slow", report=_report(), report_age_s=0.1, step_time_s=0.3),
+             InstanceView("ok1", report=_report(num_waiting=8), report_age_s=0.1, step_time_s=0.01),
+             InstanceView("ok2", report=_report(num_waiting=8), report_age_s=0.1, latency_ewma_s=0.01)]
+    s = load_scores(views, w, stale_after_s=1.0)
+    assert s["slow"] > s["ok1"] == s["ok2"]
+    # Requests routed since the last report count as waiting.
+    a = InstanceView("a", sent_since_report=8, report=_report(), report_age_s=0.1)
+    b = InstanceView("b", report=_report(), report_age_s=0.1)
+    s = load_scores([a, b], w, 1.0)
+    assert s["b"] < s["a"]
+
+
+def test_policies_and_prefix_affinity():
+    from serving.gateway.config import RoutingConfig
+    views = [InstanceView("a", inflight=3), InstanceView("b", inflight=1), InstanceView("c", inflight=2)]
+    rr = Router(RoutingConfig(policy="round_robin"))
+    assert [rr.choose(views).name for _ in range(4)] == ["a", "b", "c", "a"]
+    lr = Router(RoutingConfig(policy="least_requests"))
+    assert {lr.choose(views).name for _ in range(5)} == {"b"}
+    la = Router(RoutingConfig(policy="load_aware"))
+    req = generate_request("S" * 300 + " question one")
+    blocks = prompt_blocks(req, 64)
+    assert len(blocks) == 4
+    even = [InstanceView(n, report=_report(), report_age_s=0.1, step_time_s=0.01) for n in "abc"]
+    la.record(blocks, "c")
+    assert la.choose(even, prompt_blocks(generate_request("S" * 300 + " another one"), 64)).name == "c"
+    idx = PrefixIndex(max_entries=3)
+    idx.record(blocks, "a")
+    assert len(idx) == 3 and idx.affinity(blocks) == {}  # the first block was evicted: no leading run
+
+
+def test_health_quarantines_after_n_windows_and_readmits_after_m():
+    h = HealthTracker(IsolationConfig(abnormal_windows=2, healthy_windows=2, slow_ratio=3, slow_min_delta_s=0.02))
+    for n in "abc":
+        h.add(n)
+
+    def window(slow_latency, probe_ok=None):
+        for n in "ab":
+            h.observe_latency(n, 0.01)
+        if slow_latency is not None:
+            if probe_ok is None:
+                h.observe_latency("c", slow_latency)
+            else:
+                h.probe_result("c", probe_ok, [slow_latency])
+        return h.end_window()
+
+    assert window(0.2) == [] and h.state("c") == HEALTHY
+    assert window(None) == []  # no measurement: the streak neither grows nor resets
+    [t] = window(0.2)
+    assert (t.name, t.old, t.new) == ("c", HEALTHY, QUARANTINED) and not h.routable("c")
+    assert window(0.2, probe_ok=True) == []  # still slow
+    assert window(0.01, probe_ok=True) == []
+    [t] = window(0.012, probe_ok=True)
+    assert (t.new, h.routable("c")) == (HEALTHY, True)
+    # Failures: removed at once, readmitted after M healthy checks.
+    t = h.mark_failed("a", "connection refused")
+    assert t.new == FAILED and h.mark_failed("a", "again") is None
+    h.probe_result("a", True)
+    assert h.end_window() == []
+    h.probe_result("a", True)
+    [t] = h.end_window()
+    assert t.new == HEALTHY
+    # Never quarantine the last healthy instance for slowness (it is only slow relative to peers).
+    h2 = HealthTracker(IsolationConfig(abnormal_windows=1))
+    for n in "ab":
+        h2.add(n)
+    h2.mark_failed("a", "down")
+    h2.baseline_s = 0.01
+    h2.observe_latency("b", 1.0)
+    assert h2.end_window() == [] and h2.routable("b")
+
+
+def test_admission_bounds_and_priority_order():
+    depths = []  # (interactive, batch) each time a queue changed: what the gateway's depth gauges show
+
+    async def main():
+        adm = Admission(on_change=lambda a: depths.append((a.depth("interactive"), a.depth("batch"))))
+        capacity = {"n": 0}
+        order = []
+
+        def route(tag):
+            def f():
+                if capacity["n"] > 0:
+                    capacity["n"] -= 1
+                    order.append(tag)
+                    return tag
+                return None
+            return f
+        tasks = [asyncio.ensure_future(adm.acquire("batch", 2, route(f"b{i}"), 5, lambda _: None)) for i in range(2)]
+        await asyncio.sleep(0)
+        assert depths == [(0, 1), (0, 2)]  # live while they wait
+        with pytest.raises(QueueFull, match="batch queue is full"):
+            await adm.acquire("batch", 2, route("b2"), 5, lambda _: None)
+        tasks.append(asyncio.ensure_future(adm.acquire("interactive", 1, route("i0"), 5, lambda _: None)))
+        await asyncio.sleep(0)
+        assert depths[-1] == (1, 2)
+        capacity["n"] = 2
+        assert adm.notify() == 2
+        assert depths[-1] == (0, 1)
+        await asyncio.sleep(0)
+        assert order == ["i0", "b0"]
+        with pytest.raises(asyncio.TimeoutError):
+            await adm.acquire("interactive", 1, route("late"), 0.05, lambda _: None)
+        capacity["n"] = 1
+        adm.notify()
+        assert sorted(await asyncio.gather(*tasks)) == ["b0", "b1", "i0"]
+        assert depths[-1] == (0, 0)
+    asyncio.run(main())
+
+
+def test_rate_limiter_token_bucket():
+    r = RateLimiter()
+    assert [r.allow("t", 2.0, 3, now=0.0) for _ in range(3)] == [0, 0, 0]
+    assert r.allow("t", 2.0, 3, now=0.0) == pytest.approx(0.5)
+    assert r.allow("t", 2.0, 3, now=0.5) == 0
+    assert r.allow("other", 0.0, 0) == 0  # unlimited
+
+
+BAD_SAMPLING = [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-5), dict(min_p=1.5),
+                dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(logprobs=21),
+                dict(min_tokens=20, max_tokens=10), dict(stop_token_ids=[-1]), dict(stop=[""])]
+
+
+@pytest.mark.parametrize("sampling", BAD_SAMPLING)
+def test_validation_messages_equal_the_servers(sampling):
+    """The gateway's check and serving.core.SamplingParams (what the server runs) reject with the same text."""
+    from serving.core.sampling_params import SamplingParams
+    req = generate_request([5, 6, 7], **sampling)
+    with pytest.raises(InvalidArgument) as gw:
+        check_generate(req, ModelLimits())
+    sp = req.sampling
+    kw = dict(min_tokens=sp.min_tokens, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+              frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids))
+    for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs"):
+        if sp.HasField(name):
+            kw[name] = getattr(sp, name)
+    with pytest.raises(ValueError) as server:
+        SamplingParams(**kw)
+    assert str(gw.value) == f"sampling.{server.value}"
+
+
+def test_validation_prompt_and_context():
+    limits = ModelLimits(vocab_size=512, max_model_len=64)
+    for req, msg in [(pb.GenerateRequest(), "prompt: empty"), (generate_request(""), "text: the prompt is empty"),
+                     (generate_request([1, 600]), "token_ids: token id 600 at position 1"),
+                     (generate_request(list(range(64))), "token_ids: the prompt has 64 tokens"),
+                     (generate_request([1] * 60, max_tokens=10), "sampling.max_tokens: the prompt (60 tokens)"),
+                     (generate_request(messages=[{"role": "", "content": "x"}]), "chat.messages[0].role: empty"),
+                     (generate_request([1], request_id="x" * 300), "request_id: 300 characters"),
+                     (generate_request([1], priority=7), "priority: unknown value 7")]:
+        with pytest.raises(InvalidArgument, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+            check_generate(req, limits)
+    check_generate(generate_request([1, 2], max_tokens=62), limits)
+
+
+def test_callback_allow_list_and_job_store(tmp_path):
+    check_callback_url("http://hooks.x:8080/done", ("hooks.x",))
+    for url in ("http://evil.example/done", "ftp://hooks.x/", "hooks.x/done"):
+        with pytest.raises(JobError) as e:
+            check_callback_url(url, ("hooks.x",))
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "callback_url" in e.value.details
+    store = JobStore(str(tmp_path / "jobs.sqlite"))
+    store.insert("j1", "acme", generate_request([1, 2], max_tokens=3), "")
+    store.update("j1", state=gpb.JOB_STATE_RUNNING, attempts=1)
+    store.close()
+    store = JobStore(str(tmp_path / "jobs.sqlite"))  # reopened: as after a restart
+    assert store.unfinished() == ["j1"] and store.get("j1").attempts == 1
+    store.insert("j2", "acme", generate_request([3]), "http://hooks.x/cb")
+    store.update("j2", state=gpb.JOB_STATE_SUCCEEDED)
+    assert store.undelivered() == ["j2"]  # its callback is sent at the next start
+    assert list(store.request("j1").token_ids.ids) == [1, 2]
+    assert store.get("nope") is None
+
+
+def test_config_module_documents_every_section():
+    doc = open(os.path.join(REPO_ROOT, "docs/gateway.md")).read()
+    for section in ("pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
+                    "instance_tls"):
+        assert f"`{section}`" in doc or f"{section}:" in doc, section
+    assert gconfig.POLICIES

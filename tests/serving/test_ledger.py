@@ -1,0 +1,234 @@
+"""Memory ledger: the source's figures exactly; predicted per-device weight and KV bytes against sharded arrays
+really allocated on the 8 fake CPU devices, for every layout the sharding tests use."""
+import math
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from models.config import ModelConfig
+from models.transformer import kv_cache_shape
+from models.weights import abstract_model
+from serving import ledger
+from serving.ledger import GB, GiB, KiB, Hardware, Layout, ModelMemory, Workload
+from sharding.mesh import make_mesh
+from sharding.rules import DEFAULT_RULES, MESH_AXES, kv_cache_partition_spec, shard_shape
+
+
+def test_source_example_kv_figures():
+    _, cfg = ledger.load_config("source-example")
+    mm = ModelMemory(cfg, "float16")
+    assert mm.kv_bytes_per_token == 2 * 32 * 4096 * 2 == 512 * KiB
+    work = Workload(concurrency=1000, avg_seq_len=2048, page_size=16)
+    per_request = work.pages_per_request * work.page_size * mm.kv_bytes_per_token
+    assert per_request == GiB  # "~1 GB per 2048-token request"
+    assert 1000 * per_request / 10**12 == pytest.approx(1.07, abs=0.01)  # "1000 concurrent -> ~1 TB"
+
+
+def test_source_worked_example_exact():
+    ex = ledger.WorkedExample()
+    assert ex.weights == 140 * GB  # 70B fp16
+    assert ex.concurrency * ex.kv_per_request_as_written == 256 * GB
+    assert ex.total_as_written == 456 * GB  # 140 + 256 + 60
+    assert ex.cards(ex.total_as_written) == 6  # six 80 GB cards
+    assert ex.cards(ex.total_exact) == 6  # still six with 1 GiB (not 1 GB) per request: 474.9 GB
+    text = ledger.render_worked_example()
+    for figure in ("512 KiB", "1 GiB", "140.00 GB", "= 456 GB", "6 cards of 80 GB"):
+        assert figure in text
+
+
+def test_llama3_70b_preset_matches_the_hf_checkpoint():
+    _, cfg = ledger.load_config("llama-3-70b")
+    mm = ModelMemory(cfg, "bfloat16")
+    assert mm.num_params == 70_553_706_496  # the published parameter count
+    assert mm.kv_bytes_per_token == 320 * KiB
+    hw = Hardware(device_memory=80 * GB, num_devices=8)
+    fit, no_fit = ledger.plan_layouts(mm, Workload(256, 2048), hw)
+    assert fit[0].layout == Layout(tp=8)  # TP inside the host is fastest when it fits
+    assert Layout(dp=8) in {p.layout for p in no_fit}  # 141 GB of weights on one card
+    steps = [p.cost.step for p in fit]
+    assert steps == sorted(steps)
+    pp8 = next(p for p in fit if p.layout == Layout(pp=8))
+    assert pp8.cost.bubble_fraction == pytest.approx(7 / 15)  # (pp-1)/(m+pp-1), m = pp
+
+
+def _mixed_moe_config(**kw):
+    hf = dict(architectures=["Qwen2MoeForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32, vocab_size=256,
+              num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=48, mlp_only_layers=[1],
+              max_position_embeddings=128, tie_word_embeddings=True)
+    return ModelConfig.from_hf({**hf, **kw})
+
+
+def test_parameter_count_equals_full_abstract_model():
+    for cfg in (_mixed_moe_config(), _mixed_moe_config(tie_word_embeddings=False), MOE, DENSE):
+        mm = ModelMemory(cfg, "bfloat16")
+        state = nnx.state(abstract_model(cfg, jnp.bfloat16), nnx.Param)
+        full = sum(math.prod(v.shape) for _, v in nnx.to_flat_state(state))
+        assert mm.num_params == full
+        assert mm.weight_bytes == 2 * full
+
+
+DENSE = ModelConfig.from_hf(dict(
+    architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=128))
+DENSE_MHA = ModelConfig.from_hf(dict(
+    architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=8, intermediate_size=128, vocab_size=256, max_position_embeddings=128,
+    tie_word_embeddings=True))
+MOE = ModelConfig.from_hf(dict(
+    architectures=["MixtralForCausalLM"], hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
+    num_key_value_heads=4, intermediate_size=64, vocab_size=256, num_local_experts=8, num_experts_per_tok=2,
+    max_position_embeddings=128))
+
+# The layouts the sharding tests use: tp 2/4/8, pp 2/4, ep 2/4/8, tp x pp, tp x ep, dp x tp; DENSE has 2 KV
+# heads, so tp 4 and 8 replicate its KV cache and k/v weights.
+LAYOUTS = [
+    (DENSE, Layout(tp=2)), (DENSE, Layout(tp=4)), (DENSE, Layout(tp=8)), (DENSE_MHA, Layout(tp=8)),
+    (DENSE, Layout(pp=2)), (DENSE, Layout(pp=4)), (DENSE_MHA, Layout(pp=2)), (DENSE, Layout(pp=2, tp=2)),
+    (DENSE, Layout(pp=2, tp=4)), (DENSE, Layout(dp=2, tp=2)), (DENSE, Layout(dp=2, tp=4)),
+    (MOE, Layout(ep=2)), (MOE, Layout(ep=4)), (MOE, Layout(ep=8)), (MOE, Layout(tp=2, ep=2)),
+    (MOE, Layout(tp=2, ep=4)), (MOE, Layout(tp=4, ep=2)), (MOE, Layout(pp=2, ep=2)), (MOE, Layout(dp=2, tp=2, ep=2)),
+]
+
+
+def _stage_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """The devices of one pipeline stage, as a mesh whose 'pipeline' axis has size 1."""
+    return Mesh(mesh.devices[:, stage:stage + 1], MESH_AXES)
+
+
+def _allocate(shapes_and_specs, mesh: Mesh, dtype):
+    shardings = tuple(NamedSharding(mesh, spec) for _, spec in shapes_and_specs)
+    make = jax.jit(lambda: tuple(jnp.zeros(shape, dtype) for shape, _ in shapes_and_specs), out_shardings=shardings)
+    return make()
+
+
+def _bytes_on(arrays, device) -> int:
+    return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
+
+
+@pytest.mark.parametrize("cfg,layout", LAYOUTS, ids=[f"{c.family}-{c.num_kv_heads}kv-{l}".replace(" ", ",")
+                                                      for c, l in LAYOUTS])
+def test_ledger_matches_allocated_arrays(cfg, layout):
+    mm = ModelMemory(cfg, "bfloat16")
+    work = Workload(concurrency=8, avg_seq_len=40, page_size=16)  # 3 pages per request
+    hw = Hardware(device_memory=GB)
+    mesh = make_mesh(layout.dp, layout.pp, layout.tp, layout.ep)
+    state = nnx.state(abstract_model(cfg, jnp.bfloat16), nnx.Param)
+    flat = list(nnx.to_flat_state(state))
+    stages = mm.stage_layers(layout)
+    pages_per_replica = work.requests_per_replica(layout) * work.pages_per_request
+    for s, layers in enumerate(stages):
+        smesh = _stage_mesh(mesh, s)
+        first, last = s == 0, s == layout.pp - 1
+        wanted = []
+        for path, var in flat:
+            if path[0] == "layers":
+                on = int(path[1]) in layers
+            elif path[0] == "embed_tokens":
+                on = first or (last and cfg.tie_word_embeddings)
+            else:
+                on = last
+            if on:
+                axes = var.get_metadata()["axes"]
+                wanted.append((tuple(var.shape), DEFAULT_RULES.partition_spec(axes, var.shape, smesh)))
+        weights = _allocate(wanted, smesh, jnp.bfloat16)
+        kv_shape = kv_cache_shape(cfg, pages_per_replica * layout.dp, work.page_size)
+        kv_spec = kv_cache_partition_spec(cfg.num_kv_heads, dict(smesh.shape))
+        kv = _allocate([(kv_shape, kv_spec)] * len(layers), smesh, jnp.bfloat16)
+        predicted = ledger.device_ledger(mm, work, layout, hw) if layout.pp == 1 else None
+        w_pred = mm.stage_weight_bytes(layout, s)
+        kv_pred = (work.requests_per_replica(layout) * work.pages_per_request * work.page_size
+                   * mm.stage_kv_bytes_per_token(layout, s))
+        if predicted is not None:
+            assert (predicted.weights, predicted.kv_cache) == (w_pred, kv_pred)
+        for device in smesh.devices.flat:
+            w_real, kv_real = _bytes_on(weights, device), _bytes_on(kv, device)
+            assert w_pred == pytest.approx(w_real, rel=0.02), (s, device)
+            assert kv_pred == pytest.approx(kv_real, rel=0.02), (s, device)
+            assert (w_pred, kv_pred) == (w_real, kv_real)  # in fact exact
+        del weights, kv
+
+
+def test_kv_heads_fewer_than_tp_replicate_the_cache():
+    mm = ModelMemory(DENSE, "bfloat16")
+    assert mm.kv_heads_per_device(Layout(tp=2)) == 1
+    assert mm.kv_heads_per_device(Layout(tp=4)) == 2  # 2 KV heads cannot be split 4 ways
+    spec = kv_cache_partition_spec(2, {"tensor": 4})
+    assert shard_shape(spec, (10, 16, 4, 8), {"tensor": 4}) == (10, 16, 4, 8)
+
+
+def test_plan_kv_pages_fills_the_budget():
+    mm = ModelMemory(DENSE, "bfloat16")
+    layout = Layout(dp=2, tp=2)
+    free, total = 50 * 2**20, 64 * 2**20
+    pages = ledger.plan_kv_pages(DENSE, dtype="bfloat16", page_size=16, free_bytes=free, total_bytes=total,
+                                 mesh_shape=layout.axis_sizes, weights_loaded=False, max_batched_tokens=256,
+                                 max_seqs=16)
+    assert pages % 2 == 0
+    hw = Hardware(device_memory=total)
+    fixed = (int(0.05 * total) + mm.stage_weight_bytes(layout, 0)
+             + ledger.peak_activation_bytes(mm, layout, 256, 16, hw) + ledger.comm_buffer_bytes(mm, layout, 256, hw))
+    per_page = 16 * mm.stage_kv_bytes_per_token(layout, 0)
+    per_device = pages // 2
+    assert fixed + per_device * per_page <= free < fixed + (per_device + 1) * per_page
+    loaded = ledger.plan_kv_pages(DENSE, dtype="bfloat16", page_size=16, free_bytes=free, total_bytes=total,
+                                  mesh_shape=layout.axis_sizes, weights_loaded=True, max_batched_tokens=256,
+                                  max_seqs=16)
+    assert loaded > pages
+    with pytest.raises(ValueError, match="no KV page fits"):
+        ledger.plan_kv_pages(DENSE, dtype="bfloat16", page_size=16, free_bytes=10_000, mesh_shape={},
+                             weights_loaded=True)
+    text = ledger.ledger_summary(DENSE, dtype="bfloat16", page_size=16, num_pages=pages, mesh_shape=layout.axis_sizes,
+                                 max_batched_tokens=256, max_seqs=16, device_total_bytes=total)
+    assert f"{pages // 2} pages x 16 tokens per replica" in text and "GiB" in text
+
+
+def test_device_memory_falls_back_on_cpu():
+    mem = ledger.device_memory()
+    assert mem.free > 0 and mem.total >= mem.free and "no memory stats" in mem.source
+    assert ledger.device_memory(fallback_bytes=80 * GB).free == 80 * GB
+    assert ledger.Layout.of(make_mesh(tp=2, ep=2)) == Layout(tp=2, ep=2)
+
+
+@pytest.mark.e2e
+def test_cli_prints_ledger_and_layouts():
+    out = subprocess.run([sys.executable, "-m", "serving.ledger", "--preset=source-example", "--num_devices=8"],
+                         capture_output=True, text=True, timeout=60, env=_env())
+    assert out.returncode == 0, out.stderr
+    for text in ("512 KiB/token", "1.000 GiB/request", "Layouts that fit on 8 devices", "bubble fraction"):
+        assert text in out.stdout
+    worked = subprocess.run([sys.executable, "-m", "serving.ledger", "--preset=source-70b"],
+                            capture_output=True, text=True, timeout=60, env=_env())
+    assert worked.returncode == 0 and "= 456 GB" in worked.stdout, worked.stderr
+    bad = subprocess.run([sys.executable, "-m", "serving.ledger", "--preset=nope"],
+                         capture_output=True, text=True, timeout=60, env=_env())
+    assert bad.returncode != 0 and "unknown preset 'nope'" in bad.stderr
+
+
+def _env():
+    import os
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | {"JAX_PLATFORMS": "cpu"}
+
+
+def test_load_config_from_an_hf_directory(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps(ledger.PRESETS["llama-3-8b"][1]))
+    name, cfg = ledger.load_config(model=str(tmp_path))
+    assert cfg == ledger.load_config("llama-3-8b")[1] and name == tmp_path.name
+    assert ModelMemory(cfg, "bfloat16").num_params == 8_030_261_248  # Llama-3-8B's published count
+    with pytest.raises(ValueError, match="exactly one"):
+        ledger.load_config()
+
+
+def test_size_parsing_is_explicit_about_units():
+    assert ledger.parse_size("80GB") == 80 * 10**9
+    assert ledger.parse_size("80GiB") == 80 * 2**30
+    with pytest.raises(ValueError, match="80GB"):
+        ledger.parse_size("eighty")
+    np.testing.assert_equal(ledger.itemsize("float8_e4m3fn"), 1)

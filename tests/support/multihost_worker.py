@@ -1,0 +1,61 @@
+"""One process of a two-process (2 x 4 CPU devices) meshserve instance, for tests/sharding/test_multihost.py.
+
+    python tests/support/multihost_worker.py PROCESS_ID COORDINATOR_PORT STEP_PORT MODEL_DIR OUT_JSON [MAX_TOKENS]
+
+Process 0 is the leader: it runs the engine (tp=8 over both processes' devices) on fixed prompts and writes the
+greedy outputs to OUT_JSON. Process 1 follows. If a follower dies, the leader fails its requests and exits 3.
+"""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main():
+    pid, coord_port, step_port, model_dir, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], \
+        sys.argv[5]
+    max_tokens = int(sys.argv[6]) if len(sys.argv) > 6 else 10
+    from sharding.multihost import DistributedConfig, FollowerChannel, LeaderChannel, initialize, shutdown
+    cfg = DistributedConfig(f"127.0.0.1:{coord_port}", 2, pid, step_port)
+    initialize(cfg)
+    import jax
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from serving.core.config import EngineConfig
+    from serving.core.engine import Engine
+    from serving.core.sampling_params import SamplingParams
+    from tests.support.hf_models import random_prompt
+    engine = Engine(EngineConfig(model=model_dir, tp=8, page_size=8, num_pages=64, max_num_seqs=8,
+                                 max_num_batched_tokens=64, min_token_bucket=64, enable_prefix_caching=False))
+    if not cfg.is_leader:
+        engine.follow(FollowerChannel(cfg.leader_host, step_port, pid))
+        shutdown()
+        return
+
+    def lost(follower, err):
+        print(f"LEADER: follower {follower} lost: {err}; failing requests", flush=True)
+        with open(out, "w") as f:
+            json.dump({"error": "UNAVAILABLE", "detail": str(err)}, f)
+        os._exit(3)
+
+    engine.runner.channel = LeaderChannel(step_port, 1, on_follower_lost=lost)
+    prompts = [random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(f"r{i}", p, params))
+    tokens = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            print(f"LEADER: step {engine.step_count}", flush=True)
+    engine.runner.channel.close()
+    with open(out, "w") as f:
+        json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
+                   "devices": jax.device_count(), "processes": jax.process_count()}, f)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+"""Helpers for tests that drive an instance server through the client library."""
+import time
+
+from serving.server.client import Client
+
+
+def wait_idle(client: Client, timeout: float = 10.0):
+    """The load report once nothing runs or waits; its books checked (no page leaked)."""
+    t0 = time.monotonic()
+    while True:
+        load = client.get_load(check_invariants=True)
+        if (load.num_running == 0 and load.num_waiting == 0 and load.kv_pages_free == load.kv_pages_total) \
+                or time.monotonic() - t0 > timeout:
+            return load
+        time.sleep(0.05)
