@@ -5,23 +5,23 @@ from __future__ import annotations
 
 import os
 
-import jax
-
 from pallas_kernels import cpu, native, reference
+from pallas_kernels.target import target_platform
 
 BACKENDS = ("reference", "cpu", "gpu", "tpu")
 ENV_VAR = "MESHSERVE_ATTENTION"
 
 
-def attention_backend() -> str:
-    """Trace-time. The backend the next trace will use."""
+def attention_backend(platform: str | None = None) -> str:
+    """Trace-time. The backend the next trace will use: the platform's own (`platform`, else the one being traced
+    for: `pallas_kernels.target`), unless MESHSERVE_ATTENTION forces one."""
     forced = os.environ.get(ENV_VAR, "").strip().lower()
     if forced and forced != "auto":
         if forced not in BACKENDS:
             raise ValueError(f"{ENV_VAR}={forced!r}; expected one of {BACKENDS} or 'auto'")
         return forced
-    platform = jax.default_backend()
-    return {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform, "reference")
+    platform = platform or target_platform()
+    return platform if platform in ("cpu", "gpu", "tpu") else "reference"
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,

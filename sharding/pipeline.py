@@ -54,8 +54,12 @@ def pipelined(stage_fn: Callable, num_stages: int, num_micro: int):
         stage_spec = jax.tree.map(lambda _: P(STAGE_AXIS), slot_params)
         cache_spec = [P(STAGE_AXIS)] * len(slot_caches)
         md_spec = jax.tree.map(lambda _: P(), micro_md)
+        # Manual over the stages and every axis of size 1 (a Mosaic kernel inside must see no automatic axis);
+        # the tensor axis, when it splits, stays automatic and the attention's own shard_map takes it.
+        mesh = jax.sharding.get_abstract_mesh()
+        manual = {STAGE_AXIS} | {name for name, size in mesh.shape.items() if size == 1}
         return jax.shard_map(body, in_specs=(stage_spec, cache_spec, P(), md_spec), out_specs=(P(), cache_spec),
-                             axis_names={STAGE_AXIS}, check_vma=False)(slot_params, slot_caches, x_all, micro_md)
+                             axis_names=manual, check_vma=False)(slot_params, slot_caches, x_all, micro_md)
 
     return run
 

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.target import target_platform
+
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
@@ -32,6 +34,7 @@ _MATMUL = "meshserve_cpu_matmul"
 _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
 _GREEDY_HEAD = "meshserve_cpu_greedy_head"
+FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD)  # CPU only: never in a GPU/TPU program
 PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed weight panel
 BF16_K_ALIGN = 32  # packed bfloat16 weights pad K to a multiple of this (one AMX tile step)
 
@@ -265,7 +268,7 @@ def _require() -> None:
 
 def enabled() -> bool:
     """Trace-time. Whether programs traced now for the CPU use the native kernels (building them if needed)."""
-    if jax.default_backend() != "cpu" or _switched_off():
+    if target_platform() != "cpu" or _switched_off():
         return False
     if _load() is not None or _auto_reason() is not None:
         return False

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-
-from pallas_kernels import native
+from pallas_kernels.target import canonical_platform
+from serving.core.platform import DTYPES, PlatformChoices, platform_choices
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 
@@ -39,9 +37,6 @@ class SpeculativeConfig:
 
 
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-
-
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
     model: str  # HF directory or Orbax checkpoint (models.convert)
@@ -52,7 +47,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the page pool
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    min_token_bucket: int = 0  # 0: the platform's smallest efficient matmul height (`default_min_token_bucket`)
+    min_token_bucket: int = 0  # 0: the platform's smallest efficient matmul height (`platform.min_token_bucket`)
     max_prefill_chunk: int | None = None
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
@@ -63,7 +58,8 @@ class EngineConfig:
     seed: int = 0
     # Greedy steps: launch the next step before this one's tokens reach the host (its decodes read them on device)
     async_scheduling: bool = True
-    # JAX's persistent compilation cache: None = $MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla; "" = off
+    # JAX's persistent compilation cache: None = $MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla/<platform>;
+    # "" = off
     compilation_cache_dir: str | None = None
     # Greedy steps of few sequences on the native CPU kernels: the LM head's argmax from an int8 copy of it plus
     # the few rows its error bounds leave open (the same tokens, a quarter / an eighth of the head's read)
@@ -83,6 +79,9 @@ class EngineConfig:
     prompt_lookup_max: int = 4
     speculative_disable_by_batch_size: int = 0
     speculative_min_acceptance: float = -1.0  # < 0: the break-even rate for k and the draft's cost
+    # The platform the engine's programs are for: None = JAX's default backend. Another one ('gpu', 'tpu') builds
+    # an engine whose programs can be lowered for it from this host (`Engine.lower_programs`), not run.
+    platform: str | None = None
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -96,6 +95,8 @@ class EngineConfig:
             raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
         if self.speculative_method:
             self.speculative_config()  # validates
+        if self.platform is not None:
+            canonical_platform(self.platform)  # validates
 
     def speculative_config(self):
         """The SpeculativeConfig of these settings, or None when speculation is off."""
@@ -107,24 +108,13 @@ class EngineConfig:
             prompt_lookup_max=self.prompt_lookup_max, disable_by_batch_size=self.speculative_disable_by_batch_size,
             min_acceptance=self.speculative_min_acceptance)
 
+    def platform_choices(self, num_devices: int | None = None, num_processes: int = 1) -> PlatformChoices:
+        """The platform's choices for these settings (`serving.core.platform`); `num_devices` defaults to the
+        devices these parallel degrees use."""
+        return platform_choices(self.platform, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
+                                min_bucket=self.min_token_bucket, greedy_head_screen=self.greedy_head_screen,
+                                compilation_cache_dir=self.compilation_cache_dir,
+                                num_devices=num_devices or self.tp * self.ep * self.pp, num_processes=num_processes)
+
     def token_buckets(self) -> list[int]:
-        smallest = self.min_token_bucket or default_min_token_bucket(self.dtype)
-        out, t = [], min(smallest, self.max_num_batched_tokens)
-        while t < self.max_num_batched_tokens:
-            out.append(t)
-            t *= 2
-        return out + [self.max_num_batched_tokens]
-
-
-def default_min_token_bucket(dtype: str, platform: str | None = None) -> int:
-    """The smallest token bucket worth compiling. On CPU a float32 step costs about its weights' read at any
-    height, so a lone decode runs as 1 row (padding it to 16 costs 2.5x); XLA:CPU's bf16 matmuls (AMX, f32
-    accumulation) are fast only from ~8 rows, below which they fall off to a path ~4x slower than float32 —
-    unless the native CPU kernels (`pallas_kernels.native`) run those small steps. Accelerators: 8 (a sublane tile)."""
-    platform = platform or jax.default_backend()
-    if platform == "cpu":
-        dt = jnp.dtype(DTYPES[dtype])
-        if dt.itemsize == 4 or (dt == jnp.bfloat16 and native.enabled()):
-            return 1  # the native kernels take bf16 below 8 rows at about its weights' read
-        return 8
-    return 8
+        return list(self.platform_choices().token_buckets)

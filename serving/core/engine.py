@@ -14,6 +14,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
+from pallas_kernels.target import canonical_platform
 from serving.core.config import EngineConfig
 from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
@@ -145,6 +146,9 @@ class Engine:
 
     def warmup(self) -> None:
         """Compiles every program a request can need, so no request ever waits on a compile."""
+        if self.runner.platform != canonical_platform():
+            raise RuntimeError(f"this engine's programs are for {self.runner.platform} (EngineConfig.platform) and this "
+                               f"host runs {canonical_platform()}: they can be lowered (lower_programs), not run")
         t0 = time.perf_counter()
         self.runner.warmup()
         if self.spec is not None:
@@ -152,6 +156,19 @@ class Engine:
             self.runner.compile_time_s = time.perf_counter() - t0
         log.info("compiled %d programs for token buckets %s in %.1fs", self.compile_count, self.runner.buckets,
                  self.compile_time_s)
+
+    def warmup_plan(self) -> list:
+        """Every program `warmup` compiles (`model_runner.Program`): the runner's, then the speculative step's."""
+        return self.runner.warmup_plan() + (self.spec.warmup_plan() if self.spec is not None else [])
+
+    def lower_programs(self) -> dict:
+        """Each program of `warmup_plan` lowered for the engine's platform (`EngineConfig.platform`; from any host),
+        by name."""
+        out = {}
+        for program in self.warmup_plan():
+            owner = self.spec if program.kind == "speculative" else self.runner
+            out[program.name] = self.runner.lower(owner.trace_program(program))
+        return out
 
     def follow(self, channel) -> None:
         """Multi-host follower: runs the leader's steps (`ModelRunner.follow`)."""

@@ -19,12 +19,13 @@ from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
 from models.transformer import CausalLM, init_kv_caches
 from models.weights import is_orbax_dir, load_hf_model, load_model
-from pallas_kernels import native
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
+from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
 from serving import ledger
 from serving.core import sampling
 from serving.core.batch import BatchBuilder
 from serving.core.config import DTYPES, EngineConfig
+from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from sharding.experts import balanced_placement, identity_placement
@@ -33,19 +34,18 @@ from sharding.multihost import to_global
 
 log = logging.getLogger(__name__)
 
-COMPILATION_CACHE_ENV = "MESHSERVE_COMPILATION_CACHE"
 # Programs compiling faster than this are not written to the cache (they cost less than reading it back).
 COMPILATION_CACHE_MIN_SECS_ENV = "MESHSERVE_COMPILATION_CACHE_MIN_SECS"
 
 
 def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache, so a restart with the same model, flags and JAX build loads
-    its programs instead of compiling them (start-up to ready: minutes -> seconds). `path` None: the
-    MESHSERVE_COMPILATION_CACHE environment variable, else ~/.cache/meshserve/xla; "" or "off": leave it off.
+    its programs instead of compiling them (start-up to ready: minutes -> seconds). `path` None: the default
+    backend's (`platform.default_compilation_cache_dir`); "" or "off": leave it off.
     MESHSERVE_COMPILATION_CACHE_MIN_SECS (default 0.2): programs compiling faster are not cached.
     Returns the directory in use, or None."""
     if path is None:
-        path = os.environ.get(COMPILATION_CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "meshserve", "xla"))
+        path = default_compilation_cache_dir(canonical_platform())
     if not path or path.lower() in ("off", "none", "0"):
         return None
     if jax.config.jax_compilation_cache_dir != path:
@@ -57,13 +57,6 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
         # together never read a half-written entry.
         jax.config.update("jax_compilation_cache_max_size", 8 << 30)
     return path
-
-
-def packs_for_cpu_kernels(num_devices: int, num_processes: int) -> bool:
-    """Whether an engine on `num_devices` devices of `num_processes` processes packs its weights for the native
-    CPU kernels (and, unless turned off, builds the LM head's int8 screen): one CPU device in one process, with the
-    kernels on. The engine and the server (sizing the KV pages) ask the same question here."""
-    return num_devices == 1 and num_processes == 1 and native.enabled()
 
 
 def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_screen: bool,
@@ -94,23 +87,56 @@ def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
     return load_model(config.model, dtype=dtype, mesh=mesh)
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program of the engine: `kind` 'forward' (a token bucket's model step; `greedy_only`: with the
+    screened greedy head), 'sample' (a sampling variant of a sequence bucket) or 'speculative' (the speculative
+    decoder's step for `params`' greedy/random variant)."""
+    kind: str
+    tokens: int
+    seqs: int
+    greedy_only: bool = False
+    params: SamplingParams | None = None
+    max_logprobs: int = 0
+
+    @property
+    def name(self) -> str:
+        parts = [f"s={self.seqs}"] if self.kind == "sample" else [f"t={self.tokens}", f"s={self.seqs}"]
+        if self.greedy_only:
+            parts.append("screened-greedy")
+        if self.params is not None:
+            parts.append("greedy" if self.params.temperature == 0 else "random")
+            parts += ["penalties"] if self.params.has_penalties else []
+        parts += [f"logprobs={self.max_logprobs}"] if self.max_logprobs else []
+        return f"{self.kind}[{','.join(parts)}]"
+
+
+# The sampling variants a bucket compiles: greedy / random x with / without penalties.
+WARMUP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.1),
+                   SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1))
+
+
 class ModelRunner:
     """The device side of an engine: model state, KV caches, the compiled programs and their launches."""
 
     def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, mesh=None):
         self.config = config
         t0 = time.perf_counter()
-        self.compilation_cache_dir = enable_compilation_cache(config.compilation_cache_dir)
         dtype = DTYPES[config.dtype]
         if mesh is None and config.tp * config.ep > 1:
             mesh = serving_mesh(tp=config.tp, ep=config.ep)
         self.mesh = mesh
+        # Every platform-dependent path (serving.core.platform); programs are traced for choices.platform.
+        self.choices = config.platform_choices(1 if mesh is None else mesh.size, jax.process_count())
+        self.platform = self.choices.platform
+        self.compilation_cache_dir = enable_compilation_cache(self.choices.compilation_cache_dir or "")
         model = model if model is not None else _load_model(config, dtype, mesh)
         self.model_config: ModelConfig = model.config
         self.load_time_s = time.perf_counter() - t0
         mc = self.model_config
-        cpu_panels = packs_for_cpu_kernels(1 if mesh is None else mesh.size, jax.process_count())
-        self.num_pages = kv_cache_pages(config, mc, head_screen=cpu_panels and config.greedy_head_screen)
+        cpu_panels = self.choices.native_kernels
+        self.num_pages = kv_cache_pages(config, mc, head_screen=self.choices.greedy_head_screen)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  self.num_pages * config.page_size)
         self.max_pages = -(-self.max_model_len // config.page_size)
@@ -121,22 +147,24 @@ class ModelRunner:
                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
         except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
             log.warning("memory ledger unavailable: %s", e)
-        self.buckets = config.token_buckets()
+        self.buckets = list(self.choices.token_buckets)
         self.packed_weights = 0
         # Greedy steps of few sequences take the LM head's int8 screen (settable: the benchmark flips it to compare)
         self.screen_greedy = False
         if cpu_panels:
             # Weights into the native kernels' panel layout (a clone: the caller's model keeps its own).
             model = nnx.clone(model)
-            self.screen_greedy = config.greedy_head_screen and model.add_head_screen()
+            self.screen_greedy = self.choices.greedy_head_screen and model.add_head_screen()
             if self.screen_greedy:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
             self.packed_weights = model.pack_for_cpu_kernels()
             log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
-        self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding)
-        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=(1, 5), static_argnames=("greedy_only",))
+        with tracing_for(self.platform):
+            self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding)
+        donate = (1, 5) if self.choices.donate_kv_cache else ()
+        self._forward_fn = jax.jit(self._forward_flat, donate_argnums=donate, static_argnames=("greedy_only",))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
         # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous
         # step's tokens whatever its bucket (no extra programs).
@@ -254,7 +282,7 @@ class ModelRunner:
         prev_tokens = self.no_prev if prev_tokens is None else prev_tokens
         if self.multihost:
             batch, token_src, prev_tokens = to_global((batch, token_src, prev_tokens), self.mesh)
-        with mesh_context(self.mesh):
+        with mesh_context(self.mesh), tracing_for(self.platform):
             logits, self.kv_caches, self._expert_load, tokens = self._forward_fn(
                 self._state_leaves(), self.kv_caches, batch, token_src, prev_tokens, self._expert_load,
                 greedy_only=greedy_only)
@@ -265,7 +293,7 @@ class ModelRunner:
             self.channel.broadcast(("sample", st, max_logprobs))
         if self.multihost:
             st = to_global(st, self.mesh)
-        with mesh_context(self.mesh):
+        with mesh_context(self.mesh), tracing_for(self.platform):
             return self._sample_fn(logits, st, max_logprobs)
 
     def follow(self, channel) -> None:
@@ -284,7 +312,8 @@ class ModelRunner:
 
     def reset_kv_caches(self) -> None:
         """Fresh zeroed caches (after a failed step lost the donated ones)."""
-        self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
+        with tracing_for(self.platform):
+            self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
                                         DTYPES[self.config.dtype], self.kv_sharding)
 
     # ------------------------------------------------------------------ buckets and warm-up
@@ -313,31 +342,60 @@ class ModelRunner:
         """Whether a greedy step with this many sequence slots takes the screened greedy head (its own program)."""
         return self.screen_greedy and seq_bucket <= SCREEN_MAX_ROWS
 
-    def warmup(self) -> int:
-        """Compiles every program a request can need (per token bucket: the forward, and the sampling variants
-        greedy/random x penalties/none x logprobs/none), so no request ever waits on a compile. Returns how many."""
-        t0 = time.perf_counter()
-        count = 0
-        variants = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
-                    SamplingParams(temperature=0.0, repetition_penalty=1.1),
-                    SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1)]
+    def warmup_plan(self) -> list[Program]:
+        """Every program a request can need, in the order `warmup` compiles them: per token bucket the forward
+        (and its screened greedy variant), then the sampling variants greedy/random x penalties/none x
+        logprobs/none. The lowering tests enumerate programs from this list."""
+        plan, sampled = [], set()
         for t in self.buckets:
             s = self.seq_bucket(t)
-            batch = self.step_batch([], t, s)
-            logits, _ = self.run_forward(batch)
-            count += 1
+            plan.append(Program("forward", t, s))
             if self.screens(s):
-                self.run_forward(batch, greedy_only=True)
-                count += 1
-            for params in variants:
-                st = self.sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)
-                st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
-                for n in (0, MAX_LOGPROBS):
-                    self.run_sample(logits, st, n).block_until_ready()
-                    count += 1
-        self.compile_count += count
+                plan.append(Program("forward", t, s, greedy_only=True))
+            if s not in sampled:  # token buckets of one sequence bucket share its sampling programs
+                sampled.add(s)
+                plan += [Program("sample", t, s, params=p, max_logprobs=n)
+                         for p in WARMUP_SAMPLING for n in (0, MAX_LOGPROBS)]
+        return plan
+
+    def _warmup_sampling_tensors(self, program: Program) -> sampling.SamplingTensors:
+        st = self.sampling_tensors([Request("warmup", [0], program.params, arrival_time=0.0)], program.seqs)
+        return dataclasses.replace(st, valid=np.zeros_like(st.valid))
+
+    def warmup(self) -> int:
+        """Compiles (by running, on empty batches) every program of `warmup_plan`, so no request ever waits on a
+        compile. Returns how many."""
+        t0 = time.perf_counter()
+        plan = self.warmup_plan()
+        logits = {}
+        for program in plan:
+            if program.kind == "forward":
+                out, _ = self.run_forward(self.step_batch([], program.tokens, program.seqs),
+                                          greedy_only=program.greedy_only)
+                if not program.greedy_only:
+                    logits[program.tokens] = out
+            else:
+                st = self._warmup_sampling_tensors(program)
+                self.run_sample(logits[program.tokens], st, program.max_logprobs).block_until_ready()
+        self.compile_count += len(plan)
         self.compile_time_s += time.perf_counter() - t0
-        return count
+        return len(plan)
+
+    def trace_program(self, program: Program) -> jax.stages.Traced:
+        """`program` traced for this runner's platform without running it (abstract KV caches and state)."""
+        with mesh_context(self.mesh), tracing_for(self.platform):
+            forward_args = (self._state_leaves(), self.kv_caches, self.step_batch([], program.tokens, program.seqs),
+                            np.full(program.tokens, -1, np.int32), self.no_prev, self._expert_load)
+            if program.kind == "forward":
+                return self._forward_fn.trace(*forward_args, greedy_only=program.greedy_only)
+            logits = self._forward_fn.trace(*forward_args).out_info[0]
+            return self._sample_fn.trace(logits, self._warmup_sampling_tensors(program), program.max_logprobs)
+
+    def lower(self, traced: jax.stages.Traced) -> jax.stages.Lowered:
+        """A program traced by this runner (or its speculative decoder) lowered for the runner's platform, from any
+        host (`EngineConfig.platform`)."""
+        with mesh_context(self.mesh), tracing_for(self.platform):
+            return traced.lower(lowering_platforms=(lowering_platform(self.platform),))
 
     # ------------------------------------------------------------------ expert load (MoE)
     def moe_layer_indices(self) -> list[int]:

@@ -13,7 +13,7 @@ from models.batch import RaggedBatch
 from models.layers import embed_lookup
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core.batch import build_layout, split_micro_batches
-from serving.core.config import EngineConfig, default_min_token_bucket
+from serving.core.config import EngineConfig
 from serving.core.model_runner import ModelRunner
 from sharding import pipeline
 from sharding.mesh import kv_cache_sharding, serving_mesh
@@ -28,7 +28,7 @@ class PipelineModelRunner(ModelRunner):
         if config.ep > 1 or config.dp > 1:
             raise ValueError("pipeline parallelism combines with tensor parallelism only (pp x tp)")
         mesh = mesh or serving_mesh(pp=pp, tp=config.tp)
-        smallest = config.min_token_bucket or default_min_token_bucket(config.dtype)
+        smallest = config.platform_choices().min_token_bucket
         if smallest < self.num_micro:
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
         super().__init__(config, model=model, mesh=mesh)

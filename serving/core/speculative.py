@@ -17,9 +17,11 @@ from models.batch import RaggedBatch
 from models.transformer import init_kv_caches
 from models.weights import load_model
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.target import tracing_for
 from serving.core import sampling
 from serving.core.batch import BatchBuilder, build_batch
 from serving.core.config import DTYPES, SpeculativeConfig
+from serving.core.model_runner import Program
 from sharding.mesh import kv_cache_sharding, mesh_context
 from serving.core.request import Request, RequestStatus
 from serving.core.sampling_params import SamplingParams
@@ -228,7 +230,7 @@ class SpeculativeDecoder:
         self.min_acceptance = (config.min_acceptance if config.min_acceptance >= 0
                                else min(0.8, break_even_acceptance(self.k, cost)))
         self._states: dict[str, _SeqState] = {}
-        self._step_fn = jax.jit(self._spec_step, donate_argnums=(1, 3))
+        self._step_fn = jax.jit(self._spec_step, donate_argnums=(1, 3) if runner.choices.donate_kv_cache else ())
         # counters (Prometheus, vLLM's spec_decode_* names)
         self.num_drafts = 0
         self.num_draft_tokens = 0
@@ -240,8 +242,9 @@ class SpeculativeDecoder:
 
     def _init_draft_kv(self) -> None:
         e = self.runner
-        self.draft_kv = init_kv_caches(self.draft_config, e.num_pages, e.config.page_size,
-                                       DTYPES[e.config.dtype], self._draft_kv_sharding)
+        with tracing_for(e.platform):
+            self.draft_kv = init_kv_caches(self.draft_config, e.num_pages, e.config.page_size,
+                                           DTYPES[e.config.dtype], self._draft_kv_sharding)
 
     @property
     def draft_kv_bytes(self) -> int:
@@ -321,25 +324,40 @@ class SpeculativeDecoder:
 
     def _run(self, verify, draft_batch, spec, st):
         e = self.runner
-        with mesh_context(e.mesh):
+        with mesh_context(e.mesh), tracing_for(e.platform):
             packed, e.kv_caches, self.draft_kv = self._step_fn(e.state, e.kv_caches, self.draft_state, self.draft_kv,
                                                                verify, draft_batch, spec, st)
         return packed
 
-    def warmup(self) -> int:
-        """Compiles the speculative program for every token bucket (greedy and sampling). Returns the count."""
+    def warmup_plan(self) -> list[Program]:
+        """The speculative step of every token bucket, greedy and sampling."""
         e = self.runner
-        count = 0
-        for t in e.buckets:
-            s = e.seq_bucket(t)
-            empty = build_batch([], page_size=e.config.page_size, num_tokens=t, num_seqs=s, max_pages=e.max_pages)
-            spec = self._spec_arrays([], s, t)
-            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)):
-                st = e.sampling_tensors([Request("warmup", [0], params, arrival_time=0.0)], s)
-                st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
-                self._run(empty, empty if self.draft_state is not None else None, spec, st).block_until_ready()
-                count += 1
-        return count
+        return [Program("speculative", t, e.seq_bucket(t), params=p) for t in e.buckets
+                for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0))]
+
+    def _warmup_args(self, program: Program) -> tuple:
+        """(verify batch, draft batch, speculation arrays, sampling tensors) of an empty step of `program`."""
+        e = self.runner
+        t, s = program.tokens, program.seqs
+        empty = build_batch([], page_size=e.config.page_size, num_tokens=t, num_seqs=s, max_pages=e.max_pages)
+        st = e.sampling_tensors([Request("warmup", [0], program.params, arrival_time=0.0)], s)
+        st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
+        return empty, empty if self.draft_state is not None else None, self._spec_arrays([], s, t), st
+
+    def warmup(self) -> int:
+        """Compiles (by running on empty batches) every program of `warmup_plan`. Returns the count."""
+        plan = self.warmup_plan()
+        for program in plan:
+            self._run(*self._warmup_args(program)).block_until_ready()
+        return len(plan)
+
+    def trace_program(self, program: Program) -> jax.stages.Traced:
+        """`program` traced for the runner's platform without running it."""
+        e = self.runner
+        with mesh_context(e.mesh), tracing_for(e.platform):
+            return self._step_fn.trace(e.state, e.kv_caches, self.draft_state, self.draft_kv,
+                                       *self._warmup_args(program))
+
 
     # ---- host: plan and launch ---------------------------------------------------------------------------
     def _state(self, r: Request) -> _SeqState:

@@ -63,7 +63,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
       "it plus an exact recheck of the rows its error bounds leave open (same tokens, a fraction of the read).")
     d(flags.DEFINE_string, "compilation_cache_dir", None,
       "JAX persistent compilation cache (a restart loads its compiled programs); default "
-      "$MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla; '' turns it off.")
+      "$MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla/<platform>; '' turns it off.")
     d(flags.DEFINE_float, "debug_step_delay_s", 0.0, "Adds this much to every engine step (simulates a slow device).")
     d(flags.DEFINE_enum, "speculative_method", "", ["", "draft", "ngram"],
       "Speculative decoding: 'draft' (--speculative_model proposes), 'ngram' (prompt lookup); empty: off.")
@@ -101,10 +101,11 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
 
 
 def screens_head(f: flags.FlagValues) -> bool:
-    """Whether the engine these flags configure builds the LM head's int8 screen (the engine's own test,
-    `model_runner.packs_for_cpu_kernels`, on the devices and processes the flags give it)."""
-    from serving.core.model_runner import packs_for_cpu_kernels
-    return f.greedy_head_screen and packs_for_cpu_kernels(f.tp * f.ep * f.pp, f.num_processes)
+    """Whether the engine these flags configure builds the LM head's int8 screen (the engine's own choice,
+    `serving.core.platform.platform_choices`, on the devices and processes the flags give it)."""
+    from serving.core.platform import platform_choices
+    return platform_choices(dtype=f.dtype, greedy_head_screen=f.greedy_head_screen, num_devices=f.tp * f.ep * f.pp,
+                            num_processes=f.num_processes).greedy_head_screen
 
 
 def configs_from_flags(f: flags.FlagValues = FLAGS):

@@ -5,7 +5,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 import transformers as tf
 
 from serving.core.batch import SeqChunk
@@ -18,26 +17,20 @@ PROMPTS = [hf_models.random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3, 26)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def _save(path, config):
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharding")
     common = {**hf_models.COMMON, "hidden_size": 128, "num_attention_heads": 8, "num_key_value_heads": 2}
     return {
         # 8 query heads, 2 KV heads: TP 4 and 8 replicate the KV heads.
-        "llama": _save(root / "llama", tf.LlamaConfig(**common)),
+        "llama": hf_models.save_config(tf.LlamaConfig(**common), root / "llama"),
         # 4 layers, so that 4 pipeline stages hold one layer each.
-        "llama4": _save(root / "llama4", tf.LlamaConfig(**{**common, "num_hidden_layers": 4})),
-        "mixtral": _save(root / "mixtral", tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2)),
-        "qwen2_moe": _save(root / "qwen2_moe", tf.Qwen2MoeConfig(
+        "llama4": hf_models.save_config(tf.LlamaConfig(**{**common, "num_hidden_layers": 4}), root / "llama4"),
+        "mixtral": hf_models.save_config(tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2),
+                                          root / "mixtral"),
+        "qwen2_moe": hf_models.save_config(tf.Qwen2MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
-            shared_expert_intermediate_size=64)),
+            shared_expert_intermediate_size=64), root / "qwen2_moe"),
     }
 
 

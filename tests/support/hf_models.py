@@ -71,3 +71,11 @@ def cached_dir(tmp_root: str, family: str, **kw) -> str:
     if not os.path.exists(os.path.join(d, "config.json")):
         save_hf_model(family, d, **kw)
     return d
+
+
+def save_config(config, out_dir: str, seed: int = 0) -> str:
+    """A random-weight HF model of `config` (a transformers config) saved to `out_dir`; returns the directory."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(out_dir)
+    return str(out_dir)

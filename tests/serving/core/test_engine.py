@@ -82,15 +82,17 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
     llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
               min_token_bucket=min_bucket)
     eng = llm.engine
-    # Per token bucket: the forward and 8 sampling variants; buckets of up to SCREEN_MAX_ROWS sequences also
-    # the greedy-only forward with the screened LM head (when the native kernels run).
+    # Per token bucket the forward, per sequence bucket 8 sampling variants; buckets of up to SCREEN_MAX_ROWS
+    # sequences also the greedy-only forward with the screened LM head (when the native kernels run).
     screened = [t for t in eng.buckets if eng.runner.screens(eng.runner.seq_bucket(t))]
     if min_bucket == 16:
         assert eng.buckets == [16, 32, 64] and screened == []
     else:
         assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
         assert screened == ([1, 2, 4] if native.enabled() else [])
-    assert eng.compile_count == len(eng.buckets) * (1 + 8) + len(screened)
+    seq_buckets = {eng.runner.seq_bucket(t) for t in eng.buckets}
+    assert eng.compile_count == len(eng.buckets) + 8 * len(seq_buckets) + len(screened)
+    assert eng.compile_count == len(eng.warmup_plan())
     forward_programs = eng.runner._forward_fn._cache_size()
     sample_programs = eng.runner._sample_fn._cache_size()
     _run(llm, workload)
@@ -105,15 +107,18 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
 
 
 def test_default_token_buckets_follow_the_platform_and_dtype(monkeypatch):
-    from serving.core.config import default_min_token_bucket
-    assert default_min_token_bucket("float32", "cpu") == 1  # a lone decode is not padded on CPU
+    from serving.core.platform import platform_choices
+    smallest = lambda dtype, platform="cpu": platform_choices(platform, dtype=dtype).min_token_bucket  # noqa: E731
+    assert smallest("float32") == 1  # a lone decode is not padded on CPU
     # XLA:CPU's fast bf16 matmuls start at ~8 rows; the native kernels take the smaller steps
-    assert default_min_token_bucket("bfloat16", "cpu") == (1 if native.enabled() else 8)
+    assert smallest("bfloat16") == (1 if native.enabled() else 8)
     monkeypatch.setenv("MESHSERVE_CPU_KERNELS", "xla")
-    assert default_min_token_bucket("bfloat16", "cpu") == 8
-    assert default_min_token_bucket("bfloat16", "tpu") == 8
+    assert smallest("bfloat16") == 8
+    assert smallest("bfloat16", "tpu") == 16 and smallest("float32", "tpu") == 8 and smallest("bfloat16", "gpu") == 8
     assert EngineConfig(model="/m", max_num_batched_tokens=48).token_buckets() == [1, 2, 4, 8, 16, 32, 48]
     assert EngineConfig(model="/m", dtype="bfloat16", max_num_batched_tokens=64).token_buckets() == [8, 16, 32, 64]
+    assert EngineConfig(model="/m", platform="tpu", dtype="bfloat16", max_num_batched_tokens=40).token_buckets() \
+        == [16, 32, 48]  # whole (16-row) tiles on TPU
     assert EngineConfig(model="/m", min_token_bucket=16, max_num_batched_tokens=64).token_buckets() == [16, 32, 64]
     with pytest.raises(ValueError, match="min_token_bucket"):
         EngineConfig(model="/m", min_token_bucket=-1)

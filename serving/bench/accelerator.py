@@ -1,0 +1,697 @@
+"""Acceptance run for a machine with a GPU or TPU: one `PASS <stage>: ...` / `FAIL <stage>: ...` line per stage, then
+`accelerator acceptance: N passed, M failed`; the exit status is non-zero when a stage failed (a stage that raises
+fails with the exception's first line, and the run goes on). Stages:
+
+  environment          jax/jaxlib, the devices, the engine's platform choices (bf16)
+  attention            the platform's attention kernel (Triton / Mosaic, compiled) on the named ragged cases and
+                       engine-shaped bf16 cases, vs the float64 NumPy oracle (max error per case group)
+  kv_write             write_kv on the device vs a NumPy expectation
+  greedy_parity        models/tiny/target greedy tokens (float32) on the device vs on CPU (a subprocess)
+  decode_roofline      a Llama-3.2-1B-shaped random bf16 model: decode step at batch 1 and 64 (~1k context) vs
+                       (weight + KV bytes a step reads) / the copy bandwidth measured in the run
+  attention_bandwidth  decode attention GB/s: ours vs JAX's Pallas paged attention and the XLA reference
+
+--smoke (automatic on a CPU host): tiny shapes, the GPU and TPU kernels in interpret mode on CPU, JAX's own kernels
+skipped; well under a minute on 2 cores. `run(smoke=True)` is the same in-process (tests).
+
+    python -m serving.bench accelerator [--smoke] [--stages=attention,kv_write] [--workdir=DIR]
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import zlib
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import pallas_kernels
+from pallas_kernels import reference
+from pallas_kernels.cases import dense_attention, make_case
+from pallas_kernels.target import canonical_platform, tracing_for
+from serving.bench.harness import BENCH_WORKDIR, median_time
+
+_SMOKE = flags.DEFINE_bool("smoke", False, "tiny shapes, kernels in interpret mode on CPU (automatic on a CPU host)")
+_STAGES = flags.DEFINE_list("stages", [], "stages to run (default: all, in order)")
+_WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark models are written (and reused)")
+
+STAGES = ("environment", "attention", "kv_write", "greedy_parity", "decode_roofline", "attention_bandwidth")
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY_MODEL = os.path.join(REPO_ROOT, "models", "tiny", "target")
+
+# (atol, rtol) against the float64 oracle, per dtype: those of tests/pallas_kernels/test_attention.py.
+TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
+
+# The named ragged cases of tests/pallas_kernels/test_attention.py (its CASES):
+# name: (seqs as (q_len, kv_len), dict(hq, hkv, d, ps[, t bucket, s bucket]), options).
+NAMED_CASES = {
+    "decode_only": ([(1, 16), (1, 17), (1, 1), (1, 40)], dict(hq=8, hkv=2, d=64, ps=8), {}),
+    "prefill_only": ([(1, 1), (16, 16), (17, 17), (7, 7)], dict(hq=4, hkv=2, d=128, ps=16), {}),
+    "mixed_gqa8": ([(1, 33), (12, 12), (5, 37), (1, 8)], dict(hq=8, hkv=1, d=64, ps=8), {}),
+    "mixed_gqa1": ([(3, 20), (1, 9), (9, 9)], dict(hq=2, hkv=2, d=64, ps=32), {}),
+    "mixed_gqa4_page128": ([(1, 130), (6, 128), (2, 2)], dict(hq=8, hkv=2, d=64, ps=128), {}),
+    "sliding_window_soft_cap": ([(1, 40), (20, 27), (6, 6)], dict(hq=4, hkv=2, d=64, ps=8),
+                                dict(sliding_window=5, logit_soft_cap=4.0)),
+    "long_prefill": ([(150, 150), (70, 200), (1, 90)], dict(hq=4, hkv=2, d=64, ps=16), {}),
+    "padded_bucket": ([(1, 10), (4, 12)], dict(hq=4, hkv=1, d=64, ps=8, t=16, s=6), {}),
+}
+
+
+def _decodes(n: int, longest: int) -> Callable[[np.random.Generator], list]:
+    """n decodes with random contexts up to `longest`, the first ones on and just past a page boundary."""
+    def seqs(rng):
+        ctx = [16, 17, 1, longest] + rng.integers(1, longest + 1, max(0, n - 4)).tolist()
+        return [(1, int(c)) for c in ctx[:n]]
+    return seqs
+
+
+# Engine-shaped bf16 cases (page 16, GQA 4:1 and 8:1, head_dim 64 and 128): name: (seqs or a function of an rng
+# giving them, shape, options).
+ENGINE_CASES = {
+    "decode_b64_d128_gqa4": (_decodes(64, 2048), dict(hq=32, hkv=8, d=128, ps=16), {}),
+    "decode_b1_ctx4096_d64_gqa8": ([(1, 4096)], dict(hq=32, hkv=4, d=64, ps=16, t=8, s=4), {}),
+    "decode_b8_d64_gqa4": (_decodes(8, 3000), dict(hq=32, hkv=8, d=64, ps=16, t=16, s=16), {}),
+    "mixed_d128_gqa8": (lambda rng: _decodes(30, 3000)(rng) + [(256, 1280), (100, 100)],
+                        dict(hq=32, hkv=4, d=128, ps=16, t=512, s=64), {}),
+    "prefill_d64_gqa4": ([(512, 512), (300, 2048)], dict(hq=32, hkv=8, d=64, ps=16, t=1024, s=4), {}),
+}
+SMOKE_ENGINE_CASES = {
+    "engine_bf16_d128_gqa4": ([(1, 40), (1, 16), (9, 25)], dict(hq=8, hkv=2, d=128, ps=16, t=16, s=4), {}),
+}
+
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, tie_word_embeddings=True,
+                bos_token_id=1, eos_token_id=2)
+LLAMA_SMOKE = dict(LLAMA_1B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+
+PARITY_PROMPTS = ("def main():\n", "import os\nimport sys\n\n", 'class Config:\n    """', "for i in range(10):\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    named_cases: tuple[str, ...]
+    engine_cases: dict
+    kv_write_cases: tuple[dict, ...]  # dict(pages, ps, hkv, d, t, dtype)
+    parity_tokens: int  # greedy tokens generated per prompt
+    parity_required: int  # of which the first this many must agree on every prompt
+    llama: dict
+    decode_batches: tuple[int, ...]
+    decode_context: int  # prompt tokens of each sequence before the timed decode steps
+    decode_steps: int  # timed decode steps per batch (after every sequence has 4 tokens)
+    copy_bytes: int  # the array copied to measure the bandwidth
+    bandwidth_shapes: tuple[tuple[int, int], ...]  # (batch, context) of the decode-attention timing
+    bandwidth_heads: tuple[int, int, int, int]  # (q heads, kv heads, head_dim, page_size)
+    repeats: int  # timed calls per measurement (the median is reported)
+
+
+FULL = Sizes(
+    named_cases=tuple(NAMED_CASES), engine_cases=ENGINE_CASES,
+    kv_write_cases=(dict(pages=5, ps=8, hkv=2, d=64, t=12, dtype="float32"),
+                    dict(pages=64, ps=16, hkv=8, d=128, t=64, dtype="bfloat16"),
+                    dict(pages=8, ps=16, hkv=8, d=64, t=8, dtype="bfloat16", all_padding=True)),
+    parity_tokens=32, parity_required=16, llama=LLAMA_1B, decode_batches=(1, 64), decode_context=1024,
+    decode_steps=32, copy_bytes=1 << 30, bandwidth_shapes=((1, 1024), (1, 8192), (64, 1024), (64, 8192)),
+    bandwidth_heads=(32, 8, 128, 16), repeats=10)
+SMOKE = Sizes(
+    named_cases=("decode_only", "mixed_gqa8"), engine_cases=SMOKE_ENGINE_CASES,
+    kv_write_cases=(dict(pages=5, ps=8, hkv=2, d=64, t=12, dtype="float32"),
+                    dict(pages=8, ps=16, hkv=2, d=128, t=16, dtype="bfloat16")),
+    parity_tokens=12, parity_required=8, llama=LLAMA_SMOKE, decode_batches=(1, 8), decode_context=48,
+    decode_steps=6, copy_bytes=1 << 24, bandwidth_shapes=((1, 256), (4, 64)), bandwidth_heads=(8, 2, 64, 16),
+    repeats=3)
+
+
+class StageFailure(Exception):
+    """A stage's check failed; the message is the FAIL line's detail."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StageResult:
+    stage: str
+    passed: bool
+    detail: str
+    seconds: float
+
+    @property
+    def line(self) -> str:
+        return f"{'PASS' if self.passed else 'FAIL'} {self.stage}: {self.detail} [{self.seconds:.1f}s]"
+
+
+@dataclasses.dataclass
+class Context:
+    smoke: bool
+    sizes: Sizes
+    workdir: str
+    parity_subprocess: bool
+    out: Callable[[str], None]
+
+    def note(self, text: str) -> None:
+        """An information line under the stage's PASS/FAIL line's stage (indented)."""
+        self.out(f"  {text}")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    text = text.splitlines()[0] if text else ""
+    return text if isinstance(e, StageFailure) else f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+# ------------------------------------------------------------------------------------------------ 1. environment
+def stage_environment(ctx: Context) -> str:
+    import jaxlib
+
+    from serving.core.platform import platform_choices
+    devices = jax.devices()
+    platform = canonical_platform()
+    kinds = sorted({d.device_kind for d in devices})
+    ctx.note(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.version.split()[0]}")
+    ctx.note(f"devices: {len(devices)} x {', '.join(kinds)} (platform {devices[0].platform}, default backend "
+             f"{jax.default_backend()})")
+    try:
+        limit = (devices[0].memory_stats() or {}).get("bytes_limit")
+        if limit:
+            ctx.note(f"device memory: {limit / 2**30:.1f} GiB")
+    except Exception:  # noqa: BLE001 - memory_stats is optional per backend
+        pass
+    choices = platform_choices(None, dtype="bfloat16")
+    ctx.note("platform_choices(None, dtype='bfloat16'): " + ", ".join(
+        f"{k}={v}" for k, v in dataclasses.asdict(choices).items()))
+    detail = (f"{platform} ({', '.join(kinds)} x{len(devices)}), jax {jax.__version__}, attention "
+              f"{choices.attention_backend}, KV {choices.kv_storage_dtype}")
+    if platform in ("gpu", "tpu"):
+        if choices.attention_backend != platform:
+            raise StageFailure(f"{detail}: the engine would not run the {platform} attention kernel "
+                               f"(MESHSERVE_ATTENTION={os.environ.get('MESHSERVE_ATTENTION')!r}?)")
+        return detail
+    if ctx.smoke:
+        return detail + " (smoke mode: a CPU host passes)"
+    raise StageFailure(f"{detail}: no GPU or TPU")
+
+
+# ------------------------------------------------------------------------------------------------ 2. attention
+def _build_case(name: str, spec, dtype):
+    seqs, shape, options = spec
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    seqs = seqs(rng) if callable(seqs) else seqs
+    case = make_case(rng, seqs, num_q_heads=shape["hq"], num_kv_heads=shape["hkv"], head_dim=shape["d"],
+                     page_size=shape["ps"], num_tokens=shape.get("t"), num_seq_slots=shape.get("s"), dtype=dtype)
+    return case, options
+
+
+def attention_kernels(smoke: bool) -> dict[str, Callable]:
+    """The attention kernels the attention stage checks: the entry point (the platform's compiled kernel), or in
+    smoke mode the GPU and TPU kernels in interpret mode."""
+    if smoke:
+        from pallas_kernels import gpu, tpu
+        return {"gpu-interpret": functools.partial(gpu.ragged_paged_attention_gpu, interpret=True),
+                "tpu-interpret": functools.partial(tpu.ragged_paged_attention_tpu, interpret=True)}
+    return {pallas_kernels.attention_backend(): pallas_kernels.ragged_paged_attention}
+
+
+def _case_error(kernel, case, options, dtype_name: str, device) -> tuple[float, bool]:
+    """(max |error| vs the oracle, within tolerance) of `kernel` on `case`."""
+    d = case.q.shape[-1]
+    fn = jax.jit(functools.partial(kernel, sm_scale=d ** -0.5, **options))
+    args = [jax.device_put(np.asarray(a), device) for a in case.attention_args()]
+    out = np.asarray(jax.device_get(fn(*args)).astype(np.float32), np.float64)
+    want = dense_attention(case, sm_scale=d ** -0.5, **options)
+    atol, rtol = TOLERANCES[dtype_name]
+    err = np.abs(out - want)
+    ok = bool(np.isfinite(out).all() and (err <= atol + rtol * np.abs(want)).all())
+    return float(np.nan_to_num(err, nan=np.inf).max()), ok
+
+
+def stage_attention(ctx: Context) -> str:
+    device = jax.devices("cpu")[0] if ctx.smoke else jax.devices()[0]
+    groups = [("named", "float32", {n: NAMED_CASES[n] for n in ctx.sizes.named_cases}),
+              ("engine-shaped", "bfloat16", ctx.sizes.engine_cases)]
+    failures, summary = [], []
+    for kname, kernel in attention_kernels(ctx.smoke).items():
+        for group, dtype_name, cases in groups:
+            worst = 0.0
+            for name, spec in cases.items():
+                try:
+                    case, options = _build_case(name, spec, jnp.dtype(dtype_name))
+                    err, ok = _case_error(kernel, case, options, dtype_name, device)
+                except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
+                    failures.append(f"{kname} {name}: {first_line(e)}")
+                    ctx.note(f"{kname} {name}: raised {first_line(e)}")
+                    continue
+                worst = max(worst, err)
+                ctx.note(f"{kname} {name} ({dtype_name}, {len(case.q_lens)} seqs, {sum(case.q_lens)} tokens, "
+                         f"KV up to {max(case.kv_lens)}): max |err| {err:.2e}{'' if ok else '  OUT OF TOLERANCE'}")
+                if not ok:
+                    failures.append(f"{kname} {name} max |err| {err:.2e} > tol {TOLERANCES[dtype_name][0]:g}")
+            summary.append(f"{kname} {len(cases)} {group} {dtype_name} max err {worst:.1e} "
+                           f"(tol {TOLERANCES[dtype_name][0]:g})")
+    if failures:
+        raise StageFailure(f"{len(failures)} case(s) failed: " + "; ".join(failures[:3]))
+    return "; ".join(summary)
+
+
+# ------------------------------------------------------------------------------------------------ 3. KV write
+def kv_writers(smoke: bool) -> dict[str, Callable]:
+    """The KV writes the kv_write stage checks: the entry point (on the device), plus in smoke mode the TPU
+    kernel in interpret mode."""
+    writers = {f"entry point ({pallas_kernels.attention_backend()})": pallas_kernels.write_kv}
+    if smoke:
+        from pallas_kernels import tpu
+        writers["tpu-interpret"] = functools.partial(tpu.write_kv_tpu, interpret=True)
+    return writers
+
+
+def expected_kv_write(cache: np.ndarray, k: np.ndarray, v: np.ndarray, slots: Sequence[int]) -> np.ndarray:
+    """Host-side. The cache after writing each real token's k/v into its slot (K at 2h, V at 2h+1)."""
+    p, ps, h2, d = cache.shape
+    want = cache.copy().reshape(p * ps, h2, d)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            want[slot, 0::2] = k[t]
+            want[slot, 1::2] = v[t]
+    return want.reshape(cache.shape)
+
+
+def _kv_write_inputs(spec: dict, seed: int):
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(spec["dtype"])
+    p, ps, hkv, d, t = spec["pages"], spec["ps"], spec["hkv"], spec["d"], spec["t"]
+    cache = rng.standard_normal((p, ps, 2 * hkv, d)).astype(dtype)
+    k = rng.standard_normal((t, hkv, d)).astype(dtype)
+    v = rng.standard_normal((t, hkv, d)).astype(dtype)
+    slots = rng.choice(p * ps, t, replace=False).astype(np.int32)
+    padding = np.ones(t, bool) if spec.get("all_padding") else rng.random(t) < 0.25
+    slots[padding] = -1
+    return cache, k, v, slots
+
+
+def stage_kv_write(ctx: Context) -> str:
+    # smoke mode: on CPU, traced for it (the entry point's CPU path, even on an accelerator host)
+    with tracing_for("cpu" if ctx.smoke else None):
+        return _kv_write_checks(ctx, jax.devices("cpu")[0] if ctx.smoke else jax.devices()[0])
+
+
+def _kv_write_checks(ctx: Context, device) -> str:
+    failures, checked = [], 0
+    for wname, writer in kv_writers(ctx.smoke).items():
+        # a fresh partial: a fresh trace (jit's cache does not key on the platform traced for)
+        fn = jax.jit(functools.partial(writer), donate_argnums=0)
+        for i, spec in enumerate(ctx.sizes.kv_write_cases):
+            label = f"{wname} {spec['dtype']} pages={spec['pages']}x{spec['ps']} Hkv={spec['hkv']} D={spec['d']} " \
+                    f"T={spec['t']}"
+            try:
+                cache, k, v, slots = _kv_write_inputs(spec, seed=i)
+                out = np.asarray(jax.device_get(fn(*[jax.device_put(a, device) for a in (cache, k, v, slots)])))
+                want = expected_kv_write(cache, k, v, slots)
+                bad = np.any((out != want).reshape(out.shape[0] * out.shape[1], -1), axis=1)
+                real = set(int(s) for s in slots if s >= 0)
+                bad_real = sum(1 for s in np.flatnonzero(bad) if int(s) in real)
+                checked += 1
+                msg = (f"{len(real)} real tokens, {int((slots < 0).sum())} padding: "
+                       + ("exact" if not bad.any() else
+                          f"{int(bad.sum())} slots wrong ({bad_real} of the written, {int(bad.sum()) - bad_real} "
+                          "that should be untouched)"))
+                ctx.note(f"{label}: {msg}")
+                if bad.any():
+                    failures.append(f"{label}: {msg}")
+            except Exception as e:  # noqa: BLE001
+                ctx.note(f"{label}: raised {first_line(e)}")
+                failures.append(f"{label}: {first_line(e)}")
+    if failures:
+        raise StageFailure("; ".join(failures[:3]))
+    return f"{checked} writes exact ({', '.join(kv_writers(ctx.smoke))})"
+
+
+# ------------------------------------------------------------------------------------------------ 4. greedy parity
+PARITY_OPTIONS = dict(dtype="float32", page_size=16, num_pages=256, max_num_seqs=8, max_num_batched_tokens=128)
+
+_PARITY_SNIPPET = """
+import json, sys
+import jax
+from serving.core.llm import LLM
+from serving.core.sampling_params import SamplingParams
+model, prompts, n, options = json.loads(sys.argv[1])
+with jax.default_matmul_precision("highest"):
+    llm = LLM(model, warmup=False, **options)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+print("TOKENS " + json.dumps([[int(t) for t in o.token_ids] for o in outs]))
+"""
+
+
+def greedy_tokens(model: str, prompts: Sequence[str], n: int, *, subprocess_cpu: bool) -> list[list[int]]:
+    """Greedy token ids (float32, highest matmul precision) of `prompts`: in this process on the default device,
+    or in a subprocess on CPU (JAX_PLATFORMS=cpu)."""
+    if not subprocess_cpu:
+        from serving.core.llm import LLM
+        from serving.core.sampling_params import SamplingParams
+        with jax.default_matmul_precision("highest"):
+            llm = LLM(model, warmup=False, **PARITY_OPTIONS)
+            outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return [[int(t) for t in o.token_ids] for o in outs]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("MESHSERVE_ATTENTION", None)
+    arg = json.dumps([model, list(prompts), n, PARITY_OPTIONS])
+    proc = subprocess.run([sys.executable, "-c", _PARITY_SNIPPET, arg], capture_output=True, text=True, env=env,
+                          cwd=REPO_ROOT, timeout=300)
+    for line in proc.stdout.splitlines():
+        if line.startswith("TOKENS "):
+            return json.loads(line[len("TOKENS "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    raise RuntimeError(f"the CPU subprocess exited {proc.returncode}: {tail}")
+
+
+def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def stage_greedy_parity(ctx: Context) -> str:
+    n, need = ctx.sizes.parity_tokens, ctx.sizes.parity_required
+    device = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n, subprocess_cpu=False)
+    cpu = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n, subprocess_cpu=ctx.parity_subprocess)
+    where = "CPU subprocess" if ctx.parity_subprocess else "CPU in-process (this host is the CPU)"
+    agree = [agreeing_prefix(a, b) for a, b in zip(device, cpu)]
+    for prompt, a, b, k in zip(PARITY_PROMPTS, device, cpu, agree):
+        ctx.note(f"{prompt!r}: {k}/{n} agree; {jax.default_backend()} {a[:8]}... vs cpu {b[:8]}...")
+    detail = (f"models/tiny/target float32 greedy, {jax.default_backend()} vs {where}: tokens agreeing from the "
+              f"start per prompt {agree} of {n} (need {need})")
+    if len(device) != len(PARITY_PROMPTS) or len(cpu) != len(PARITY_PROMPTS) or min(agree) < need:
+        raise StageFailure(detail)
+    return detail
+
+
+# ------------------------------------------------------------------------------------------------ 5. decode roofline
+def write_llama(config: dict, name: str, workdir: str) -> str:
+    """The directory of a random-weight (seed 0) bf16 Llama of `config` under `workdir`: written once with
+    transformers (LlamaConfig + from_config in bf16), then reused."""
+    d = os.path.join(workdir, f"{name}-bfloat16")
+    if os.path.exists(os.path.join(d, "config.json")):
+        with open(os.path.join(d, "config.json")) as f:
+            written = json.load(f)
+        if all(written.get(k) == v for k, v in config.items()):
+            return d
+    import shutil
+
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**config), dtype=torch.bfloat16)
+    tmp = d + f".tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    del model
+    shutil.rmtree(d, ignore_errors=True)
+    os.replace(tmp, d)
+    return d
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of a jitted on-device copy of an `nbytes` array (read + write: 2 x nbytes per copy), best of
+    `repeats`, on the default device."""
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    fn = jax.jit(jnp.copy)
+    jax.block_until_ready(fn(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * x.nbytes / best
+
+
+TOKEN_BUDGET = 512  # the decode-roofline engine's max_num_batched_tokens
+
+
+SKIP_STEPS = 2  # whole-batch decode steps not timed (the first runs the decode bucket's compile)
+
+
+def _decode_max_tokens(batch: int, context: int, steps: int) -> int:
+    """Output tokens per request: enough that no sequence finishes before the last one's prefill is done (the
+    first ones decode during the others' prefill) and the whole-batch decode steps follow."""
+    prefill_steps = -(-batch * context // max(1, TOKEN_BUDGET - batch)) + 2
+    return prefill_steps + SKIP_STEPS + steps + 4
+
+
+def decode_step_times(engine, prompts: list[list[int]], steps: int) -> list[tuple[float, int]]:
+    """(step time, KV tokens the step's attention reads) of `steps` decode steps in which every sequence of
+    `prompts` decodes (one token each, no prefill chunk in the step; the first SKIP_STEPS such steps untimed): the
+    engine's `last_step_time_s` (from launch, or the previous step's end, to the results on the host). Then aborts
+    the requests (no tail of shrinking batches, each a program to compile) and lets the engine go idle."""
+    from serving.core.sampling_params import SamplingParams
+    batch = len(prompts)
+    params = SamplingParams(temperature=0.0, max_tokens=_decode_max_tokens(batch, max(map(len, prompts)), steps),
+                            ignore_eos=True)
+    tag = time.monotonic_ns()
+    reqs = [engine.make_request(f"roofline-{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.add_request(r)
+    out, seen, skipped = [], engine.step_count, 0
+    while engine.has_unfinished() and len(out) < steps:
+        engine.step()
+        if engine.step_count == seen:
+            continue
+        seen = engine.step_count
+        rec = engine.last_step
+        if rec.num_scheduled_tokens == batch == len(rec.scheduled):
+            if skipped < SKIP_STEPS:
+                skipped += 1
+            else:
+                out.append((engine.last_step_time_s, sum(s.start + 1 for s in rec.scheduled)))
+    for r in reqs:
+        if not r.is_finished:
+            engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+
+
+def stage_decode_roofline(ctx: Context) -> str:
+    from serving.core.llm import LLM
+    s = ctx.sizes
+    cfg = s.llama
+    model_dir = write_llama(cfg, "llama1b-shape" if cfg is LLAMA_1B else "llama-smoke", ctx.workdir)
+    bw = copy_bandwidth(s.copy_bytes)
+    ctx.note(f"copy bandwidth: {bw / 1e9:.1f} GB/s (jitted copy of {s.copy_bytes / 2**20:.0f} MiB, 2x bytes)")
+    max_batch, ps = max(s.decode_batches), 16
+    max_len = s.decode_context + _decode_max_tokens(max_batch, s.decode_context, s.decode_steps) + 16
+    llm = LLM(model_dir, warmup=False, dtype="bfloat16", page_size=ps, num_pages=max_batch * -(-max_len // ps) + 16,
+              max_num_seqs=max_batch, max_num_batched_tokens=TOKEN_BUDGET, max_model_len=max_len)
+    eng = llm.engine
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state))
+    caches = eng.runner.kv_caches
+    kv_token_bytes = len(caches) * caches[0].shape[2] * caches[0].shape[3] * caches[0].dtype.itemsize
+    rng = np.random.default_rng(0)
+    parts = []
+    for batch in s.decode_batches:
+        prompts = [rng.integers(10, cfg["vocab_size"], s.decode_context).tolist() for _ in range(batch)]
+        timed = decode_step_times(eng, prompts, s.decode_steps)
+        if len(timed) < 3:
+            raise StageFailure(f"batch {batch}: {len(timed)} whole-batch decode steps (need 3 or more)")
+        step = statistics.median(t for t, _ in timed)
+        kv_tokens = statistics.mean(n for _, n in timed)
+        kv_bytes = kv_tokens * kv_token_bytes
+        roof = (weight_bytes + kv_bytes) / bw
+        ctx.note(f"batch {batch}, context ~{kv_tokens / batch:.0f}: {step * 1e3:.2f} ms/step (median of {len(timed)}), "
+                 f"roofline {roof * 1e3:.3f} ms (weights {_bytes(weight_bytes)} + KV {_bytes(kv_bytes)} at "
+                 f"{bw / 1e9:.0f} GB/s), roofline/step {roof / step:.2f}, {batch / step:.0f} tok/s")
+        parts.append(f"b{batch} {step * 1e3:.2f} ms vs roofline {roof * 1e3:.3f} ms ({roof / step:.2f})")
+    del llm, eng
+    shape = f"{cfg['num_hidden_layers']}L h{cfg['hidden_size']}"
+    return f"{shape} bf16: " + "; ".join(parts) + f"; copy {bw / 1e9:.0f} GB/s"
+
+
+# ------------------------------------------------------------------------------------------------ 6. attention GB/s
+@dataclasses.dataclass(frozen=True)
+class DecodeShape:
+    batch: int
+    context: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str = "bfloat16"
+
+    @property
+    def pages_per_seq(self) -> int:
+        """Block-table width: the context's pages rounded up so JAX's GPU kernel can split it into min(16, width)
+        partitions of whole compute blocks (<= 8 pages): a power of two up to 16, then a multiple of 16 up to 128,
+        then of 128."""
+        pages = -(-self.context // self.page_size)
+        if pages <= 16:
+            return 1 << (pages - 1).bit_length()
+        step = 16 if pages <= 128 else 128
+        return -(-pages // step) * step
+
+    @property
+    def kv_bytes(self) -> int:
+        """KV bytes a decode step reads: every sequence's context, K and V."""
+        return self.batch * self.context * 2 * self.kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+
+
+def decode_inputs(key, shape: DecodeShape):
+    """Pure (traceable: `jax.eval_shape` gives the abstract inputs). A decode batch in the ragged layout: q, kv_pages,
+    kv_lens, page_indices, cu_q_lens, num_seqs; pages scattered at random over the cache."""
+    b, pps = shape.batch, shape.pages_per_seq
+    num_pages = b * pps + 1
+    kq, kkv, kp = jax.random.split(key, 3)
+    dtype = jnp.dtype(shape.dtype)
+    q = jax.random.normal(kq, (b, shape.q_heads, shape.head_dim), jnp.float32).astype(dtype)
+    kv_pages = jax.random.normal(kkv, (num_pages, shape.page_size, 2 * shape.kv_heads, shape.head_dim),
+                                 jnp.float32).astype(dtype)
+    page_indices = jax.random.permutation(kp, num_pages)[:b * pps].reshape(b, pps).astype(jnp.int32)
+    kv_lens = jnp.full((b,), shape.context, jnp.int32)
+    cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
+    return q, kv_pages, kv_lens, page_indices, cu_q_lens, jnp.array([b], jnp.int32)
+
+
+def to_jax_layout(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale):
+    """Pure. The ragged decode inputs in the layout of JAX's Pallas paged attention (gpu and tpu alike): q
+    pre-scaled by sm_scale (JAX's kernels apply none), k_pages / v_pages `[Hkv, P, page_size, D]`, lengths,
+    block tables."""
+    del cu_q_lens, num_seqs  # decode: one token per sequence, every slot real
+    p, ps, h2, d = kv_pages.shape
+    kv = kv_pages.reshape(p, ps, h2 // 2, 2, d)
+    k_pages = kv[:, :, :, 0].transpose(2, 0, 1, 3)
+    v_pages = kv[:, :, :, 1].transpose(2, 0, 1, 3)
+    return (q.astype(jnp.float32) * sm_scale).astype(q.dtype), k_pages, v_pages, kv_lens, page_indices
+
+
+def decode_attention_impls(platform: str, shape: DecodeShape, *, include_jax: bool = True) -> dict:
+    """name -> (jitted fn, 'ragged' | 'jax': the layout of the inputs it takes) for the bandwidth stage: ours (the
+    entry point), the XLA reference, and JAX's Pallas paged attention of `platform` (gpu/tpu)."""
+    sm_scale = shape.head_dim ** -0.5
+    impls = {
+        "ours": (jax.jit(functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=sm_scale)), "ragged"),
+        "xla-reference": (jax.jit(functools.partial(reference.ragged_paged_attention_reference, sm_scale=sm_scale)),
+                          "ragged"),
+    }
+    if include_jax and platform == "gpu":
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu
+        pps = shape.pages_per_seq
+        k_splits = min(16, pps)
+
+        def jax_gpu_fn(q, k_pages, v_pages, lengths, block_tables):
+            return jax_gpu.paged_attention(q, k_pages, v_pages, block_tables, lengths, k_splits=k_splits)
+        impls["jax-pallas-gpu"] = (jax.jit(jax_gpu_fn), "jax")
+    elif include_jax and platform == "tpu":
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_tpu
+        block = max(1, min(shape.pages_per_seq, 128 // shape.page_size))
+        impls["jax-pallas-tpu"] = (jax.jit(functools.partial(jax_tpu, pages_per_compute_block=block)), "jax")
+    return impls
+
+
+def stage_attention_bandwidth(ctx: Context) -> str:
+    platform = canonical_platform()
+    hq, hkv, d, ps = ctx.sizes.bandwidth_heads
+    atol, rtol = TOLERANCES["bfloat16"]
+    parts, failures = [], []
+    for i, (batch, context) in enumerate(ctx.sizes.bandwidth_shapes):
+        shape = DecodeShape(batch, context, hq, hkv, d, ps)
+        ragged = jax.jit(decode_inputs, static_argnums=1)(jax.random.PRNGKey(i), shape)
+        jax_args = jax.block_until_ready(jax.jit(functools.partial(to_jax_layout, sm_scale=d ** -0.5))(*ragged))
+        outs, rates = {}, {}
+        for name, (fn, layout) in decode_attention_impls(platform, shape, include_jax=not ctx.smoke).items():
+            args = ragged if layout == "ragged" else jax_args
+            try:
+                t = median_time(lambda: jax.block_until_ready(fn(*args)), ctx.sizes.repeats)
+                outs[name] = np.asarray(jax.device_get(fn(*args)).astype(jnp.float32))
+                rates[name] = shape.kv_bytes / t
+            except Exception as e:  # noqa: BLE001 - JAX's kernels may reject a shape; ours must not
+                ctx.note(f"b={batch} ctx={context}: {name} raised {first_line(e)}")
+                if name == "ours":
+                    failures.append(f"b={batch} ctx={context}: ours raised {first_line(e)}")
+        want = outs.get("xla-reference")
+        errs = {}
+        for name, o in outs.items():
+            if want is not None and name != "xla-reference":
+                errs[name] = float(np.abs(o - want).max())
+                if name == "ours" and not np.all(np.abs(o - want) <= atol + rtol * np.abs(want)):
+                    failures.append(f"b={batch} ctx={context}: ours differs from the reference by {errs[name]:.2e}")
+        cells = ", ".join(f"{n} {r / 1e9:.1f} GB/s" + (f" (max |diff| vs ref {errs[n]:.1e})" if n in errs else "")
+                          for n, r in rates.items())
+        ctx.note(f"b={batch} ctx={context} Hq={hq} Hkv={hkv} D={d} page={ps} bf16, KV {shape.kv_bytes / 1e6:.1f} MB: "
+                 f"{cells}")
+        parts.append(f"b{batch}/ctx{context} " + "/".join(f"{rates[n] / 1e9:.0f}" for n in rates))
+    names = list(decode_attention_impls(platform, DecodeShape(1, 16, hq, hkv, d, ps), include_jax=not ctx.smoke))
+    if failures:
+        raise StageFailure("; ".join(failures[:3]))
+    detail = f"GB/s {'/'.join(names)}: " + ", ".join(parts)
+    if ctx.smoke:
+        detail += " (note: JAX's Pallas GPU/TPU paged attention skipped in smoke mode)"
+    elif platform not in ("gpu", "tpu"):
+        detail += f" (note: JAX's Pallas paged attention has no {platform} kernel)"
+    return detail
+
+
+# ------------------------------------------------------------------------------------------------ the run
+STAGE_FUNCTIONS: dict[str, Callable[[Context], str]] = {
+    "environment": stage_environment,
+    "attention": stage_attention,
+    "kv_write": stage_kv_write,
+    "greedy_parity": stage_greedy_parity,
+    "decode_roofline": stage_decode_roofline,
+    "attention_bandwidth": stage_attention_bandwidth,
+}
+
+
+def run(smoke: bool = False, stages: Sequence[str] | None = None, *, workdir: str = BENCH_WORKDIR,
+        parity_subprocess: bool | None = None, out: Callable[[str], None] | None = None) -> list[StageResult]:
+    """Runs `stages` (default all, in order), printing each one's information lines and its PASS/FAIL line, then
+    the summary line; returns the results. Smoke mode is forced on a CPU host. `parity_subprocess`: the greedy
+    parity's CPU side in a subprocess (default: unless this host is the CPU)."""
+    out = out or (lambda line: print(line, flush=True))
+    stages = list(stages or STAGES)
+    unknown = [s for s in stages if s not in STAGE_FUNCTIONS]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; expected some of {list(STAGES)}")
+    platform = canonical_platform()
+    smoke = smoke or platform == "cpu"
+    if parity_subprocess is None:
+        parity_subprocess = platform != "cpu"
+    ctx = Context(smoke, SMOKE if smoke else FULL, workdir, parity_subprocess, out)
+    os.makedirs(workdir, exist_ok=True)
+    out(f"accelerator acceptance on {platform} ({jax.devices()[0].device_kind})"
+        f"{', smoke mode' if smoke else ''}: {', '.join(stages)}")
+    t_all = time.perf_counter()
+    results = []
+    for name in stages:
+        t0 = time.perf_counter()
+        try:
+            result = StageResult(name, True, STAGE_FUNCTIONS[name](ctx), time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001 - a failing stage is reported and the run goes on
+            result = StageResult(name, False, first_line(e), time.perf_counter() - t0)
+        results.append(result)
+        out(result.line)
+    out(summary(results) + f" [{time.perf_counter() - t_all:.1f}s]")
+    return results
+
+
+def summary(results: Sequence[StageResult]) -> str:
+    passed = sum(r.passed for r in results)
+    return f"accelerator acceptance: {passed} passed, {len(results) - passed} failed"
+
+
+def exit_status(results: Sequence[StageResult]) -> int:
+    return 0 if results and all(r.passed for r in results) else 1
+
+
+def main() -> None:
+    unknown = [s for s in _STAGES.value if s not in STAGES]
+    if unknown:
+        raise app.UsageError(f"--stages: unknown {unknown}; expected some of {', '.join(STAGES)}")
+    results = run(smoke=_SMOKE.value, stages=_STAGES.value or None, workdir=_WORKDIR.value)
+    status = exit_status(results)
+    if status:
+        sys.exit(status)

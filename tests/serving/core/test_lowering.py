@@ -1,0 +1,111 @@
+"""Every program the engine compiles, lowered for GPU and TPU from this CPU host: a Llama-shaped and a MoE model,
+one device and over a mesh (tensor / expert parallel, a pipeline), plus the speculative step. The programs come
+from the engine's own warm-up list, so a new one cannot be missed; none may carry a CPU-only piece (a native CPU
+kernel, uint16 KV storage) or a CPU bucket, and each must hold its platform's attention kernel."""
+import re
+
+import pytest
+import transformers as tf
+
+from serving.core.config import EngineConfig
+from serving.core.engine import Engine
+from serving.core.platform import cpu_only_pieces, platform_choices
+from tests.support import hf_models
+from tests.support.hf_models import COMMON
+
+# head_dim 64 (a power of two, as Triton wants; the TPU kernel's lanes), 2 KV heads.
+SHAPE = {**COMMON, "vocab_size": 256, "hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4,
+         "num_key_value_heads": 2}
+KERNEL = {"gpu": "ragged_paged_attention_triton", "tpu": "tpu_custom_call"}
+LAYOUTS = {  # (model, EngineConfig options)
+    "llama": ("llama", {}),
+    "llama-tp2": ("llama", {"tp": 2}),
+    "llama-f32": ("llama", {"dtype": "float32"}),
+    "llama-pp2": ("llama", {"pp": 2}),
+    "llama-pp2-tp2": ("llama", {"pp": 2, "tp": 2}),
+    "llama-ngram": ("llama", {"speculative_method": "ngram"}),
+    "mixtral": ("mixtral", {}),
+    "mixtral-ep2-tp2": ("mixtral", {"ep": 2, "tp": 2}),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lowering")
+    out = {}
+    for name, config in (("llama", tf.LlamaConfig(**SHAPE)),
+                         ("mixtral", tf.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2))):
+        out[name] = hf_models.save_config(config, root / name)
+    return out
+
+
+def _engine(model: str, platform: str, **options) -> Engine:
+    options = {"dtype": "bfloat16", **options}
+    return Engine(EngineConfig(model=model, platform=platform, page_size=16, num_pages=32, max_num_seqs=8,
+                               max_num_batched_tokens=32, compilation_cache_dir="", **options))
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout):
+    model, options = LAYOUTS[layout]
+    engine = _engine(models[model], platform, **options)
+    choices = engine.runner.choices
+    assert (choices.platform, choices.attention_backend, choices.native_kernels) == (platform, platform, False)
+    assert engine.runner.kv_caches[0].dtype.name == engine.config.dtype  # not XLA:CPU's uint16 bits
+    assert all(t % choices.min_token_bucket == 0 for t in engine.runner.buckets), engine.runner.buckets
+    plan = engine.warmup_plan()
+    kinds = {p.kind for p in plan}
+    assert kinds == ({"forward", "sample", "speculative"} if "speculative_method" in options else {"forward", "sample"})
+    lowered = engine.lower_programs()
+    assert list(lowered) == [p.name for p in plan]
+    for program in plan:
+        text = lowered[program.name].as_text()
+        assert not cpu_only_pieces(text), (program.name, cpu_only_pieces(text))
+        if program.kind != "sample":
+            assert KERNEL[platform] in text, program.name  # the platform's attention kernel, not XLA's
+            # the step's token rows are the bucket's (whole tiles), not a CPU height
+            assert re.search(rf"tensor<{program.tokens}xi32>", text), program.name
+    with pytest.raises(RuntimeError, match="can be lowered"):
+        engine.warmup()  # these programs are not this host's
+
+
+def test_the_check_catches_cpu_only_pieces(models):
+    """The same lowering for this CPU: its programs do carry the CPU-only pieces the test above rules out."""
+    engine = _engine(models["llama"], "cpu")
+    text = "\n".join(lowered.as_text() for lowered in engine.lower_programs().values())
+    found = cpu_only_pieces(text)
+    assert "uint16 arrays (XLA:CPU's KV storage)" in found
+    if engine.runner.choices.native_kernels:
+        assert any(piece.startswith("native CPU kernel") for piece in found)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu", "tpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_platform_choices(platform, dtype, monkeypatch, tmp_path):
+    monkeypatch.delenv("MESHSERVE_COMPILATION_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    c = platform_choices(platform, dtype=dtype, max_num_batched_tokens=100)
+    assert c.platform == platform and c.donate_kv_cache
+    assert c.compilation_cache_dir == str(tmp_path / ".cache" / "meshserve" / "xla" / platform)
+    assert platform_choices(platform, compilation_cache_dir="").compilation_cache_dir is None
+    if platform == "cpu":
+        from pallas_kernels import native
+        on = native.enabled()
+        assert c.attention_backend == ("native" if on else "cpu")
+        assert c.native_kernels is on and c.greedy_head_screen is on
+        assert c.kv_storage_dtype == ("float32" if dtype == "float32" else "uint16")
+        assert c.min_token_bucket == (1 if dtype == "float32" or on else 8)
+        assert c.token_buckets[-1] == 100  # the budget itself on CPU
+        assert not platform_choices("cpu", num_devices=2).native_kernels  # one device only
+        assert not platform_choices("cpu", greedy_head_screen=False).greedy_head_screen
+    else:
+        assert c.attention_backend == platform and not c.native_kernels and not c.greedy_head_screen
+        assert c.kv_storage_dtype == dtype
+        tile = 16 if platform == "tpu" and dtype == "bfloat16" else 8
+        assert c.min_token_bucket == tile
+        assert all(t % tile == 0 for t in c.token_buckets) and c.token_buckets[-1] >= 100
+    assert platform_choices({"gpu": "cuda"}.get(platform, platform), dtype=dtype) == platform_choices(platform,
+                                                                                                      dtype=dtype)
+    with pytest.raises(ValueError, match="unknown platform"):
+        platform_choices("metal")

@@ -1,0 +1,127 @@
+"""The accelerator extras (`.[cuda]`, `.[cuda12]`, `.[cuda13]`, `.[tpu]`) resolve to a jax plugin that matches the
+jax that gets installed: pip's resolver in dry-run (metadata only, nothing installed) on `-e <repo>[extra]`, then the
+report's install list is checked. Skipped only where the package index cannot be reached; a resolution that fails
+for any other reason fails the test."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+pytestmark = pytest.mark.e2e  # runs pip (a Python process)
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+RESOLVE_TIMEOUT_S = 300
+
+# extra -> the CUDA major of the plugin it must bring (None: TPU).
+CUDA_MAJOR = {"cuda": 12, "cuda12": 12, "cuda13": 13, "tpu": None}
+
+# What pip prints when the index cannot be reached (urllib3 / requests / pip's own messages).
+_NETWORK_ERRORS = ("NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
+                   "Name or service not known", "Network is unreachable", "Connection refused", "ConnectTimeoutError",
+                   "ReadTimeoutError", "Max retries exceeded", "ProxyError", "Could not fetch URL",
+                   "No route to host", "SSLError", "Connection reset by peer", "connection broken")
+
+
+def _jax_requirement(reqs) -> Requirement:
+    found = [Requirement(r) for r in reqs if canonicalize_name(Requirement(r).name) == "jax"]
+    assert len(found) == 1, reqs
+    return found[0]
+
+
+MAIN_JAX = _jax_requirement(PYPROJECT["project"]["dependencies"])
+
+
+def _network_error(out: str) -> str | None:
+    """The first line of pip's output that says the index could not be reached, or None."""
+    return next((line.strip() for line in out.splitlines() if any(s in line for s in _NETWORK_ERRORS)), None)
+
+
+@pytest.fixture(scope="module")
+def index_reachable():
+    """One quick look-up first, so that an unreachable index skips the module in seconds, not after every
+    resolution's retries (one retry: pip names the connection error only when it retries)."""
+    cmd = [sys.executable, "-m", "pip", "index", "versions", "jax-cuda13-plugin", "--timeout", "15", "--retries", "1",
+           "--disable-pip-version-check"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    error = _network_error(proc.stdout + proc.stderr) if proc.returncode != 0 else None
+    if error:
+        pytest.skip(f"package index not reachable: {error}")
+
+
+def _resolve(extra: str, tmp_path: Path) -> dict[str, dict]:
+    """pip's resolver, dry run, for `-e ROOT[extra]`: {canonical name: metadata} of what it would install."""
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--no-input",
+           "--timeout", "30", "--retries", "2", "--report", str(report), "-e", f"{ROOT}[{extra}]"]
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RESOLVE_TIMEOUT_S, env=env, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        out = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (e.stdout, e.stderr) if o)
+        error = _network_error(out)
+        if error:
+            pytest.skip(f"package index not reachable (pip ran past {RESOLVE_TIMEOUT_S}s): {error}")
+        raise
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        error = _network_error(out)
+        if error and "ResolutionImpossible" not in out and "conflicting dependencies" not in out:
+            pytest.skip(f"package index not reachable: {error}")
+        pytest.fail(f"pip could not resolve .[{extra}] (rc={proc.returncode}):\n{out[-4000:]}")
+    data = json.loads(report.read_text())
+    return {canonicalize_name(item["metadata"]["name"]): item["metadata"] for item in data["install"]}
+
+
+def _version(installs: dict[str, dict], name: str) -> Version:
+    assert name in installs, f"{name} not in the resolution: {sorted(installs)}"
+    return Version(installs[name]["version"])
+
+
+def test_extras_pin_the_main_jax_range():
+    """Each accelerator extra asks for jax with the main dependency's range (and the extra of jax that matches it),
+    so the plugin pip picks is the one for the jax that gets installed."""
+    for extra, major in CUDA_MAJOR.items():
+        assert extra in EXTRAS, f"[project.optional-dependencies] has no `{extra}`"
+        req = _jax_requirement(EXTRAS[extra])
+        assert req.specifier == MAIN_JAX.specifier, (extra, str(req), str(MAIN_JAX))
+        assert req.extras == ({"tpu"} if major is None else {f"cuda{major}"}), (extra, str(req))
+
+
+@pytest.mark.parametrize("extra", list(CUDA_MAJOR))
+def test_extra_resolves_to_matching_plugin(extra, tmp_path, index_reachable):
+    installs = _resolve(extra, tmp_path)
+    assert "meshserve" in installs
+    jax = _version(installs, "jax")
+    assert MAIN_JAX.specifier.contains(jax), f"resolved jax {jax} outside the project's pin {MAIN_JAX}"
+    assert _version(installs, "jaxlib") == jax
+    major = CUDA_MAJOR[extra]
+    if major is not None:
+        assert _version(installs, f"jax-cuda{major}-plugin") == jax
+        assert _version(installs, f"jax-cuda{major}-pjrt") == jax
+        other = 25 - major  # 12 <-> 13
+        assert f"jax-cuda{other}-plugin" not in installs, f".[{extra}] also pulls the CUDA {other} plugin"
+        # The CUDA runtime wheel (nvidia-cuda-runtime-cu12 for CUDA 12; unsuffixed nvidia-cuda-runtime for 13).
+        runtime = [Version(m["version"]) for n, m in installs.items()
+                   if n in ("nvidia-cuda-runtime", f"nvidia-cuda-runtime-cu{major}")]
+        assert runtime and all(v.major == major for v in runtime), (extra, runtime)
+        assert "libtpu" not in installs
+    else:
+        libtpu = _version(installs, "libtpu")
+        # libtpu satisfies jax's own pin for its tpu extra (e.g. libtpu==0.0.42.* for jax 0.10.2).
+        pins = [Requirement(r) for r in installs["jax"].get("requires_dist", [])]
+        pins = [r for r in pins if canonicalize_name(r.name) == "libtpu"
+                and r.marker is not None and r.marker.evaluate({"extra": "tpu"})]
+        assert pins, "jax's metadata has no libtpu requirement for its tpu extra"
+        assert all(r.specifier.contains(libtpu, prereleases=True) for r in pins), (libtpu, [str(r) for r in pins])
+        assert not any(n.startswith("jax-cuda") for n in installs)
