@@ -24,6 +24,7 @@ LAYOUTS = {  # (model, EngineConfig options)
     "llama-pp2": ("llama", {"pp": 2}),
     "llama-pp2-tp2": ("llama", {"pp": 2, "tp": 2}),
     "llama-ngram": ("llama", {"speculative_method": "ngram"}),
+    "llama-draft": ("llama", {"speculative_method": "draft", "speculative_model": "llama"}),  # itself as the draft
     "mixtral": ("mixtral", {}),
     "mixtral-ep2-tp2": ("mixtral", {"ep": 2, "tp": 2}),
 }
@@ -49,6 +50,8 @@ def _engine(model: str, platform: str, **options) -> Engine:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout):
     model, options = LAYOUTS[layout]
+    if "speculative_model" in options:
+        options = {**options, "speculative_model": models[options["speculative_model"]]}
     engine = _engine(models[model], platform, **options)
     choices = engine.runner.choices
     assert (choices.platform, choices.attention_backend, choices.native_kernels) == (platform, platform, False)
