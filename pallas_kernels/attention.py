@@ -44,6 +44,15 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
 
 
+def unsupported_reason(backend: str, head_dim: int, page_size: int) -> str | None:
+    """Static. Why `backend`'s kernel cannot take these shapes (None: it can), for a model loader to ask before it
+    builds caches rather than meet a lowering error at the first jit."""
+    if backend == "gpu":
+        from pallas_kernels.gpu import unsupported_reason as gpu_reason
+        return gpu_reason(head_dim, page_size)
+    return None
+
+
 def kv_storage_dtype(dtype):
     """Trace-time. The dtype the next trace's backend stores a KV cache of logical `dtype` in (see
     `reference.kv_storage_dtype`)."""

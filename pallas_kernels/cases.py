@@ -80,3 +80,27 @@ def dense_attention(case: PagedCase, *, sm_scale: float, sliding_window: int | N
         out[start:start + ql] = np.einsum("thgl,lhd->thgd", p, v).reshape(ql, hq, d)
         start += ql
     return out
+
+
+# Named ragged batches every attention backend is checked on (tests/pallas_kernels/test_attention.py, and for real on
+# an accelerator by `python -m serving.bench accelerator`): name -> (sequences as (q_len, kv_len),
+# dict(hq, hkv, d, ps[, t token bucket, s sequence bucket]), kernel options).
+NAMED_CASES = {
+    # decode-only, KV ending exactly on a page boundary (16), just past it (17), and a 1-token context
+    "decode_only": ([(1, 16), (1, 17), (1, 1), (1, 40)], dict(hq=8, hkv=2, d=64, ps=8), {}),
+    # prefill-only: one-token prompt, prompts ending on / just past a page boundary
+    "prefill_only": ([(1, 1), (16, 16), (17, 17), (7, 7)], dict(hq=4, hkv=2, d=128, ps=16), {}),
+    # decodes mixed with a fresh prompt and a chunked-prefill continuation
+    "mixed_gqa8": ([(1, 33), (12, 12), (5, 37), (1, 8)], dict(hq=8, hkv=1, d=64, ps=8), {}),
+    "mixed_gqa1": ([(3, 20), (1, 9), (9, 9)], dict(hq=2, hkv=2, d=64, ps=32), {}),
+    "mixed_gqa4_page128": ([(1, 130), (6, 128), (2, 2)], dict(hq=8, hkv=2, d=64, ps=128), {}),
+    "sliding_window_soft_cap": ([(1, 40), (20, 27), (6, 6)], dict(hq=4, hkv=2, d=64, ps=8),
+                                dict(sliding_window=5, logit_soft_cap=4.0)),
+    # prompts longer than the kernels' query blocks (several blocks per sequence), one a chunked continuation
+    "long_prefill": ([(150, 150), (70, 200), (1, 90)], dict(hq=4, hkv=2, d=64, ps=16), {}),
+    # bucket padded past the real tokens and sequences
+    "padded_bucket": ([(1, 10), (4, 12)], dict(hq=4, hkv=1, d=64, ps=8, t=16, s=6), {}),
+}
+
+# (atol, rtol) of a backend's output against the float64 oracle (`dense_attention`), per dtype.
+TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}

@@ -16,11 +16,40 @@ from pallas_kernels import plan as plan_lib
 _NEG = -1e30
 
 
+def _head_kv(buf, h, hkv, chunk, *, ref_bitcast=True):
+    """K and V of KV head `h` from a VMEM ref `[chunk * 2Hkv, D]` of whole pages (token t's K at row 2Hkv*t + 2h,
+    its V at the next row). Mosaic's strided load takes 32-bit data only: f32 rows are loaded strided as they are;
+    for 16-bit data, rows 2h and 2h+1 of a token are one 32-bit sublane row of the packed layout, so the buffer is
+    viewed as uint32 `[chunk * Hkv, D]` (K in the low half, V in the high half, as JAX's bitcast defines it), loaded
+    with a 32-bit strided load and split, as JAX's ragged paged attention v1 and tpu-inference's v3 do.
+    `ref_bitcast=False` (the Mosaic interpreter, which takes no ref bitcast) builds the same uint32 pairs from two
+    16-bit strided loads instead."""
+    dtype = buf.dtype
+    h2 = 2 * hkv
+    if dtype.itemsize == 4:
+        return buf[pl.ds(2 * h, chunk, stride=h2), :], buf[pl.ds(2 * h + 1, chunk, stride=h2), :]
+    if dtype.itemsize != 2:
+        raise ValueError(f"the TPU attention kernel takes a 32- or 16-bit KV cache, got {dtype}")
+    if ref_bitcast:
+        pair = buf.bitcast(jnp.uint32)[pl.ds(h, chunk, stride=hkv), :]  # [chunk, D]: K | V << 16
+    else:
+        bits = [lax.bitcast_convert_type(buf[pl.ds(r, chunk, stride=h2), :], jnp.uint16).astype(jnp.uint32)
+                for r in (2 * h, 2 * h + 1)]
+        pair = bits[0] | (bits[1] << 16)
+    if dtype == jnp.bfloat16:  # a bf16 is the top half of an f32: shift / mask into place, convert exactly
+        k = pltpu.bitcast(pair << 16, jnp.float32).astype(dtype)
+        v = pltpu.bitcast(pair & jnp.uint32(0xFFFF0000), jnp.float32).astype(dtype)
+        return k, v
+    return (pltpu.bitcast((pair & jnp.uint32(0xFFFF)).astype(jnp.uint16), dtype),
+            pltpu.bitcast((pair >> 16).astype(jnp.uint16), dtype))
+
+
 def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_indices_ref,  # SMEM
             q_ref, kv_hbm_ref,  # inputs: VMEM block [1, Hkv, R, D]; HBM [P, page_size * 2Hkv, D]
             o_ref,  # output: VMEM block [1, Hkv, R, D]
             kv_buf, sems,  # scratch: VMEM [2, chunk * 2Hkv, D]; DMA semaphores [2]
-            *, rows_per_token, chunk_pages, page_size, max_pages, sm_scale, sliding_window, logit_soft_cap):
+            *, rows_per_token, chunk_pages, page_size, max_pages, sm_scale, sliding_window, logit_soft_cap,
+            ref_bitcast):
     i = pl.program_id(0)
     seq = item_seq_ref[i]
     first_pos = item_first_pos_ref[i]
@@ -70,9 +99,11 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
         for h in range(hkv):
             m, l, acc = carry[h]
             q = q_ref[0, h]  # [R, D]
-            k = kv_buf[slot, pl.ds(2 * h, chunk, stride=h2), :]  # [chunk, D]
-            v = kv_buf[slot, pl.ds(2 * h + 1, chunk, stride=h2), :]
-            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * sm_scale
+            k, v = _head_kv(kv_buf.at[slot], h, hkv, chunk, ref_bitcast=ref_bitcast)  # [chunk, D] each
+            # float32 operands: full-precision passes (the MXU would otherwise round them to bf16, as gpu.py avoids)
+            precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32) * sm_scale
             if logit_soft_cap is not None:
                 s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
             s = jnp.where(mask, s, _NEG)
@@ -80,7 +111,7 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
             p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
             alpha = jnp.exp(m - m_new)
             l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32)
             new.append((m_new, l, alpha * acc + pv))
         return tuple(new)
@@ -95,8 +126,14 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
 
 def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_rows=128, chunk_tokens=128,
-                               interpret=False):
-    """Pure. Same contract as `ragged_paged_attention_reference`, as a Mosaic TPU Pallas kernel."""
+                               interpret=False, debug=False):
+    """Pure. Same contract as `ragged_paged_attention_reference`, as a Mosaic TPU Pallas kernel.
+
+    `interpret`: False compiles for TPU; True runs Pallas's Mosaic interpreter (DMAs land at their wait, scratch
+    starts as NaN; 16-bit K/V are read as `_head_kv(ref_bitcast=False)`); "generic" runs JAX's generic
+    interpreter, which takes the compiled kernel's ref bitcast as it is. `debug` prints the Mosaic module."""
+    if interpret not in (False, True, "generic"):
+        raise ValueError(f"interpret must be False, True or 'generic', got {interpret!r}")
     t, hq, d = q.shape
     num_pages, page_size, h2, _ = kv_pages.shape
     hkv = h2 // 2
@@ -113,7 +150,7 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     kv_flat = kv_pages.reshape(num_pages, page_size * h2, d)  # free: merges two leading dims
     kernel = functools.partial(_kernel, rows_per_token=g, chunk_pages=chunk_pages, page_size=page_size,
                                max_pages=max_pages, sm_scale=sm_scale, sliding_window=sliding_window,
-                               logit_soft_cap=logit_soft_cap)
+                               logit_soft_cap=logit_soft_cap, ref_bitcast=interpret is not True)
     n_items = plan.max_items
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
@@ -129,7 +166,8 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((n_items, hkv, rows, d), q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=pltpu.InterpretParams() if interpret is True else bool(interpret),
+        debug=debug,  # True: print the kernel's jaxpr and Mosaic module when it lowers
         name="ragged_paged_attention_mosaic",
     )(plan.item_seq, plan.item_first_pos, plan.item_q_len, kv_lens.astype(jnp.int32), pages.reshape(-1),
       q_items, kv_flat)

@@ -36,7 +36,7 @@ from absl import app, flags
 
 import pallas_kernels
 from pallas_kernels import reference
-from pallas_kernels.cases import dense_attention, make_case
+from pallas_kernels.cases import NAMED_CASES, TOLERANCES, dense_attention, make_case
 from pallas_kernels.target import canonical_platform, tracing_for
 from serving.bench.harness import BENCH_WORKDIR, median_time
 
@@ -47,24 +47,6 @@ _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark mo
 STAGES = ("environment", "attention", "kv_write", "greedy_parity", "decode_roofline", "attention_bandwidth")
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY_MODEL = os.path.join(REPO_ROOT, "models", "tiny", "target")
-
-# (atol, rtol) against the float64 oracle, per dtype: those of tests/pallas_kernels/test_attention.py.
-TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
-
-# The named ragged cases of tests/pallas_kernels/test_attention.py (its CASES):
-# name: (seqs as (q_len, kv_len), dict(hq, hkv, d, ps[, t bucket, s bucket]), options).
-NAMED_CASES = {
-    "decode_only": ([(1, 16), (1, 17), (1, 1), (1, 40)], dict(hq=8, hkv=2, d=64, ps=8), {}),
-    "prefill_only": ([(1, 1), (16, 16), (17, 17), (7, 7)], dict(hq=4, hkv=2, d=128, ps=16), {}),
-    "mixed_gqa8": ([(1, 33), (12, 12), (5, 37), (1, 8)], dict(hq=8, hkv=1, d=64, ps=8), {}),
-    "mixed_gqa1": ([(3, 20), (1, 9), (9, 9)], dict(hq=2, hkv=2, d=64, ps=32), {}),
-    "mixed_gqa4_page128": ([(1, 130), (6, 128), (2, 2)], dict(hq=8, hkv=2, d=64, ps=128), {}),
-    "sliding_window_soft_cap": ([(1, 40), (20, 27), (6, 6)], dict(hq=4, hkv=2, d=64, ps=8),
-                                dict(sliding_window=5, logit_soft_cap=4.0)),
-    "long_prefill": ([(150, 150), (70, 200), (1, 90)], dict(hq=4, hkv=2, d=64, ps=16), {}),
-    "padded_bucket": ([(1, 10), (4, 12)], dict(hq=4, hkv=1, d=64, ps=8, t=16, s=6), {}),
-}
-
 
 def _decodes(n: int, longest: int) -> Callable[[np.random.Generator], list]:
     """n decodes with random contexts up to `longest`, the first ones on and just past a page boundary."""

@@ -19,6 +19,7 @@ from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
 from models.transformer import CausalLM, init_kv_caches
 from models.weights import is_orbax_dir, load_hf_model, load_model
+from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
 from serving import ledger
@@ -135,6 +136,9 @@ class ModelRunner:
         self.model_config: ModelConfig = model.config
         self.load_time_s = time.perf_counter() - t0
         mc = self.model_config
+        reason = unsupported_reason(self.choices.attention_backend, mc.head_dim, config.page_size)
+        if reason:
+            raise ValueError(f"{config.model}: {reason}")
         cpu_panels = self.choices.native_kernels
         self.num_pages = kv_cache_pages(config, mc, head_screen=self.choices.greedy_head_screen)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pallas_kernels
 from pallas_kernels import cpu, gpu, native, reference, tpu
-from pallas_kernels.cases import dense_attention, make_case
+from pallas_kernels.cases import NAMED_CASES as CASES, dense_attention, make_case
 
 NATIVE = [f"native-{isa}" for isa in native.runnable_isas()]  # none where the kernels cannot be built
 BACKENDS = {
@@ -25,24 +25,6 @@ BACKENDS = {
     **{name: native.ragged_paged_attention for name in NATIVE},
     "gpu_interpret": functools.partial(gpu.ragged_paged_attention_gpu, interpret=True),
     "tpu_interpret": functools.partial(tpu.ragged_paged_attention_tpu, interpret=True),
-}
-
-# name: (seqs as (q_len, kv_len), dict(Hq, Hkv, D, page_size, T bucket, S bucket), options)
-CASES = {
-    # decode-only, KV ending exactly on a page boundary (16), just past it (17), and a 1-token context
-    "decode_only": ([(1, 16), (1, 17), (1, 1), (1, 40)], dict(hq=8, hkv=2, d=64, ps=8), {}),
-    # prefill-only: one-token prompt, prompts ending on / just past a page boundary
-    "prefill_only": ([(1, 1), (16, 16), (17, 17), (7, 7)], dict(hq=4, hkv=2, d=128, ps=16), {}),
-    # decodes mixed with a fresh prompt and a chunked-prefill continuation
-    "mixed_gqa8": ([(1, 33), (12, 12), (5, 37), (1, 8)], dict(hq=8, hkv=1, d=64, ps=8), {}),
-    "mixed_gqa1": ([(3, 20), (1, 9), (9, 9)], dict(hq=2, hkv=2, d=64, ps=32), {}),
-    "mixed_gqa4_page128": ([(1, 130), (6, 128), (2, 2)], dict(hq=8, hkv=2, d=64, ps=128), {}),
-    "sliding_window_soft_cap": ([(1, 40), (20, 27), (6, 6)], dict(hq=4, hkv=2, d=64, ps=8),
-                                dict(sliding_window=5, logit_soft_cap=4.0)),
-    # prompts longer than the kernels' query blocks (several blocks per sequence), one a chunked continuation
-    "long_prefill": ([(150, 150), (70, 200), (1, 90)], dict(hq=4, hkv=2, d=64, ps=16), {}),
-    # bucket padded past the real tokens and sequences
-    "padded_bucket": ([(1, 10), (4, 12)], dict(hq=4, hkv=1, d=64, ps=8, t=16, s=6), {}),
 }
 
 
@@ -212,3 +194,51 @@ def test_bf16_cache_is_never_copied_whole_on_cpu():
         assert op in ("parameter", "bitcast", "get-tuple-element", "fusion", "scatter"), f"whole-cache {op}"
     fusions = re.findall(rf"^\s*%(\S+) = u16\[({num_pages}|{num_pages * 16}),[^=]*?\sfusion\(", hlo, re.M)
     assert fusions and all("scatter" in name for name, _ in fusions), fusions
+
+
+def _kernel_out(fn, case, **kw):
+    args = [jnp.asarray(a) for a in case.attention_args()]
+    return np.asarray(jax.jit(functools.partial(fn, sm_scale=case.q.shape[-1] ** -0.5, **kw))(*args)
+                      .astype(jnp.float32))
+
+
+@pytest.mark.parametrize("options", [{}, dict(sliding_window=100, logit_soft_cap=20.0)])
+@pytest.mark.parametrize("split_kw", [{}, dict(num_splits=8), dict(num_splits=3, step_tokens=32),
+                                      dict(num_splits=4, step_tokens=8)])  # 8: half a page per step
+def test_gpu_split_k_at_batch_1_short_context_in_a_long_block_table(options, split_kw):
+    """A 300-token context in a 4096-token block table: the splits share the real pages (from kv_len at run
+    time), and the merged result is the oracle's."""
+    case = make_case(np.random.default_rng(5), [(1, 300)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
+                     max_pages=256)
+    out = _kernel_out(gpu.ragged_paged_attention_gpu, case, interpret=True, **split_kw, **options)
+    _check(out, case, options, atol=2e-5, rtol=2e-5)
+
+
+def test_gpu_splits_share_the_real_steps():
+    """Every split's steps, for ranges of every length: disjoint, in order, covering exactly the range; with a
+    wide table and a short context (3 steps, 8 splits) the work is spread, not left to split 0."""
+    for num_splits, min_steps in [(1, 1), (3, 1), (8, 1), (8, 2), (16, 4)]:
+        for lo in (0, 1, 127, 128, 700):
+            for hi in range(0, 1300, 37):
+                b, e = gpu.split_steps(jnp.int32(lo), jnp.int32(hi), jnp.arange(num_splits), block_k=128,
+                                       num_splits=num_splits, min_split_steps=min_steps)
+                b, e = np.asarray(b), np.asarray(e)
+                s_lo, s_hi = lo // 128, max(-(-hi // 128), lo // 128)
+                assert (b <= e).all() and b[0] == s_lo and e[-1] == s_hi and (b[1:] == e[:-1]).all()
+                per = max(-(-(s_hi - s_lo) // num_splits), min_steps)
+                assert (e - b).max() == min(per, s_hi - s_lo)
+    b, e = gpu.split_steps(jnp.int32(0), jnp.int32(300), jnp.arange(8), block_k=128, num_splits=8, min_split_steps=1)
+    assert np.asarray(e - b).tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("dtype,hkv,d", [(jnp.bfloat16, 1, 64), (jnp.bfloat16, 3, 128), (jnp.float16, 2, 64)])
+def test_tpu_16bit_kv_read_as_uint32_pairs(dtype, hkv, d):
+    """16-bit K/V reach the TPU kernel as uint32 (K | V << 16) rows: through the ref bitcast the compiled kernel
+    uses (JAX's generic interpreter) and through the Mosaic interpreter's stand-in, the same bits and the oracle's
+    result."""
+    case = make_case(np.random.default_rng(hkv * d), [(1, 25), (9, 9), (4, 40)], num_q_heads=2 * hkv,
+                     num_kv_heads=hkv, head_dim=d, page_size=16, dtype=dtype)
+    mosaic = _kernel_out(tpu.ragged_paged_attention_tpu, case, interpret=True)
+    generic = _kernel_out(tpu.ragged_paged_attention_tpu, case, interpret="generic")
+    np.testing.assert_array_equal(generic, mosaic)
+    _check(generic, case, {}, atol=3e-2, rtol=3e-2)

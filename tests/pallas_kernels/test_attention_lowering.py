@@ -4,6 +4,7 @@ A change that breaks either kernel's lowering fails here without an accelerator.
 the platform's MLIR (Pallas -> Triton / Mosaic), not the accelerator compiler that runs afterwards.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ CONFIGS = {
     "f32_d64_ps8_gqa1": dict(dtype=jnp.float32, d=64, ps=8, hq=2, hkv=2),
     "bf16_d256_ps128_gqa8": dict(d=256, ps=128, hq=8, hkv=1, max_pages=2),
     "decode_bucket": dict(t=16, s=16),
+    "batch1_long_table": dict(t=8, s=1, max_pages=8192),  # 128K-token block table: split-K over the real pages
+    "f16_d64_gqa4": dict(dtype=jnp.float16, d=64),
 }
 OPTIONS = {"plain": {}, "window_softcap": dict(sliding_window=64, logit_soft_cap=30.0)}
 KERNELS = {"cuda": gpu.ragged_paged_attention_gpu, "tpu": tpu.ragged_paged_attention_tpu}
@@ -54,3 +57,49 @@ def test_tpu_kv_write_lowers_aliased():
             jax.ShapeDtypeStruct((32, 2, 128), jnp.bfloat16), jax.ShapeDtypeStruct((32,), jnp.int32))
     text = _lower(tpu.write_kv_tpu, args, "tpu", donate_argnums=0)
     assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("config", ["bf16_d128_ps16", "f32_d64_ps8_gqa1", "bf16_d256_ps128_gqa8", "f16_d64_gqa4"])
+def test_tpu_kernel_strided_loads_are_32_bit(capsys, config):
+    """Mosaic's strided load takes 32-bit data only: 16-bit K/V are read through a uint32 view of the VMEM buffer
+    (`tpu._head_kv`), never by a strided load on bf16/f16 (which lowered to MLIR here but fails in Mosaic's
+    compiler on a TPU). Checked on the Mosaic module the kernel lowers to."""
+    fn = functools.partial(tpu.ragged_paged_attention_tpu, sm_scale=0.1, debug=True)
+    _lower(fn, _abstract_args(**CONFIGS[config]), "tpu")
+    module = capsys.readouterr().out
+    loads = re.findall(r"tpu\.strided_load [^\n]*: memref<[0-9x]*x(\w+),", module)
+    assert set(loads) <= {"i32", "f32"}, loads
+    if CONFIGS[config].get("hkv", 2) > 1:  # one KV head: K and V rows alternate, a stride-1 load
+        assert loads
+    if CONFIGS[config].get("dtype", jnp.bfloat16) != jnp.float32:
+        assert re.search(r"tpu\.memref_bitcast [^\n]*x(bf16|f16),[^\n]*-> memref<[0-9x]*xi32", module)
+
+
+def test_gpu_kernel_refuses_head_dim_80_with_a_clear_error():
+    fn = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=0.1)
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 80"):
+        _lower(fn, _abstract_args(d=80), "cuda")
+    assert gpu.unsupported_reason(80, 16) and gpu.unsupported_reason(128, 16) is None
+
+
+def test_gpu_kernel_addresses_a_cache_past_2_31_elements_with_64_bit_offsets(capsys):
+    """A KV cache of more than 2^31 elements (4 GiB of bf16): the page loads' offsets are 64-bit."""
+    fn = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=0.1, debug=True)
+    kv_loads = r"tt\.addptr [^\n]*x!tt\.ptr<bf16>>, tensor<\d+x16x128x(i\d+)>"  # [pages, page_size, D] gathers
+    for num_pages, offsets in [(1024, "i32"), (70_000, "i64")]:  # 70,000 x 16 x 16 x 128 > 2^31
+        args = list(_abstract_args(hkv=8, hq=32, max_pages=64))
+        args[1] = jax.ShapeDtypeStruct((num_pages, 16, 16, 128), jnp.bfloat16)
+        _lower(fn, args, "cuda")
+        assert set(re.findall(kv_loads, capsys.readouterr().out)) == {offsets}
+
+
+@pytest.mark.parametrize("config,tile", [("bf16_d128_ps16", "8x16x128"), ("bf16_d256_ps128_gqa8", "64x256"),
+                                         ("f32_d64_ps8_gqa1", "8x8x64")])
+def test_gpu_kernel_reads_a_step_of_pages_per_loop_iteration(capsys, config, tile):
+    """Each loop step reads `gpu.default_step_tokens` KV tokens of one head: 8 pages of 16 (128 tokens) at bf16
+    head_dim 128, half a 128-token page at head_dim 256 (two stages of K and V within shared memory), and no more
+    pages than the block table has (8 pages of 8 tokens in a table of 8)."""
+    fn = functools.partial(gpu.ragged_paged_attention_gpu, sm_scale=0.1, debug=True)
+    _lower(fn, _abstract_args(**CONFIGS[config]), "cuda")
+    kv_tiles = re.findall(r"tt\.addptr [^\n]*: tensor<([0-9x]+)x!tt\.ptr<(?:bf16|f32)>", capsys.readouterr().out)
+    assert tile in kv_tiles, kv_tiles

@@ -73,6 +73,13 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
         engine.warmup()  # these programs are not this host's
 
 
+def test_a_head_dim_the_gpu_kernel_cannot_take_fails_at_load(tmp_path):
+    path = hf_models.save_config(tf.LlamaConfig(**{**SHAPE, "hidden_size": 320, "num_attention_heads": 4}), tmp_path)
+    with pytest.raises(ValueError, match="power-of-two head_dim >= 16, got 80"):
+        _engine(path, "gpu")
+    assert _engine(path, "tpu").lower_programs()  # the Mosaic kernel takes it (as far as lowering from CPU shows)
+
+
 def test_the_check_catches_cpu_only_pieces(models):
     """The same lowering for this CPU: its programs do carry the CPU-only pieces the test above rules out."""
     engine = _engine(models["llama"], "cpu")
