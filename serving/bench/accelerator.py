@@ -38,7 +38,7 @@ import pallas_kernels
 from pallas_kernels import reference
 from pallas_kernels.cases import NAMED_CASES, TOLERANCES, dense_attention, make_case
 from pallas_kernels.target import canonical_platform, tracing_for
-from serving.bench.harness import BENCH_WORKDIR, median_time
+from serving.bench.harness import BENCH_WORKDIR, best_time, median_time
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "tiny shapes, kernels in interpret mode on CPU (automatic on a CPU host)")
 _STAGES = flags.DEFINE_list("stages", [], "stages to run (default: all, in order)")
@@ -400,13 +400,7 @@ def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
     `repeats`, on the default device."""
     x = jnp.ones((nbytes // 2,), jnp.bfloat16)
     fn = jax.jit(jnp.copy)
-    jax.block_until_ready(fn(x))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        best = min(best, time.perf_counter() - t0)
-    return 2 * x.nbytes / best
+    return 2 * x.nbytes / best_time(lambda: jax.block_until_ready(fn(x)), repeats)
 
 
 TOKEN_BUDGET = 512  # the decode-roofline engine's max_num_batched_tokens

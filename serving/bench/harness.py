@@ -39,16 +39,25 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of `repeats` calls of `fn` after one untimed call (compilation, first touch); `fn` waits for
-    its own result (jax.block_until_ready)."""
+def _times(fn: Callable[[], object], repeats: int) -> list[float]:
     fn()
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of `repeats` calls of `fn` after one untimed call (compilation, first touch); `fn` waits for
+    its own result (jax.block_until_ready)."""
+    return statistics.median(_times(fn, repeats))
+
+
+def best_time(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of `repeats` calls of `fn` after one untimed call (for bandwidth: the machine's best case)."""
+    return min(_times(fn, repeats))
 
 
 def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, *, huge_pages: bool | None = None) -> float:
@@ -69,13 +78,7 @@ def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, *, huge_pages: bool 
     else:
         x = jnp.ones((nbytes // 4,), jnp.float32)
     fn = jax.jit(lambda a: jnp.sum(a))
-    jax.block_until_ready(fn(x))
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return nbytes / best_time(lambda: jax.block_until_ready(fn(x)), repeats)
 
 
 def _cell(c) -> str:
