@@ -14,7 +14,7 @@ import time
 from absl import app, flags
 
 from models.synthetic import random_llama
-from serving.process import REPO_ROOT as REPO, ReadyFileProcess
+from serving.process import REPO_ROOT as REPO, ReadyFileProcess, start_process as Process
 
 _MODEL = flags.DEFINE_string("model", None, "HF or Orbax model directory (default: the embedded model)")
 _SERVE = flags.DEFINE_bool("serve", False, "keep serving after the demo requests (Ctrl-C stops)")
@@ -38,12 +38,6 @@ def default_model_dir(workdir: str) -> str:
         return EMBEDDED
     # No shipped model: a random one (its text is noise).
     return random_llama(os.path.join(workdir, "random-llama"), hidden_size=128, intermediate_size=256)
-
-
-def Process(name: str, args: list[str], workdir: str) -> ReadyFileProcess:
-    """A started child process that writes <workdir>/<name>.ready.json when it serves."""
-    return ReadyFileProcess(name, args, workdir, env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
-                            ready_timeout_s=600.0).start()
 
 
 def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) -> tuple[bool, str]:

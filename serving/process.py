@@ -105,3 +105,9 @@ class ServerProcess(ReadyFileProcess):
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM and wait; returns the exit code (killed after `timeout`)."""
         return self.stop(timeout=timeout)
+
+
+def start_process(name: str, args: list[str], workdir: str) -> ReadyFileProcess:
+    """A started child process (`python <args>`) that writes <workdir>/<name>.ready.json when it serves."""
+    return ReadyFileProcess(name, args, workdir, env={"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+                            ready_timeout_s=600.0).start()

@@ -8,7 +8,7 @@ import subprocess
 import grpc
 import pytest
 
-from serving.demo import Process
+from serving.process import start_process as Process
 from serving.server.client import Client, ClientError, generate_request
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 from models.synthetic import shared_small_llama
