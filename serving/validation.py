@@ -1,11 +1,16 @@
 """Request checks shared by the instance server and the gateway (which must not import serving.core), pure Python with
-no gRPC or NumPy: sampling parameters (`check_sampling`) and a GenerateRequest's size, id, priority and context
-(`check_request_header`, `check_context`). Errors are ValueErrors naming the field, the value and the valid range."""
+no gRPC or NumPy: sampling parameters (`check_sampling`, `check_vocabulary`; `sampling_fields` reads them from the
+proto) and a GenerateRequest's size, id, priority and context (`check_request_header`, `check_context`). Errors are
+ValueErrors naming the field, the value and the valid range."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 MAX_LOGPROBS = 20  # top-n alternatives returned per token; the sampler's static top-n is this wide
+MAX_N = 16  # samples per request (SamplingParams.n)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range [-100, 100])
 _INT64_MIN, _UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
 BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens")
 
@@ -45,9 +50,34 @@ def check_sampling(p) -> None:
             raise ValueError(f"stop_token_ids must hold token ids >= 0, got {t!r}")
     if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
         raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {p.logprobs!r}")
+    if not _is_int(p.n) or not 1 <= p.n <= MAX_N:
+        raise ValueError(f"n must be an integer in [1, {MAX_N}], got {p.n!r}")
+    if p.logit_bias is not None:
+        check_logit_bias(p.logit_bias)
     for name in BOOL_FIELDS:
         if not isinstance(getattr(p, name), bool):
             raise ValueError(f"{name} must be a bool, got {getattr(p, name)!r}")
+
+
+def check_logit_bias(bias) -> None:
+    """A {token id: bias} mapping: at most MAX_LOGIT_BIAS entries, ids >= 0, biases in [-100, 100]."""
+    if not isinstance(bias, Mapping):
+        raise ValueError(f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}")
+    for t, b in bias.items():
+        if not _is_int(t) or t < 0:
+            raise ValueError(f"logit_bias: token ids must be integers >= 0, got {t!r}")
+        check_float(f"logit_bias[{t}]", b, lo=-LOGIT_BIAS_LIMIT, hi=LOGIT_BIAS_LIMIT)
+
+
+def check_vocabulary(p, vocab_size: int) -> None:
+    """The token ids of valid sampling parameters `p` (stop_token_ids, logit_bias) against a vocabulary of
+    `vocab_size` tokens; raises ValueError naming the field and the id."""
+    for name, ids in (("stop_token_ids", p.stop_token_ids), ("logit_bias", p.logit_bias or ())):
+        for t in ids:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"{name}: token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
 def check_float(name: str, value, *, lo: float | None = None, hi: float | None = None,
@@ -62,6 +92,24 @@ def check_float(name: str, value, *, lo: float | None = None, hi: float | None =
 
 
 # ---------------------------------------------------------------------------- GenerateRequest checks
+# meshserve.v1 SamplingParameters fields whose unset value means "the default" (proto3 `optional`).
+OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "n",
+                            "skip_special_tokens", "spaces_between_special_tokens")
+
+
+def sampling_fields(sp) -> dict:
+    """A meshserve.v1 SamplingParameters (duck-typed) as SamplingParams keywords; unset optional fields are left
+    out, so they take SamplingParams' defaults."""
+    kw = dict(min_tokens=sp.min_tokens, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
+              frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids),
+              include_stop_str_in_output=sp.include_stop_str_in_output, ignore_eos=sp.ignore_eos,
+              logit_bias=dict(sp.logit_bias) or None)
+    for name in OPTIONAL_SAMPLING_FIELDS:
+        if sp.HasField(name):
+            kw[name] = getattr(sp, name)
+    return kw
+
+
 # The instance server (serving.server.servicer) and the gateway (serving.gateway.validation) run these with the
 # same messages; `req` is a meshserve.v1 GenerateRequest, read by duck typing (no protobuf import here).
 MAX_REQUEST_ID_CHARS = 256

@@ -1,6 +1,6 @@
 """`AsyncEngine`: the engine on a background thread that alone touches it, with an asyncio interface for servers
-(`generate` streams one request's StepOutputs; `abort`, `call`, `shutdown`, `kill`); `EngineDeadError` once that
-thread is gone. Details: docs/engine.md."""
+(`generate` streams one request's StepOutputs, all its samples' when n > 1; `abort`, `call`, `shutdown`, `kill`);
+`EngineDeadError` once that thread is gone. Details: docs/engine.md."""
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +30,8 @@ class AsyncEngine:
         self.engine = engine
         self._commands: collections.deque[Callable[[], None]] = collections.deque()
         self._wake = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # request id -> [its caller's loop, its queue, samples not finished yet]
+        self._streams: dict[str, list] = {}
         self._stopping = False
         self._error: BaseException | None = None
         self.step_listeners: list[Callable[[ServingEngine, float], None]] = []  # called after each step (metrics)
@@ -41,12 +42,14 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        priority: int = Priority.INTERACTIVE, deadline: float | None = None
                        ) -> AsyncIterator[StepOutput]:
-        """Admits the request (raising ValueError / QueueFullError at once) and yields its outputs."""
+        """Admits the request (raising ValueError / QueueFullError at once) and yields its outputs (every sample's,
+        told apart by StepOutput.index, until all have finished)."""
         request = self.engine.make_request(request_id, prompt, params, priority=priority, deadline=deadline)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         admitted = await asyncio.wrap_future(self._call(lambda: self._admit(request, loop, queue)))
         del admitted
+        remaining = len(request.samples)
         finished = False
         try:
             while True:
@@ -54,7 +57,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise out
                 yield out
-                if out.finished:
+                remaining -= out.finished
+                if not remaining:
                     finished = True
                     return
         finally:
@@ -112,12 +116,11 @@ class AsyncEngine:
 
     def _admit(self, request, loop, queue) -> bool:
         self.engine.add_request(request)
-        self._streams[request.request_id] = (loop, queue)
+        self._streams[request.request_id] = [loop, queue, len(request.samples)]
         return True
 
     def _abort(self, request_id: str, reason: FinishReason) -> None:
-        out = self.engine.abort(request_id, reason)
-        if out is not None:
+        for out in self.engine.abort(request_id, reason):
             self._deliver(out)
 
     def _deliver(self, out: StepOutput) -> None:
@@ -125,8 +128,10 @@ class AsyncEngine:
         if stream is None:
             return
         if out.finished:
-            del self._streams[out.request_id]
-        loop, queue = stream
+            stream[2] -= 1
+            if not stream[2]:
+                del self._streams[out.request_id]
+        loop, queue = stream[0], stream[1]
         try:
             loop.call_soon_threadsafe(queue.put_nowait, out)
         except RuntimeError:  # the caller's loop is closed: nobody is listening
@@ -145,7 +150,7 @@ class AsyncEngine:
 
     def _fail_all(self, err: BaseException) -> None:
         for rid in list(self._streams):
-            loop, queue = self._streams.pop(rid)
+            loop, queue, _ = self._streams.pop(rid)
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, err)
             except RuntimeError:

@@ -1,6 +1,6 @@
-"""`BlockManager`: the KV cache's pages (free list, reference counts, per-request block tables) and the prefix cache
-(full blocks keyed by their parent block's id and their tokens, compared exactly on a hit, evicted in LRU order).
-Details: docs/engine.md."""
+"""`BlockManager`: the KV cache's pages (free list, reference counts, per-request block tables, forks sharing a
+request's pages with another) and the prefix cache (full blocks keyed by their parent block's id and their tokens,
+compared exactly on a hit, evicted in LRU order). Details: docs/engine.md."""
 from __future__ import annotations
 
 import collections
@@ -25,6 +25,7 @@ class BlockManager:
         self.cache: dict[tuple, int] = {}  # (parent_id, tokens) -> page
         self.page_key: list[tuple | None] = [None] * num_pages
         self.page_prefix_id: list[int] = [ROOT_PREFIX_ID] * num_pages
+        self.forked = [False] * num_pages  # shared by fork() (until no one holds it): may be shared uncached
         self._next_prefix_id = itertools.count(ROOT_PREFIX_ID + 1)
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -66,7 +67,7 @@ class BlockManager:
 
     # ---- mutations -----------------------------------------------------------------------------------------
     def acquire_cached(self, request: Request, pages: list[int], prefix_ids: list[int]) -> None:
-        """Starts an empty request's block table with prefix-cache hits from match_prefix."""
+        """Starts an empty request's block table with prefix-cache hits from match_prefix (or pages of a fork)."""
         assert not request.block_table, "acquire_cached on a request that already holds pages"
         refs = self.ref_counts
         for p in pages:
@@ -76,6 +77,17 @@ class BlockManager:
         request.block_table = list(pages)
         request.block_prefix_ids = list(prefix_ids)
         request.num_computed_tokens = len(pages) * self.page_size
+
+    def fork(self, holder, source, num_pages: int) -> None:
+        """Shares the first `num_pages` pages of `source`'s block table with `holder` (an empty Request, or a
+        SampleGroup), by reference count, with their prefix-cache ids: the samples of an n > 1 request read their
+        prompt's K/V from the same pages, prefix caching or not. The pages must hold computed K/V (or be computed
+        by a step that runs before any step of `holder`) and are never written again while shared."""
+        pages = source.block_table[:num_pages]
+        assert len(pages) == num_pages, f"fork of {num_pages} pages from {source}, which holds {len(pages)}"
+        for p in pages:
+            self.forked[p] = True
+        self.acquire_cached(holder, pages, source.block_prefix_ids[:num_pages])
 
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grows the block table to hold `num_tokens` tokens. All or nothing: False if pages are short."""
@@ -112,7 +124,12 @@ class BlockManager:
                 ids.append(self.page_prefix_id[existing])
                 continue
             page = table[i]
-            assert self.page_key[page] is None, "page registered twice"
+            if self.page_key[page] is not None:
+                # a forked page a sibling sample registered under its own chain (same tokens, the parent block's
+                # other cache id): continue along that chain
+                assert self.forked[page] and self.page_key[page][1] == key[1], "page registered twice"
+                ids.append(self.page_prefix_id[page])
+                continue
             prefix_id = next(self._next_prefix_id)
             self.cache[key] = page
             self.page_key[page] = key
@@ -121,14 +138,7 @@ class BlockManager:
 
     def free(self, request: Request) -> None:
         """Drops the request's references; cached pages become evictable, tail blocks first (they are rarer)."""
-        refs = self.ref_counts
-        for page in reversed(request.block_table):
-            refs[page] -= 1
-            if refs[page] == 0:
-                if self.page_key[page] is not None:
-                    self.evictable[page] = None
-                else:
-                    self.free_pages.append(page)
+        self._release(reversed(request.block_table))
         request.block_table = []  # a new list: a batch already built from the old one stays valid
         request.block_prefix_ids = []
         request.num_computed_tokens = 0
@@ -136,25 +146,33 @@ class BlockManager:
     def truncate(self, request: Request, num_computed_tokens: int) -> int:
         """Rolls the request's K/V back to `num_computed_tokens` (e.g. rejected draft tokens), freeing tail pages.
 
-        A partly kept page that is a shared cached block must not be written again, so the roll-back then goes
-        to that block's start. Returns the new num_computed_tokens.
+        A partly kept page that is a shared cached (or forked) block must not be written again, so the roll-back
+        then goes to that block's start. Returns the new num_computed_tokens.
         """
         n = min(num_computed_tokens, request.num_computed_tokens)
         ps = self.page_size
         keep = -(-n // ps)
-        if n % ps and self.page_key[request.block_table[keep - 1]] is not None:
+        if n % ps and (self.page_key[request.block_table[keep - 1]] is not None
+                       or self.forked[request.block_table[keep - 1]]):
             keep -= 1
             n = keep * ps
-        refs = self.ref_counts
-        for page in reversed(request.block_table[keep:]):
-            refs[page] -= 1
-            if refs[page] == 0:
-                (self.evictable.__setitem__(page, None) if self.page_key[page] is not None
-                 else self.free_pages.append(page))
+        self._release(reversed(request.block_table[keep:]))
         request.block_table = request.block_table[:keep]
         del request.block_prefix_ids[n // ps:]
         request.num_computed_tokens = n
         return n
+
+    def _release(self, pages: Iterable[int]) -> None:
+        """Drops one reference to each page; a page no one holds becomes evictable (cached) or free."""
+        refs = self.ref_counts
+        for page in pages:
+            refs[page] -= 1
+            if refs[page] == 0:
+                self.forked[page] = False
+                if self.page_key[page] is not None:
+                    self.evictable[page] = None
+                else:
+                    self.free_pages.append(page)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block (e.g. after new weights are loaded). Returns how many were dropped."""
@@ -168,7 +186,8 @@ class BlockManager:
 
     # ---- invariants (tests) --------------------------------------------------------------------------------
     def check_invariants(self, requests: Iterable[Request]) -> None:
-        """Raises AssertionError if the books disagree with the block tables of `requests` (all live requests)."""
+        """Raises AssertionError if the books disagree with the block tables of `requests` (all live requests, and
+        every other holder of pages: a SampleGroup's fork)."""
         counts = [0] * self.num_pages
         for r in requests:
             assert len(set(r.block_table)) == len(r.block_table), f"{r} holds a page twice"
@@ -186,7 +205,10 @@ class BlockManager:
             if p in idle:
                 assert self.page_key[p] is not None, f"evictable page {p} is not cached"
             if counts[p] > 1:
-                assert self.page_key[p] is not None, f"page {p} shared by {counts[p]} requests but not cached"
+                assert self.page_key[p] is not None or self.forked[p], (
+                    f"page {p} shared by {counts[p]} requests but not cached (nor forked)")
+            if counts[p] == 0:
+                assert not self.forked[p], f"page {p} is marked forked but no one holds it"
         assert {self.cache[k]: k for k in self.cache} == {p: k for p, k in enumerate(self.page_key)
                                                           if k is not None}, "cache index disagrees with pages"
 

@@ -186,9 +186,9 @@ class DataParallelEngine:
             self._next = (i + 1) % dp
             return
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[StepOutput]:
         owner = self._owner.pop(request_id, None)
-        return owner.abort(request_id, reason) if owner else None
+        return owner.abort(request_id, reason) if owner else []
 
     def has_unfinished(self) -> bool:
         return any(r.has_unfinished() for r in self.replicas)
@@ -208,7 +208,7 @@ class DataParallelEngine:
                 if r.last_step is not before:
                     records.append(r.last_step)
         for o in outputs:
-            if o.finished:
+            if o.finished and all(r.is_finished for r in o.request.samples):
                 self._owner.pop(o.request_id, None)
         if records:
             self.last_step = StepRecord(

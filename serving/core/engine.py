@@ -23,6 +23,7 @@ from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.speculative import SpeculativeDecoder
+from serving.validation import check_vocabulary
 from sharding.multihost import local_value
 
 log = logging.getLogger(__name__)
@@ -189,20 +190,23 @@ class Engine:
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        if params.seed is None:
+        check_vocabulary(params, vocab)
+        if params.seed is None:  # (an n > 1 request's samples derive theirs from it: request.sample_seed)
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2 ** 31)))
         now = time.monotonic() if arrival_time is None else arrival_time
         return Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
                        eos_token_ids=self.eos_token_ids)
 
     def add_request(self, request: Request) -> None:
-        """Queues a request (raises ValueError / PromptTooLongError / QueueFullError before queueing)."""
+        """Queues a request, with every sample of an n > 1 one (raises ValueError / PromptTooLongError /
+        QueueFullError before queueing)."""
         self.scheduler.add_request(request)
-        self.outputs.add(request)
+        for sample in request.samples:
+            self.outputs.add(sample)
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> StepOutput | None:
-        out = self.scheduler.finish_request(request_id, reason)
-        return self.outputs.final(out) if out else None
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[StepOutput]:
+        """Ends the request (all its samples) now; returns the final output of each sample it ended."""
+        return [self.outputs.final(o) for o in self.scheduler.finish_group(request_id, reason)]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._pending is not None or self._older is not None
@@ -234,10 +238,11 @@ class Engine:
 
     @staticmethod
     def _fast_greedy(sched: SchedulerOutput) -> bool:
-        """Every sequence that samples takes the plain argmax (the forward's own tokens; no sampling program)."""
+        """Every sequence that samples takes the plain argmax (the forward's own tokens; no sampling program). A
+        logit bias takes the sampling program, whose argmax is the biased one."""
         for s in sched.scheduled:
             p = s.request.sampling_params
-            if s.sample and (not p.is_greedy or p.has_penalties or p.logprobs is not None):
+            if s.sample and (not p.is_greedy or p.has_penalties or p.logprobs is not None or p.logit_bias):
                 return False
         return True
 
@@ -347,9 +352,9 @@ class Engine:
             lost = True
             self.runner.reset_kv_caches()
         outputs = []
-        for rid in victims:
-            out = self.scheduler.finish_request(rid, FinishReason.ERROR, stop_reason=f"{type(error).__name__}: {error}")
-            if out is not None:
+        for rid in victims:  # (every sample of an n > 1 request: the K/V they share may be lost)
+            for out in self.scheduler.finish_group(rid, FinishReason.ERROR,
+                                                   stop_reason=f"{type(error).__name__}: {error}"):
                 outputs.append(self.outputs.final(out))
         if lost:
             self.scheduler.block_manager.reset_prefix_cache()  # cached blocks pointed into the lost pages

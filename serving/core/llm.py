@@ -1,5 +1,5 @@
 """LLM: the offline API. `LLM(model_dir).generate(prompts, sampling_params)` runs every prompt to completion
-with continuous batching and returns the completions in prompt order."""
+with continuous batching and returns the completions in prompt order (each with its n samples: `Completion.outputs`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,15 +15,35 @@ from serving.core.scheduler import QueueFullError
 
 
 @dataclasses.dataclass
-class Completion:
-    request_id: str
-    prompt_token_ids: list[int]
+class CompletionOutput:
+    """One sample of a completion."""
+    index: int
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None
     stop_reason: int | str | None
     logprobs: list[Logprob] | None
     metrics: RequestMetrics
+
+
+def _sample_0(name: str) -> property:
+    return property(lambda self: getattr(self.outputs[0], name), doc=f"sample 0's {name}")
+
+
+@dataclasses.dataclass
+class Completion:
+    """One prompt's completion: every sample in `outputs` (SamplingParams.n of them, sample 0 first); token_ids, text,
+    finish_reason, stop_reason, logprobs and metrics are sample 0's."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    token_ids = _sample_0("token_ids")
+    text = _sample_0("text")
+    finish_reason = _sample_0("finish_reason")
+    stop_reason = _sample_0("stop_reason")
+    logprobs = _sample_0("logprobs")
+    metrics = _sample_0("metrics")
 
 
 class LLM:
@@ -47,16 +67,18 @@ class LLM:
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         requests = [self.engine.make_request(f"offline-{next(self._ids)}", p, sp, priority=priority)
                     for p, sp in zip(prompts, params)]
-        pieces: dict[str, list[str]] = {r.request_id: [] for r in requests}
-        logprobs: dict[str, list[Logprob]] = {r.request_id: [] for r in requests}
+        samples = [s for r in requests for s in r.samples]
+        pieces: dict[str, list[str]] = {s.request_id: [] for s in samples}
+        logprobs: dict[str, list[Logprob]] = {s.request_id: [] for s in samples}
         finals: dict[str, StepOutput] = {}
 
         def collect(o: StepOutput):
-            pieces[o.request_id].append(o.new_text)
+            rid = o.request.request_id  # the sample's own id
+            pieces[rid].append(o.new_text)
             if o.logprobs:
-                logprobs[o.request_id].extend(o.logprobs)
+                logprobs[rid].extend(o.logprobs)
             if o.finished:
-                finals[o.request_id] = o
+                finals[rid] = o
 
         pending = list(requests)
         while pending or self.engine.has_unfinished():
@@ -70,9 +92,11 @@ class LLM:
                 collect(o)
         out = []
         for r in requests:
-            f = finals[r.request_id]
-            out.append(Completion(r.request_id, r.prompt_token_ids, r.output_token_ids, "".join(pieces[r.request_id]),
-                                  f.finish_reason, f.stop_reason,
-                                  logprobs[r.request_id] if r.sampling_params.logprobs is not None else None,
-                                  r.metrics))
+            outputs = []
+            for s in r.samples:
+                f = finals[s.request_id]
+                outputs.append(CompletionOutput(
+                    s.sample_index, s.output_token_ids, "".join(pieces[s.request_id]), f.finish_reason, f.stop_reason,
+                    logprobs[s.request_id] if s.sampling_params.logprobs is not None else None, s.metrics))
+            out.append(Completion(r.request_id, r.prompt_token_ids, outputs))
         return out

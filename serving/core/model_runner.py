@@ -28,7 +28,7 @@ from serving.core.batch import BatchBuilder
 from serving.core.config import DTYPES, EngineConfig
 from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
-from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from sharding.experts import balanced_placement, identity_placement
 from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
 from sharding.multihost import to_global
@@ -108,14 +108,19 @@ class Program:
         if self.params is not None:
             parts.append("greedy" if self.params.temperature == 0 else "random")
             parts += ["penalties"] if self.params.has_penalties else []
+            parts += ["logit-bias"] if self.params.logit_bias else []
         parts += [f"logprobs={self.max_logprobs}"] if self.max_logprobs else []
         return f"{self.kind}[{','.join(parts)}]"
 
 
-# The sampling variants a bucket compiles: greedy / random x with / without penalties.
+# The sampling variants a bucket compiles: greedy / random x with / without penalties, each without and with logprobs.
 WARMUP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0),
                    SamplingParams(temperature=0.0, repetition_penalty=1.1),
                    SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1))
+# A step with a logit bias takes one more variant per bucket: the general one (random, penalties, logprobs) with the
+# bias, whatever its sequences ask (greedy slots take its biased argmax).
+WARMUP_LOGIT_BIAS = SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1, logit_bias={0: 1.0})
+LOGIT_BIAS_SLOTS = 1 << (MAX_LOGIT_BIAS - 1).bit_length()  # the bias variant's static K: [S, K] ids and values
 
 
 class ModelRunner:
@@ -256,18 +261,25 @@ class ModelRunner:
 
     def sampling_tensors(self, requests: Sequence[Request], num_slots: int) -> sampling.SamplingTensors:
         """Per-step sampling inputs, with the static variant canonicalised so that a bucket has only the few
-        programs `warmup` compiles (greedy or not, penalties or not)."""
+        programs `warmup` compiles (greedy or not, penalties or not; with a logit bias, the one general variant:
+        penalties and the draw included, neutral where a slot asks for neither, and logprobs, see `run_sample`)."""
         params = [r.sampling_params for r in requests]
-        penalties = any(p.has_penalties for p in params)
+        bias = any(p.logit_bias for p in params)
+        penalties = bias or any(p.has_penalties for p in params)
         st = sampling.build_sampling_tensors(
             params, vocab_size=self.model_config.vocab_size, num_slots=num_slots,
-            token_ids=[r.token_ids for r in requests], num_prompt_tokens=[r.num_prompt_tokens for r in requests])
+            token_ids=[r.token_ids for r in requests], num_prompt_tokens=[r.num_prompt_tokens for r in requests],
+            bias_width=LOGIT_BIAS_SLOTS)
         if not penalties:
             st = dataclasses.replace(st, token_ids=None, num_prompt_tokens=None)
         else:
             window = np.full((num_slots, self._penalty_window), -1, np.int32)
-            window[:, :st.token_ids.shape[1]] = st.token_ids
-            st = dataclasses.replace(st, token_ids=window)
+            if st.token_ids is not None:
+                window[:, :st.token_ids.shape[1]] = st.token_ids
+            prompt_lens = st.num_prompt_tokens if st.num_prompt_tokens is not None else np.zeros(num_slots, np.int32)
+            st = dataclasses.replace(st, token_ids=window, num_prompt_tokens=prompt_lens)
+        if bias:
+            st = dataclasses.replace(st, all_greedy=False)
         if not st.all_greedy:
             st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
         return st
@@ -293,6 +305,9 @@ class ModelRunner:
         return logits, tokens
 
     def run_sample(self, logits, st, max_logprobs):
+        """Launches the sampling program; a step with a logit bias always returns logprobs (its one variant)."""
+        if st.bias_ids is not None:
+            max_logprobs = MAX_LOGPROBS
         if self.channel is not None:
             self.channel.broadcast(("sample", st, max_logprobs))
         if self.multihost:
@@ -349,7 +364,7 @@ class ModelRunner:
     def warmup_plan(self) -> list[Program]:
         """Every program a request can need, in the order `warmup` compiles them: per token bucket the forward
         (and its screened greedy variant), then the sampling variants greedy/random x penalties/none x
-        logprobs/none. The lowering tests enumerate programs from this list."""
+        logprobs/none, and the logit-bias variant. The lowering tests enumerate programs from this list."""
         plan, sampled = [], set()
         for t in self.buckets:
             s = self.seq_bucket(t)
@@ -360,6 +375,7 @@ class ModelRunner:
                 sampled.add(s)
                 plan += [Program("sample", t, s, params=p, max_logprobs=n)
                          for p in WARMUP_SAMPLING for n in (0, MAX_LOGPROBS)]
+                plan.append(Program("sample", t, s, params=WARMUP_LOGIT_BIAS, max_logprobs=MAX_LOGPROBS))
         return plan
 
     def _warmup_sampling_tensors(self, program: Program) -> sampling.SamplingTensors:

@@ -24,7 +24,9 @@ class Logprob:
 
 @dataclasses.dataclass(slots=True)
 class StepOutput:
-    """What one request gained in one step, with its text."""
+    """What one request (one sample of it, when n > 1) gained in one step, with its text. `request_id` is the
+    request's id (for every sample); `index` which sample; `request` that sample's state; `finished` that it
+    ended (the request ends when all its samples have)."""
     request_id: str
     new_token_ids: list[int]
     new_text: str
@@ -33,6 +35,7 @@ class StepOutput:
     stop_reason: int | str | None
     logprobs: list[Logprob] | None
     request: Request
+    index: int = 0
 
 
 class RequestText:
@@ -105,7 +108,8 @@ class OutputProcessor:
             finished, reason, stop_reason = True, FinishReason.STOP, hit
         if finished:
             self._detoks.pop(r.request_id, None)
-        return StepOutput(r.request_id, out.new_token_ids, text, finished, reason, stop_reason, logprobs, r)
+        return StepOutput(r.parent_id, out.new_token_ids, text, finished, reason, stop_reason, logprobs, r,
+                          r.sample_index)
 
     @staticmethod
     def _add_until_stop(d: RequestText, out: RequestOutput) -> tuple[str, str | None, bool]:
@@ -129,4 +133,5 @@ class OutputProcessor:
     def final(self, out: RequestOutput) -> StepOutput:
         d = self._detoks.pop(out.request_id, None)
         text = d.add([], True)[0] if d else ""
-        return StepOutput(out.request_id, [], text, True, out.finish_reason, out.stop_reason, None, out.request)
+        r = out.request
+        return StepOutput(r.parent_id, [], text, True, out.finish_reason, out.stop_reason, None, r, r.sample_index)

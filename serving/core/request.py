@@ -1,5 +1,6 @@
 """`Request`: the host-side state of one generation request, from arrival to its finish reason, with its enums
-(`Priority`, `RequestStatus`, `FinishReason`) and `RequestMetrics`. Details: docs/engine.md."""
+(`Priority`, `RequestStatus`, `FinishReason`), `RequestMetrics`, and the `SampleGroup` of an n > 1 request's samples
+(`sample_seed`: each sample's seed). Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -41,11 +42,53 @@ class RequestMetrics:
     num_cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample `index` of an n > 1 request: sample 0 keeps the request's seed (it draws what the same
+    request with n = 1 draws); sample i > 0 gets splitmix64 of (seed, i), a 64-bit value that differs per sample and
+    is the same run to run."""
+    if seed is None or index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+class SampleGroup:
+    """The samples of one n > 1 request: `samples[0]` is the Request the caller made (its id is the request's id),
+    samples 1..n-1 are built with it (id `<request_id>#<i>`, seed `sample_seed(seed, i)`, n = 1 in their params).
+
+    The scheduler admits samples 1.. once sample 0 has scheduled the prompt's full pages; from then until every
+    sample has been admitted the group holds those pages too (a BlockManager fork: `block_table` and
+    `block_prefix_ids` as a request's), so a sample finishing or being preempted early does not lose them."""
+    __slots__ = ("request_id", "samples", "block_table", "block_prefix_ids", "num_computed_tokens", "prompt_ready",
+                 "hold_step")
+
+    def __init__(self, request_id: str, samples: list[Request]):
+        self.request_id = request_id
+        self.samples = samples
+        self.block_table: list[int] = []  # the held prompt pages (empty: none held)
+        self.block_prefix_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.prompt_ready = False  # the prompt's full pages were scheduled once: samples 1.. may be admitted
+        self.hold_step = -1  # the scheduler step that took the hold
+
+    @property
+    def is_finished(self) -> bool:
+        return all(r.status is RequestStatus.FINISHED for r in self.samples)
+
+    def __repr__(self) -> str:
+        return f"SampleGroup({self.request_id!r}, n={len(self.samples)}, held pages={len(self.block_table)})"
+
+
 class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "deadline",
                  "eos_token_ids", "stop_token_ids", "status", "num_computed_tokens", "block_table",
                  "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order",
-                 "num_pending")
+                 "num_pending", "sample_index", "group")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, arrival_time: float, priority: int = Priority.INTERACTIVE, deadline: float | None = None,
@@ -70,6 +113,16 @@ class Request:
         # Scheduled steps that sample a token for it and whose results update() has not applied yet (0-2: the
         # engine may schedule a decode on the token of a step still on the device, see Scheduler.schedule).
         self.num_pending = 0
+        self.sample_index = 0  # which of the request's n samples this is
+        self.group: SampleGroup | None = None  # the request's samples when n > 1
+        if sampling_params.n > 1:
+            self.group = SampleGroup(request_id, [self])
+            for i in range(1, sampling_params.n):
+                sample = Request(f"{request_id}#{i}", prompt_token_ids, dataclasses.replace(
+                    sampling_params, n=1, seed=sample_seed(sampling_params.seed, i)), arrival_time=arrival_time,
+                    priority=priority, deadline=deadline, eos_token_ids=eos_token_ids)
+                sample.sample_index, sample.group = i, self.group
+                self.group.samples.append(sample)
 
     @property
     def arrival_time(self) -> float:
@@ -94,6 +147,16 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def parent_id(self) -> str:
+        """The id the caller gave: this request's, or for a sample of an n > 1 request, sample 0's."""
+        return self.request_id if self.group is None else self.group.request_id
+
+    @property
+    def samples(self) -> list[Request]:
+        """Every sample of the request this one belongs to (itself alone when n = 1), sample 0 first."""
+        return [self] if self.group is None else self.group.samples
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "

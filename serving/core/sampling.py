@@ -1,6 +1,7 @@
 """On-device sampling, one token per sequence slot from float32 logits [S, V] inside the engine's jitted step:
-`SamplingTensors` (per-slot parameters, built on the host by `build_sampling_tensors`), the pure `sample` and its
-`SamplerOutput`, `greedy`, and `pack` / `unpack_row` for the packed result. Details: docs/engine.md."""
+`SamplingTensors` (per-slot parameters, built on the host by `build_sampling_tensors`), the pure `sample` (logit bias,
+penalties, temperature, filters, the draw) and its `SamplerOutput`, `greedy`, and `pack` / `unpack_row` for the packed
+result. Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -39,6 +40,8 @@ class SamplingTensors:
     valid: jax.Array  # bool[S]; False for padding slots, whose outputs are zeros
     token_ids: jax.Array | None  # i32[S, W]; prompt then output ids, -1 padded; None when no penalties
     num_prompt_tokens: jax.Array | None  # i32[S]; how many of token_ids are prompt; None when no penalties
+    bias_ids: jax.Array | None = None  # i32[S, K]; logit_bias token ids, -1 padded; None when no slot has a bias
+    bias_values: jax.Array | None = None  # f32[S, K]; the bias of each of bias_ids (0 where padded)
     all_greedy: bool = False  # static: every slot is greedy; skip filters and the draw
     num_candidates: int = 0  # static: lax.top_k width for top-k / top-p; 0 = no slot uses either
     use_min_p: bool = False  # static: some slot has min_p > 0
@@ -55,7 +58,8 @@ class SamplingTensors:
 jax.tree_util.register_dataclass(
     SamplingTensors,
     data_fields=["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "step", "valid", "token_ids", "num_prompt_tokens"],
+                 "frequency_penalty", "seed", "step", "valid", "token_ids", "num_prompt_tokens", "bias_ids",
+                 "bias_values"],
     meta_fields=["all_greedy", "num_candidates", "use_min_p"])
 
 
@@ -94,14 +98,15 @@ def _next_power_of_two(n: int, minimum: int) -> int:
 def build_sampling_tensors(params: Sequence[SamplingParams | None], *, vocab_size: int,
                            token_ids: Sequence[Sequence[int]], num_prompt_tokens: Sequence[int],
                            num_slots: int | None = None, seeds: Sequence[int | None] | None = None,
-                           max_candidates: int = _MAX_CANDIDATES) -> SamplingTensors:
+                           max_candidates: int = _MAX_CANDIDATES, bias_width: int | None = None) -> SamplingTensors:
     """Host side, once per step: numpy `SamplingTensors` for the slots of a batch.
 
     params[i] is slot i's SamplingParams, or None for a padding slot; slots from len(params) to num_slots are
     padding too. seeds[i] overrides params[i].seed (the engine passes the seed it drew for a request without
     one); a sampling slot with neither raises. token_ids[i] is the request's tokens so far (prompt, then
     outputs) and num_prompt_tokens[i] its prompt length: their difference is the generation step of the PRNG,
-    and the ids feed the penalties (padding slots: [] and 0).
+    and the ids feed the penalties (padding slots: [] and 0). A slot's logit_bias becomes a row of bias_ids /
+    bias_values, `bias_width` wide (default: the most entries, to a power of two; the engine passes one width).
     """
     num_slots = len(params) if num_slots is None else num_slots
     if num_slots < len(params):
@@ -148,6 +153,20 @@ def build_sampling_tensors(params: Sequence[SamplingParams | None], *, vocab_siz
             if valid[i] and rows[i].has_penalties:
                 window[i, :len(ids)] = ids
 
+    bias_ids = bias_values = None
+    biased = [i for i, p in enumerate(params) if p is not None and p.logit_bias]
+    if biased:
+        widest = max(len(params[i].logit_bias) for i in biased)
+        width = _next_power_of_two(widest, _MIN_WINDOW) if bias_width is None else bias_width
+        if width < widest:
+            raise ValueError(f"bias_width {width} is narrower than a slot's logit_bias ({widest} entries)")
+        bias_ids = np.full((num_slots, width), -1, np.int32)
+        bias_values = np.zeros((num_slots, width), np.float32)
+        for i in biased:
+            bias = params[i].logit_bias
+            bias_ids[i, :len(bias)] = list(bias)
+            bias_values[i, :len(bias)] = list(bias.values())
+
     active = valid & ~greedy
     widest_k = int(top_k[active].max(initial=0))
     use_top_p = bool(np.any(active & (top_p < 1.0)))
@@ -159,9 +178,26 @@ def build_sampling_tensors(params: Sequence[SamplingParams | None], *, vocab_siz
     return SamplingTensors(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repetition_penalty=repetition,
         presence_penalty=presence, frequency_penalty=frequency, seed=seed, step=step, valid=valid,
-        token_ids=window, num_prompt_tokens=None if window is None else prompt_lens,
-        all_greedy=not bool(np.any(active)), num_candidates=num_candidates,
+        token_ids=window, num_prompt_tokens=None if window is None else prompt_lens, bias_ids=bias_ids,
+        bias_values=bias_values, all_greedy=not bool(np.any(active)), num_candidates=num_candidates,
         use_min_p=bool(np.any(active & (min_p > 0.0))))
+
+
+def _local_ids(ids: jax.Array, offset: jax.Array | int, vocab: int) -> jax.Array:
+    """Global token ids [S, W] (-1 = padding) as columns of the vocabulary shard starting at `offset`, `vocab`
+    wide; padding and other shards' ids become `vocab`, which a mode="drop" scatter drops."""
+    local = ids - offset
+    return jnp.where((ids < 0) | (local < 0), vocab, local)
+
+
+def apply_logit_bias(logits: jax.Array, t: SamplingTensors, offset: jax.Array | int = 0) -> jax.Array:
+    """Pure, jit-able. Adds each slot's logit_bias to its logits: one scatter-add of the sparse [S, K] ids and values
+    (no dense [S, V] bias). `logits` may be a vocabulary shard, as in apply_penalties."""
+    if t.bias_ids is None:
+        return logits
+    num_slots, vocab = logits.shape
+    ids = _local_ids(t.bias_ids, offset, vocab)
+    return logits.at[jnp.arange(num_slots)[:, None], ids].add(t.bias_values.astype(logits.dtype), mode="drop")
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors, offset: jax.Array | int = 0) -> jax.Array:
@@ -173,9 +209,7 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors, offset: jax.Array | i
     if t.token_ids is None:
         return logits
     num_slots, vocab = logits.shape
-    local = t.token_ids - offset
-    # Padding (and ids of other shards) goes out of range and is dropped.
-    ids = jnp.where((t.token_ids < 0) | (local < 0), vocab, local)
+    ids = _local_ids(t.token_ids, offset, vocab)
     rows = jnp.arange(num_slots)[:, None]
     is_output = jnp.arange(ids.shape[1])[None, :] >= t.num_prompt_tokens[:, None]
     output_counts = jnp.zeros((num_slots, vocab), jnp.int32).at[rows, ids].add(
@@ -398,8 +432,10 @@ def vocab_parallel_mesh(vocab_size: int):
 def sample(logits: jax.Array, t: SamplingTensors, *, max_logprobs: int = 0) -> SamplerOutput:
     """Pure, jit-able (max_logprobs static). One token per slot from float32 logits [S, V].
 
-    Greedy slots (temperature 0) take exactly the argmax of the penalised logits (first index on ties). Others
-    draw from softmax(penalised / temperature) restricted by min-p, top-k, top-p. Padding slots return zeros.
+    The logit bias is added first (as HF's sequence_bias and vLLM do), then the penalties. Greedy slots
+    (temperature 0) take exactly the argmax of the biased, penalised logits (first index on ties). Others draw from
+    softmax(penalised / temperature) restricted by min-p, top-k, top-p. Padding slots return zeros. Logprobs are
+    the raw model's.
     Under a mesh whose 'tensor' axis shards the vocabulary, runs per vocabulary shard (see the module notes).
     """
     mesh = vocab_parallel_mesh(logits.shape[1])
@@ -428,7 +464,7 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 def _sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, rows: _Rows) -> SamplerOutput:
     raw = logits.astype(jnp.float32)
-    penalised = apply_penalties(raw, t, rows.offset)
+    penalised = apply_penalties(apply_logit_bias(raw, t, rows.offset), t, rows.offset)
     greedy_ids = rows.argmax(penalised)
     if t.all_greedy:
         token_ids = greedy_ids

@@ -6,14 +6,23 @@ Field names and defaults follow vLLM's `SamplingParams` so its users feel at hom
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Sequence
 
 # The checks live in serving.validation so the gateway (which must not import serving.core) runs the same ones.
-from serving.validation import MAX_LOGPROBS, _is_int, check_sampling  # noqa: F401 - MAX_LOGPROBS re-exported
+from serving.validation import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, _is_int,  # noqa: F401 - limits re-exported
+                                check_sampling)
 
 
 @dataclasses.dataclass(slots=True)
 class SamplingParams:
+    """How one request is decoded.
+
+    `n` > 1 returns n samples of one prompt (its prompt is computed once; each sample has its own seed stream,
+    derived from `seed`). With greedy decoding (temperature 0) the n samples are identical, as OpenAI's API allows.
+    `logit_bias` ({token id: bias in [-100, 100]}, at most 300 entries) is added to those tokens' logits before
+    penalties, temperature and the top-k / top-p / min-p filters; greedy requests take the biased argmax.
+    """
     max_tokens: int | None = 16  # None: until the model's context is full
     min_tokens: int = 0  # stop tokens and EOS do not end the request before this many tokens
     temperature: float = 1.0  # 0 = greedy
@@ -31,6 +40,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; n: sampled token's logprob plus the top-n alternatives
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    n: int = 1  # samples returned for the prompt, in [1, MAX_N]
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit; None (or {}) = none
 
     def __post_init__(self):
         # Normalise the forms users pass (a single string, lists) before checking.
@@ -43,6 +54,8 @@ class SamplingParams:
         self.stop_token_ids = () if self.stop_token_ids is None else tuple(self.stop_token_ids)
         if _is_int(self.top_k) and self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.logit_bias, Mapping):
+            self.logit_bias = dict(self.logit_bias) or None
         self.validate()
 
     def validate(self) -> None:

@@ -1,6 +1,6 @@
 """`Scheduler`: which requests run in the next step (`schedule` -> `SchedulerOutput`, preempting by recompute when pages
-run out), and what their sampled tokens do to them (`update`); `SchedulerConfig` and the admission errors.
-Details: docs/engine.md."""
+run out; the samples of an n > 1 request share their prompt's pages), and what their sampled tokens do to them
+(`update`); `SchedulerConfig` and the admission errors. Details: docs/engine.md."""
 from __future__ import annotations
 
 import bisect
@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from serving.core.block_manager import BlockManager
-from serving.core.request import FinishReason, Request, RequestStatus
+from serving.core.request import FinishReason, Request, RequestStatus, SampleGroup
 
 
 # The input token of a decode scheduled while the step that samples it is still on the device (look-ahead): the
@@ -111,7 +111,8 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager or BlockManager(
             config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching)
-        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.requests: dict[str, Request] = {}  # every unfinished request (each sample of an n > 1 request)
+        self.groups: dict[str, SampleGroup] = {}  # n > 1 requests with an unfinished sample, by request id
         self.waiting: list[Request] = []  # sorted by _waiting_key
         self.running: list[Request] = []  # sorted by _running_key; the tail is the next preemption victim
         self.num_waiting_tokens = 0
@@ -122,6 +123,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
         # state of the step being scheduled
+        self._num_steps = 0  # schedule() calls
         self._step: dict[str, ScheduledSequence] = {}
         self._budget = 0
         self._preempted: dict[str, None] = {}  # ordered set
@@ -138,10 +140,13 @@ class Scheduler:
 
     # ---- admission and cancellation ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request. Raises ValueError (bad parameters, prompt too long) or QueueFullError (busy)."""
+        """Queues a request, and the other samples of an n > 1 one. Raises ValueError (bad parameters, prompt too
+        long) or QueueFullError (busy)."""
         cfg = self.config
-        if request.request_id in self.requests:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        samples = request.samples
+        for r in samples:
+            if r.request_id in self.requests or r.request_id in self.groups:
+                raise ValueError(f"request_id {r.request_id!r} is already in flight")
         request.sampling_params.validate()
         n = request.num_prompt_tokens
         if n == 0:
@@ -152,23 +157,44 @@ class Scheduler:
                 f"{cfg.max_model_len - 1} prompt tokens leave room to generate")
         if request.priority < 0:
             raise ValueError(f"priority must be >= 0 (0 = interactive, 1 = batch), got {request.priority}")
-        if len(self.waiting) >= cfg.max_waiting_requests:
-            raise QueueFullError(f"busy: {len(self.waiting)} requests are waiting (max_waiting_requests="
+        k = len(samples)
+        if len(self.waiting) + k > cfg.max_waiting_requests:
+            adds = f" and this request adds {k} samples" if k > 1 else ""
+            raise QueueFullError(f"busy: {len(self.waiting)} requests are waiting{adds} (max_waiting_requests="
                                  f"{cfg.max_waiting_requests})")
-        if self.num_waiting_tokens + n > cfg.max_waiting_tokens:
+        if self.num_waiting_tokens + k * n > cfg.max_waiting_tokens:
             raise QueueFullError(f"busy: {self.num_waiting_tokens} prompt tokens are waiting and this request "
-                                 f"adds {n} (max_waiting_tokens={cfg.max_waiting_tokens})")
+                                 f"adds {k * n} (max_waiting_tokens={cfg.max_waiting_tokens})")
         max_tokens = request.sampling_params.max_tokens
-        request.max_num_tokens = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
-        request.order = next(self._order)
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self._enqueue(request)
-        if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, request.order, request))
+        max_num_tokens = cfg.max_model_len if max_tokens is None else min(n + max_tokens, cfg.max_model_len)
+        for r in samples:
+            r.max_num_tokens = max_num_tokens
+            r.order = next(self._order)
+            r.status = RequestStatus.WAITING
+            self.requests[r.request_id] = r
+            self._enqueue(r)
+            if r.deadline is not None:
+                heapq.heappush(self._deadlines, (r.deadline, r.order, r))
+        if request.group is not None:
+            self.groups[request.request_id] = request.group
+            request.group.prompt_ready = self._shared_pages(request) == 0  # nothing to share: all start at once
 
     def abort(self, request_id: str, now: float | None = None) -> RequestOutput | None:
-        return self.finish_request(request_id, FinishReason.ABORT, now=now)
+        """Ends the request (every sample of an n > 1 one: `finish_group`) and returns the first final output, or None
+        if it is unknown or already finished."""
+        outputs = self.finish_group(request_id, FinishReason.ABORT, now=now)
+        return outputs[0] if outputs else None
+
+    def finish_group(self, request_id: str, reason: FinishReason, *, stop_reason: int | str | None = None,
+                     now: float | None = None) -> list[RequestOutput]:
+        """finish_request for every unfinished sample of the request `request_id` belongs to (the request's id, or
+        any of its samples'): an abort, deadline or failure ends all n samples. Returns their final outputs."""
+        group = self.groups.get(request_id)
+        if group is None and request_id in self.requests:
+            group = self.requests[request_id].group
+        ids = [request_id] if group is None else [r.request_id for r in group.samples if not r.is_finished]
+        outputs = [self.finish_request(rid, reason, stop_reason=stop_reason, now=now) for rid in ids]
+        return [o for o in outputs if o is not None]
 
     def finish_request(self, request_id: str, reason: FinishReason, *, stop_reason: int | str | None = None,
                        now: float | None = None) -> RequestOutput | None:
@@ -202,6 +228,7 @@ class Scheduler:
         now = time.monotonic() if now is None else now
         cfg = self.config
         ps = cfg.page_size
+        self._num_steps += 1
         finished = self._expire_deadlines(now)
         self._step, self._budget, self._preempted = {}, cfg.max_num_batched_tokens, {}
         step, running = self._step, self.running
@@ -245,10 +272,15 @@ class Scheduler:
         while i < len(self.waiting) and self._budget > 0 and len(running) < cfg.max_num_seqs:
             r = self.waiting[i]
             is_long = len(r.token_ids) > cfg.long_prompt_threshold
-            if is_long and long_in_prefill >= cfg.max_long_prefills or r.request_id in self._preempted:
-                i += 1  # the long lane is full (shorter requests behind may still go), or it was just preempted
+            if (is_long and long_in_prefill >= cfg.max_long_prefills or r.request_id in self._preempted
+                    or r.group is not None and not self._may_admit(r)):
+                # the long lane is full (shorter requests behind may still go), it was just preempted, or it is a
+                # sample waiting for sample 0 to schedule the prompt
+                i += 1
                 continue
             if not self._admit(r, now):
+                if not running and self._drop_holds():
+                    continue  # only n > 1 requests' held prompt pages were in the way
                 break  # not enough pages: later requests wait too, so big requests are not starved
             long_in_prefill += is_long
             # r left the queue; requests preempted for it may have entered before its place
@@ -333,6 +365,11 @@ class Scheduler:
         r.finish_reason, r.stop_reason = reason, stop_reason
         r.metrics.finished_time = now
         del self.requests[r.request_id]
+        group = r.group
+        if group is not None:
+            self._settle_hold(group)
+            if group.is_finished:
+                del self.groups[group.request_id]
 
     def _expire_deadlines(self, now: float) -> list[RequestOutput]:
         out = []
@@ -349,6 +386,12 @@ class Scheduler:
         seq = self._step.pop(victim.request_id, None)
         if seq is not None:
             self._budget += len(seq.token_ids)
+            group = victim.group
+            if group is not None and group.hold_step == self._num_steps:
+                # its chunk of this step was to compute the pages the group forked this step: they stay uncomputed
+                if group.block_table:
+                    self.block_manager.free(group)
+                group.prompt_ready = False
         self.block_manager.free(victim)
         if self.running and self.running[-1] is victim:
             self.running.pop()
@@ -365,6 +408,8 @@ class Scheduler:
         """Pages for a running request, preempting from the tail; False if `r` itself had to go."""
         while not self.block_manager.allocate(r, num_tokens):
             victim = self.running[-1]
+            if victim is r and self._drop_holds():
+                continue
             self._preempt(victim)
             if victim is r:
                 return False
@@ -382,6 +427,8 @@ class Scheduler:
                 chunk = min(chunk, room)
                 continue
             if self.running[-1] is r:
+                if self._drop_holds():
+                    continue
                 return  # nothing ranks below it; it keeps its pages and waits (higher ranks may preempt it)
             self._preempt(self.running[-1])
         end = start + chunk
@@ -390,23 +437,33 @@ class Scheduler:
         r.num_computed_tokens = end
         r.num_pending += end == len(r.token_ids)
         self._budget -= chunk
+        if r.group is not None:
+            self._after_group_chunk(r)
 
     def _admit(self, r: Request, now: float) -> bool:
-        """Moves a waiting request to running with its first chunk; False if its pages cannot be found."""
+        """Moves a waiting request to running with its first chunk; False if its pages cannot be found. A sample of
+        an n > 1 request forks the prompt's full pages from its group (or a running sample) when it can."""
         cfg, bm, ps = self.config, self.block_manager, self.config.page_size
         n = len(r.token_ids)
-        pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps)  # at least one token is computed
+        donor = self._prompt_donor(r) if r.group is not None else None
+        if donor is None:
+            pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps)  # at least one token is computed
+        else:
+            pages, prefix_ids = donor.block_table[:self._shared_pages(r)], []
         cached = len(pages) * ps
         chunk = min(n - cached, self._budget, cfg.prefill_chunk)
         need = bm.pages_for(cached + chunk) - len(pages)
         if need > bm.num_free_pages - bm.num_idle_among(pages) and not self._preempt_for_admission(r, pages, need):
             return False
         self._dequeue(r)
-        bm.acquire_cached(r, pages, prefix_ids)
+        if donor is None:
+            bm.acquire_cached(r, pages, prefix_ids)
+            self.prefix_cache_queries += n
+            self.prefix_cache_hits += cached
+        else:
+            bm.fork(r, donor, len(pages))
         ok = bm.allocate(r, cached + chunk)
         assert ok, "pages vanished between the check and the allocation"
-        self.prefix_cache_queries += n
-        self.prefix_cache_hits += cached
         m = r.metrics
         if m.first_scheduled_time is None:
             m.first_scheduled_time = now
@@ -418,7 +475,67 @@ class Scheduler:
         r.num_computed_tokens = end
         r.num_pending = int(end == n)
         self._budget -= chunk
+        if r.group is not None:
+            self._after_group_chunk(r)
         return True
+
+    # ---- the samples of n > 1 requests ---------------------------------------------------------------------
+    def _shared_pages(self, r: Request) -> int:
+        """The prompt's pages its samples share: its full pages but the one holding the last prompt token, whose
+        logits each sample computes (so each recomputes 1..page_size tokens)."""
+        return (r.num_prompt_tokens - 1) // self.config.page_size
+
+    def _may_admit(self, r: Request) -> bool:
+        """Samples 1.. wait until sample 0 (the first unfinished sample, should it end first) has scheduled the
+        prompt's full pages in an earlier step (so their K/V is written before a sample's first step runs)."""
+        group = r.group
+        if group.prompt_ready:
+            return group.hold_step != self._num_steps
+        return r is next(s for s in group.samples if not s.is_finished)
+
+    @staticmethod
+    def _awaits_admission(group: SampleGroup) -> bool:
+        return any(r.status is RequestStatus.WAITING and r.metrics.first_scheduled_time is None
+                   for r in group.samples)
+
+    def _prompt_donor(self, r: Request) -> Request | SampleGroup | None:
+        """Who shares the prompt's full pages with sample `r`: the group's fork, else a running sample whose K/V for
+        them an earlier step computed; None when neither can (then the prefix cache, or recompute)."""
+        group, full = r.group, self._shared_pages(r)
+        if not full:
+            return None
+        if group.block_table and group.hold_step != self._num_steps:
+            return group
+        for other in group.samples:
+            if other is not r and other.status is RequestStatus.RUNNING and len(other.block_table) >= full:
+                seq = self._step.get(other.request_id)
+                if (other.num_computed_tokens if seq is None else seq.start) >= full * self.config.page_size:
+                    return other
+        return None
+
+    def _after_group_chunk(self, r: Request) -> None:
+        """After a sample's prefill chunk is scheduled: the first time the prompt's full pages are, the other samples
+        may follow from the next step on, and the group forks those pages while one of them awaits admission."""
+        group, full = r.group, self._shared_pages(r)
+        if not group.prompt_ready and r.num_computed_tokens >= full * self.config.page_size:
+            group.prompt_ready = True
+            if self._awaits_admission(group):
+                self.block_manager.fork(group, r, full)
+                group.hold_step = self._num_steps
+        self._settle_hold(group)
+
+    def _settle_hold(self, group: SampleGroup) -> None:
+        """Releases the group's fork once no sample awaits its first admission."""
+        if group.block_table and not self._awaits_admission(group):
+            self.block_manager.free(group)
+
+    def _drop_holds(self) -> bool:
+        """The last resort when pages run out: releases every group's fork (samples not admitted yet then compute the
+        prompt themselves). True if one was held."""
+        held = [g for g in self.groups.values() if g.block_table]
+        for group in held:
+            self.block_manager.free(group)
+        return bool(held)
 
     def _preempt_for_admission(self, r: Request, pages: list[int], need: int) -> bool:
         """Preempts running requests of a lower class than `r` if that frees enough pages for it."""
@@ -469,4 +586,7 @@ class Scheduler:
         assert self.num_waiting_tokens == sum(len(r.token_ids) for r in self.waiting)
         assert self.running == sorted(self.running, key=self._running_key)
         assert self.waiting == sorted(self.waiting, key=self._waiting_key)
-        self.block_manager.check_invariants(self.running)
+        assert all(not g.is_finished for g in self.groups.values()), "a finished n > 1 request is still listed"
+        assert all(not g.block_table or self._awaits_admission(g) for g in self.groups.values()), \
+            "a group holds its prompt's pages with no sample awaiting them"
+        self.block_manager.check_invariants(self.running + [g for g in self.groups.values() if g.block_table])

@@ -73,7 +73,7 @@ def _expand_rows(t: sampling.SamplingTensors, repeats: int) -> sampling.Sampling
         t, temperature=rep(t.temperature), top_k=rep(t.top_k), top_p=rep(t.top_p), min_p=rep(t.min_p),
         repetition_penalty=rep(t.repetition_penalty), presence_penalty=rep(t.presence_penalty),
         frequency_penalty=rep(t.frequency_penalty), seed=rep(t.seed), step=step, valid=rep(t.valid),
-        token_ids=None, num_prompt_tokens=None)
+        token_ids=None, num_prompt_tokens=None, bias_ids=None, bias_values=None)
 
 
 def _uniforms(t: sampling.SamplingTensors, tag: int) -> jax.Array:
@@ -368,13 +368,14 @@ class SpeculativeDecoder:
 
     def launch(self, sched) -> tuple | None:
         """Plans and launches this step speculatively; None if it must run the plain program (a sampling
-        sequence wants logprobs or penalties, or, n-grams, nothing to propose). Returns (packed, plan)."""
+        sequence wants logprobs or penalties, a sequence has a logit bias, or, n-grams, nothing to propose).
+        Returns (packed, plan)."""
         e, cfg, k = self.runner, self.config, self.k
         self.steps += 1
         seqs = sched.scheduled
         for s in seqs:
             p = s.request.sampling_params
-            if s.sample and (p.logprobs is not None or p.has_penalties):
+            if s.sample and (p.logprobs is not None or p.has_penalties) or p.logit_bias:
                 return None
         scheduler = self.scheduler
         bm, ps = scheduler.block_manager, e.config.page_size

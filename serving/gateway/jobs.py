@@ -139,6 +139,9 @@ class JobManager:
     def submit(self, request: pb.GenerateRequest, callback_url: str, tenant: str) -> gpb.Job:
         if callback_url:
             check_callback_url(callback_url, self._allowed_hosts())
+        if request.sampling.n > 1:
+            raise JobError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.n: a job's result holds one completion, got "
+                           f"n={request.sampling.n}; submit n jobs (with different seeds) or use Generate")
         job_id = "job-" + uuid.uuid4().hex
         request = pb.GenerateRequest.FromString(request.SerializeToString())
         if not request.request_id:

@@ -6,12 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from serving.server.proto import meshserve_pb2 as pb
-from serving.validation import InvalidArgument, check_context, check_request_header, check_sampling
+from serving.validation import (InvalidArgument, check_context, check_request_header, check_sampling,
+                                check_vocabulary, sampling_fields)
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 PRIORITY_VALUES = (pb.PRIORITY_INTERACTIVE, pb.PRIORITY_BATCH)
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs", "skip_special_tokens",
-             "spaces_between_special_tokens")
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,23 +40,20 @@ class _Sampling:  # SamplingParams' fields with its defaults, for check_sampling
     logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    n: int = 1
+    logit_bias: dict | None = None
 
 
 def check_sampling_fields(sp: pb.SamplingParameters, limits: ModelLimits) -> _Sampling:
-    s = _Sampling(min_tokens=sp.min_tokens, top_k=-1 if sp.top_k == 0 else sp.top_k, min_p=sp.min_p,
-                  presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop),
-                  stop_token_ids=tuple(sp.stop_token_ids), include_stop_str_in_output=sp.include_stop_str_in_output,
-                  ignore_eos=sp.ignore_eos)
-    for name in _OPTIONAL:
-        if sp.HasField(name):
-            setattr(s, name, getattr(sp, name))
-    if limits.vocab_size:
-        for t in s.stop_token_ids:
-            if not 0 <= t < limits.vocab_size:
-                raise InvalidArgument(f"sampling.stop_token_ids: token id {t} is outside the vocabulary "
-                                      f"[0, {limits.vocab_size})")
+    """The instance server's checks in its order: the shared ones, then token ids against the vocabulary (when
+    known)."""
+    s = _Sampling(**sampling_fields(sp))
+    if s.top_k == 0:
+        s.top_k = -1
     try:
         check_sampling(s)
+        if limits.vocab_size:
+            check_vocabulary(s, limits.vocab_size)
     except ValueError as e:
         raise InvalidArgument(f"sampling.{e}") from e
     return s

@@ -1,5 +1,6 @@
-"""`python -m serving.server --model=DIR [--flagfile=FILE] ...`: one instance server (gRPC meshserve.v1 + health,
-Prometheus on --metrics_port, OTLP traces with --otlp_endpoint). SIGTERM drains and exits 0."""
+"""`python -m serving.server --model=DIR [--flagfile=FILE] ...`: one instance server (gRPC meshserve.v1 + health, the
+OpenAI HTTP API on --http_port, Prometheus on --metrics_port, OTLP traces with --otlp_endpoint). SIGTERM drains and
+exits 0."""
 from __future__ import annotations
 
 import asyncio
@@ -88,6 +89,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "tls_client_ca", "", "PEM CA: require client certificates signed by it (mutual TLS).")
     d(flags.DEFINE_integer, "port", 50051, "gRPC port; 0: any free port.")
     d(flags.DEFINE_integer, "metrics_port", 9090, "Prometheus port; 0: any free port; -1: none.")
+    d(flags.DEFINE_integer, "http_port", -1,
+      "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize, "
+      "/detokenize) on this port, beside gRPC; 0: any free port (reported in --ready_file); -1: off.")
+    d(flags.DEFINE_string, "served_model_name", "",
+      "The model's name in the HTTP API (requests naming another get 404) and in metrics; default: the --model "
+      "directory's name.")
     d(flags.DEFINE_enum, "log_format", "text", ["text", "json"], "Log line format.")
     d(flags.DEFINE_float, "drain_grace_s", 30.0, "On SIGTERM: how long accepted requests may take to finish.")
     d(flags.DEFINE_integer, "max_request_bytes", 1 << 20,
@@ -97,7 +104,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "otlp_endpoint", "", "OTLP/gRPC collector for traces (host:port); empty: no tracing.")
     d(flags.DEFINE_string, "service_name", "meshserve", "service.name of the traces.")
     d(flags.DEFINE_boolean, "warmup", True, "Compile every bucket before SERVING (never turn off in production).")
-    d(flags.DEFINE_string, "ready_file", "", "Written (JSON: port, metrics_port, pid) once the server is SERVING.")
+    d(flags.DEFINE_string, "ready_file", "",
+      "Written (JSON: port, metrics_port, http_port with --http_port, pid) once the server is SERVING.")
 
 
 def screens_head(f: flags.FlagValues) -> bool:
@@ -157,7 +165,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         host=f.host, port=f.port, metrics_port=f.metrics_port, warmup=f.warmup, drain_grace_s=f.drain_grace_s,
         max_request_bytes=f.max_request_bytes, retry_after_s=f.retry_after_s, instance_id=f.instance_id,
         otlp_endpoint=f.otlp_endpoint, service_name=f.service_name, ready_file=f.ready_file,
-        tls_cert=f.tls_cert, tls_key=f.tls_key, tls_client_ca=f.tls_client_ca)
+        tls_cert=f.tls_cert, tls_key=f.tls_key, tls_client_ca=f.tls_client_ca, http_port=f.http_port,
+        served_model_name=f.served_model_name)
     return engine_config, server_config
 
 

@@ -1,6 +1,6 @@
-"""`InstanceServer` (with `ServerConfig`): one engine behind a grpc.aio server, with health, Prometheus metrics and
-traces, its start-up (warm-up before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_stats`.
-Details: docs/server.md."""
+"""`InstanceServer` (with `ServerConfig`): one engine behind a grpc.aio server and, with `http_port`, the OpenAI HTTP
+API on the same event loop (serving.server.http), with health, Prometheus metrics and traces, its start-up (warm-up
+before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_stats`. Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio
@@ -45,6 +45,8 @@ class ServerConfig:
     tls_cert: str = ""  # PEM chain: serve TLS (with tls_key)
     tls_key: str = ""
     tls_client_ca: str = ""  # PEM CA: require client certificates signed by it (mutual TLS, e.g. from the gateway)
+    http_port: int = -1  # the OpenAI-compatible HTTP API: -1 off; 0 any free port
+    served_model_name: str = ""  # the model's name in the HTTP API and metrics; default the model directory's name
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
@@ -73,8 +75,9 @@ class InstanceServer:
             if engine.model_config.is_moe and self.aengine.is_alive:
                 out.update(self.aengine.call(expert_stats).result(30))  # between steps, on the engine thread
             return out
-        self.metrics = ServerMetrics(os.path.basename(os.path.normpath(engine.config.model)) or "model", stats,
-                                     num_speculative_tokens=spec.k if spec is not None else 0)
+        self.model_name = (config.served_model_name or os.path.basename(os.path.normpath(engine.config.model))
+                           or "model")
+        self.metrics = ServerMetrics(self.model_name, stats, num_speculative_tokens=spec.k if spec is not None else 0)
         self.load_tracker = LoadTracker(self.metrics, self.tracer)
         self.aengine.step_listeners.append(self.load_tracker)
         self.health = health.aio.HealthServicer()
@@ -86,6 +89,8 @@ class InstanceServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
+        self.http = None  # serving.server.http.OpenAIServer when http_port >= 0
+        self.http_port = 0
         self._metrics_http = None
         self._stopped = asyncio.Event()
         self._stopping = False
@@ -122,7 +127,14 @@ class InstanceServer:
         await self.server.start()
         if cfg.metrics_port >= 0:
             self._metrics_http, self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
-        log.info("listening on %s:%d (metrics :%s); warming up", cfg.host, self.port, self.metrics_port or "off")
+        if cfg.http_port >= 0:  # answers 503 on /health and the APIs until SERVING
+            from serving.server.http import OpenAIServer
+            self.http = OpenAIServer(self.servicer, model_name=self.model_name,
+                                     max_request_bytes=cfg.max_request_bytes, retry_after_s=cfg.retry_after_s)
+            self.http_port = await self.http.start(cfg.host, cfg.http_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
+                                                   tls_client_ca=cfg.tls_client_ca)
+        log.info("listening on %s:%d (metrics :%s, HTTP :%s); warming up", cfg.host, self.port,
+                 self.metrics_port or "off", self.http_port or "off")
         if cfg.warmup:
             # On the engine thread, before any request: compiles every bucket's programs.
             await asyncio.wrap_future(self.aengine.call(lambda e: e.warmup()))
@@ -135,9 +147,12 @@ class InstanceServer:
         self._watchdog = asyncio.ensure_future(self._watch_engine())
         if cfg.ready_file:
             tmp = cfg.ready_file + ".tmp"
+            info = {"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
+                    "instance_id": self.instance_id}
+            if self.http is not None:
+                info["http_port"] = self.http_port
             with open(tmp, "w") as f:
-                json.dump({"port": self.port, "metrics_port": self.metrics_port, "pid": os.getpid(),
-                           "instance_id": self.instance_id}, f)
+                json.dump(info, f)
             os.replace(tmp, cfg.ready_file)
 
     async def _watch_engine(self) -> None:
@@ -169,6 +184,8 @@ class InstanceServer:
         log.info("drained in %.2fs", time.monotonic() - t0)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.http is not None:
+            await self.http.stop()
         if self.server is not None:
             await self.server.stop(1.0)
         if self._metrics_http is not None:

@@ -1,6 +1,7 @@
 """Client library for meshserve.v1.Inference (an instance server or the gateway): `Client` (blocking) and `AsyncClient`
-(asyncio); `generate` streams GenerateResponses, `complete` joins them into a Completion; failures raise ClientError
-with the gRPC status code, the server's message and its retry hint. Example: docs/server.md."""
+(asyncio); `generate` streams GenerateResponses (with n > 1, each sample's told apart by `index`), `complete` joins them
+into a Completion (its samples in `outputs`); failures raise ClientError with the gRPC status code, the server's
+message and its retry hint. Example: docs/server.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +45,8 @@ class ClientError(Exception):
 
 @dataclasses.dataclass
 class Completion:
+    """A joined stream. The fields are sample 0's; with n > 1, `outputs` holds every sample's Completion (index 0 ..
+    n-1, their own `outputs` empty)."""
     request_id: str
     text: str
     token_ids: list[int]
@@ -55,6 +58,8 @@ class Completion:
     logprobs: list  # TokenLogprob messages, when asked for
     time_to_first_token_s: float
     e2e_latency_s: float
+    index: int = 0  # the sample
+    outputs: list["Completion"] = dataclasses.field(default_factory=list)
 
 
 def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -62,7 +67,8 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
                      add_special_tokens: bool | None = None, add_generation_prompt: bool | None = None,
                      **sampling) -> pb.GenerateRequest:
     """Builds a GenerateRequest: a text prompt, token ids, or chat `messages`; sampling fields as keywords
-    (max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs, ...)."""
+    (max_tokens, temperature, top_p, top_k, min_p, seed, stop, stop_token_ids, logprobs, n (samples),
+    logit_bias ({token id: bias}), ...)."""
     unknown = set(sampling) - SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters {sorted(unknown)}; known: {sorted(SAMPLING_FIELDS)}")
@@ -82,7 +88,9 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
         if value is None:
             continue
         field = getattr(req.sampling, name)
-        if isinstance(value, (list, tuple)):
+        if isinstance(value, Mapping):
+            field.update(value)
+        elif isinstance(value, (list, tuple)):
             field.extend(value)
         elif isinstance(value, str) and name == "stop":
             req.sampling.stop.append(value)
@@ -92,22 +100,30 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
 
 
 class _Collector:
+    """Joins a stream's responses, per sample."""
+
     def __init__(self):
-        self.text, self.ids, self.logprobs, self.last, self.rid = [], [], [], None, ""
+        self.samples: dict[int, tuple[list, list, list, list]] = {}  # index -> (text, ids, logprobs, [last])
+        self.rid = ""
 
     def add(self, r: pb.GenerateResponse) -> None:
         self.rid = r.request_id
-        self.text.append(r.text)
-        self.ids.extend(r.token_ids)
-        self.logprobs.extend(r.logprobs)
-        self.last = r
+        text, ids, logprobs, last = self.samples.setdefault(r.index, ([], [], [], [None]))
+        text.append(r.text)
+        ids.extend(r.token_ids)
+        logprobs.extend(r.logprobs)
+        last[0] = r
+
+    def _sample(self, index: int) -> Completion:
+        text, ids, logprobs, (r,) = self.samples[index]
+        stop = r.stop_token_id if r.WhichOneof("stop_reason") == "stop_token_id" else (r.stop_string or None)
+        return Completion(self.rid, "".join(text), ids, FINISH_REASON_NAMES[r.finish_reason], stop,
+                          r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_prompt_tokens,
+                          logprobs, r.timing.time_to_first_token_s, r.timing.e2e_latency_s, index)
 
     def result(self) -> Completion:
-        r = self.last
-        stop = r.stop_token_id if r.WhichOneof("stop_reason") == "stop_token_id" else (r.stop_string or None)
-        return Completion(self.rid, "".join(self.text), self.ids, FINISH_REASON_NAMES[r.finish_reason], stop,
-                          r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.cached_prompt_tokens,
-                          self.logprobs, r.timing.time_to_first_token_s, r.timing.e2e_latency_s)
+        outputs = [self._sample(i) for i in sorted(self.samples)]
+        return dataclasses.replace(outputs[0], outputs=outputs)
 
 
 class Client:
@@ -132,7 +148,8 @@ class Client:
 
     def generate(self, prompt=None, *, timeout: float | None = None, metadata=None, **kw
                  ) -> Iterator[pb.GenerateResponse]:
-        """Streams responses; leaving the loop early cancels the request on the server."""
+        """Streams responses (`generate_request`'s keywords; with n > 1, every sample's, by `index`); leaving the
+        loop early cancels the request on the server."""
         call = self.stub.Generate(generate_request(prompt, **kw), timeout=self._t(timeout), metadata=metadata)
         try:
             for r in call:
@@ -143,6 +160,7 @@ class Client:
             call.cancel()  # a no-op once the call has ended
 
     def complete(self, prompt=None, **kw) -> Completion:
+        """The whole completion (with n > 1, sample 0's fields and every sample in `outputs`)."""
         c = _Collector()
         for r in self.generate(prompt, **kw):
             c.add(r)
@@ -205,7 +223,8 @@ class AsyncClient:
 
     async def generate(self, prompt=None, *, timeout: float | None = None, metadata=None, **kw
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        """Streams responses; leaving the loop early (or cancelling the task) cancels the request."""
+        """Streams responses (as Client.generate); leaving the loop early (or cancelling the task) cancels the
+        request."""
         call = self.stub.Generate(generate_request(prompt, **kw), timeout=self._t(timeout), metadata=metadata)
         try:
             async for r in call:

@@ -12,8 +12,8 @@ import time
 import uuid
 
 import grpc
-import jinja2
 
+from serving.api.protocol import check_token_ids, encode_chat
 from serving.core.async_engine import AsyncEngine, EngineDeadError
 from serving.core.request import FinishReason, Priority
 from serving.core.sampling_params import SamplingParams
@@ -22,7 +22,8 @@ from serving.server.proto import meshserve_pb2 as pb
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer
-from serving.validation import InvalidArgument, check_context, check_request_header
+from serving.validation import (InvalidArgument, check_context, check_request_header, check_vocabulary,
+                                sampling_fields)
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,6 @@ FINISH_REASONS = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server retry hint
-KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 STEP_WINDOW_S = 10.0
 LARGE_REQUEST_BYTES = 32 << 10  # parsed and tokenized off the event loop
 
@@ -117,6 +117,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             if self._on_drain_change is not None:
                 self._on_drain_change(draining)
 
+    def begin(self, rid: str) -> float:
+        """Counts a request (gRPC or HTTP) in flight, for the drain; returns its arrival time (monotonic)."""
+        arrival = self.inflight[rid] = time.monotonic()
+        self._idle.clear()
+        return arrival
+
+    def end(self, rid: str) -> None:
+        self.inflight.pop(rid, None)
+        if not self.inflight:
+            self._idle.set()
+
     async def wait_idle(self, timeout: float | None) -> bool:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
@@ -143,48 +154,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             ids = list(req.token_ids.ids)
             if not ids:
                 raise InvalidArgument("token_ids: the prompt is empty")
-            vocab = self.engine.model_config.vocab_size
-            for i, t in enumerate(ids):
-                if not 0 <= t < vocab:
-                    raise InvalidArgument(f"token_ids: token id {t} at position {i} is outside the vocabulary "
-                                          f"[0, {vocab})")
+            check_token_ids("token_ids", ids, self.engine.model_config.vocab_size)
             return ids
         if which == "chat":
             chat = req.chat
-            if not chat.messages:
-                raise InvalidArgument("chat.messages: the conversation is empty")
-            if tok is None:
-                raise InvalidArgument("chat: this model has no tokenizer; send token_ids")
-            for i, m in enumerate(chat.messages):
-                if not m.role:
-                    raise InvalidArgument(f"chat.messages[{i}].role: empty; use one of {', '.join(KNOWN_ROLES)}")
-            messages = [{"role": m.role, "content": m.content} for m in chat.messages]
             add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-            try:
-                return tok.encode_chat(messages, add_generation_prompt=add_gen)
-            except (jinja2.TemplateError, ValueError, TypeError) as e:
-                bad = next((i for i, m in enumerate(chat.messages) if m.role not in KNOWN_ROLES), None)
-                field = f"chat.messages[{bad}].role" if bad is not None else "chat.messages"
-                raise InvalidArgument(f"{field}: the model's chat template rejected the conversation: {e}") from e
+            return encode_chat(tok, [{"role": m.role, "content": m.content} for m in chat.messages],
+                               field="chat.messages", add_generation_prompt=add_gen)
         raise InvalidArgument("prompt: empty; set one of text, token_ids or chat")
 
     def _sampling_params(self, sp: pb.SamplingParameters) -> SamplingParams:
-        kw = dict(min_tokens=sp.min_tokens, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
-                  frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop),
-                  stop_token_ids=tuple(sp.stop_token_ids), include_stop_str_in_output=sp.include_stop_str_in_output,
-                  ignore_eos=sp.ignore_eos)
-        for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs",
-                     "skip_special_tokens", "spaces_between_special_tokens"):
-            if sp.HasField(name):
-                kw[name] = getattr(sp, name)
-        vocab = self.engine.model_config.vocab_size
-        for t in kw["stop_token_ids"]:
-            if not 0 <= t < vocab:
-                raise InvalidArgument(f"sampling.stop_token_ids: token id {t} is outside the vocabulary [0, {vocab})")
+        """The shared checks (serving.validation), then token ids against the vocabulary, as the gateway runs them."""
         try:
-            return SamplingParams(**kw)
+            params = SamplingParams(**sampling_fields(sp))
+            check_vocabulary(params, self.engine.model_config.vocab_size)
         except ValueError as e:
             raise InvalidArgument(f"sampling.{e}") from e
+        return params
 
     def parse_generate(self, req: pb.GenerateRequest) -> tuple[list[int], SamplingParams, int]:
         which = check_request_header(req, self.options.max_request_bytes, [p.value for p in Priority])
@@ -222,9 +208,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         span = self.tracer.start(rid, context.invocation_metadata(), {
             "meshserve.request_id": rid, "meshserve.tenant": request.tenant or None,
             "meshserve.priority": priority, "meshserve.prompt_tokens": len(prompt_ids)})
-        arrival = self.inflight[rid] = time.monotonic()
-        self._idle.clear()
+        arrival = self.begin(rid)
         last_request, final, failure = None, None, None  # failure: (code, details, trailing)
+        remaining = params.n  # samples not finished
         stream = self.aengine.generate(rid, prompt_ids, params, priority=priority, deadline=deadline)
         try:
             first = True
@@ -232,7 +218,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 last_request = out.request
                 if out.finished:
                     final = out
-                    self._record_finished(out)
+                    remaining -= 1
+                    self.record_finished(out)
                     if out.finish_reason is FinishReason.TIMEOUT:
                         failure = (grpc.StatusCode.DEADLINE_EXCEEDED, f"the deadline passed after "
                                    f"{out.request.num_output_tokens} generated tokens", ())
@@ -261,18 +248,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         finally:
             # Reached on normal ends, errors and client cancels (CancelledError / GeneratorExit).
             reason = final.finish_reason if final is not None else FinishReason.ABORT
-            if final is None:
-                # Cancelled by the client, or by gRPC when the deadline passed: free its pages now (a no-op if
-                # it never got in).
-                if deadline is not None and time.monotonic() >= deadline - 0.005:
-                    reason = FinishReason.TIMEOUT
+            if remaining:
+                # Cancelled by the client, or by gRPC when the deadline passed, or a sample failed: free the pages of
+                # every sample now (a no-op if it never got in).
+                if final is None or failure is None:
+                    reason = FinishReason.ABORT
+                    if deadline is not None and time.monotonic() >= deadline - 0.005:
+                        reason = FinishReason.TIMEOUT
                 self.aengine.abort(rid, reason)
             await stream.aclose()
-            self.inflight.pop(rid, None)
-            if not self.inflight:
-                self._idle.set()
-            if final is None and failure is None:  # cancelled: count it, with what it had got
-                self._record_abort(last_request, reason, num_prompt_tokens=len(prompt_ids), arrival_time=arrival)
+            self.end(rid)
+            if remaining and failure is None:  # cancelled: count it, with what it had got
+                self.record_abort(last_request, reason, num_prompt_tokens=len(prompt_ids), arrival_time=arrival)
             label = "rejected" if final is None and failure is not None else reason.value
             self.tracer.finish(span, rid, last_request, finish_reason=label,
                                error=None if failure is None else failure[1])
@@ -280,7 +267,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(context, *failure)
 
     def _response(self, rid: str, out, first: bool) -> pb.GenerateResponse:
-        resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text)
+        resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text, index=out.index)
         if out.logprobs:
             for lp in out.logprobs:
                 resp.logprobs.add(token_id=lp.token_id, logprob=lp.logprob,
@@ -307,17 +294,18 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             resp.timing.e2e_latency_s = end - m.arrival_time
         return resp
 
-    def _record_finished(self, out) -> None:
+    def record_finished(self, out) -> None:
+        """Each sample counts as a finished sequence; the prompt's tokens are counted once, with sample 0."""
         if self.metrics is None:
             return
         r, m = out.request, out.request.metrics
         self.metrics.observe_finished(
-            finish_reason=out.finish_reason.value, num_prompt_tokens=r.num_prompt_tokens,
+            finish_reason=out.finish_reason.value, num_prompt_tokens=0 if out.index else r.num_prompt_tokens,
             num_output_tokens=r.num_output_tokens, arrival_time=m.arrival_time,
             first_scheduled_time=m.first_scheduled_time, first_token_time=m.first_token_time,
             token_times=list(m.token_times), finished_time=m.finished_time)
 
-    def _record_abort(self, r, reason: FinishReason, *, num_prompt_tokens: int, arrival_time: float) -> None:
+    def record_abort(self, r, reason: FinishReason, *, num_prompt_tokens: int, arrival_time: float) -> None:
         """A request that ended without its last output (client cancel, gRPC deadline); `r` is None if it had
         no output yet."""
         if self.metrics is None:

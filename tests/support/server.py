@@ -1,4 +1,5 @@
 """Helpers for tests that drive an instance server through the client library."""
+import contextlib
 import time
 
 from serving.server.client import Client
@@ -13,3 +14,13 @@ def wait_idle(client: Client, timeout: float = 10.0):
                 or time.monotonic() - t0 > timeout:
             return load
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def running(proc):
+    """A started ServerProcess, ready; on exit SIGTERM, and its exit code must be 0 (the log's tail if not)."""
+    try:
+        yield proc.wait_ready()
+    finally:
+        rc = proc.terminate()
+        assert rc == 0, f"the server exited with {rc}:\n{proc.log()[-4000:]}"

@@ -71,6 +71,8 @@ class InferenceServicer:
 
     def Generate(self, request, context):
         """Streams a completion: one response per engine step that produced tokens; the last one has finish_reason.
+        With n > 1, each sample's responses carry its index and its last one its finish_reason; the stream ends after
+        the last sample's.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,4 +1,4 @@
-"""BlockManager: allocation, reference counts, prefix cache (chain keys, exact hits, LRU eviction), roll-back.
+"""BlockManager: allocation, reference counts, forks, prefix cache (chain keys, exact hits, LRU eviction), roll-back.
 
 Every test ends with the idle invariant: every page free or held by the prefix cache, none leaked.
 """
@@ -174,6 +174,28 @@ def test_prefix_caching_disabled(bm):
     m.free(a)
     m.free(b)
     assert len(m.free_pages) == 16
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_fork_shares_pages_by_reference_count(bm, prefix_caching):
+    m = bm(enable_prefix_caching=prefix_caching)
+    a = req(list(range(10)), "a")
+    run_prefill(m, a)
+    b = req(list(range(10)), "b")
+    m.fork(b, a, 2)  # the two full pages; b computes the last two tokens itself
+    assert b.block_table == a.block_table[:2] and b.num_computed_tokens == 8
+    assert b.block_prefix_ids == a.block_prefix_ids[:2]
+    assert [m.ref_counts[p] for p in a.block_table] == [2, 2, 1]
+    assert m.allocate(b, 10) and b.block_table[2] not in a.block_table
+    b.num_computed_tokens = 10
+    m.cache_full_blocks(b, 10)
+    m.check_invariants([a, b])  # shared pages need not be cached when forked
+    assert m.truncate(b, 6) == 4 and b.block_table == a.block_table[:1]  # a forked page is never written again
+    m.free(a)
+    assert m.ref_counts[b.block_table[0]] == 1
+    m.check_invariants([b])
+    m.free(b)
+    assert not any(m.forked)
 
 
 def test_check_invariants_catches_leak_and_bad_sharing():

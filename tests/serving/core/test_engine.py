@@ -1,5 +1,6 @@
 """Engine end to end on a real (small) model: continuous batching, chunked prefill, prefix cache and
-preemption all give HF's greedy tokens; warm-up compiles everything; sampling is reproducible per seed."""
+preemption all give HF's greedy tokens; warm-up compiles everything; sampling is reproducible per seed; n > 1
+samples share one prefill; a logit bias gives HF's sequence-bias tokens."""
 import asyncio
 import dataclasses
 import time
@@ -82,8 +83,8 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
     llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
               min_token_bucket=min_bucket)
     eng = llm.engine
-    # Per token bucket the forward, per sequence bucket 8 sampling variants; buckets of up to SCREEN_MAX_ROWS
-    # sequences also the greedy-only forward with the screened LM head (when the native kernels run).
+    # Per token bucket the forward, per sequence bucket 8 sampling variants and the logit-bias one; buckets of up to
+    # SCREEN_MAX_ROWS sequences also the greedy-only forward with the screened LM head (when the native kernels run).
     screened = [t for t in eng.buckets if eng.runner.screens(eng.runner.seq_bucket(t))]
     if min_bucket == 16:
         assert eng.buckets == [16, 32, 64] and screened == []
@@ -91,7 +92,7 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
         assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
         assert screened == ([1, 2, 4] if native.enabled() else [])
     seq_buckets = {eng.runner.seq_bucket(t) for t in eng.buckets}
-    assert eng.compile_count == len(eng.buckets) + 8 * len(seq_buckets) + len(screened)
+    assert eng.compile_count == len(eng.buckets) + 9 * len(seq_buckets) + len(screened)
     assert eng.compile_count == len(eng.warmup_plan())
     forward_programs = eng.runner._forward_fn._cache_size()
     sample_programs = eng.runner._sample_fn._cache_size()
@@ -102,6 +103,11 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
              SamplingParams(temperature=0.0, repetition_penalty=1.3, logprobs=2, max_tokens=5),
              SamplingParams(temperature=1.0, seed=4, top_k=5, min_p=0.1, frequency_penalty=0.5, max_tokens=5)]
     llm.generate(workload[0][:3], mixed)
+    biased = [SamplingParams(temperature=0.0, logit_bias={5: 3.0}, max_tokens=5),
+              SamplingParams(temperature=0.8, seed=5, top_k=7, logit_bias={6: -50.0}, logprobs=1, max_tokens=5, n=2),
+              SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias={7: 1.0}, max_tokens=5)]
+    llm.generate(workload[0][:3], biased)
+    llm.generate(workload[0][:1], biased[:1])
     assert eng.runner._forward_fn._cache_size() == forward_programs
     assert eng.runner._sample_fn._cache_size() == sample_programs
 
@@ -177,7 +183,7 @@ def test_look_ahead_with_stops_aborts_and_mixed_sampling(llama, workload):
             eng.add_request(mixed)  # joins greedy work in flight
         if steps == 6:
             assert eng._pending is not None  # a step is on the device
-            final = eng.abort("doomed")
+            final, = eng.abort("doomed")
             assert final.finished and final.finish_reason is FinishReason.ABORT
     for i, r in requests.items():
         want = expected[i][:expected[i].index(expected[i][2]) + 1]
@@ -279,3 +285,110 @@ def test_async_engine_abort_deadline_and_streaming(llama, workload):
         assert idle[0] is False
     finally:
         aeng.shutdown()
+
+
+# ---- n > 1 ---------------------------------------------------------------------------------------------------
+def _drive(eng, requests):
+    """Runs `requests` to the end; returns (tokens per (request id, sample index), prompt tokens computed, the most
+    KV pages in use at once)."""
+    for r in requests:
+        eng.add_request(r)
+    bm, tokens, prefill, peak, last = eng.scheduler.block_manager, {}, 0, 0, None
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens.setdefault((o.request_id, o.index), []).extend(o.new_token_ids)
+        peak = max(peak, bm.num_pages - bm.num_free_pages)
+        if eng.last_step is not None and eng.last_step is not last:
+            last = eng.last_step
+            prefill += sum(max(0, min(s.start + len(s.token_ids), s.request.num_prompt_tokens) - s.start)
+                           for s in last.scheduled)
+    eng.scheduler.check_invariants()
+    bm.check_idle()
+    return tokens, prefill, peak
+
+
+def test_n_samples_share_one_prefill_and_are_reproducible(llama, workload):
+    llm = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    eng = llm.engine
+    prompt = workload[0][1]  # the shared system prompt and more: its full pages are shared, not its last one
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    first, prefill, peak = _drive(eng, [eng.make_request("a", prompt, params)])
+    assert sorted(first) == [("a", 0), ("a", 1), ("a", 2)] and all(len(t) == 12 for t in first.values())
+    assert len({tuple(t) for t in first.values()}) == 3  # three different samples
+    full, pages = (len(prompt) - 1) // 8, -(-(len(prompt) + 12) // 8)
+    assert prefill == len(prompt) + 2 * (len(prompt) - 8 * full)  # the prompt computed once
+    assert peak <= pages + 2 * (pages - full) < 3 * pages
+    again, _, _ = _drive(eng, [eng.make_request("b", prompt, params)])
+    assert [again[("b", i)] for i in range(3)] == [first[("a", i)] for i in range(3)]  # the whole set, run to run
+    alone, _, _ = _drive(eng, [eng.make_request("c", prompt, dataclasses.replace(params, n=1))])
+    assert alone[("c", 0)] == first[("a", 0)]  # sample 0 keeps the request's seed
+    # Greedy samples are identical (HF's greedy); the offline API returns them all, sample 0's as before.
+    c = llm.generate([prompt], SamplingParams(n=3, temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    assert [o.index for o in c.outputs] == [0, 1, 2] and c.token_ids == c.outputs[0].token_ids
+    assert c.metrics is c.outputs[0].metrics and c.finish_reason is FinishReason.LENGTH
+    assert [o.token_ids for o in c.outputs] == [hf_models.hf_greedy(llama[1], prompt, 8)] * 3
+    # (sample 0 from the prefix cache, which the runs above filled; the others from sample 0's pages)
+    assert [o.metrics.num_cached_prompt_tokens for o in c.outputs] == [8 * full] * 3
+
+
+def test_n_samples_abort_and_preemption(llama, workload):
+    prompts = workload[0]
+    eng = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64).engine
+    eng.add_request(eng.make_request("doomed", prompts[3], SamplingParams(n=3, temperature=0.9, seed=5,
+                                                                          max_tokens=200, ignore_eos=True)))
+    for _ in range(4):
+        eng.step()
+    finals = eng.abort("doomed")
+    assert sorted(o.index for o in finals) == [0, 1, 2]
+    assert all(o.request_id == "doomed" and o.finish_reason is FinishReason.ABORT for o in finals)
+    eng.run_until_idle()
+    eng.scheduler.block_manager.check_idle()
+    # Few pages: samples are preempted and recomputed; greedy samples still give HF's tokens, sampled ones finish.
+    tight = LLM(llama[0], warmup=False, page_size=8, num_pages=24, max_num_seqs=16, max_num_batched_tokens=64).engine
+    picks = [1, 3, 5, 7]
+    requests = [tight.make_request(f"g{i}", prompts[i], SamplingParams(n=3, temperature=0.0, max_tokens=20,
+                                                                       ignore_eos=True)) for i in picks]
+    requests += [tight.make_request("s", prompts[0], SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=20,
+                                                                    ignore_eos=True))]
+    tokens, _, _ = _drive(tight, requests)
+    assert sum(s.metrics.num_preemptions for r in requests for s in r.samples) > 0
+    for i in picks:
+        want = hf_models.hf_greedy(llama[1], prompts[i], 20)
+        assert [tokens[(f"g{i}", k)] for k in range(3)] == [want] * 3
+    assert all(len(tokens[("s", k)]) == 20 for k in range(3))
+
+
+# ---- logit_bias ----------------------------------------------------------------------------------------------
+def _hf_biased_greedy(model, prompt, steps, bias):
+    import torch
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, eos_token_id=None,
+                             sequence_bias=[[[t], float(b)] for t, b in bias.items()])
+    return out[0, len(prompt):].tolist()
+
+
+def test_logit_bias_matches_hf_and_leaves_unbiased_neighbours_alone(llama, workload):
+    prompts, hf = workload[0], llama[1]
+    expected = {i: hf_models.hf_greedy(hf, prompts[i], 6) for i in (0, 2, 6)}
+    llm = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64)
+    ban = {expected[0][0]: -100.0, expected[0][1]: -100.0}  # the unbiased greedy tokens
+    nudge = {t: 3.0 for t in range(40, 60)}
+    params = [SamplingParams(temperature=0.0, max_tokens=6, logit_bias=ban),
+              SamplingParams(temperature=0.0, max_tokens=6),
+              SamplingParams(temperature=0.0, max_tokens=6, logit_bias={77: 100.0}),
+              SamplingParams(temperature=0.0, max_tokens=6),
+              SamplingParams(temperature=1.0, seed=3, top_p=0.9, max_tokens=6, logit_bias={77: 100.0}),
+              SamplingParams(temperature=0.0, max_tokens=6, logit_bias=nudge)]
+    picks = [0, 2, 4, 6, 8, 10]
+    outs = llm.generate([prompts[i] for i in picks], params)
+    assert outs[0].token_ids == _hf_biased_greedy(hf, prompts[0], 6, ban) and outs[0].token_ids[0] != expected[0][0]
+    assert outs[2].token_ids == [77] * 6 and outs[4].token_ids == [77] * 6  # forced, greedy and sampled
+    assert outs[5].token_ids == _hf_biased_greedy(hf, prompts[10], 6, nudge)
+    # the unbiased greedy requests of the same steps keep their own (fast path) tokens
+    assert outs[1].token_ids == expected[2][:6] and outs[3].token_ids == expected[6][:6]
+    llm.engine.scheduler.block_manager.check_idle()
+    with pytest.raises(ValueError, match=r"logit_bias: token id 999 is outside the vocabulary \[0, 160\)"):
+        llm.engine.make_request("bad", prompts[0], SamplingParams(logit_bias={999: 1.0}))
+    with pytest.raises(ValueError, match=r"logit_bias\[3\] must be in"):
+        SamplingParams(logit_bias={3: 250.0})

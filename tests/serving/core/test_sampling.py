@@ -1,5 +1,6 @@
 """Sampler tests: greedy, the distributions of temperature / min-p / top-k / top-p (against a NumPy reference),
-penalties (against transformers and the OpenAI formulas), per-request seeds, padding slots and logprobs."""
+penalties (against transformers and the OpenAI formulas), the logit bias (against transformers' sequence bias),
+per-request seeds, padding slots and logprobs."""
 import functools
 
 import jax
@@ -8,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from transformers import RepetitionPenaltyLogitsProcessor
+from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
-from serving.core.sampling import (SamplingTensors, _filter_threshold, apply_penalties, build_sampling_tensors,
-                                   sample)
+from serving.core.sampling import (SamplingTensors, _filter_threshold, apply_logit_bias, apply_penalties,
+                                   build_sampling_tensors, sample)
 from serving.core.sampling_params import SamplingParams
 
 sample_jit = jax.jit(sample, static_argnames=("max_logprobs",))
@@ -189,6 +190,59 @@ def test_penalties_match_transformers_and_openai():
     # logprobs stay those of the raw model distribution
     raw = jax.nn.log_softmax(logits, axis=1)
     np.testing.assert_allclose(out.logprobs, np.take_along_axis(raw, out.token_ids[:, None], 1)[:, 0], atol=1e-5)
+
+
+def test_logit_bias_sparse_rows_then_penalties_match_transformers():
+    """The bias is a scatter-add of [S, K] ids and values, applied before the penalties as transformers' sequence
+    bias is (then its repetition penalty); greedy slots take the biased argmax, padding slots stay untouched."""
+    rng = np.random.default_rng(11)
+    vocab = 300
+    logits = rng.standard_normal((5, vocab)).astype(np.float32) * 3
+    top = np.argmax(logits, axis=1)
+    biases = [{7: 100.0}, {int(top[1]): -100.0, 9: 2.5}, None, {t: -0.75 for t in range(0, vocab, 2)},
+              {int(top[4]): -100.0}]
+    params = [SamplingParams(temperature=0.0, logit_bias=biases[0]),
+              SamplingParams(temperature=0.0, logit_bias=biases[1], repetition_penalty=1.7),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias=biases[3]),
+              SamplingParams(temperature=0.0, logit_bias=biases[4], repetition_penalty=1.3, presence_penalty=0.5)]
+    token_ids = [[1, 2, 3], [9, 4, int(top[1])], [5], [6, 8], [10, 11, 12]]
+    t = build(params, vocab=vocab, token_ids=token_ids, num_prompt_tokens=[2, 2, 1, 1, 3], num_slots=8)
+    assert t.bias_ids.shape == t.bias_values.shape == (8, 256)  # the widest bias (150 entries), to a power of 2
+    assert t.bias_ids[2].tolist() == [-1] * 256 and t.bias_values[5:].tolist() == [[0.0] * 256] * 3
+    biased = np.asarray(jax.jit(apply_logit_bias)(jnp.asarray(np.pad(logits, ((0, 3), (0, 0)))), t))
+    for i, bias in enumerate(biases):
+        expected = logits[i].copy()
+        for token, b in (bias or {}).items():
+            expected[token] += b
+        np.testing.assert_allclose(biased[i], expected, rtol=0, atol=1e-6, err_msg=f"row {i}")
+    out = run(logits, params, token_ids=token_ids, num_prompt_tokens=[2, 2, 1, 1, 3], max_logprobs=2)
+    for i, (p, bias) in enumerate(zip(params, biases)):
+        ids, scores = torch.tensor([token_ids[i]]), torch.tensor(logits[i:i + 1])
+        if bias:
+            scores = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])(ids, scores)
+        if p.repetition_penalty != 1.0:
+            scores = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+        expected = scores[0].numpy() - p.presence_penalty * np.isin(np.arange(vocab), token_ids[i][3:])
+        assert out.token_ids[i] == int(np.argmax(expected)), f"row {i}"
+    assert out.token_ids[0] == 7 and out.token_ids[1] != top[1] and out.token_ids[4] != top[4]
+    # logprobs stay the raw model's
+    raw = np.asarray(jax.nn.log_softmax(jnp.asarray(logits), axis=1))
+    np.testing.assert_allclose(out.logprobs, raw[np.arange(5), out.token_ids], atol=1e-5)
+
+
+def test_logit_bias_forces_and_bans_sampled_tokens():
+    logits = np.tile(LOGITS_16, (NUM_DRAWS // 8, 1))
+    n = len(logits)
+    forced = run(logits, [SamplingParams(temperature=1.0, top_p=0.9, seed=i, logit_bias={3: 100.0})
+                          for i in range(n)]).token_ids
+    assert set(forced.tolist()) == {3}
+    banned = np.argsort(-LOGITS_16)[:2].tolist()  # the two most likely: e^-100 leaves them no chance
+    drawn = run(logits, [SamplingParams(temperature=1.0, seed=i, logit_bias={t: -100.0 for t in banned})
+                         for i in range(n)]).token_ids
+    expected = np.exp(LOGITS_16.astype(np.float64))
+    expected[banned] = 0.0
+    assert_distribution(drawn, expected / expected.sum())
 
 
 def test_no_penalties_means_no_token_window():

@@ -28,6 +28,8 @@ PARAMS = [
     SamplingParams(temperature=5.0, top_p=0.999),  # flat: top-p mass not reached in the candidates
     SamplingParams(temperature=0.0, repetition_penalty=1.5),  # greedy with a penalty
     SamplingParams(temperature=0.8, top_k=5, min_p=0.1, frequency_penalty=0.7),
+    SamplingParams(temperature=0.0, logit_bias={3: 9.0, 7: -100.0, 600: 2.0, 997: -100.0}),  # ids on every shard
+    SamplingParams(temperature=1.0, top_p=0.9, logit_bias={5: 4.0, 510: 4.0, 990: 6.0}, repetition_penalty=1.2),
     None,  # padding slots
     None,
 ]

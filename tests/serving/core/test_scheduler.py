@@ -437,6 +437,100 @@ def test_numpy_sampled_tokens_and_scheduled_sequence_fields(harness):
     h.run()
 
 
+# ---- n > 1: samples sharing their prompt's pages -----------------------------------------------------------
+def _prompt_tokens(out, group=None) -> int:
+    """Prompt tokens a step computes (its prefill), of one n > 1 request's samples if `group` is given."""
+    return sum(max(0, min(s.start + len(s.token_ids), s.request.num_prompt_tokens) - s.start) for s in out.scheduled
+               if group is None or s.request.group is group)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_samples_compute_the_prompt_once_sharing_its_pages(harness, prefix_caching):
+    h = harness(enable_prefix_caching=prefix_caching)  # page_size 4
+    r = h.add("g", 30, max_tokens=6, n=3, ignore_eos=True)
+    assert [(s.request_id, s.sample_index, s.parent_id) for s in r.samples] == [
+        ("g", 0, "g"), ("g#1", 1, "g"), ("g#2", 2, "g")]
+    assert len({s.sampling_params.seed for s in r.samples}) == 1  # no seed given (the engine draws one)
+    bm, full = h.sched.block_manager, (30 - 1) // 4  # 7 full pages are shared, the last (2 tokens) is not
+    out, _ = h.step()
+    assert [s.request_id for s in out.scheduled] == ["g"]  # the others wait for sample 0's pages
+    assert r.group.block_table == r.block_table[:full]  # held (a fork) until both have taken them
+    prompt_tokens, peak = _prompt_tokens(out), 0
+    out, _ = h.step()
+    assert sorted((s.request_id, s.start, len(s.token_ids)) for s in out.scheduled) == [
+        ("g", 30, 1), ("g#1", 28, 2), ("g#2", 28, 2)]  # each recomputes the prompt's last partial page only
+    assert r.group.block_table == [] and all(s.block_table[:full] == r.block_table[:full] for s in r.samples)
+    assert all(bm.ref_counts[p] == 3 for p in r.block_table[:full])
+    prompt_tokens += _prompt_tokens(out)
+    while h.sched.has_unfinished_requests():
+        peak = max(peak, bm.num_pages - bm.num_free_pages)
+        prompt_tokens += _prompt_tokens(h.step()[0])
+    assert prompt_tokens == 30 + 2 * 2
+    assert peak == bm.pages_for(36) + 2 * (bm.pages_for(36) - full) < 3 * bm.pages_for(36)
+    for s in r.samples:  # the fake model's greedy continuation: any wrong or unwritten page would change it
+        h.check_greedy(s)
+        assert s.finish_reason is FinishReason.LENGTH and s.num_output_tokens == 6
+    assert [s.metrics.num_cached_prompt_tokens for s in r.samples] == [0, 28, 28]
+    assert h.sched.prefix_cache_queries == 30  # forks are not prefix-cache lookups
+
+
+def test_samples_fork_from_the_hold_after_sample_0_has_finished(harness):
+    """Sample 0 ends at its first token, before the others are admitted: the group's fork kept the prompt's pages
+    (no prefix cache here), so they still compute only the last partial page."""
+    h = harness(enable_prefix_caching=False, max_num_seqs=2)
+    r = h.add("g", 21, max_tokens=1, n=3)
+    h.add("other", 3, max_tokens=3)  # takes the second slot, so sample 2 waits longer
+    prompt_tokens = 0
+    while h.sched.has_unfinished_requests():
+        out, _ = h.step()
+        prompt_tokens += _prompt_tokens(out, r.group)
+    assert r.samples[2].metrics.first_scheduled_time > r.metrics.finished_time
+    assert prompt_tokens == 21 + 2 * 1
+    for s in r.samples:
+        h.check_greedy(s)
+
+
+@pytest.mark.parametrize("when", [0, 1, 3])
+def test_abort_of_an_n_request_ends_every_sample(harness, when):
+    h = harness()
+    r = h.add("g", 14, max_tokens=20, n=3)
+    for _ in range(when):
+        h.step()
+    if when == 1:
+        assert r.group.block_table  # the fork is held: the abort must release it too
+    out = h.sched.abort("g")
+    assert out is not None and out.finish_reason is FinishReason.ABORT
+    assert all(s.finish_reason is FinishReason.ABORT and s.block_table == [] for s in r.samples)
+    assert not h.sched.requests and not h.sched.groups and r.group.block_table == []
+    h.sched.block_manager.check_idle()
+
+
+def test_deadline_and_queue_bound_count_every_sample(harness):
+    h = harness(max_waiting_requests=4)
+    r = h.add("g", 10, max_tokens=50, n=3, deadline=3.5)
+    with pytest.raises(QueueFullError, match="adds 2 samples"):
+        h.add("h", 10, n=2)
+    with pytest.raises(ValueError, match="'g#1' is already in flight"):
+        h.add("g#1", 5)
+    for _ in range(4):
+        h.step()
+    assert all(s.finish_reason is FinishReason.TIMEOUT for s in r.samples) and not h.sched.groups
+
+
+@pytest.mark.parametrize("look_ahead", [False, True])
+def test_samples_under_preemption_pressure_all_complete(harness, look_ahead):
+    """Few pages: samples are preempted and recomputed (forking the prompt from a running sample where one has it),
+    every one of them still gives the exact continuation, and no page leaks."""
+    h = harness(max_model_len=64, num_pages=20, max_num_batched_tokens=16, max_num_seqs=6)
+    groups = [h.add(f"g{i}", 18 + 3 * i, max_tokens=30, n=3, ignore_eos=True) for i in range(2)]
+    solo = h.add("solo", 9, max_tokens=25, ignore_eos=True)
+    h.run_look_ahead() if look_ahead else h.run()
+    assert h.sched.num_preemptions > 0
+    for r in [s for g in groups for s in g.samples] + [solo]:
+        assert r.finish_reason is FinishReason.LENGTH and r.num_tokens == r.max_num_tokens
+        h.check_greedy(r)
+
+
 # ---- look-ahead (the engine schedules step N before step N-1's tokens are applied) ---------------------------
 def _mixed_requests(h, n=24, seed=0, **extra):
     rng = np.random.default_rng(seed)

@@ -1,13 +1,15 @@
-"""Property test: random arrivals, aborts, stop strings, deadlines, roll-backs and page pressure, with and without
-the engine's look-ahead (step N scheduled and run before step N-1's update).
+"""Property test: random arrivals (some of n > 1 samples sharing their prompt's pages), aborts, stop strings,
+deadlines, roll-backs and page pressure, with and without the engine's look-ahead (step N scheduled and run before
+step N-1's update).
 
 After every operation every book must agree (reference counts, free list, cache index, queues); no page is
-shared except through the prefix cache. At the end: no request lost (each ended with a finish reason), every
-output is the fake model's exact greedy continuation (preemption and prefix hits included), no page leaked.
+shared except through the prefix cache or a fork of an n > 1 request's prompt. At the end: no request lost (each
+ended with a finish reason), every output (every sample's) is the fake model's exact greedy continuation
+(preemption and prefix hits included), no page leaked.
 """
 import dataclasses
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serving.core import (FinishReason, Priority, QueueFullError, Request, SamplingParams, Scheduler,
@@ -32,7 +34,8 @@ configs = st.builds(
     look_ahead=st.booleans(),
 )
 adds = st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 8) | st.integers(20, 60) | st.none(),
-                 st.sampled_from(list(Priority)), st.none() | st.integers(1, 40), st.integers(0, 3), st.booleans())
+                 st.sampled_from(list(Priority)), st.none() | st.integers(1, 40), st.integers(0, 3), st.booleans(),
+                 st.sampled_from([1, 1, 2, 3]))
 ops = st.lists(st.one_of(
     adds, adds,
     st.tuples(st.just("step"), st.integers(1, 4)),
@@ -77,18 +80,18 @@ def test_random_traffic_keeps_every_invariant(cfg, operations):
     for op in operations:
         kind = op[0]
         if kind == "add":
-            _, n, max_tokens, priority, deadline, family, shared = op
+            _, n, max_tokens, priority, deadline, family, shared, samples = op
             prompt = families[family][:n] if shared else [(len(accepted) * 7 + i) % (VOCAB - 1) + 1
                                                           for i in range(n)]
             rid = f"r{len(accepted)}-{now}"
-            r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), priority=priority,
-                        arrival_time=now, deadline=None if deadline is None else now + deadline,
+            r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, n=samples),
+                        priority=priority, arrival_time=now, deadline=None if deadline is None else now + deadline,
                         eos_token_ids=(EOS,))
             try:
                 sched.add_request(r)
-                accepted[rid] = r
+                accepted.update((s.request_id, s) for s in r.samples)
             except QueueFullError:
-                assert len(sched.waiting) >= config.max_waiting_requests
+                assert len(sched.waiting) + samples > config.max_waiting_requests
         elif kind == "step":
             for _ in range(op[1]):
                 step()
@@ -124,7 +127,12 @@ def test_random_traffic_keeps_every_invariant(cfg, operations):
 @given(num_pages=st.integers(MAX_LEN // PS, 24), max_num_seqs=st.integers(2, 8),
        enable_prefix_caching=st.booleans(), preempt_for_priority=st.booleans(),
        arrivals=st.lists(st.tuples(st.integers(8, 50), st.integers(10, 60), st.sampled_from(list(Priority)),
-                                   st.integers(0, 3), st.integers(0, 3)), min_size=2, max_size=12))
+                                   st.integers(0, 3), st.integers(0, 3), st.sampled_from([1, 1, 3])),
+                         min_size=2, max_size=12))
+# Found by this test: a sample forked pages from a sibling whose cache chain had gone another way (regression).
+@example(num_pages=16, max_num_seqs=2, enable_prefix_caching=True, preempt_for_priority=False,
+         arrivals=[(29, 10, Priority.INTERACTIVE, 0, 0, 1), (25, 10, Priority.BATCH, 0, 0, 3),
+                   (8, 10, Priority.INTERACTIVE, 1, 0, 1)])
 def test_page_pressure_preempts_and_outputs_stay_exact(num_pages, max_num_seqs, enable_prefix_caching,
                                                        preempt_for_priority, arrivals):
     config = SchedulerConfig(max_model_len=MAX_LEN, page_size=PS, num_pages=num_pages, max_num_seqs=max_num_seqs,
@@ -135,12 +143,12 @@ def test_page_pressure_preempts_and_outputs_stay_exact(num_pages, max_num_seqs, 
     families = [[(f * 13 + i) % (VOCAB - 1) + 1 for i in range(50)] for f in range(4)]
     requests = []
     now = 0.0
-    for i, (n, max_tokens, priority, family, gap) in enumerate(arrivals):
+    for i, (n, max_tokens, priority, family, gap, samples) in enumerate(arrivals):
         prompt = families[family][:n - 3] + [i % 7 + 1, i % 5 + 1, 1]
-        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                    priority=priority, arrival_time=now)
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                    n=samples), priority=priority, arrival_time=now)
         sched.add_request(r)
-        requests.append(r)
+        requests += r.samples
         for _ in range(gap + 1 if i < len(arrivals) - 1 else 3000):
             if not sched.has_unfinished_requests():
                 break

@@ -15,7 +15,7 @@ from serving.gateway import config as gconfig
 from serving.gateway.admission import Admission, QueueFull, RateLimiter
 from serving.gateway.config import ConfigError, ConfigWatcher, IsolationConfig, ScoreWeights, parse_config
 from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker
-from serving.gateway.jobs import JobError, JobStore, check_callback_url
+from serving.gateway.jobs import JobError, JobManager, JobStore, check_callback_url
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scores, prompt_blocks
 from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate
@@ -222,24 +222,20 @@ def test_rate_limiter_token_bucket():
 
 BAD_SAMPLING = [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-5), dict(min_p=1.5),
                 dict(repetition_penalty=0.0), dict(presence_penalty=3.0), dict(logprobs=21),
-                dict(min_tokens=20, max_tokens=10), dict(stop_token_ids=[-1]), dict(stop=[""])]
+                dict(min_tokens=20, max_tokens=10), dict(stop_token_ids=[-1]), dict(stop=[""]), dict(n=0), dict(n=17),
+                dict(logit_bias={5: 100.5}), dict(logit_bias={-3: 1.0}), dict(logit_bias={t: 1.0 for t in range(301)})]
 
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLING)
 def test_validation_messages_equal_the_servers(sampling):
     """The gateway's check and serving.core.SamplingParams (what the server runs) reject with the same text."""
     from serving.core.sampling_params import SamplingParams
+    from serving.validation import sampling_fields
     req = generate_request([5, 6, 7], **sampling)
     with pytest.raises(InvalidArgument) as gw:
         check_generate(req, ModelLimits())
-    sp = req.sampling
-    kw = dict(min_tokens=sp.min_tokens, top_k=sp.top_k, min_p=sp.min_p, presence_penalty=sp.presence_penalty,
-              frequency_penalty=sp.frequency_penalty, stop=tuple(sp.stop), stop_token_ids=tuple(sp.stop_token_ids))
-    for name in ("max_tokens", "temperature", "top_p", "repetition_penalty", "seed", "logprobs"):
-        if sp.HasField(name):
-            kw[name] = getattr(sp, name)
     with pytest.raises(ValueError) as server:
-        SamplingParams(**kw)
+        SamplingParams(**sampling_fields(req.sampling))
     assert str(gw.value) == f"sampling.{server.value}"
 
 
@@ -251,7 +247,9 @@ def test_validation_prompt_and_context():
                      (generate_request([1] * 60, max_tokens=10), "sampling.max_tokens: the prompt (60 tokens)"),
                      (generate_request(messages=[{"role": "", "content": "x"}]), "chat.messages[0].role: empty"),
                      (generate_request([1], request_id="x" * 300), "request_id: 300 characters"),
-                     (generate_request([1], priority=7), "priority: unknown value 7")]:
+                     (generate_request([1], priority=7), "priority: unknown value 7"),
+                     (generate_request([1], logit_bias={600: 1.0}), "sampling.logit_bias: token id 600 is outside"),
+                     (generate_request([1], stop_token_ids=[512]), "sampling.stop_token_ids: token id 512")]:
         with pytest.raises(InvalidArgument, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
             check_generate(req, limits)
     check_generate(generate_request([1, 2], max_tokens=62), limits)
@@ -274,6 +272,14 @@ def test_callback_allow_list_and_job_store(tmp_path):
     assert store.undelivered() == ["j2"]  # its callback is sent at the next start
     assert list(store.request("j1").token_ids.ids) == [1, 2]
     assert store.get("nope") is None
+    # a job's result holds one completion: n > 1 is refused at submission, not cut to one sample
+    jobs = JobManager(store, run=None, allowed_hosts=lambda: ())
+    request = generate_request([1, 2], max_tokens=3)
+    request.sampling.n = 2
+    with pytest.raises(JobError) as e:
+        jobs.submit(request, "", "acme")
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in e.value.details
+    assert store.unfinished() == ["j1"]  # nothing stored
 
 
 def test_config_module_documents_every_section():

@@ -127,6 +127,11 @@ BAD_INPUTS = [  # (kwargs, field named in the message)
     (dict(messages=[{"role": "robot", "content": "beep"}]), "role"),
     (dict(messages=[]), "chat.messages"),
     (dict(prompt="hi", priority=7), "priority"),
+    (dict(prompt="hi", n=0), "sampling.n"),
+    (dict(prompt="hi", n=17), "sampling.n"),
+    (dict(prompt="hi", logit_bias={5: 150.0}), "sampling.logit_bias[5]"),
+    (dict(prompt="hi", logit_bias={512: 1.0}), "sampling.logit_bias: token id 512"),
+    (dict(prompt="hi", logit_bias={t: 1.0 for t in range(301)}), "sampling.logit_bias"),
 ]
 
 
@@ -138,6 +143,49 @@ def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
     assert field in e.value.details, e.value.details
     # ... and the server keeps serving.
     assert client.complete([7, 8, 9], max_tokens=2, temperature=0).completion_tokens == 2
+
+
+def test_n_samples_stream_with_their_index(server, client, model_dir):
+    """n=2 streams both samples, told apart by index, each ending with its own finish_reason and usage; they are the
+    offline engine's samples for the same seed; the async client joins them too."""
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    prompt = [0, 17, 99, 301, 5, 44, 12, 9, 250]
+    sampling = dict(temperature=1.0, seed=21, max_tokens=10, ignore_eos=True)
+    responses = list(client.generate(prompt, n=2, **sampling))
+    by_index = {0: [], 1: []}
+    for r in responses:
+        by_index[r.index].append(r)
+    assert all(by_index.values()) and responses[0].usage.prompt_tokens == len(prompt)
+    expected = LLM(model_dir, warmup=False, **ENGINE_OPTIONS).generate([prompt], SamplingParams(n=2, **sampling))[0]
+    for i, rs in by_index.items():
+        assert [t for r in rs for t in r.token_ids] == expected.outputs[i].token_ids
+        assert [r.finish_reason for r in rs][-1] == 2 and all(r.finish_reason == 0 for r in rs[:-1])  # LENGTH
+        assert rs[-1].usage.completion_tokens == 10
+    assert expected.outputs[0].token_ids != expected.outputs[1].token_ids
+    joined = client.complete(prompt, n=2, **sampling)
+    assert [o.index for o in joined.outputs] == [0, 1] and joined.token_ids == expected.outputs[0].token_ids
+    assert [o.token_ids for o in joined.outputs] == [o.token_ids for o in expected.outputs]
+
+    async def main():
+        async with AsyncClient(server.target, timeout=60) as c:
+            return await c.complete(prompt, n=2, **sampling)
+    assert [o.token_ids for o in asyncio.run(main()).outputs] == [o.token_ids for o in expected.outputs]
+    # A client cancel ends every sample; no page is left behind.
+    stream = client.generate(prompt, n=3, temperature=1.0, max_tokens=400, ignore_eos=True)
+    next(stream)
+    stream.close()
+    load = wait_idle(client)
+    assert load.invariant_error == "" and load.kv_pages_free == load.kv_pages_total
+
+
+def test_logit_bias_forces_a_token(client):
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, top_p=0.9, seed=4)):
+        out = client.complete([3, 4, 5, 6], max_tokens=5, logit_bias={42: 100.0}, **sampling)
+        assert out.token_ids == [42] * 5
+    free = client.complete([3, 4, 5, 6], max_tokens=5, temperature=0.0)
+    banned = client.complete([3, 4, 5, 6], max_tokens=5, temperature=0.0, logit_bias={free.token_ids[0]: -100.0})
+    assert banned.token_ids[0] != free.token_ids[0]
 
 
 def test_concurrent_streams_with_client_cancels_leak_no_pages(server, client):

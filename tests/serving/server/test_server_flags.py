@@ -29,6 +29,9 @@ def test_flagfile_makes_the_configs(tmp_path):
     assert engine_config.tp == 2 and engine_config.ep == 1
     assert engine_config.greedy_head_screen is False and EngineConfig("m").greedy_head_screen is True
     assert server_config.port == 6001 and server_config.metrics_port == -1 and server_config.drain_grace_s == 2.5
+    assert server_config.http_port == -1 and server_config.served_model_name == ""  # HTTP off unless asked
+    _, server_config = server_main.configs_from_flags(parse("--model=/m", "--http_port=0", "--served_model_name=m7"))
+    assert (server_config.http_port, server_config.served_model_name) == (0, "m7")
 
 
 def test_memory_fraction_is_sized_by_the_ledger():

@@ -1,0 +1,344 @@
+"""OpenAI's /v1/chat/completions and /v1/completions requests as pydantic models (unknown fields ignored, types
+strict), mapped onto one engine request (`EngineRequest`: token ids per prompt, SamplingParams keywords, priority);
+chat rendering shared with meshserve.v1 (`encode_chat`); OpenAI error bodies (`ApiError`). Value ranges are checked
+by serving.validation when the server builds SamplingParams, so both APIs reject the same values for the same
+reasons; `api_error` turns such a ValueError into a 400 naming the request's parameter."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jinja2
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from serving.validation import InvalidArgument, check_context
+
+KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
+TEXT_PART_TYPES = ("text", "input_text")
+UNION_TYPES = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+               "stop": "a string or a list of strings"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable_error"}
+
+
+# ---------------------------------------------------------------------------- errors
+class ApiError(Exception):
+    """An HTTP error with OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ERROR_TYPES.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+_FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")
+
+
+def api_error(e: ValueError, renames: dict[str, str] | None = None, *, code: str | None = None) -> ApiError:
+    """A 400 from a ValueError whose message starts with the field's name (serving.validation's convention),
+    with meshserve's names (`sampling.max_tokens`, `logprobs`) renamed to the request's (`renames`)."""
+    message = str(e).removeprefix("sampling.")
+    m = _FIELD.match(message)
+    param = m.group(0).rstrip(".") if m else None
+    if param is not None:
+        base = re.split(r"[.\[]", param, maxsplit=1)[0]
+        if renames and base in renames:
+            renamed = renames[base] + param[len(base):]
+            message, param = renamed + message[len(param):], renamed
+    return ApiError(400, message, param=param, code=code)
+
+
+def validation_error(e: ValidationError) -> ApiError:
+    """pydantic's first error as a 400 naming the parameter (`messages[2].content`, `temperature`)."""
+    err = e.errors()[0]
+    loc = err.get("loc", ())
+    param = str(loc[0]) if loc else None
+    detail = err.get("msg", "invalid value")
+    for part in loc[1:]:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif part in ("role", "content", "type", "text", "include_usage"):
+            param += f".{part}"
+        else:  # a union member's tag or a dict key: the parameter is named enough
+            if param in UNION_TYPES:
+                detail = f"must be {UNION_TYPES[param]}"
+            break
+    return ApiError(400, f"{param}: {detail}" if param else detail, param=param)
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`.", param="model",
+                    code="model_not_found")
+
+
+# ---------------------------------------------------------------------------- requests
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Model):
+    include_usage: bool | None = None
+
+
+class ContentPart(_Model):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Model):
+    """One message; fields beyond role and content (name, tool_calls, tool_call_id, reasoning_content) reach the
+    chat template as they are."""
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class _GenerateRequest(_Model):
+    """The fields both requests share. None: the default (OpenAI's, else SamplingParams')."""
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int | None = None
+    logit_bias: dict[int, float] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int | None = None  # meshserve's: 0 interactive, 1 batch
+
+
+class ChatCompletionRequest(_GenerateRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_GenerateRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    best_of: int | None = None
+    add_special_tokens: bool | None = None
+
+
+class TokenizeRequest(_Model):
+    """vLLM's /tokenize: `prompt` text, or `messages` rendered with the chat template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[int]
+
+
+# ---------------------------------------------------------------------------- the engine request
+@dataclasses.dataclass(slots=True)
+class Prompt:
+    token_ids: list[int]
+    text: str | None  # what an echo repeats (the prompt as sent, or its token ids decoded)
+    field: str  # the request parameter it came from: "messages", "prompt", "prompt[2]"
+
+
+@dataclasses.dataclass(slots=True)
+class EngineRequest:
+    """What an OpenAI request asks of the engine: one engine request per prompt, each with `sampling` (SamplingParams
+    keywords; n samples each)."""
+    prompts: list[Prompt]
+    sampling: dict
+    priority: int
+    stream: bool
+    include_usage: bool
+    echo: bool = False
+    renames: dict[str, str] = dataclasses.field(default_factory=dict)  # SamplingParams field -> request parameter
+
+    @property
+    def n(self) -> int:
+        return self.sampling.get("n", 1)
+
+
+_PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
+                   "skip_special_tokens")
+
+
+def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | None) -> dict:
+    kw = {name: getattr(req, name) for name in _PASSED_THROUGH if getattr(req, name) is not None}
+    kw["max_tokens"] = max_tokens
+    kw["logprobs"] = logprobs
+    if req.stop is not None:
+        kw["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
+    if req.stop_token_ids is not None:
+        kw["stop_token_ids"] = tuple(req.stop_token_ids)
+    if req.logit_bias:
+        kw["logit_bias"] = dict(req.logit_bias)
+    return kw
+
+
+def _common(req: _GenerateRequest, priorities) -> tuple[int, bool, bool]:
+    priority = 0 if req.priority is None else req.priority
+    if priority not in priorities:
+        raise ApiError(400, f"priority: unknown value {priority}; use 0 (interactive) or 1 (batch)", param="priority")
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise ApiError(400, "stream_options: only allowed with stream=true", param="stream_options")
+    include_usage = bool(stream and req.stream_options is not None and req.stream_options.include_usage)
+    return priority, stream, include_usage
+
+
+def _message_dict(i: int, m: ChatMessage) -> dict:
+    d = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type not in TEXT_PART_TYPES:
+                raise ApiError(400, f"messages[{i}].content[{j}].type: {part.type!r} parts are not supported; this "
+                               "model takes text parts only", param=f"messages[{i}].content[{j}].type")
+            if part.text is None:
+                where = f"messages[{i}].content[{j}].text"
+                raise ApiError(400, f"{where}: missing", param=where)
+            texts.append(part.text)
+        d["content"] = "\n".join(texts)
+    return d
+
+
+def encode_chat(tokenizer, messages: list[dict], *, field: str, add_generation_prompt: bool = True,
+                **template_kwargs) -> list[int]:
+    """The conversation rendered with the model's chat template and tokenized; raises InvalidArgument naming
+    `field` (`chat.messages` for meshserve.v1, `messages` for OpenAI) or the message whose role is bad."""
+    if not messages:
+        raise InvalidArgument(f"{field}: the conversation is empty")
+    if tokenizer is None:
+        raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
+    for i, m in enumerate(messages):
+        if not m.get("role"):
+            raise InvalidArgument(f"{field}[{i}].role: empty; use one of {', '.join(KNOWN_ROLES)}")
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as e:
+        bad = next((i for i, m in enumerate(messages) if m["role"] not in KNOWN_ROLES), None)
+        where = f"{field}[{bad}].role" if bad is not None else field
+        raise InvalidArgument(f"{where}: the model's chat template rejected the conversation: {e}") from e
+
+
+def check_token_ids(field: str, ids, vocab_size: int) -> None:
+    for i, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(f"{field}: token id {t} at position {i} is outside the vocabulary [0, {vocab_size})")
+
+
+def chat_request(req: ChatCompletionRequest, tokenizer, priorities) -> EngineRequest:
+    """Raises ApiError (400) naming the parameter."""
+    priority, stream, include_usage = _common(req, priorities)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise ApiError(400, f"response_format: type {req.response_format.get('type')!r} (structured outputs) is not "
+                       "supported; use text", param="response_format")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise ApiError(400, "tool_choice: only 'none' and 'auto' are supported (no forced tool calls)",
+                       param="tool_choice")
+    renames = {"logprobs": "top_logprobs"}
+    max_tokens = req.max_tokens
+    if req.max_completion_tokens is not None:
+        max_tokens, renames["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+    sampling = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.tools is not None:
+        kwargs["tools"] = req.tools
+    try:
+        ids = encode_chat(tokenizer, messages, field="messages", add_generation_prompt=req.add_generation_prompt
+                          is not False, **kwargs)
+    except ValueError as e:
+        raise api_error(e) from e
+    return EngineRequest([Prompt(ids, None, "messages")], sampling, priority, stream, include_usage, renames=renames)
+
+
+def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, priorities) -> EngineRequest:
+    """Raises ApiError (400) naming the parameter."""
+    priority, stream, include_usage = _common(req, priorities)
+    if req.best_of is not None and req.best_of != (req.n or 1):
+        raise ApiError(400, f"best_of: only best_of = n is supported, got best_of={req.best_of}", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo: echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                       param="echo")
+    p = req.prompt
+    single = isinstance(p, str) or (bool(p) and isinstance(p[0], int))
+    items = [p] if single else list(p)
+    if not items:
+        raise ApiError(400, "prompt: empty; send a string, a list of strings, token ids or a list of token-id lists",
+                       param="prompt")
+    prompts = []
+    add_special = req.add_special_tokens is not False
+    try:
+        for i, item in enumerate(items):
+            field = "prompt" if single else f"prompt[{i}]"
+            if not item:
+                raise InvalidArgument(f"{field}: the prompt is empty")
+            if isinstance(item, str):
+                if tokenizer is None:
+                    raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
+                prompts.append(Prompt(tokenizer.encode(item, add_special_tokens=add_special), item, field))
+            else:
+                check_token_ids(field, item, vocab_size)
+                text = tokenizer.decode(item, skip_special_tokens=False) if req.echo and tokenizer else None
+                prompts.append(Prompt(list(item), text, field))
+    except InvalidArgument as e:
+        raise api_error(e) from e
+    sampling = _sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
+    return EngineRequest(prompts, sampling, priority, stream, include_usage, echo=bool(req.echo))
+
+
+def check_fits(ereq: EngineRequest, max_tokens: int | None, max_model_len: int) -> None:
+    """Every prompt (and max_tokens) against the model's context: a 400 saying both lengths."""
+    for p in ereq.prompts:
+        try:
+            check_context(p.field, len(p.token_ids), max_tokens, max_model_len)
+        except ValueError as e:
+            raise api_error(e, ereq.renames, code="context_length_exceeded") from e
+
+
+def tokenize_request(req: TokenizeRequest, tokenizer) -> list[int]:
+    """vLLM's /tokenize: the token ids of `prompt` or of the rendered `messages`; raises ApiError (400)."""
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "prompt: send exactly one of prompt and messages", param="prompt")
+    try:
+        if req.messages is not None:
+            messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
+            return encode_chat(tokenizer, messages, field="messages",
+                               add_generation_prompt=req.add_generation_prompt is not False)
+        if tokenizer is None:
+            raise InvalidArgument("prompt: this model has no tokenizer")
+        return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
+    except ValueError as e:
+        raise api_error(e) from e
