@@ -19,6 +19,9 @@ from serving.core.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 # How long a failed multi-host step waits for the follower watchdog to report a lost peer (see _peer_lost).
 PEER_LOSS_GRACE_S = 2.0
+# What a collective's error says when the process at the other end is gone (gloo / NCCL / gRPC transports).
+_PEER_GONE = ("connection reset by peer", "connection refused", "broken pipe", "connection closed", "socket closed",
+              "end of file")
 
 
 class EngineDeadError(RuntimeError):
@@ -137,12 +140,16 @@ class AsyncEngine:
         except RuntimeError:  # the caller's loop is closed: nobody is listening
             pass
 
-    def _peer_lost(self, engine) -> bool:
+    def _peer_lost(self, engine, error: BaseException) -> bool:
         """After a failed step of a multi-host leader: whether a follower is gone. Its death fails the step's
-        collectives and closes its step channel, and either can come first: the channel's watchdog (which calls
-        kill()) gets PEER_LOSS_GRACE_S to say so, so the client hears UNAVAILABLE rather than an engine error."""
+        collectives and closes its step channel, and either can come first: a collective whose transport says the
+        peer is gone is taken at its word (kill() here), else the channel's watchdog (which calls kill()) gets
+        PEER_LOSS_GRACE_S to say so, so the client hears UNAVAILABLE rather than an engine error."""
         if getattr(engine, "channel", None) is None:
             return False
+        text = str(error).lower()
+        if self._error is None and any(s in text for s in _PEER_GONE):
+            self.kill(ConnectionError(f"a multi-host peer is gone: {str(error).splitlines()[0]}"))
         deadline = time.monotonic() + PEER_LOSS_GRACE_S
         while self._error is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -170,7 +177,7 @@ class AsyncEngine:
                 try:
                     outputs = engine.step()
                 except Exception as e:  # noqa: BLE001 - one bad step must not kill the server
-                    if self._peer_lost(engine):
+                    if self._peer_lost(engine, e):
                         log.error("engine step failed with a multi-host peer gone: %s", e)
                         break  # kill() failed every stream as UNAVAILABLE: retry elsewhere
                     log.exception("engine step failed; failing the requests in it")

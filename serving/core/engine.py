@@ -171,6 +171,11 @@ class Engine:
             out[program.name] = self.runner.lower(owner.trace_program(program))
         return out
 
+    @property
+    def channel(self):
+        """A multi-host leader's step channel to its followers (`sharding.multihost.LeaderChannel`), else None."""
+        return self.runner.channel
+
     def follow(self, channel) -> None:
         """Multi-host follower: runs the leader's steps (`ModelRunner.follow`)."""
         self.runner.follow(channel)

@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels import native
 import transformers as tf
 
-from serving.core.async_engine import AsyncEngine
+from serving.core.async_engine import AsyncEngine, EngineDeadError
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.core.llm import LLM
@@ -238,6 +238,38 @@ def test_async_engine_survives_a_caller_cancelling_its_call(llama):
         assert blocker.result(10) is True
         assert aeng.call(lambda e: e.has_unfinished()).result(10) is False
         assert ran == [True] and late.cancelled() and aeng.is_alive
+    finally:
+        aeng.shutdown()
+
+
+def test_multihost_step_failure_from_a_lost_peer_is_unavailable(llama, monkeypatch):
+    """A multi-host leader's step that fails because a follower died: when the collective's own error says the
+    peer is gone, every stream ends with EngineDeadError (UNAVAILABLE) at once, without waiting for the step
+    channel's watchdog; any other failure is not taken for a lost peer (the step's requests fail, INTERNAL)."""
+    import time
+
+    from serving.core import async_engine
+    monkeypatch.setattr(async_engine, "PEER_LOSS_GRACE_S", 0.2)
+    engine = Engine(EngineConfig(model=llama[0], page_size=8, num_pages=64, max_num_seqs=4,
+                                 max_num_batched_tokens=32))
+    engine.runner.channel = object()  # a multi-host leader (no watchdog reports here)
+    gloo = "UNKNOWN: Gloo all-reduce failed: [pair.cc:538] Read error [127.0.0.1]:38303: Connection reset by peer"
+
+    def failing_step():
+        raise RuntimeError(gloo)
+    monkeypatch.setattr(engine, "step", failing_step)
+    aeng = AsyncEngine(engine)
+
+    async def run():
+        async for _ in aeng.generate("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4)):
+            pass
+
+    try:
+        assert aeng._peer_lost(engine, RuntimeError("INTERNAL: an unrelated numerical failure")) is False
+        t0 = time.monotonic()
+        with pytest.raises(EngineDeadError, match="a multi-host peer is gone"):
+            asyncio.run(run())
+        assert time.monotonic() - t0 < 5 and not aeng.is_alive
     finally:
         aeng.shutdown()
 
