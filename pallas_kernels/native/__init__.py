@@ -80,6 +80,12 @@ def unavailable_reason() -> str | None:
     """Why the native kernels cannot be used here (None if they can; builds them on first call)."""
     if _switched_off():
         return f"{ENV_VAR}=xla"
+    return machine_reason()
+
+
+def machine_reason() -> str | None:
+    """Why this machine cannot build or run the native kernels, whatever MESHSERVE_CPU_KERNELS says (None if it
+    can; builds them on first call). Their own tests go by this: switching them off for serving does not skip them."""
     return _load() or _auto_reason()
 
 

@@ -119,7 +119,7 @@ def test_random_batches_native(backend, batch):
 
 def test_native_attention_is_tested_here():
     if not NATIVE:
-        pytest.skip(f"native CPU kernels cannot run here: {native.unavailable_reason()}")
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
     assert NATIVE[-1] == f"native-{native.runnable_isas()[-1]}" and f"native-{native.isa()}" in NATIVE
 
 

@@ -15,8 +15,14 @@ from flax import nnx
 from pallas_kernels.matmul import matmul
 from pallas_kernels import native
 
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None,
-                                reason=f"native CPU kernels cannot run here: {native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(native.machine_reason() is not None,
+                                reason=f"native CPU kernels cannot run here: {native.machine_reason()}")
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    """These tests are about the kernels: MESHSERVE_CPU_KERNELS=xla (serving without them) does not turn them off."""
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
 RUNNABLE = native.runnable_isas()
 # What each path needs beyond the one below it, as /proc/cpuinfo names it.
 NEEDS = {"avx2": "avx2, fma, f16c", "avx512": "avx512f, avx512bw, avx512vl, avx512dq", "avx512_bf16": "avx512_bf16",
