@@ -1,7 +1,8 @@
 """The README's main job: a gateway and two instance servers on 127.0.0.1 serving the embedded default model, a few
-streamed requests through them with their timings, then shutdown (--serve: keep serving). Details: docs/server.md.
+streamed requests through them with their timings (gRPC), one through the gateway's OpenAI HTTP API with the `curl`
+line that repeats it, then shutdown (--serve: keep serving). Details: docs/server.md.
 
-    python -m serving.demo [--serve] [--model=DIR]
+    python -m serving.demo [--serve] [--http_port=8080] [--model=DIR]
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ _MODEL = flags.DEFINE_string("model", None, "HF or Orbax model directory (defaul
 _SERVE = flags.DEFINE_bool("serve", False, "keep serving after the demo requests (Ctrl-C stops)")
 _WORKDIR = flags.DEFINE_string("workdir", "", "logs, configuration and fallback model (default: a temp dir)")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 48, "tokens to generate per request")
+_HTTP_PORT = flags.DEFINE_integer("http_port", 0, "the gateway's OpenAI HTTP API port (0: any free port)")
 
 EMBEDDED = os.path.join(REPO, "models", "tiny", "target")
 SYSTEM = ("# A small utility module from the standard library.\n# It is careful about edge cases, documents every "
@@ -68,6 +70,23 @@ def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) 
     return bool(text) and finish is not None, text
 
 
+def http_chat(port: int, max_tokens: int) -> tuple[bool, str]:
+    """One chat completion through the gateway's OpenAI HTTP API (what the printed curl line sends)."""
+    import urllib.request
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Write a function that reverses a list."}],
+            "max_tokens": max_tokens, "temperature": 0.7, "seed": 1234, "repetition_penalty": 1.2, "min_tokens": 4}
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    print(f"\n=== OpenAI HTTP API through the gateway ===\ncurl {url} -H 'Content-Type: application/json' "
+          f"-d '{json.dumps(body)}'")
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        answer = json.loads(r.read())
+    text = answer["choices"][0]["message"]["content"]
+    print(text)
+    print(f"--- finish {answer['choices'][0]['finish_reason']}, usage {answer['usage']} ---")
+    return bool(text), text
+
+
 def main(argv):
     del argv
     workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="meshserve-demo-")
@@ -79,7 +98,8 @@ def main(argv):
     def instance(i: int) -> ReadyFileProcess:
         return Process(f"instance{i}", ["-m", "serving.server", f"--model={model}", "--host=127.0.0.1", "--port=0",
                                         "--metrics_port=0", "--page_size=16", "--num_pages=512", "--max_num_seqs=16",
-                                        "--max_num_batched_tokens=128", f"--instance_id=instance{i}"], workdir)
+                                        "--max_num_batched_tokens=128", f"--instance_id=instance{i}",
+                                        "--served_model_name=tiny"], workdir)
 
     # One instance first: the second then loads every program from the compilation cache the first filled,
     # instead of both compiling the same programs at once on the same cores.
@@ -98,12 +118,13 @@ def main(argv):
         with open(config_path, "w") as f:
             json.dump(config, f, indent=1)
         gateway = Process("gateway", ["-m", "serving.gateway", f"--config={config_path}", "--host=127.0.0.1",
-                                      "--port=0", "--metrics_port=0", f"--jobs_db={os.path.join(workdir, 'jobs.db')}"],
-                          workdir)
+                                      "--port=0", "--metrics_port=0", f"--http_port={_HTTP_PORT.value}",
+                                      f"--jobs_db={os.path.join(workdir, 'jobs.db')}"], workdir)
         procs.append(gateway)
         gateway.wait_ready()
         target = f"127.0.0.1:{gateway.info['port']}"
-        print(f"ready in {time.perf_counter() - t0:.1f}s: gateway {target} -> "
+        http_port = gateway.info["http_port"]
+        print(f"ready in {time.perf_counter() - t0:.1f}s: gateway {target} (OpenAI HTTP API :{http_port}) -> "
               + ", ".join(f"{p.name} 127.0.0.1:{p.info['port']}" for p in instances))
 
         from serving.server.client import Client
@@ -111,6 +132,7 @@ def main(argv):
         with Client(target) as client:
             for label, prompt, priority in REQUESTS:
                 results.append(stream_one(client, label, prompt, priority, _MAX_TOKENS.value)[0])
+        results.append(http_chat(http_port, _MAX_TOKENS.value)[0])
         ok = all(results)
         print(f"\n{sum(results)}/{len(results)} requests completed with text")
         print("metrics (Prometheus text):")
@@ -120,7 +142,9 @@ def main(argv):
               "events); start with --otlp_endpoint=HOST:4317 on the servers and gateway to export them")
         if _SERVE.value:
             print(f"\nserving; query it with:\n  python -m serving.client --target={target} --temperature=0 "
-                  f"'def main():'\nCtrl-C stops.")
+                  f"'def main():'\n  curl http://127.0.0.1:{http_port}/v1/completions -H 'Content-Type: "
+                  "application/json' -d '{\"model\": \"tiny\", \"prompt\": \"def main():\", \"max_tokens\": 32}'"
+                  "\nCtrl-C stops.")
             try:
                 while all(p.proc.poll() is None for p in procs):
                     time.sleep(1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import uuid
 from typing import Any
 
 import jinja2
@@ -70,6 +71,16 @@ def validation_error(e: ValidationError) -> ApiError:
                 detail = f"must be {UNION_TYPES[param]}"
             break
     return ApiError(400, f"{param}: {detail}" if param else detail, param=param)
+
+
+def response_id(chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+def model_list(name: str, created: int, *, root: str | None = None, max_model_len: int | None = None) -> dict:
+    """GET /v1/models' body: the one model served."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "meshserve",
+                                        "root": root, "parent": None, "max_model_len": max_model_len}]}
 
 
 def model_not_found(model: str, served: str) -> ApiError:
@@ -164,9 +175,12 @@ class DetokenizeRequest(_Model):
 # ---------------------------------------------------------------------------- the engine request
 @dataclasses.dataclass(slots=True)
 class Prompt:
-    token_ids: list[int]
-    text: str | None  # what an echo repeats (the prompt as sent, or its token ids decoded)
+    token_ids: list[int] | None  # None: not tokenized here (`text` or `messages` go to an instance that does)
+    text: str | None  # what an echo repeats (the prompt as sent, or its token ids decoded); the text to tokenize
     field: str  # the request parameter it came from: "messages", "prompt", "prompt[2]"
+    messages: list[dict] | None = None  # a chat not rendered here (the gateway without a tokenizer)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
 
 
 @dataclasses.dataclass(slots=True)
@@ -256,8 +270,10 @@ def check_token_ids(field: str, ids, vocab_size: int) -> None:
             raise InvalidArgument(f"{field}: token id {t} at position {i} is outside the vocabulary [0, {vocab_size})")
 
 
-def chat_request(req: ChatCompletionRequest, tokenizer, priorities) -> EngineRequest:
-    """Raises ApiError (400) naming the parameter."""
+def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_elsewhere: bool = False
+                 ) -> EngineRequest:
+    """Raises ApiError (400) naming the parameter. render_elsewhere (the gateway): without a tokenizer, the messages
+    go on as they are, for the instance to render."""
     priority, stream, include_usage = _common(req, priorities)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
@@ -276,16 +292,31 @@ def chat_request(req: ChatCompletionRequest, tokenizer, priorities) -> EngineReq
     kwargs = dict(req.chat_template_kwargs or {})
     if req.tools is not None:
         kwargs["tools"] = req.tools
+    generation_prompt = req.add_generation_prompt is not False
+    if tokenizer is None and render_elsewhere:
+        if kwargs:
+            which = "tools" if req.tools is not None else "chat_template_kwargs"
+            raise ApiError(400, f"{which}: the gateway renders these with the model's chat template and has no "
+                           "tokenizer; set `tokenizer:` in its configuration", param=which)
+        for i, m in enumerate(messages):
+            extra = sorted(set(m) - {"role", "content"})
+            if extra:
+                raise ApiError(400, f"messages[{i}].{extra[0]}: the gateway renders this with the model's chat "
+                               "template and has no tokenizer; set `tokenizer:` in its configuration",
+                               param=f"messages[{i}].{extra[0]}")
+        prompt = Prompt(None, None, "messages", messages=messages, add_generation_prompt=generation_prompt)
+        return EngineRequest([prompt], sampling, priority, stream, include_usage, renames=renames)
     try:
-        ids = encode_chat(tokenizer, messages, field="messages", add_generation_prompt=req.add_generation_prompt
-                          is not False, **kwargs)
+        ids = encode_chat(tokenizer, messages, field="messages", add_generation_prompt=generation_prompt, **kwargs)
     except ValueError as e:
         raise api_error(e) from e
     return EngineRequest([Prompt(ids, None, "messages")], sampling, priority, stream, include_usage, renames=renames)
 
 
-def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, priorities) -> EngineRequest:
-    """Raises ApiError (400) naming the parameter."""
+def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, priorities, *,
+                       render_elsewhere: bool = False) -> EngineRequest:
+    """Raises ApiError (400) naming the parameter. vocab_size 0: not known (ids are checked where the model is).
+    render_elsewhere (the gateway): without a tokenizer, text prompts go on as text, for the instance to tokenize."""
     priority, stream, include_usage = _common(req, priorities)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise ApiError(400, f"best_of: only best_of = n is supported, got best_of={req.best_of}", param="best_of")
@@ -306,11 +337,18 @@ def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, prior
             if not item:
                 raise InvalidArgument(f"{field}: the prompt is empty")
             if isinstance(item, str):
+                if tokenizer is None and render_elsewhere:
+                    prompts.append(Prompt(None, item, field, add_special_tokens=add_special))
+                    continue
                 if tokenizer is None:
                     raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
                 prompts.append(Prompt(tokenizer.encode(item, add_special_tokens=add_special), item, field))
             else:
-                check_token_ids(field, item, vocab_size)
+                if vocab_size:
+                    check_token_ids(field, item, vocab_size)
+                if req.echo and tokenizer is None and render_elsewhere:
+                    raise InvalidArgument(f"echo: echoing token ids needs their text, and the gateway has no "
+                                          "tokenizer; set `tokenizer:` in its configuration")
                 text = tokenizer.decode(item, skip_special_tokens=False) if req.echo and tokenizer else None
                 prompts.append(Prompt(list(item), text, field))
     except InvalidArgument as e:
@@ -320,8 +358,10 @@ def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, prior
 
 
 def check_fits(ereq: EngineRequest, max_tokens: int | None, max_model_len: int) -> None:
-    """Every prompt (and max_tokens) against the model's context: a 400 saying both lengths."""
+    """Every tokenized prompt (and max_tokens) against the model's context: a 400 saying both lengths."""
     for p in ereq.prompts:
+        if p.token_ids is None or not max_model_len:
+            continue
         try:
             check_context(p.field, len(p.token_ids), max_tokens, max_model_len)
         except ValueError as e:
@@ -342,3 +382,26 @@ def tokenize_request(req: TokenizeRequest, tokenizer) -> list[int]:
         return tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens is not False)
     except ValueError as e:
         raise api_error(e) from e
+
+
+def tokenize_response(req: TokenizeRequest, tokenizer, max_model_len: int) -> dict:
+    """vLLM's /tokenize body."""
+    if tokenizer is None:
+        raise ApiError(400, "prompt: no tokenizer here (a model without one, or a gateway without `tokenizer:` in "
+                       "its configuration)", param="prompt")
+    ids = tokenize_request(req, tokenizer)
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": [tokenizer.id_to_token(t) or "" for t in ids] if req.return_token_strs else None}
+
+
+def detokenize_response(req: DetokenizeRequest, tokenizer, vocab_size: int) -> dict:
+    """vLLM's /detokenize body."""
+    try:
+        if vocab_size:
+            check_token_ids("tokens", req.tokens, vocab_size)
+        if tokenizer is None:
+            raise InvalidArgument("tokens: no tokenizer here (a model without one, or a gateway without `tokenizer:` "
+                                  "in its configuration)")
+    except ValueError as e:
+        raise api_error(e) from e
+    return {"prompt": tokenizer.decode(req.tokens)}

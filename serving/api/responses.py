@@ -1,9 +1,10 @@
 """OpenAI response bodies and Server-Sent Event chunks for one request's choices (`ResponseBuilder`: prompt p's
-sample j is choice p * n + j), built from the engine's step outputs (read by duck typing: `index`, `new_text`,
-`new_token_ids`, `logprobs`, `finished`, `finish_reason`, `request`); logprobs in OpenAI's two layouts (chat's
-`content` list, completions' parallel lists); usage with the prefix-cache hits as `cached_tokens`; `sse` framing."""
+sample j is choice p * n + j), built from `Delta`s (what one sample gained: the instance makes them from the
+engine's step outputs, the gateway from meshserve.v1 responses); logprobs in OpenAI's two layouts (chat's `content`
+list, completions' parallel lists); usage with the prefix-cache hits as `cached_tokens`; `sse` framing."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 DONE = b"data: [DONE]\n\n"
@@ -31,6 +32,31 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
+@dataclasses.dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the top-n alternatives (token id, logprob), best first
+
+
+@dataclasses.dataclass(slots=True)
+class Delta:
+    """What one sample of one prompt gained: its new text and tokens' logprobs; `finish_reason` ("stop", "length")
+    on its last, with its totals. `prompt_tokens` / `cached_tokens`: the prompt's length and prefix-cache hits where
+    known (0: not in this delta)."""
+    index: int
+    text: str
+    logprobs: list | None = None  # TokenLogprob-shaped: token_id, logprob, top
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
 class _Choice:
     __slots__ = ("text", "logprobs", "finish_reason", "started", "offset", "completion_tokens")
 
@@ -50,11 +76,12 @@ class ResponseBuilder:
     def __init__(self, *, chat: bool, response_id: str, model: str, created: int, n: int, prompt_lengths: list[int],
                  tokenizer, logprobs: int | None, echo_texts: list[str | None] | None = None,
                  include_usage: bool = False):
+        """prompt_lengths: each prompt's tokens (0 where not known yet: a delta's prompt_tokens sets it)."""
         self.chat, self.id, self.model, self.created, self.n = chat, response_id, model, created, n
         self.tokenizer = tokenizer
         self.want_logprobs = logprobs is not None
         self.include_usage = include_usage
-        self.prompt_tokens = sum(prompt_lengths)
+        self.prompt_lengths = list(prompt_lengths)
         self.cached_tokens = [0] * len(prompt_lengths)
         echoes = echo_texts or [None] * len(prompt_lengths)
         self.choices = [_Choice(echoes[p]) for p in range(len(prompt_lengths)) for _ in range(n)]
@@ -97,20 +124,21 @@ class ResponseBuilder:
         return out
 
     # ------------------------------------------------------------------ outputs
-    def _record(self, prompt_index: int, out) -> tuple[int, _Choice]:
+    def _record(self, prompt_index: int, out: Delta) -> tuple[int, _Choice]:
         i = prompt_index * self.n + out.index
         choice = self.choices[i]
+        if out.prompt_tokens:
+            self.prompt_lengths[prompt_index] = out.prompt_tokens
         if out.finished:
-            reason = out.finish_reason
-            choice.finish_reason = getattr(reason, "value", reason)
-            choice.completion_tokens = out.request.num_output_tokens
+            choice.finish_reason = out.finish_reason
+            choice.completion_tokens = out.completion_tokens
             if out.index == 0:
-                self.cached_tokens[prompt_index] = out.request.metrics.num_cached_prompt_tokens
+                self.cached_tokens[prompt_index] = out.cached_tokens
         return i, choice
 
-    def add(self, prompt_index: int, out) -> None:
+    def add(self, prompt_index: int, out: Delta) -> None:
         _, choice = self._record(prompt_index, out)
-        choice.text.append(out.new_text)
+        choice.text.append(out.text)
         if self.want_logprobs and out.logprobs:
             choice.logprobs.extend(out.logprobs)
 
@@ -121,10 +149,10 @@ class ResponseBuilder:
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}) for i in range(len(self.choices))]
 
-    def chunk(self, prompt_index: int, out) -> dict | None:
-        """The stream chunk of one step output; None when it carries nothing (text held back mid-character)."""
+    def chunk(self, prompt_index: int, out: Delta) -> dict | None:
+        """The stream chunk of one delta; None when it carries nothing (text held back mid-character)."""
         i, choice = self._record(prompt_index, out)
-        text = out.new_text
+        text = out.text
         if not choice.started:
             choice.started = True
             text = "".join(choice.text) + text  # the echo
@@ -150,8 +178,8 @@ class ResponseBuilder:
     # ------------------------------------------------------------------ totals
     def usage(self) -> dict:
         completion = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion,
+        prompt = sum(self.prompt_lengths)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
 
     def usage_chunk(self) -> dict:

@@ -8,7 +8,7 @@ from absl import app, flags
 
 BENCHMARKS = {
     "offline": "the serving core in-process on the ~125M Llama: vs HF and llama.cpp, start-up, caches, roofline",
-    "serve": "a server or gateway over gRPC, `vllm bench serve`-style",
+    "serve": "a server or gateway over gRPC and/or the OpenAI HTTP API, `vllm bench serve`-style",
     "sweep": "serve at several request rates against a local server on the ~125M Llama, vs the offline engine",
     "gateway": "the gateway's routing policies in front of N instances, one of them slow or stuck",
     "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",

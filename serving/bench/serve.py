@@ -1,24 +1,44 @@
-"""Serving benchmark over gRPC, in the method of `vllm bench serve`: an open-loop request stream through
-meshserve.v1 Inference.Generate; throughput, TTFT / TPOT / ITL / E2E latency and goodput. Details: docs/benchmarks.md.
+"""Serving benchmark in the method of `vllm bench serve`: an open-loop request stream through meshserve.v1
+Inference.Generate (gRPC) or the OpenAI-compatible HTTP API (streamed /v1/completions, /v1/chat/completions);
+throughput, TTFT / TPOT / ITL / E2E latency and goodput; several backends side by side on the same requests, and
+requests with n samples against n separate requests. Details: docs/benchmarks.md.
 
-    python -m serving.bench serve --target=HOST:PORT [--request_rate=8] [--dataset=random|sharegpt] [...]
+    python -m serving.bench serve --target=HOST:PORT [--backend=grpc,openai,openai-chat --base_url=http://HOST:PORT]
+        [--request_rate=8] [--dataset=random|sharegpt] [--n=K | --compare_n=K --metrics_url=URL] [...]
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import logging
 import math
+import os
 import random
 import re
+import textwrap
 import time
+import urllib.request
 from datetime import datetime
 from typing import Sequence
 
 import numpy as np
 from absl import flags
 
-_TARGET = flags.DEFINE_string("target", "127.0.0.1:50051", "Server (or gateway) address, HOST:PORT.")
+_TARGET = flags.DEFINE_string("target", "127.0.0.1:50051",
+                              "Server (or gateway) gRPC address, HOST:PORT: the grpc backend, and the dataset's "
+                              "sizing (ModelInfo) for every backend.")
+_BACKEND = flags.DEFINE_string(
+    "backend", "grpc", "grpc (meshserve.v1), openai (/v1/completions) or openai-chat (/v1/chat/completions); a comma "
+    "list sends the same requests through each in turn and prints them side by side.")
+_BASE_URL = flags.DEFINE_string("base_url", "", "The OpenAI-compatible API, http://HOST:PORT (the openai backends).")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Runs of every backend, the order reversed every other round.")
+_N = flags.DEFINE_integer("n", 1, "Samples per request (n); output tokens are summed over the samples.")
+_COMPARE_N = flags.DEFINE_integer("compare_n", 0, "K >= 2: the workload as requests with n=K and as K separate "
+                                  "requests per prompt, through the first backend; 0: off.")
+_METRICS_URL = flags.DEFINE_string("metrics_url", "", "The instance's Prometheus endpoint, http://HOST:PORT/metrics: "
+                                   "--compare_n reads the server's prefill work from it.")
 _REQUEST_RATE = flags.DEFINE_float("request_rate", float("inf"),
                                    "Mean arrivals per second; inf sends every request at once.")
 _BURSTINESS = flags.DEFINE_float("burstiness", 1.0,
@@ -52,19 +72,22 @@ class SampleRequest:
     prompt: str | list[int]  # token ids (random) or text (ShareGPT)
     prompt_len: int
     output_len: int
+    prompt_text: str = ""  # random prompts' token ids as text, for chat (OpenAIBackend.prepare fills it)
 
 
 @dataclasses.dataclass(slots=True)
 class RequestOutput:
-    prompt_len: int
-    requested_output_len: int
+    prompt_len: int  # the server's count where it says (HTTP usage), else the dataset's
+    requested_output_len: int  # over all samples
     success: bool = False
     error: str = ""
-    output_len: int = 0  # tokens streamed back
+    output_len: int = 0  # tokens streamed back, every sample's
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache
+    num_samples: int = 1  # n
     start_s: float = 0.0  # sent, seconds from the benchmark's start
     ttft_s: float = 0.0
     latency_s: float = 0.0
-    itl_s: list[float] = dataclasses.field(default_factory=list)  # gaps between chunks carrying tokens
+    itl_s: list[float] = dataclasses.field(default_factory=list)  # gaps between a sample's chunks carrying tokens
     chunk_times_s: list[float] = dataclasses.field(default_factory=list)  # from the benchmark's start
     chunk_tokens: list[int] = dataclasses.field(default_factory=list)
 
@@ -123,6 +146,255 @@ def sharegpt_requests(path: str, num_prompts: int, tokenize, max_model_len: int,
     return [out[i % len(out)] for i in range(num_prompts)]
 
 
+# --- backends -------------------------------------------------------------------------------------------------
+
+BACKENDS = ("grpc", "openai", "openai-chat")
+BACKEND_LABELS = {"grpc": "meshserve-grpc", "openai": "openai", "openai-chat": "openai-chat"}  # the JSON's "backend"
+
+
+def parse_backends(spec: str) -> list[str]:
+    """'grpc,openai' -> ['grpc', 'openai'] (each one of BACKENDS, once)."""
+    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    unknown = [s for s in names if s not in BACKENDS]
+    if not names or unknown:
+        raise ValueError(f"--backend={spec!r}: expected one of {list(BACKENDS)} or a comma list of them")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--backend={spec!r} names a backend twice")
+    return names
+
+
+class _Clock:
+    """Stamps one request's stream: TTFT at its first chunk carrying output (any sample's), ITL between one sample's
+    chunks."""
+
+    def __init__(self, out: RequestOutput, t0: float):
+        self.out, self.t0 = out, t0
+        self.start = time.perf_counter()
+        self.last: dict[int, float] = {}  # sample -> its last chunk's time
+        out.start_s = self.start - t0
+
+    def chunk(self, num_tokens: int, sample: int = 0) -> None:
+        now, o = time.perf_counter(), self.out
+        if not o.chunk_times_s:
+            o.ttft_s = now - self.start
+        if sample in self.last:
+            o.itl_s.append(now - self.last[sample])
+        self.last[sample] = now
+        o.output_len += num_tokens
+        o.chunk_times_s.append(now - self.t0)
+        o.chunk_tokens.append(num_tokens)
+
+    def end(self) -> None:
+        o = self.out
+        o.latency_s = time.perf_counter() - self.start
+        o.success = o.output_len > 0
+        o.error = "" if o.success else "the stream ended without a token"
+
+
+class GrpcBackend:
+    """meshserve.v1 Inference.Generate: every request a stream on one grpc.aio channel (HTTP/2). A response carrying
+    token ids is a chunk; with n > 1, every sample's."""
+    name = "grpc"
+
+    def __init__(self, target: str, *, n: int = 1, temperature: float = 0.0, ignore_eos: bool = True,
+                 timeout_s: float = 0.0):
+        self.address, self.n = target, n
+        self.sampling = dict(temperature=temperature, ignore_eos=ignore_eos, n=n if n > 1 else None)
+        self.timeout = timeout_s or None
+        self.client = None
+
+    async def __aenter__(self) -> "GrpcBackend":
+        from serving.server.client import AsyncClient
+        self.client = AsyncClient(self.address)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.close()
+
+    async def prepare(self, requests: Sequence[SampleRequest]) -> None:
+        pass  # token ids and text go as they are
+
+    async def send(self, req: SampleRequest, t0: float) -> RequestOutput:
+        from serving.server.client import ClientError
+        out = RequestOutput(req.prompt_len, req.output_len * self.n, num_samples=self.n)
+        clock = _Clock(out, t0)
+        try:
+            async for r in self.client.generate(req.prompt, max_tokens=req.output_len, timeout=self.timeout,
+                                                **self.sampling):
+                if r.token_ids:
+                    clock.chunk(len(r.token_ids), r.index)
+                if r.finish_reason and r.index == 0:
+                    out.cached_tokens = r.usage.cached_prompt_tokens
+            clock.end()
+        except ClientError as e:
+            out.error = str(e)
+        except Exception as e:  # noqa: BLE001 - a broken stream fails this request, not the benchmark
+            out.error = f"{type(e).__name__}: {e}"
+        return out
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class SSEDecoder:
+    """Server-Sent Events from a byte stream fed in pieces of any size: `feed` returns the data of each event completed
+    (its `data:` lines joined by newlines) once the blank line ending it has come. Lines end in LF, CRLF or CR (a CR
+    at a piece's end waits for a possible LF); comments (`:`) and other fields (event, id, retry) are skipped; an
+    event the stream's end cuts off is dropped, as the spec says."""
+
+    def __init__(self):
+        self._pending = b""
+        self._data: list[str] = []
+
+    def feed(self, piece: bytes) -> list[str]:
+        buf, pos, events = self._pending + piece, 0, []
+        while (m := _LINE_END.search(buf, pos)) is not None:
+            if m.group() == b"\r" and m.end() == len(buf):
+                break
+            self._line(buf[pos:m.start()], events)
+            pos = m.end()
+        self._pending = buf[pos:]
+        return events
+
+    def _line(self, line: bytes, events: list[str]) -> None:
+        if not line:
+            if self._data:
+                events.append("\n".join(self._data))
+                self._data = []
+            return
+        if line.startswith(b":"):
+            return
+        name, _, value = line.partition(b":")
+        if name == b"data":
+            self._data.append(value[1:].decode() if value.startswith(b" ") else value.decode())
+
+
+def _error_message(body: bytes) -> str:
+    """An OpenAI error body's message (else the body itself, cut short)."""
+    try:
+        error = json.loads(body)["error"]
+        return (error.get("message") or str(error)) if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        return body[:300].decode(errors="replace")
+
+
+class OpenAIBackend:
+    """The OpenAI-compatible HTTP API, as `vllm bench serve`'s openai backends (aiohttp there): one streamed POST per
+    request (`stream_options.include_usage`) over a pool of keep-alive connections as large as the concurrency cap,
+    its Server-Sent Events read by `SSEDecoder`. A chunk carrying text is a chunk; output tokens come from the usage
+    chunk's completion_tokens (else one per chunk). chat: one user message holding the prompt's text."""
+
+    def __init__(self, base_url: str, *, chat: bool, n: int = 1, temperature: float = 0.0, ignore_eos: bool = True,
+                 timeout_s: float = 0.0, max_connections: int = 0, model: str = "", transport=None):
+        if not re.match(r"https?://", base_url or ""):
+            raise ValueError(f"the {'openai-chat' if chat else 'openai'} backend needs --base_url=http://HOST:PORT "
+                             f"(the server's --http_port), got {base_url!r}")
+        self.name = "openai-chat" if chat else "openai"
+        self.address, self.chat, self.n, self.model = base_url.rstrip("/"), chat, n, model
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+        self.sampling = {"temperature": temperature, "ignore_eos": ignore_eos, **({"n": n} if n > 1 else {})}
+        self.timeout = timeout_s or None
+        self.max_connections = max_connections or None  # None: no cap
+        self.transport = transport  # tests: an httpx2.MockTransport
+        self.http = None
+
+    async def __aenter__(self) -> "OpenAIBackend":
+        import httpx2
+        logging.getLogger("httpx2").setLevel(logging.WARNING)  # not a log line per request
+        limits = httpx2.Limits(max_connections=self.max_connections, max_keepalive_connections=self.max_connections)
+        # No read timeout (a request's deadline is --request_timeout_s); trust_env off: no proxy between us and it.
+        self.http = httpx2.AsyncClient(base_url=self.address, limits=limits, timeout=httpx2.Timeout(None, connect=30),
+                                       trust_env=False, transport=self.transport)
+        if not self.model:
+            r = await self.http.get("/v1/models")
+            if r.status_code != 200 or not r.json().get("data"):
+                raise RuntimeError(f"GET {self.address}/v1/models: HTTP {r.status_code}: {_error_message(r.content)}")
+            self.model = r.json()["data"][0]["id"]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+
+    async def prepare(self, requests: Sequence[SampleRequest]) -> None:
+        """chat: the token ids of random prompts as text, once per prompt and before any timing (POST /detokenize)."""
+        if not self.chat:
+            return
+        todo = list({id(r): r for r in requests if not isinstance(r.prompt, str) and not r.prompt_text}.values())
+        limit = asyncio.Semaphore(16)
+
+        async def detokenize(r: SampleRequest) -> None:
+            async with limit:
+                resp = await self.http.post("/detokenize", json={"tokens": list(r.prompt)})
+            if resp.status_code != 200:
+                raise RuntimeError(f"POST {self.address}/detokenize: HTTP {resp.status_code}: "
+                                   f"{_error_message(resp.content)}")
+            r.prompt_text = resp.json()["prompt"]
+        await asyncio.gather(*(detokenize(r) for r in todo))
+
+    def body(self, req: SampleRequest) -> dict:
+        body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}, **self.sampling}
+        if self.chat:
+            text = req.prompt if isinstance(req.prompt, str) else req.prompt_text
+            if not text:
+                raise ValueError("openai-chat sends text: prepare() turns token-id prompts into text first")
+            body.update(messages=[{"role": "user", "content": text}], max_completion_tokens=req.output_len)
+        else:
+            body.update(prompt=req.prompt, max_tokens=req.output_len)
+        return body
+
+    async def send(self, req: SampleRequest, t0: float) -> RequestOutput:
+        out = RequestOutput(req.prompt_len, req.output_len * self.n, num_samples=self.n)
+        body = self.body(req)
+        clock = _Clock(out, t0)
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self.http.stream("POST", self.path, json=body) as resp:
+                    if resp.status_code != 200:
+                        out.error = f"HTTP {resp.status_code}: {_error_message(await resp.aread())}"
+                        return out
+                    await self._read(resp, out, clock)
+        except TimeoutError:
+            out.success, out.error = False, f"no answer within the request's deadline of {self.timeout:g} s"
+        except Exception as e:  # noqa: BLE001 - a broken stream fails this request, not the benchmark
+            out.success, out.error = False, f"{type(e).__name__}: {e}"
+        return out
+
+    async def _read(self, resp, out: RequestOutput, clock: _Clock) -> None:
+        decoder, usage = SSEDecoder(), None
+        async for piece in resp.aiter_bytes():
+            for data in decoder.feed(piece):
+                if data.strip() == "[DONE]":
+                    continue
+                event = json.loads(data)
+                if event.get("error"):  # after the status line, OpenAI's servers report failures in the stream
+                    out.error = f"error in the stream: {_error_message(data.encode())}"
+                    return
+                for choice in event.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+                    if text:
+                        clock.chunk(1, choice.get("index", 0))
+                usage = event.get("usage") or usage
+        clock.end()
+        if usage:
+            completion = int(usage.get("completion_tokens") or 0)
+            if completion and out.chunk_tokens:  # chunks that held several tokens (text held back mid-character)
+                out.chunk_tokens[-1] = max(0, out.chunk_tokens[-1] + completion - out.output_len)
+                out.output_len = completion
+            out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)
+            out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def make_backend(name: str, *, target: str = "", base_url: str = "", n: int = 1, temperature: float = 0.0,
+                 ignore_eos: bool = True, timeout_s: float = 0.0, max_connections: int = 0):
+    """A backend by its --backend name (an async context manager: open it, `prepare` the requests, `send` them)."""
+    if name == "grpc":
+        return GrpcBackend(target, n=n, temperature=temperature, ignore_eos=ignore_eos, timeout_s=timeout_s)
+    if name in ("openai", "openai-chat"):
+        return OpenAIBackend(base_url, chat=name == "openai-chat", n=n, temperature=temperature,
+                             ignore_eos=ignore_eos, timeout_s=timeout_s, max_connections=max_connections)
+    raise ValueError(f"backend {name!r}: expected one of {list(BACKENDS)}")
+
+
 # --- the run --------------------------------------------------------------------------------------------------
 
 
@@ -137,72 +409,95 @@ def arrival_offsets(num: int, request_rate: float, burstiness: float, seed: int 
     return np.concatenate([[0.0], np.cumsum(gaps[:-1])])
 
 
-async def _send(client, req: SampleRequest, t0: float, sampling: dict, timeout: float | None) -> RequestOutput:
-    from serving.server.client import ClientError
-    out = RequestOutput(req.prompt_len, req.output_len)
-    start = time.perf_counter()
-    out.start_s = start - t0
-    last = start
-    try:
-        async for r in client.generate(req.prompt, max_tokens=req.output_len, timeout=timeout, **sampling):
-            n = len(r.token_ids)
-            if not n:
-                continue
-            now = time.perf_counter()
-            if out.output_len == 0:
-                out.ttft_s = now - start
-            else:
-                out.itl_s.append(now - last)
-            last = now
-            out.output_len += n
-            out.chunk_times_s.append(now - t0)
-            out.chunk_tokens.append(n)
-        out.latency_s = time.perf_counter() - start
-        out.success = out.output_len > 0
-        out.error = "" if out.success else "the stream ended without a token"
-    except ClientError as e:
-        out.error = str(e)
-    except Exception as e:  # noqa: BLE001 - a broken stream fails this request, not the benchmark
-        out.error = f"{type(e).__name__}: {e}"
-    return out
+async def check_setup(backend, req: SampleRequest) -> None:
+    """One request before the timed run, as vLLM sends: a set-up that cannot answer fails here, once."""
+    out = await backend.send(req, time.perf_counter())
+    if not out.success:
+        raise RuntimeError(f"the initial test request to {backend.address} ({backend.name}) failed: {out.error}")
 
 
-async def run_requests(target: str, requests: Sequence[SampleRequest], *, request_rate: float = float("inf"),
-                       burstiness: float = 1.0, max_concurrency: int = 0, seed: int = 0, ignore_eos: bool = True,
-                       temperature: float = 0.0, request_timeout_s: float = 0.0, progress: bool = True
+async def run_requests(backend, requests: Sequence[SampleRequest], *, offsets: Sequence[float] | None = None,
+                       request_rate: float = float("inf"), burstiness: float = 1.0, max_concurrency: int = 0,
+                       seed: int = 0, check_first: bool = True, progress: bool = True, desc: str = "requests"
                        ) -> tuple[list[RequestOutput], float]:
-    """Sends `requests` at their arrival times; returns their outputs (in order) and the benchmark duration
-    (first send to last completion). One initial request checks the set-up first, as vLLM does."""
+    """Sends `requests` through `backend` (opened and prepared) at their arrival times (`offsets` in seconds, else
+    drawn from the rate and burstiness); returns their outputs (in order) and the benchmark duration (first send to
+    last completion). With `check_first`, one initial request checks the set-up first."""
     from tqdm import tqdm
 
-    from serving.server.client import AsyncClient
-    sampling = dict(temperature=temperature, ignore_eos=ignore_eos)
-    timeout = request_timeout_s or None
-    offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
-    async with AsyncClient(target) as client:
-        probe = await _send(client, requests[0], time.perf_counter(), sampling, timeout)
-        if not probe.success:
-            raise RuntimeError(f"the initial test request to {target} failed: {probe.error}")
-        semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
-        bar = tqdm(total=len(requests), disable=not progress, desc="requests", unit="req")
+    offsets = arrival_offsets(len(requests), request_rate, burstiness, seed) if offsets is None else offsets
+    if check_first:
+        await check_setup(backend, requests[0])
+    semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
+    bar = tqdm(total=len(requests), disable=not progress, desc=desc, unit="req")
 
-        async def one(req: SampleRequest, at: float) -> RequestOutput:
-            delay = t0 + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if semaphore is None:
-                out = await _send(client, req, t0, sampling, timeout)
-            else:
-                async with semaphore:
-                    out = await _send(client, req, t0, sampling, timeout)
-            bar.update(1)
-            return out
+    async def one(req: SampleRequest, at: float) -> RequestOutput:
+        delay = t0 + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if semaphore is None:
+            out = await backend.send(req, t0)
+        else:
+            async with semaphore:
+                out = await backend.send(req, t0)
+        bar.update(1)
+        return out
 
-        t0 = time.perf_counter()
-        outputs = await asyncio.gather(*(one(r, float(at)) for r, at in zip(requests, offsets)))
-        duration = time.perf_counter() - t0
-        bar.close()
+    t0 = time.perf_counter()
+    outputs = await asyncio.gather(*(one(r, float(at)) for r, at in zip(requests, offsets)))
+    duration = time.perf_counter() - t0
+    bar.close()
     return list(outputs), duration
+
+
+# --- the server's counters (--metrics_url) --------------------------------------------------------------------
+
+# Prometheus samples summed over their labels; serving/telemetry/metrics.py defines them.
+SERVER_COUNTERS = {
+    "prompt_tokens": "meshserve:prompt_tokens_total",  # a request's prompt, counted once (n > 1 too)
+    "prefix_cache_hits": "meshserve:prefix_cache_hits_total",
+    "step_tokens": "meshserve:step_tokens_total",  # every token run through the model: prompt chunks and decode
+    "generation_tokens": "meshserve:generation_tokens_total",
+    "finished_sequences": "meshserve:request_success_total",  # every sample, every finish reason
+    "num_preemptions": "meshserve:num_preemptions_total",
+    "running": "meshserve:num_requests_running",
+    "waiting": "meshserve:num_requests_waiting",
+}
+
+
+def scrape_counters(metrics_url: str, timeout_s: float = 10.0) -> dict[str, float]:
+    """SERVER_COUNTERS read from the instance's Prometheus endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
+        text = r.read().decode()
+    by_sample = {name: 0.0 for name in SERVER_COUNTERS.values()}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in by_sample:
+                by_sample[s.name] += s.value
+    return {key: by_sample[name] for key, name in SERVER_COUNTERS.items()}
+
+
+async def settled_counters(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """The counters once nothing runs or waits and two reads 0.2 s apart agree (a finished request's books are kept
+    just after its last token goes out)."""
+    deadline = time.monotonic() + timeout_s
+    last = await asyncio.to_thread(scrape_counters, metrics_url)
+    while True:
+        await asyncio.sleep(0.2)
+        now = await asyncio.to_thread(scrape_counters, metrics_url)
+        if (now == last and not now["running"] and not now["waiting"]) or time.monotonic() > deadline:
+            return now
+        last = now
+
+
+def prefill_work(before: dict[str, float], after: dict[str, float]) -> dict[str, int]:
+    """What the server computed between two reads. Prompt tokens run through the model = step tokens - decode tokens;
+    every finished sequence (sample) fed all its generated tokens but the last one back as decode tokens. Without
+    speculative decoding; recomputation after a preemption counts as prefill."""
+    d = {k: int(round(after[k] - before[k])) for k in SERVER_COUNTERS if k not in ("running", "waiting")}
+    d["prefill_tokens_computed"] = d["step_tokens"] - (d["generation_tokens"] - d["finished_sequences"])
+    return d
 
 
 # --- metrics --------------------------------------------------------------------------------------------------
@@ -250,13 +545,14 @@ def throughput_over_time(outputs: Sequence[RequestOutput], duration: float, bin_
 
 def compute_metrics(outputs: Sequence[RequestOutput], duration: float, goodput: dict[str, float] | None = None
                     ) -> dict:
-    """vLLM's calculate_metrics: over successful requests only; TPOT over those with more than one token;
-    a request is good when it meets every SLO (its TPOT taken as 0 with one token)."""
+    """vLLM's calculate_metrics: over successful requests only; TPOT over those with more than one token (per sample:
+    with n > 1, output tokens / n); a request is good when it meets every SLO (its TPOT taken as 0 with one token)."""
     ok = [o for o in outputs if o.success]
     ttfts = [o.ttft_s for o in ok]
     e2els = [o.latency_s for o in ok]
-    all_tpots = [(o.latency_s - o.ttft_s) / (o.output_len - 1) if o.output_len > 1 else 0.0 for o in ok]
-    tpots = [t for t, o in zip(all_tpots, ok) if o.output_len > 1]
+    per_sample = [o.output_len / o.num_samples for o in ok]  # n > 1: TPOT as one sample's stream sees it
+    all_tpots = [(o.latency_s - o.ttft_s) / (k - 1) if k > 1 else 0.0 for o, k in zip(ok, per_sample)]
+    tpots = [t for t, k in zip(all_tpots, per_sample) if k > 1]
     itls = [x for o in ok for x in o.itl_s]
     total_in = sum(o.prompt_len for o in ok)
     total_out = sum(o.output_len for o in ok)
@@ -280,13 +576,16 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float, goodput: 
 
 
 def result_dict(outputs: Sequence[RequestOutput], duration: float, *, target: str, dataset: str,
-                request_rate: float, burstiness: float, max_concurrency: int, goodput: dict[str, float]) -> dict:
+                request_rate: float, burstiness: float, max_concurrency: int, goodput: dict[str, float],
+                backend: str = "grpc", base_url: str = "", n: int = 1) -> dict:
     """The JSON result: the settings, the metrics, and per-request arrays as vLLM writes them."""
     rate = "inf" if math.isinf(request_rate) else request_rate
-    out = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "meshserve-grpc", "target": target,
-           "dataset": dataset, "num_prompts": len(outputs), "request_rate": rate, "burstiness": burstiness,
-           "max_concurrency": max_concurrency or None, "goodput_slos_ms": goodput or None}
+    out = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": BACKEND_LABELS[backend], "target": target,
+           "base_url": base_url or None, "dataset": dataset, "num_prompts": len(outputs), "n": n,
+           "request_rate": rate, "burstiness": burstiness, "max_concurrency": max_concurrency or None,
+           "goodput_slos_ms": goodput or None}
     out.update(compute_metrics(outputs, duration, goodput))
+    out["cached_prompt_tokens"] = sum(o.cached_tokens for o in outputs if o.success)
     out.update({
         "input_lens": [o.prompt_len for o in outputs],
         "requested_output_lens": [o.requested_output_len for o in outputs],
@@ -345,7 +644,8 @@ def write_plot(r: dict, path: str) -> None:
     ttft = [r["ttfts"][i] * 1e3 for i in ok]
     e2e = [r["e2els"][i] * 1e3 for i in ok]
     itl = [x * 1e3 for i in ok for x in r["itls"][i]]
-    tpot = [(r["e2els"][i] - r["ttfts"][i]) * 1e3 / (r["output_lens"][i] - 1) for i in ok if r["output_lens"][i] > 1]
+    per_sample = [n / r.get("n", 1) for n in r["output_lens"]]
+    tpot = [(r["e2els"][i] - r["ttfts"][i]) * 1e3 / (per_sample[i] - 1) for i in ok if per_sample[i] > 1]
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
 
@@ -378,6 +678,127 @@ def write_plot(r: dict, path: str) -> None:
     plt.close(fig)
 
 
+# --- side by side: backends, and n samples vs n requests ------------------------------------------------------
+
+
+def pooled_metrics(runs: Sequence[tuple[Sequence[RequestOutput], float]], goodput: dict[str, float] | None = None
+                   ) -> dict:
+    """One backend's rounds taken together: throughput over their summed durations, percentiles over every request."""
+    outputs = [o for outs, _ in runs for o in outs]
+    m = compute_metrics(outputs, sum(d for _, d in runs), goodput)
+    for key in ("throughput_over_time", "max_output_tokens_per_s", "max_concurrent_requests"):
+        del m[key]  # a run's own: the rounds' timelines overlap
+    m["output_throughput_by_round"] = [sum(o.output_len for o in outs if o.success) / d for outs, d in runs]
+    m["mean_input_tokens"] = m["total_input_tokens"] / max(1, m["completed"])
+    m["cached_prompt_tokens"] = sum(o.cached_tokens for o in outputs if o.success)
+    return m
+
+
+def _settings_line(r: dict) -> str:
+    return (f"{r['dataset']}, rate {r['request_rate']}, max concurrency {r['max_concurrency'] or 'none'}"
+            + (f", n={r['n']}" if r.get("n", 1) > 1 else ""))
+
+
+def format_comparison(r: dict) -> str:
+    """The backends side by side, each pooled over its rounds, output throughput relative to the reference (grpc)."""
+    ref = r["reference_backend"]
+    cols = (f"{'Backend':<12} {'OK/failed':>10} {'req/s':>7} {'out tok/s':>10} {'vs ' + ref:>9}  "
+            f"{'TTFT p50/p99':>15} {'TPOT p50/p99':>13} {'ITL p50/p99':>13} {'in tok/req':>10} {'cached':>7}")
+    rounds = r["rounds"]
+    lines = ["{s:{c}^{n}}".format(s=" Backends side by side ", n=len(cols), c="="),
+             f"{r['num_prompts']} requests x {rounds} round{'s' if rounds > 1 else ''}: {_settings_line(r)}",
+             "(latencies in ms: median/p99)", cols, "-" * len(cols)]
+    for name in r["backends"]:
+        s = r["summary"][name]
+
+        def pair(key, s=s):
+            return f"{s[f'median_{key}_ms']:.1f}/{s[f'p99_{key}_ms']:.1f}"
+        lines.append(f"{name:<12} {str(s['completed']) + '/' + str(s['failed']):>10} {s['request_throughput']:>7.2f} "
+                     f"{s['output_throughput']:>10.1f} {s['relative_output_throughput']:>8.3f}x  {pair('ttft'):>15} "
+                     f"{pair('tpot'):>13} {pair('itl'):>13} {s['mean_input_tokens']:>10.1f} "
+                     f"{s['cached_prompt_tokens']:>7}")
+    lines.append("-" * len(cols))
+    notes = []
+    if rounds > 1:
+        notes.append("Output tok/s by round: " + "; ".join(
+            f"{name} " + " / ".join(f"{x:.1f}" for x in r["summary"][name]["output_throughput_by_round"])
+            for name in r["backends"]))
+    if rounds > 1 and len(r["backends"]) > 1:
+        notes.append(f"Order: odd rounds {' > '.join(r['backends'])}, even rounds reversed.")
+    notes.append("Chunks: gRPC responses carrying tokens; HTTP SSE chunks carrying text (TTFT, ITL). Output tokens: "
+                 "gRPC token ids, HTTP usage.completion_tokens.")
+    if "openai-chat" in r["backends"] and r["dataset"] == "random":
+        notes.append("openai-chat sends each prompt's token ids as text in a user message, re-tokenized with the chat "
+                     "template around it: its input tokens differ.")
+    if any(r["summary"][name]["cached_prompt_tokens"] for name in r["backends"]):
+        notes.append("Prefix-cache hits (cached) differ between runs (a run reuses pages an earlier one cached): serve "
+                     "with --enable_prefix_caching=false for a like-for-like comparison.")
+    lines.extend(textwrap.fill(note, len(cols), subsequent_indent="  ") for note in notes)
+    lines.append("=" * len(cols))
+    return "\n".join(lines)
+
+
+def n_run_summary(outputs: Sequence[RequestOutput], duration: float, *, n: int, per_prompt: int,
+                  server: dict | None = None) -> dict:
+    """One run of --compare_n: `outputs` in order, `per_prompt` consecutive requests per prompt (1 for requests
+    with n samples, n for separate requests); `server` the prefill_work between the run's start and end."""
+    ok = [o for o in outputs if o.success]
+    groups = [outputs[i:i + per_prompt] for i in range(0, len(outputs), per_prompt)]
+    done = [max(o.start_s + o.latency_s for o in g) - min(o.start_s for o in g)
+            for g in groups if all(o.success for o in g)]
+    out_tokens = sum(o.output_len for o in ok)
+    m = {"n": n, "requests": len(outputs), "completed": len(ok), "failed": len(outputs) - len(ok),
+         "samples": len(ok) * n, "prompt_tokens_sent": sum(o.prompt_len for o in outputs),
+         "output_tokens": out_tokens, "duration": duration, "output_throughput": out_tokens / duration,
+         "server": server}
+    m.update(_stats("e2el", [o.latency_s for o in ok]))
+    m.update(_stats("prompt_done", done))  # arrival to the last sample of the prompt
+    m.update(_stats("ttft", [o.ttft_s for o in ok]))
+    return m
+
+
+def format_compare_n(r: dict) -> str:
+    """n samples per request against n separate requests, in two columns."""
+    k, a, b = r["k"], r["runs"]["n"], r["runs"]["separate"]
+    width, notes = 78, []
+    lines = ["{s:{c}^{n}}".format(s=f" n={k} vs {k} separate requests ({r['backend']}) ", n=width, c="="),
+             f"{r['num_prompts']} prompts: {_settings_line(r)}", f"{'':<46}{f'n={k}':>15}{f'{k} x n=1':>16}"]
+
+    def row(label, x, y):
+        lines.append(f"{label:<46}{x:>15}{y:>16}")
+    row("Requests completed / sent", f"{a['completed']}/{a['requests']}", f"{b['completed']}/{b['requests']}")
+    row("Samples completed", a["samples"], b["samples"])
+    row("Output tokens", a["output_tokens"], b["output_tokens"])
+    row("Duration (s)", f"{a['duration']:.2f}", f"{b['duration']:.2f}")
+    row("Output token throughput (tok/s)", f"{a['output_throughput']:.1f}", f"{b['output_throughput']:.1f}")
+    for key, label in (("e2el", "request latency"), ("prompt_done", "prompt done (last sample)"), ("ttft", "TTFT")):
+        row(f"Median / P99 {label} (ms)", f"{a[f'median_{key}_ms']:.0f}/{a[f'p99_{key}_ms']:.0f}",
+            f"{b[f'median_{key}_ms']:.0f}/{b[f'p99_{key}_ms']:.0f}")
+    row("Prompt tokens sent", a["prompt_tokens_sent"], b["prompt_tokens_sent"])
+    if a["server"] is None or b["server"] is None:
+        notes.append("Prefill work: not measured (give --metrics_url=http://HOST:PORT/metrics, the instance's "
+                     "Prometheus endpoint).")
+    else:
+        sa, sb = a["server"], b["server"]
+        lines.append(f"-- the server's work, from {r['metrics_url']} --")
+        row("Prompt tokens computed (prefill)", sa["prefill_tokens_computed"], sb["prefill_tokens_computed"])
+        row("Prompt tokens counted (meshserve:prompt_tokens)", sa["prompt_tokens"], sb["prompt_tokens"])
+        row("Prefix-cache hits (tokens)", sa["prefix_cache_hits"], sb["prefix_cache_hits"])
+        row("Preemptions", sa["num_preemptions"], sb["num_preemptions"])
+        notes.append("Computed = step tokens - decode tokens (generated - finished sequences): every prompt token run "
+                     "through the model. The counter counts a request's prompt once, n samples or not. Prefix "
+                     "caching as the server runs it (the hits above).")
+    cap = r["max_concurrency"]
+    notes.append(f"Each run has its own prompts (so neither reuses pages the other cached); {k} x n=1 sends each "
+                 f"prompt {k} times at its arrival time" + (f", up to {cap * k} requests in flight against {cap} "
+                                                           f"(the same sequences)." if cap else "."))
+    notes.append(f"n={k}: the samples share the prompt's full KV pages ({r['page_size']} tokens each); each extra "
+                 f"sample computes only the page holding the last prompt token.")
+    lines.extend(textwrap.fill(note, width, subsequent_indent="  ") for note in notes)
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
 # --- entry points ---------------------------------------------------------------------------------------------
 
 
@@ -400,36 +821,170 @@ def load_requests(target: str, dataset: str, num_prompts: int, *, seed: int = 0,
                                  info.max_model_len, seed, sharegpt_output_len)
 
 
-def benchmark(target: str, requests: Sequence[SampleRequest], *, dataset: str = "random",
-              request_rate: float = float("inf"), burstiness: float = 1.0, max_concurrency: int = 0, seed: int = 0,
-              goodput: str = "", ignore_eos: bool = True, temperature: float = 0.0, request_timeout_s: float = 0.0,
-              progress: bool = True, result_json: str = "", plot: str = "") -> dict:
-    """Runs the requests against `target`; returns the result dict (and writes the JSON and the PNG if asked)."""
-    slos = parse_goodput(goodput)
-    outputs, duration = asyncio.run(run_requests(
-        target, requests, request_rate=request_rate, burstiness=burstiness, max_concurrency=max_concurrency,
-        seed=seed, ignore_eos=ignore_eos, temperature=temperature, request_timeout_s=request_timeout_s,
-        progress=progress))
-    r = result_dict(outputs, duration, target=target, dataset=dataset, request_rate=request_rate,
-                    burstiness=burstiness, max_concurrency=max_concurrency, goodput=slos)
-    if result_json:
-        with open(result_json, "w") as f:
+def _write_json(r: dict, path: str) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(r, f, indent=1)
+
+
+def benchmark(target: str, requests: Sequence[SampleRequest], *, backend: str = "grpc", base_url: str = "",
+              n: int = 1, dataset: str = "random", request_rate: float = float("inf"), burstiness: float = 1.0,
+              max_concurrency: int = 0, seed: int = 0, goodput: str = "", ignore_eos: bool = True,
+              temperature: float = 0.0, request_timeout_s: float = 0.0, progress: bool = True, result_json: str = "",
+              plot: str = "") -> dict:
+    """Runs the requests through one backend (gRPC at `target`, or the HTTP API at `base_url`); returns the result
+    dict (and writes the JSON and the PNG if asked)."""
+    slos = parse_goodput(goodput)
+
+    async def run():
+        async with make_backend(backend, target=target, base_url=base_url, n=n, temperature=temperature,
+                                ignore_eos=ignore_eos, timeout_s=request_timeout_s,
+                                max_connections=max_concurrency) as b:
+            await b.prepare(requests)
+            return await run_requests(b, requests, request_rate=request_rate, burstiness=burstiness,
+                                      max_concurrency=max_concurrency, seed=seed, progress=progress)
+    outputs, duration = asyncio.run(run())
+    r = result_dict(outputs, duration, target=target, dataset=dataset, request_rate=request_rate,
+                    burstiness=burstiness, max_concurrency=max_concurrency, goodput=slos, backend=backend,
+                    base_url=base_url, n=n)
+    _write_json(r, result_json)
     if plot:
         write_plot(r, plot)
     return r
 
 
+def compare_backends(target: str, requests: Sequence[SampleRequest], backends: Sequence[str], *, base_url: str = "",
+                     rounds: int = 1, n: int = 1, dataset: str = "random", request_rate: float = float("inf"),
+                     burstiness: float = 1.0, max_concurrency: int = 0, seed: int = 0, goodput: str = "",
+                     ignore_eos: bool = True, temperature: float = 0.0, request_timeout_s: float = 0.0,
+                     progress: bool = True, result_json: str = "", plot: str = "", log=print) -> dict:
+    """The same requests (same arrival times) through each backend in turn, `rounds` times, the order reversed every
+    other round so drift on a shared machine hits all alike. Returns {"summary": {backend: metrics pooled over its
+    rounds, with relative_output_throughput against grpc (else the first)}, "runs": {backend: [result per round]},
+    settings}; writes the JSON, and a plot per backend (its first round) at PLOT.<backend>.png, if asked."""
+    backends = list(backends)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    slos = parse_goodput(goodput)
+
+    async def run():
+        runs = {name: [] for name in backends}
+        async with contextlib.AsyncExitStack() as stack:
+            opened = {}
+            for name in backends:
+                opened[name] = await stack.enter_async_context(make_backend(
+                    name, target=target, base_url=base_url, n=n, temperature=temperature, ignore_eos=ignore_eos,
+                    timeout_s=request_timeout_s, max_connections=max_concurrency))
+                await opened[name].prepare(requests)  # before any timing (chat: token ids to text)
+            for i in range(rounds):
+                for name in backends if i % 2 == 0 else backends[::-1]:
+                    outputs, duration = await run_requests(
+                        opened[name], requests, request_rate=request_rate, burstiness=burstiness,
+                        max_concurrency=max_concurrency, seed=seed, progress=progress, desc=f"{name} {i + 1}")
+                    runs[name].append((outputs, duration))
+                    ok = [o for o in outputs if o.success]
+                    log(f"round {i + 1} {name}: {len(ok)}/{len(outputs)} requests, "
+                        f"{sum(o.output_len for o in ok)} output tokens in {duration:.2f} s")
+        return runs
+    runs = asyncio.run(run())
+    settings = dict(target=target, base_url=base_url or None, dataset=dataset, num_prompts=len(requests), n=n,
+                    request_rate="inf" if math.isinf(request_rate) else request_rate, burstiness=burstiness,
+                    max_concurrency=max_concurrency or None, goodput_slos_ms=slos or None)
+    summary = {name: pooled_metrics(rs, slos) for name, rs in runs.items()}
+    reference = "grpc" if "grpc" in summary else backends[0]
+    for s in summary.values():
+        base = summary[reference]["output_throughput"]
+        s["relative_output_throughput"] = s["output_throughput"] / base if base else float("nan")
+    r = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), **settings, "backends": backends, "rounds": rounds,
+         "reference_backend": reference, "summary": summary,
+         "runs": {name: [result_dict(outs, d, target=target, dataset=dataset, request_rate=request_rate,
+                                     burstiness=burstiness, max_concurrency=max_concurrency, goodput=slos,
+                                     backend=name, base_url=base_url, n=n) for outs, d in rs]
+                  for name, rs in runs.items()}}
+    _write_json(r, result_json)
+    if plot:
+        root, ext = os.path.splitext(plot)
+        for name in backends:
+            write_plot(r["runs"][name][0], f"{root}.{name}{ext or '.png'}")
+    return r
+
+
+def compare_n(target: str, requests: Sequence[SampleRequest], separate_requests: Sequence[SampleRequest], k: int, *,
+              backend: str = "grpc", base_url: str = "", metrics_url: str = "", dataset: str = "random",
+              request_rate: float = float("inf"), burstiness: float = 1.0, max_concurrency: int = 0, seed: int = 0,
+              ignore_eos: bool = True, temperature: float = 0.0, request_timeout_s: float = 0.0,
+              progress: bool = True, result_json: str = "") -> dict:
+    """Two runs through `backend`: `requests` with n=k, then `separate_requests` (as many, other prompts, so that
+    neither run reuses pages the other cached) each sent k times at its arrival time, with k times the concurrency
+    cap (the same sequences in flight). With `metrics_url`, each run's prefill work read from the server's counters
+    (prefill_work). Returns {"runs": {"n": ..., "separate": ...}, settings} (n_run_summary each)."""
+    from serving.server.client import Client
+    if k < 2:
+        raise ValueError(f"compare_n needs k >= 2 samples, got {k}")
+    if len(separate_requests) != len(requests):
+        raise ValueError(f"compare_n: {len(requests)} prompts for n={k} but {len(separate_requests)} for the copies")
+    with Client(target, timeout=60) as c:
+        page_size = c.model_info().page_size
+    offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
+    copies = [r for r in separate_requests for _ in range(k)]
+    common = dict(target=target, base_url=base_url, temperature=temperature, ignore_eos=ignore_eos,
+                  timeout_s=request_timeout_s)
+
+    async def one(label, b, reqs, at, cap, n, per_prompt):
+        async with b:
+            await b.prepare(reqs)
+            await check_setup(b, reqs[0])
+            before = await settled_counters(metrics_url) if metrics_url else None
+            outputs, duration = await run_requests(b, reqs, offsets=at, max_concurrency=cap, check_first=False,
+                                                   progress=progress, desc=label)
+            server = prefill_work(before, await settled_counters(metrics_url)) if metrics_url else None
+        return n_run_summary(outputs, duration, n=n, per_prompt=per_prompt, server=server)
+
+    async def run():
+        with_n = await one(f"n={k}", make_backend(backend, n=k, max_connections=max_concurrency, **common),
+                           requests, offsets, max_concurrency, k, 1)
+        separate = await one(f"{k} x n=1", make_backend(backend, n=1, max_connections=max_concurrency * k, **common),
+                             copies, np.repeat(offsets, k), max_concurrency * k, 1, k)
+        return {"n": with_n, "separate": separate}
+    runs = asyncio.run(run())
+    r = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "mode": "compare_n", "k": k,
+         "backend": backend, "target": target, "base_url": base_url or None,
+         "metrics_url": metrics_url or None, "dataset": dataset, "num_prompts": len(requests), "page_size": page_size,
+         "request_rate": "inf" if math.isinf(request_rate) else request_rate, "burstiness": burstiness,
+         "max_concurrency": max_concurrency or None, "runs": runs}
+    _write_json(r, result_json)
+    return r
+
+
 def main() -> None:
-    requests = load_requests(_TARGET.value, _DATASET.value, _NUM_PROMPTS.value, seed=_SEED.value,
+    backends = parse_backends(_BACKEND.value)
+    k, n = _COMPARE_N.value, _N.value
+    if k == 1 or k < 0:
+        raise ValueError(f"--compare_n={k}: give K >= 2 samples (0: off)")
+    if n < 1 or (k and n != 1):
+        raise ValueError(f"--n={n}: give n >= 1, and leave it at 1 with --compare_n (which sets n itself)")
+    num = _NUM_PROMPTS.value
+    requests = load_requests(_TARGET.value, _DATASET.value, 2 * num if k else num, seed=_SEED.value,
                              input_len=_RANDOM_INPUT_LEN.value, output_len=_RANDOM_OUTPUT_LEN.value,
                              range_ratio=_RANDOM_RANGE_RATIO.value, prefix_len=_RANDOM_PREFIX_LEN.value,
                              dataset_path=_DATASET_PATH.value, sharegpt_output_len=_SHAREGPT_OUTPUT_LEN.value)
-    print(f"{len(requests)} requests to {_TARGET.value}: rate {_REQUEST_RATE.value}, burstiness "
-          f"{_BURSTINESS.value}, max concurrency {_MAX_CONCURRENCY.value or 'none'}", flush=True)
-    r = benchmark(_TARGET.value, requests, dataset=_DATASET.value, request_rate=_REQUEST_RATE.value,
+    where = ", ".join(f"{b} at {_TARGET.value if b == 'grpc' else _BASE_URL.value}" for b in backends)
+    print(f"{num} requests through {where}: rate {_REQUEST_RATE.value}, burstiness {_BURSTINESS.value}, max "
+          f"concurrency {_MAX_CONCURRENCY.value or 'none'}", flush=True)
+    common = dict(base_url=_BASE_URL.value, dataset=_DATASET.value, request_rate=_REQUEST_RATE.value,
                   burstiness=_BURSTINESS.value, max_concurrency=_MAX_CONCURRENCY.value, seed=_SEED.value,
-                  goodput=_GOODPUT.value, ignore_eos=_IGNORE_EOS.value, temperature=_TEMPERATURE.value,
+                  ignore_eos=_IGNORE_EOS.value, temperature=_TEMPERATURE.value,
                   request_timeout_s=_REQUEST_TIMEOUT_S.value, progress=not _DISABLE_TQDM.value,
-                  result_json=_RESULT_JSON.value, plot=_PLOT.value)
-    print(format_table(r), flush=True)
+                  result_json=_RESULT_JSON.value)
+    if k:
+        r = compare_n(_TARGET.value, requests[:num], requests[num:], k, backend=backends[0],
+                      metrics_url=_METRICS_URL.value, **common)
+        print(format_compare_n(r), flush=True)
+    elif len(backends) == 1 and _ROUNDS.value == 1:
+        r = benchmark(_TARGET.value, requests, backend=backends[0], n=n, goodput=_GOODPUT.value, plot=_PLOT.value,
+                      **common)
+        print(format_table(r), flush=True)
+    else:
+        r = compare_backends(_TARGET.value, requests, backends, rounds=_ROUNDS.value, n=n, goodput=_GOODPUT.value,
+                             plot=_PLOT.value, log=lambda line: print(line, flush=True), **common)
+        print(format_comparison(r), flush=True)

@@ -1,5 +1,5 @@
 """`python -m serving.gateway --config=FILE [--port=...]`: the gateway (meshserve.v1.Inference for clients,
-meshserve.gateway.v1 Jobs and GatewayAdmin, grpc.health.v1), Prometheus on --metrics_port, OTLP traces with
+meshserve.gateway.v1 Jobs and GatewayAdmin, grpc.health.v1; the OpenAI HTTP API with --http_port), Prometheus on --metrics_port, OTLP traces with
 --otlp_endpoint; the config file is re-read when it changes; SIGTERM drains and exits 0. Details: docs/gateway.md."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("config", None, "Gateway configuration file (YAML or JSON; docs/gateway.md).")
 flags.DEFINE_string("host", "0.0.0.0", "Address to listen on.")
 flags.DEFINE_integer("port", 8000, "gRPC port; 0: any free port.")
+flags.DEFINE_integer("http_port", -1, "OpenAI-compatible HTTP API port (same TLS as gRPC); 0: any free port; -1: none.")
 flags.DEFINE_integer("metrics_port", 9100, "Prometheus port; 0: any free port; -1: none.")
 flags.DEFINE_string("jobs_db", "gateway-jobs.sqlite", "SQLite file of asynchronous jobs (kept across restarts).")
 flags.DEFINE_string("tls_cert", "", "PEM certificate chain: serve TLS (with --tls_key).")
@@ -61,18 +62,24 @@ async def _serve() -> int:
         raise RuntimeError(f"cannot listen on {address}")
     await gateway.start()
     await server.start()
+    http, http_port = None, 0
+    if FLAGS.http_port >= 0:
+        from serving.gateway.http import GatewayHTTP
+        http = GatewayHTTP(gateway)
+        http_port = await http.start(FLAGS.host, FLAGS.http_port, tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key,
+                                     tls_client_ca=FLAGS.tls_client_ca)
     metrics_http, metrics_port = None, 0
     if FLAGS.metrics_port >= 0:
         metrics_http, metrics_port = gateway.metrics.start_http_server(FLAGS.metrics_port, FLAGS.host)
     for name in SERVICE_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log = logging.getLogger("serving.gateway")
-    log.info("gateway serving on %s:%d (%s; metrics :%s)", FLAGS.host, port, "TLS" if FLAGS.tls_cert else "plaintext",
-             metrics_port or "off")
+    log.info("gateway serving on %s:%d (%s; HTTP :%s; metrics :%s)", FLAGS.host, port,
+             "TLS" if FLAGS.tls_cert else "plaintext", http_port or "off", metrics_port or "off")
     if FLAGS.ready_file:
         tmp = FLAGS.ready_file + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"port": port, "metrics_port": metrics_port, "pid": os.getpid()}, f)
+            json.dump({"port": port, "metrics_port": metrics_port, "http_port": http_port, "pid": os.getpid()}, f)
         os.replace(tmp, FLAGS.ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,7 +90,10 @@ async def _serve() -> int:
     inference.draining = True
     for name in SERVICE_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(FLAGS.drain_grace_s)
+    stopping = [server.stop(FLAGS.drain_grace_s)]
+    if http is not None:
+        stopping.append(http.stop(FLAGS.drain_grace_s))
+    await asyncio.gather(*stopping)
     await gateway.stop()
     if metrics_http is not None:
         metrics_http.shutdown()

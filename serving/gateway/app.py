@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from typing import AsyncIterator
@@ -75,6 +76,8 @@ class Gateway:
         self.auth = Authenticator(cfg)
         self.pools = InstancePools(self._on_report, self._on_failure)
         self.limits = ModelLimits()
+        self.model_name = ""  # the instances' served model name (the HTTP API's `model`)
+        self.draining = False  # both APIs refuse new requests
         self.tokenizer = None
         self._tokenizer_dir = None
         self.long_inflight = 0
@@ -121,16 +124,20 @@ class Gateway:
         self.router.reconfigure(cfg.routing)
         self.health.config = cfg.isolation
         self.auth.reconfigure(cfg)
-        if cfg.tokenizer != self._tokenizer_dir:
-            self._tokenizer_dir = cfg.tokenizer
-            self.tokenizer = None
-            if cfg.tokenizer:
-                try:
-                    from models.tokenizer import Tokenizer
-                    self.tokenizer = Tokenizer.from_pretrained(cfg.tokenizer)
-                except Exception as e:  # noqa: BLE001 - lengths fall back to estimates
-                    log.error("tokenizer %s: cannot load (%s); estimating prompt lengths", cfg.tokenizer, e)
+        if cfg.tokenizer and cfg.tokenizer != self._tokenizer_dir:
+            self._load_tokenizer(cfg.tokenizer, "configured")
         self.admission.notify()
+
+    def _load_tokenizer(self, path: str, why: str) -> None:
+        """The tokenizer the gateway measures prompts with and its HTTP API renders chats with."""
+        self._tokenizer_dir = path
+        self.tokenizer = None
+        try:
+            from models.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_pretrained(path)
+            log.info("tokenizer: %s (%s)", path, why)
+        except Exception as e:  # noqa: BLE001 - lengths fall back to estimates, chats are rendered by instances
+            log.error("tokenizer %s: cannot load (%s); estimating prompt lengths, instances render chats", path, e)
 
     def reload_config(self, force: bool = False) -> tuple[bool, str]:
         applied = self.watcher.poll(force=force)
@@ -167,6 +174,10 @@ class Gateway:
             mi = inst.model_info
             self.limits = ModelLimits(vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
                                       max_request_bytes=mi.max_request_bytes or self.limits.max_request_bytes)
+            self.model_name = mi.served_model_name or os.path.basename(os.path.normpath(mi.model)) or "model"
+            if not self._tokenizer_dir and mi.has_tokenizer and os.path.isdir(mi.model):
+                # No tokenizer configured: the instances' own, where this host can read their model directory.
+                self._load_tokenizer(mi.model, f"the model directory instance {inst.name} reports")
         self.admission.notify()
 
     def _on_failure(self, inst: Instance, reason: str) -> None:

@@ -27,7 +27,14 @@ async def _abort(context, code: grpc.StatusCode, details: str, trailing=()) -> N
 class InferenceServicer(pb_grpc.InferenceServicer):
     def __init__(self, gateway: Gateway):
         self.gw = gateway
-        self.draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self.gw.draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self.gw.draining = value
 
     def _tenant(self, context):
         return self.gw.auth.tenant(context.invocation_metadata())

@@ -77,7 +77,8 @@ class InstanceServer:
             return out
         self.model_name = (config.served_model_name or os.path.basename(os.path.normpath(engine.config.model))
                            or "model")
-        self.metrics = ServerMetrics(self.model_name, stats, num_speculative_tokens=spec.k if spec is not None else 0)
+        self.metrics = ServerMetrics(self.model_name, stats, num_speculative_tokens=spec.k if spec is not None else 0,
+                                     page_size=engine.config.page_size, num_pages=engine.num_pages)
         self.load_tracker = LoadTracker(self.metrics, self.tracer)
         self.aengine.step_listeners.append(self.load_tracker)
         self.health = health.aio.HealthServicer()
@@ -86,6 +87,7 @@ class InstanceServer:
                                          retry_after_s=config.retry_after_s),
             metrics=self.metrics, tracer=self.tracer, load_tracker=self.load_tracker,
             on_drain_change=lambda draining: asyncio.ensure_future(self._set_health(not draining)))
+        self.servicer.model_name = self.model_name
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
@@ -131,7 +133,7 @@ class InstanceServer:
             from serving.server.http import OpenAIServer
             self.http = OpenAIServer(self.servicer, model_name=self.model_name,
                                      max_request_bytes=cfg.max_request_bytes, retry_after_s=cfg.retry_after_s)
-            self.http_port = await self.http.start(cfg.host, cfg.http_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
+            self.http_port = self.servicer.http_port = await self.http.start(cfg.host, cfg.http_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
                                                    tls_client_ca=cfg.tls_client_ca)
         log.info("listening on %s:%d (metrics :%s, HTTP :%s); warming up", cfg.host, self.port,
                  self.metrics_port or "off", self.http_port or "off")

@@ -6,23 +6,17 @@ Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import socket
-import ssl
 import time
-import uuid
 
-import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
+from serving.api.asgi import ERROR_CODES, HttpServer, check_size, install_error_handlers, parse, respond
 from serving.api.protocol import ApiError
-from serving.api.responses import DONE, ResponseBuilder, sse
+from serving.api.responses import Delta, ResponseBuilder
 from serving.core.async_engine import EngineDeadError
 from serving.core.request import FinishReason, Priority
 from serving.core.sampling_params import SamplingParams
@@ -34,14 +28,15 @@ log = logging.getLogger(__name__)
 
 LARGE_BODY_BYTES = 32 << 10  # parsed and tokenized off the event loop
 PRIORITIES = tuple(p.value for p in Priority)
-# meshserve:request_errors_total counts HTTP errors under the gRPC code names, one vocabulary for both APIs.
-ERROR_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL",
-               503: "UNAVAILABLE"}
-CLIENT_GONE = 499  # nginx's "client closed request": the status of a request whose client left before its answer
 
 
-class _ClientGone(Exception):
-    pass
+def delta(out) -> Delta:
+    """The engine's step output (serving.core.output_processor.StepOutput) as the response builder's delta."""
+    r = out.request
+    if not out.finished:
+        return Delta(out.index, out.new_text, out.logprobs)
+    return Delta(out.index, out.new_text, out.logprobs, out.finish_reason.value, r.num_output_tokens,
+                 cached_tokens=r.metrics.num_cached_prompt_tokens)
 
 
 class _Run:
@@ -96,7 +91,7 @@ class _Run:
                 raise self._fail(500, f"the engine failed on this request's step: {out.stop_reason}")
             if reason is FinishReason.TIMEOUT:
                 raise self._fail(500, "the request's deadline passed")
-        return i, out
+        return i, delta(out)
 
     def _fail(self, status: int, message: str) -> ApiError:
         self.failure = message
@@ -150,33 +145,6 @@ class _Run:
             self.servicer.tracer.finish(self.spans[i], rid, self.last[i], finish_reason=label, error=self.failure)
 
 
-class _EventStream(StreamingResponse):
-    """A Server-Sent Events response that ends its run however the response ends, even when the client leaves
-    before the body starts."""
-
-    def __init__(self, content, run: _Run):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.run = run
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.run.close()
-
-
-class _Uvicorn(uvicorn.Server):
-    """uvicorn without its own signal handlers: the instance server's drain gRPC and HTTP together on SIGTERM."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
-
-    def install_signal_handlers(self) -> None:  # uvicorn < 0.29
-        pass
-
-
 class OpenAIServer:
     """The HTTP app over the gRPC servicer's engine; `start` serves it on the running loop, `stop` closes it."""
 
@@ -189,10 +157,8 @@ class OpenAIServer:
         self.retry_after_s = retry_after_s
         self.created = int(time.time())
         self.app = self._build_app()
-        self._server: _Uvicorn | None = None
-        self._task: asyncio.Future | None = None
+        self.http = HttpServer(self.app)
 
-    # ------------------------------------------------------------------ app
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve instance")
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
@@ -201,23 +167,7 @@ class OpenAIServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
-
-        async def api_error(request, e: ApiError):
-            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-        async def http_error(request, e: StarletteHTTPException):
-            return JSONResponse(ApiError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
-
-        async def client_gone(request, e: _ClientGone):
-            return Response(status_code=CLIENT_GONE)
-
-        async def unexpected(request, e: Exception):
-            log.exception("HTTP %s %s failed", request.method, request.url.path)
-            return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
-        app.add_exception_handler(ApiError, api_error)
-        app.add_exception_handler(StarletteHTTPException, http_error)
-        app.add_exception_handler(_ClientGone, client_gone)
-        app.add_exception_handler(Exception, unexpected)
+        install_error_handlers(app)
         return app
 
     # ------------------------------------------------------------------ checks
@@ -234,15 +184,6 @@ class OpenAIServer:
         if model is not None and model != self.model_name:
             raise protocol.model_not_found(model, self.model_name)
 
-    @staticmethod
-    def _parse(raw: bytes, model_cls):
-        try:
-            return model_cls.model_validate_json(raw)
-        except ValidationError as e:
-            if any(err.get("type") == "json_invalid" for err in e.errors()):
-                raise ApiError(400, f"the body is not valid JSON: {e.errors()[0].get('msg')}") from e
-            raise protocol.validation_error(e) from e
-
     def _count(self, e: ApiError) -> None:
         if self.servicer.metrics is not None:
             self.servicer.metrics.observe_error(ERROR_CODES.get(e.status, str(e.status)))
@@ -256,23 +197,6 @@ class OpenAIServer:
             raise protocol.api_error(e, ereq.renames) from e
         return params
 
-    @staticmethod
-    async def _until_disconnect(request: Request, coro):
-        """Runs coro to its end, unless the client disconnects first (then cancels it and raises _ClientGone)."""
-        async def gone():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-        task, watch = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
-        try:
-            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not task.done():
-                task.cancel()
-        if task in done:
-            return task.result()
-        raise _ClientGone()
-
     # ------------------------------------------------------------------ generation
     async def chat_completions(self, request: Request):
         return await self._generate(request, chat=True)
@@ -285,12 +209,9 @@ class OpenAIServer:
         try:
             self._check_serving()
             raw = await request.body()
-            req = self._parse(raw, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
+            req = parse(raw, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
             self._check_model(req.model)
-            if len(raw) > self.max_request_bytes:
-                field = "messages" if chat else "prompt"
-                raise ApiError(400, f"{field}: the request is {len(raw)} bytes, over the server's limit of "
-                               f"{self.max_request_bytes} bytes (--max_request_bytes)", param=field)
+            check_size(raw, self.max_request_bytes, chat)
 
             def build():
                 if chat:
@@ -302,56 +223,18 @@ class OpenAIServer:
         except ApiError as e:
             self._count(e)
             raise
-        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        response_id = protocol.response_id(chat)
         run = _Run(self, response_id, ereq, params, request.headers.items())
         builder = ResponseBuilder(
             chat=chat, response_id=response_id, model=self.model_name, created=int(time.time()), n=params.n,
             prompt_lengths=[len(p.token_ids) for p in ereq.prompts], tokenizer=tok, logprobs=params.logprobs,
             echo_texts=[p.text for p in ereq.prompts] if ereq.echo else None, include_usage=ereq.include_usage)
-        streaming = None
-        try:
-            # Admission (and the first tokens) before the status line: a full queue is a 429, not a broken stream.
-            await self._until_disconnect(request, run.open())
-            if ereq.stream:
-                streaming = _EventStream(self._events(run, builder, ereq), run)  # it closes the run
-                return streaming
-            return JSONResponse(await self._until_disconnect(request, self._collect(run, builder)))
-        except ApiError as e:
-            self._count(e)
-            raise
-        finally:
-            if streaming is None:
-                run.close()
-
-    @staticmethod
-    async def _collect(run: _Run, builder: ResponseBuilder) -> dict:
-        async for i, out in run.outputs():
-            builder.add(i, out)
-        return builder.response()
-
-    async def _events(self, run: _Run, builder: ResponseBuilder, ereq: protocol.EngineRequest):
-        try:
-            for chunk in builder.first_chunks():
-                yield sse(chunk)
-            async for i, out in run.outputs():
-                chunk = builder.chunk(i, out)
-                if chunk is not None:
-                    yield sse(chunk)
-            if ereq.include_usage:
-                yield sse(builder.usage_chunk())
-            yield DONE
-        except ApiError as e:  # after the status line: the error goes in the stream, as OpenAI's does
-            self._count(e)
-            yield sse(e.body())
-            yield DONE
-        finally:
-            run.close()  # also when the client left: its samples are aborted now
+        return await respond(request, run, builder, stream=ereq.stream, count_error=self._count)
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self):
-        return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "meshserve",
-            "root": self.engine.config.model, "parent": None, "max_model_len": self.engine.max_model_len}]}
+        return protocol.model_list(self.model_name, self.created, root=self.engine.config.model,
+                                   max_model_len=self.engine.max_model_len)
 
     async def health(self):
         try:
@@ -361,59 +244,19 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def tokenize(self, request: Request):
-        req = self._parse(await request.body(), protocol.TokenizeRequest)
+        req = parse(await request.body(), protocol.TokenizeRequest)
         self._check_model(req.model)
-        tok = self.engine.tokenizer
-        ids = protocol.tokenize_request(req, tok)
-        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids,
-                "token_strs": [tok.id_to_token(t) or "" for t in ids] if req.return_token_strs else None}
+        return protocol.tokenize_response(req, self.engine.tokenizer, self.engine.max_model_len)
 
     async def detokenize(self, request: Request):
-        req = self._parse(await request.body(), protocol.DetokenizeRequest)
+        req = parse(await request.body(), protocol.DetokenizeRequest)
         self._check_model(req.model)
-        try:
-            protocol.check_token_ids("tokens", req.tokens, self.engine.model_config.vocab_size)
-            if self.engine.tokenizer is None:
-                raise protocol.InvalidArgument("tokens: this model has no tokenizer")
-        except ValueError as e:
-            raise protocol.api_error(e) from e
-        return {"prompt": self.engine.tokenizer.decode(req.tokens)}
+        return protocol.detokenize_response(req, self.engine.tokenizer, self.engine.model_config.vocab_size)
 
     # ------------------------------------------------------------------ serving
-    async def start(self, host: str, port: int, *, tls_cert: str = "", tls_key: str = "", tls_client_ca: str = ""
-                    ) -> int:
-        """Serves the app on the running loop at host:port (0: a free port), over TLS with the gRPC port's
-        certificate (client certificates required with tls_client_ca); returns the port."""
-        tls = {}
-        if tls_cert:
-            tls = dict(ssl_certfile=tls_cert, ssl_keyfile=tls_key)
-            if tls_client_ca:
-                tls.update(ssl_ca_certs=tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-        sock = socket.socket(info[0], info[1], info[2])
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(info[4])
-        except OSError as e:
-            sock.close()
-            raise RuntimeError(f"cannot listen on {host}:{port} for HTTP: {e}") from e
-        bound = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=5, **tls)
-        self._server = _Uvicorn(config)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise RuntimeError("the HTTP server stopped during start-up")
-            await asyncio.sleep(0.01)
-        return bound
+    async def start(self, host: str, port: int, **tls) -> int:
+        """Serves the app on the running loop at host:port (0: a free port); returns the port. TLS: HttpServer.start."""
+        return await self.http.start(host, port, **tls)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        if self._server is None:
-            return
-        self._server.should_exit = True
-        try:
-            await asyncio.wait_for(self._task, timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("the HTTP server did not stop in %.0fs", timeout_s)
+        await self.http.stop(timeout_s)

@@ -102,6 +102,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.load_tracker = load_tracker or LoadTracker(metrics, self.tracer)
         self.ready = False
         self.draining = False
+        self.model_name = ""  # ModelInfo's served_model_name and http_port (set by the InstanceServer)
+        self.http_port = 0
         self.inflight: dict[str, float] = {}  # request id -> arrival (monotonic)
         self._on_drain_change = on_drain_change
         self._idle = asyncio.Event()
@@ -349,7 +351,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             token_buckets=list(e.buckets), compile_count=e.compile_count, compile_time_s=e.compile_time_s,
             devices=[str(d) for d in e.devices], instance_id=self.options.instance_id,
             max_waiting_requests=c.max_waiting_requests * c.dp, max_waiting_tokens=c.max_waiting_tokens * c.dp,
-            max_request_bytes=self.options.max_request_bytes)
+            max_request_bytes=self.options.max_request_bytes, served_model_name=self.model_name,
+            http_port=self.http_port)
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
         def snapshot(engine):

@@ -26,9 +26,11 @@ FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 class ServerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, page_size: int = 0, num_pages: int = 0):
         """engine_stats() returns the scheduler's stats() (read at scrape time; plain integer reads), plus the
-        speculative decoder's stats() when num_speculative_tokens > 0 (then the spec_decode_* series exist)."""
+        speculative decoder's stats() when num_speculative_tokens > 0 (then the spec_decode_* series exist).
+        page_size (tokens per KV page) and num_pages (the instance's KV pages), when given, label the
+        cache_config_info gauge."""
         self.registry = registry or CollectorRegistry()
         self._engine_stats = engine_stats
         self._lock = threading.Lock()
@@ -48,6 +50,13 @@ class ServerMetrics:
                                         "num_waiting_tokens")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: 1 = every page in use.",
                                          "kv_cache_usage")
+        if (page_size > 0) != (num_pages > 0):
+            raise ValueError(f"ServerMetrics: page_size and num_pages go together, got {page_size}, {num_pages}")
+        if page_size > 0:  # vLLM's label names, so routers (GIE / llm-d EPP) read the KV geometry unchanged
+            self.cache_config_info = Gauge(PREFIX + "cache_config_info", "KV-cache configuration (value 1): "
+                                           "block_size = tokens per page, num_gpu_blocks = KV pages.",
+                                           labels + ["block_size", "num_gpu_blocks"], registry=r)
+            self.cache_config_info.labels(model_name, str(page_size), str(num_pages)).set(1)
         self.draining = Gauge(PREFIX + "draining", "1 while the server is draining (admitting nothing).", labels,
                               registry=r)
         self.compile_count = Gauge(PREFIX + "compile_count", "XLA programs compiled (at start-up, by warm-up).",

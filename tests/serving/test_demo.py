@@ -1,5 +1,5 @@
-"""The README's main job, non-interactive: gateway + two instances on the embedded model, every request
-completes with text, everything shuts down cleanly."""
+"""The README's main job, non-interactive: gateway + two instances on the embedded model, every request (five over
+gRPC, one over the gateway's OpenAI HTTP API) completes with text, everything shuts down cleanly."""
 import os
 import re
 import subprocess
@@ -18,6 +18,7 @@ def test_demo_end_to_end(tmp_path):
                           cwd=REPO_ROOT, env={**env, "PYTHONPATH": REPO_ROOT}, capture_output=True, text=True, timeout=900)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert "5/5 requests completed with text" in out
+    assert "6/6 requests completed with text" in out
+    assert "=== OpenAI HTTP API through the gateway ===\ncurl http://127.0.0.1:" in out and "finish length" in out
     assert "shut down: exit codes {'gateway': 0, 'instance1': 0, 'instance0': 0}" in out
     assert len(re.findall(r"--- [1-8] tokens, TTFT \d+ ms", out)) == 5

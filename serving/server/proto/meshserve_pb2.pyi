@@ -211,7 +211,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,8 @@ class ModelInfoResponse(_message.Message):
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -252,7 +254,9 @@ class ModelInfoResponse(_message.Message):
     max_waiting_requests: int
     max_waiting_tokens: int
     max_request_bytes: int
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
+    served_model_name: str
+    http_port: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("check_invariants",)

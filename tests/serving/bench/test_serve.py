@@ -1,8 +1,12 @@
-"""The serving benchmark (serving/bench/serve.py): its datasets, arrivals and metrics on their own, then
-`python -m serving.bench serve` against a real small server: every request completes with the requested output
-length, percentiles are ordered, and the JSON result and the PNG plot are written."""
+"""The serving benchmark (serving/bench/serve.py): its datasets, arrivals, metrics, SSE decoding and HTTP backend on
+their own, then `python -m serving.bench serve` against a real small server (gRPC and the OpenAI-compatible HTTP API,
+prefix caching off): every request completes with the requested output length, percentiles are ordered, the JSON
+result and the PNG plot are written, the three backends run side by side, and n=2 computes less prefill than two
+separate requests by exactly the prompt pages its samples share."""
+import asyncio
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -59,9 +63,95 @@ def test_metrics_follow_vllm():
         serve.parse_goodput("latency:5")
 
 
+def test_metrics_tpot_per_sample_with_n():
+    two = serve.RequestOutput(10, 10, success=True, output_len=10, ttft_s=0.1, latency_s=1.0, num_samples=2,
+                              chunk_times_s=[0.1], chunk_tokens=[10])
+    assert serve.compute_metrics([two], 1.0)["mean_tpot_ms"] == pytest.approx(900 / 4)  # 5 tokens per sample
+
+
+def test_parse_backends():
+    assert serve.parse_backends("grpc, openai,openai-chat") == ["grpc", "openai", "openai-chat"]
+    for bad in ("", "grpc,http", "openai,openai"):
+        with pytest.raises(ValueError, match="--backend"):
+            serve.parse_backends(bad)
+
+
+SSE_STREAM = (b": keep-alive comment\r\n\r\n"
+              b"data: {\"a\": 1}\n\n"
+              b"event: message\r\nid: 7\r\ndata: line one\r\ndata:line two\r\n\r\n"
+              b"data: caf\xc3\xa9\r\r"  # CR line ends; a two-byte character
+              b"retry: 10\n\n"  # no data: no event
+              b"data: [DONE]\n\n"
+              b"data: cut off by the end")
+SSE_EVENTS = ['{"a": 1}', "line one\nline two", "caf\u00e9", "[DONE]"]
+
+
+def test_sse_decoder_any_split():
+    assert serve.SSEDecoder().feed(SSE_STREAM) == SSE_EVENTS
+    for cut in range(len(SSE_STREAM) + 1):  # every split point: inside CRLF, after a lone CR, inside a character
+        d = serve.SSEDecoder()
+        assert d.feed(SSE_STREAM[:cut]) + d.feed(SSE_STREAM[cut:]) == SSE_EVENTS, cut
+    d = serve.SSEDecoder()
+    assert [e for i in range(len(SSE_STREAM)) for e in d.feed(SSE_STREAM[i:i + 1])] == SSE_EVENTS
+
+
+def _sse(*events) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+
+def test_openai_backend_stream_and_failed_requests():
+    """Content chunks time the stream, usage gives the tokens; an HTTP error status or an error event in the stream
+    fails that request only."""
+    import httpx2
+    bodies = []
+
+    def handler(request):
+        if request.url.path == "/v1/models":
+            return httpx2.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
+        body = json.loads(request.content)
+        bodies.append(body)
+        if body["prompt"] == [3]:
+            return httpx2.Response(400, json={"error": {"message": "prompt: too long", "param": "prompt"}})
+        if body["prompt"] == [4]:
+            content = _sse({"choices": [{"index": 0, "text": "a"}]}, {"error": {"message": "the engine failed"}})
+        else:
+            content = _sse({"choices": [{"index": 0, "text": ""}], "usage": None},  # no text: not a chunk
+                           {"choices": [{"index": 0, "text": "he"}], "usage": None},
+                           {"choices": [{"index": 0, "text": "llo", "finish_reason": "length"}], "usage": None},
+                           {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5,
+                                                     "prompt_tokens_details": {"cached_tokens": 1}}})
+        return httpx2.Response(200, content=content, headers={"content-type": "text/event-stream"})
+
+    reqs = [serve.SampleRequest([1, 2], 2, 5), serve.SampleRequest([3], 1, 5), serve.SampleRequest([4], 1, 5),
+            serve.SampleRequest([5, 6], 2, 5)]
+
+    async def run():
+        async with serve.OpenAIBackend("http://test", chat=False, transport=httpx2.MockTransport(handler)) as b:
+            return await serve.run_requests(b, reqs, progress=False)
+    outputs, _ = asyncio.run(run())
+    ok, status, in_stream, ok2 = outputs
+    assert ok.success and ok2.success and ok.output_len == 5 and ok.chunk_tokens == [1, 4] and len(ok.itl_s) == 1
+    assert ok.prompt_len == 2 and ok.cached_tokens == 1 and 0 < ok.ttft_s <= ok.latency_s
+    assert not status.success and status.error == "HTTP 400: prompt: too long"
+    assert not in_stream.success and "the engine failed" in in_stream.error
+    assert bodies[0] == {"model": "tiny", "stream": True, "stream_options": {"include_usage": True},
+                         "temperature": 0.0, "ignore_eos": True, "prompt": [1, 2], "max_tokens": 5}
+    m = serve.compute_metrics(outputs, 1.0)
+    assert m["completed"] == 2 and m["failed"] == 2 and m["total_output_tokens"] == 10
+
+    chat = serve.OpenAIBackend("http://test", chat=True, n=2, model="tiny")
+    body = chat.body(serve.SampleRequest([1, 2], 2, 7, prompt_text="hi there"))
+    assert body["messages"] == [{"role": "user", "content": "hi there"}] and body["max_completion_tokens"] == 7
+    assert body["n"] == 2 and "max_tokens" not in body and "prompt" not in body
+    with pytest.raises(ValueError, match="base_url"):
+        serve.OpenAIBackend("127.0.0.1:8000", chat=False)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(shared_small_llama(), str(tmp_path_factory.mktemp("bench_server")))
+    # Prefix caching off: the backends' runs repeat the same prompts, and --compare_n's prefill is then exact.
+    proc = ServerProcess(shared_small_llama(), str(tmp_path_factory.mktemp("bench_server")), "--http_port=0",
+                         "--enable_prefix_caching=false")
     try:
         yield proc.wait_ready()
     finally:
@@ -116,3 +206,64 @@ def test_sharegpt_text_prompts(server, tmp_path):
     r = serve.benchmark(server.target, reqs, dataset="sharegpt", request_rate=math.inf, progress=False)
     _check_result(r, 8)
     assert r["request_rate"] == "inf"
+
+
+def _base_url(server) -> str:
+    return f"http://127.0.0.1:{server.info['http_port']}"
+
+
+@pytest.mark.e2e
+def test_cli_backends_side_by_side(server, tmp_path):
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "serving.bench", "serve", f"--target={server.target}",
+           f"--base_url={_base_url(server)}", "--backend=grpc,openai,openai-chat", "--rounds=2", "--num_prompts=6",
+           "--random_input_len=20", "--random_output_len=6", "--max_concurrency=3", "--disable_tqdm",
+           f"--result_json={result}"]
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    table = p.stdout[p.stdout.index("Backends side by side"):]
+    body = re.split(r"\n-+\n", table)[1]  # between the rules under the header and under the rows
+    rows = {cells[0]: cells for cells in map(str.split, body.splitlines()) if cells and cells[0] in serve.BACKENDS}
+    assert list(rows) == ["grpc", "openai", "openai-chat"] and rows["grpc"][4] == "1.000x"
+    assert [cells[1] for cells in rows.values()] == ["12/0"] * 3, table  # 6 requests x 2 rounds, none failed
+    r = json.loads(result.read_text())
+    assert r["backends"] == ["grpc", "openai", "openai-chat"] and r["rounds"] == 2 and r["reference_backend"] == "grpc"
+    for name in serve.BACKENDS:
+        assert [run["backend"] for run in r["runs"][name]] == [serve.BACKEND_LABELS[name]] * 2
+        for run in r["runs"][name]:
+            _check_result(run, 6)
+            assert run["output_lens"] == [6] * 6 and run["cached_prompt_tokens"] == 0
+        s = r["summary"][name]
+        assert s["completed"] == 12 and s["total_output_tokens"] == 72 and len(s["output_throughput_by_round"]) == 2
+        assert s["relative_output_throughput"] == pytest.approx(s["output_throughput"]
+                                                                / r["summary"]["grpc"]["output_throughput"])
+    grpc, oai = r["runs"]["grpc"], r["runs"]["openai"]
+    assert [run["output_lens"] for run in grpc] == [run["output_lens"] for run in oai]
+    assert [run["input_lens"] for run in grpc] == [run["input_lens"] for run in oai] == [[20] * 6] * 2  # same ids
+    assert all(n > 20 for n in r["runs"]["openai-chat"][0]["input_lens"])  # text in the chat template
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("backend", ["grpc", "openai"])
+def test_cli_compare_n_prefill(server, tmp_path, backend):
+    """n=2 shares each prompt's full KV pages between its samples: the second sample computes only the page holding
+    the last prompt token, while two separate requests compute the whole prompt twice (prefix caching is off)."""
+    prompt_len, result = 21, tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "serving.bench", "serve", f"--target={server.target}",
+           f"--base_url={_base_url(server)}", f"--backend={backend}", "--compare_n=2",
+           f"--metrics_url={server.metrics_url}", "--num_prompts=6", f"--random_input_len={prompt_len}",
+           "--random_output_len=4", "--max_concurrency=3", "--disable_tqdm", f"--result_json={result}"]
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "n=2 vs 2 separate requests" in p.stdout and "Prompt tokens computed (prefill)" in p.stdout
+    r = json.loads(result.read_text())
+    with_n, separate = r["runs"]["n"], r["runs"]["separate"]
+    assert (with_n["completed"], with_n["samples"], separate["completed"], separate["samples"]) == (6, 12, 12, 12)
+    assert with_n["output_tokens"] == separate["output_tokens"] == 12 * 4
+    assert with_n["prompt_tokens_sent"] == 6 * prompt_len and separate["prompt_tokens_sent"] == 12 * prompt_len
+    a, b = with_n["server"], separate["server"]
+    assert a["prefix_cache_hits"] == b["prefix_cache_hits"] == 0 and a["num_preemptions"] == b["num_preemptions"] == 0
+    assert a["prompt_tokens"] == 6 * prompt_len and b["prompt_tokens"] == 12 * prompt_len  # counted once per request
+    last_page = prompt_len - (prompt_len - 1) // r["page_size"] * r["page_size"]  # 1..page_size tokens
+    assert b["prefill_tokens_computed"] == 2 * 6 * prompt_len
+    assert a["prefill_tokens_computed"] == 6 * (prompt_len + last_page) < b["prefill_tokens_computed"]

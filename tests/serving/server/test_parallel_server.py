@@ -133,6 +133,8 @@ def test_data_parallel_server(tmp_path, dp1_reference, dp, tp):
         aborted = {labels["finished_reason"]: v for labels, v in m["meshserve:request_success_total"]}
         assert aborted["abort"] == 1 and aborted["length"] == len(DP_PROMPTS)
         assert m["meshserve:kv_cache_usage_perc"][0][1] == 0.0
+        (cache_config, value), = m["meshserve:cache_config_info"]  # the instance's pages, over every replica
+        assert (cache_config["block_size"], cache_config["num_gpu_blocks"], value) == ("8", "512", 1.0)
         assert dp1_reference["load"].kv_pages_total == 512
     finally:
         assert server.terminate() == 0, server.log()[-4000:]

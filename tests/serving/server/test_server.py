@@ -2,6 +2,7 @@
 driven through the client library: streams equal the offline engine, every bad input gets its status code naming
 the field, 200 concurrent streams with client cancels leak no page, metrics parse and count what was sent."""
 import asyncio
+import os
 import random
 import subprocess
 import sys
@@ -220,7 +221,7 @@ def test_concurrent_streams_with_client_cancels_leak_no_pages(server, client):
     assert load.kv_pages_free == load.kv_pages_total, "KV pages leaked"
 
 
-def test_metrics_parse_and_counters_match(server, client):
+def test_metrics_parse_and_counters_match(server, client, model_dir):
     before = scrape(server)
     prompts = [[3 + i] * (5 + i) for i in range(6)]
     outs = [client.complete(p, max_tokens=3 + i, temperature=0.0, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -258,6 +259,18 @@ def test_metrics_parse_and_counters_match(server, client):
     for name in ("meshserve:num_requests_waiting", "meshserve:num_requests_running",
                  "meshserve:kv_cache_usage_perc"):
         assert after[(name, ())] == 0.0
+    # What the GIE / llm-d endpoint picker reads (docs/routers.md): gauges, and the KV geometry in vLLM's labels.
+    families = {f.name: f for f in text_string_to_metric_families(
+        urllib.request.urlopen(server.metrics_url, timeout=10).read().decode())}
+    for name in ("meshserve:num_requests_waiting", "meshserve:num_requests_running", "meshserve:kv_cache_usage_perc",
+                 "meshserve:cache_config_info"):
+        assert families[name].type == "gauge", name
+    info = client.model_info()
+    (cache_config,) = families["meshserve:cache_config_info"].samples
+    assert cache_config.value == 1.0
+    assert cache_config.labels == {"model_name": os.path.basename(os.path.normpath(model_dir)),
+                                   "block_size": str(info.page_size), "num_gpu_blocks": str(info.num_pages)}
+    assert (info.page_size, info.num_pages) == (8, 512)  # serving.process.SMALL_ENGINE_FLAGS
     assert after[("meshserve:compile_count", ())] == client.model_info().compile_count > 0
     for name in ("meshserve:num_preemptions_total", "meshserve:prefix_cache_hits_total",
                  "meshserve:request_prefill_time_seconds_count", "meshserve:request_decode_time_seconds_count"):
