@@ -16,6 +16,7 @@ BENCHMARKS = {
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",
     "host_overhead": "host time per engine step with N running decodes, the device stubbed out",
+    "chaos": "faults injected into a gateway + instances under load: overload, kill -9, hang, cancels, restarts",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
 }
 

@@ -221,6 +221,14 @@ class Gateway:
                 self._last_steps[name] = r.steps
         for t in self.health.end_window(fallback):
             self._record(t)
+        silent = self.config.isolation.silent_after_s
+        for name, inst in self.pools.instances.items():
+            # A hung instance (stopped, swapping, a wedged event loop) keeps its connections open and answers
+            # nothing: its load stream going quiet is the sign. Failed, it is probed and readmitted as any other.
+            if silent and inst.report is not None and now - inst.report_time > silent \
+                    and self.health.state(name) == HEALTHY:
+                self._record(self.health.mark_failed(name, f"no load report for {now - inst.report_time:.1f}s "
+                                                           "(hung or unreachable)"))
         for name, inst in self.pools.instances.items():
             state = self.health.state(name)
             if state in (QUARANTINED, FAILED) and name not in self._probing:

@@ -62,6 +62,7 @@ class IsolationConfig:
     healthy_windows: int = 3  # M: consecutive healthy windows (probed) before readmission
     probe_max_tokens: int = 4
     health_check_timeout_s: float = 1.0
+    silent_after_s: float = 5.0  # an instance whose load stream says nothing this long is failed (hung); 0: never
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -230,6 +231,7 @@ def parse_config(raw: Any) -> GatewayConfig:
     _positive("isolation.abnormal_windows", iso.abnormal_windows)
     _positive("isolation.healthy_windows", iso.healthy_windows)
     _positive("isolation.probe_max_tokens", iso.probe_max_tokens)
+    _positive("isolation.silent_after_s", iso.silent_after_s, zero_ok=True)
 
     lane = _build(LongLaneConfig, _section(raw, "long_lane"), "long_lane")
     _positive("long_lane.threshold_tokens", lane.threshold_tokens, zero_ok=True)
