@@ -1,14 +1,16 @@
-"""The serving benchmark (serving/bench/serve.py): its datasets, arrivals, metrics, SSE decoding and HTTP backend on
-their own, then `python -m serving.bench serve` against a real small server (gRPC and the OpenAI-compatible HTTP API,
-prefix caching off): every request completes with the requested output length, percentiles are ordered, the JSON
-result and the PNG plot are written, the three backends run side by side, and n=2 computes less prefill than two
-separate requests by exactly the prompt pages its samples share."""
+"""The serving benchmark (serving/bench/serve.py, serve_backends.py): its datasets, arrivals, metrics, SSE decoding
+and HTTP backend (against a canned aiohttp server) on their own, then `python -m serving.bench serve` against a real
+small server (gRPC and the OpenAI-compatible HTTP API, prefix caching off): every request completes with the
+requested output length, percentiles are ordered, the JSON result and the PNG plot are written, the three backends
+run side by side, and n=2 computes less prefill than two separate requests by exactly the prompt pages its samples
+share."""
 import asyncio
 import json
 import math
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -99,36 +101,95 @@ def _sse(*events) -> bytes:
     return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
-def test_openai_backend_stream_and_failed_requests():
-    """Content chunks time the stream, usage gives the tokens; an HTTP error status or an error event in the stream
-    fails that request only."""
-    import httpx2
-    bodies = []
+async def _canned_openai_server(routes):
+    """An OpenAI-like HTTP server on 127.0.0.1 (aiohttp.web, on the running event loop): `routes` maps (method, path)
+    to a handler; returns its runner and base URL."""
+    from aiohttp import web
+    app = web.Application()
+    for (method, path), handler in routes.items():
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
 
-    def handler(request):
-        if request.url.path == "/v1/models":
-            return httpx2.Response(200, json={"object": "list", "data": [{"id": "tiny"}]})
-        body = json.loads(request.content)
+
+async def _stream_sse(request, content: bytes, piece: int = 7):
+    """`content` as a streamed text/event-stream in pieces of `piece` bytes (events cut anywhere)."""
+    from aiohttp import web
+    resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+    await resp.prepare(request)
+    for i in range(0, len(content), piece):
+        await resp.write(content[i:i + piece])
+    await resp.write_eof()
+    return resp
+
+
+def test_openai_backend_stream_and_failed_requests():
+    """Content chunks time the stream, usage gives the tokens; an HTTP error status, an error event in the stream or
+    the request's deadline fails that request only. Chat: prepare() detokenizes, delta content makes the chunks."""
+    from aiohttp import web
+    bodies, release = [], asyncio.Event()
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def completions(request):
+        body = await request.json()
         bodies.append(body)
         if body["prompt"] == [3]:
-            return httpx2.Response(400, json={"error": {"message": "prompt: too long", "param": "prompt"}})
+            return web.json_response({"error": {"message": "prompt: too long", "param": "prompt"}}, status=400)
         if body["prompt"] == [4]:
-            content = _sse({"choices": [{"index": 0, "text": "a"}]}, {"error": {"message": "the engine failed"}})
-        else:
-            content = _sse({"choices": [{"index": 0, "text": ""}], "usage": None},  # no text: not a chunk
-                           {"choices": [{"index": 0, "text": "he"}], "usage": None},
-                           {"choices": [{"index": 0, "text": "llo", "finish_reason": "length"}], "usage": None},
-                           {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5,
-                                                     "prompt_tokens_details": {"cached_tokens": 1}}})
-        return httpx2.Response(200, content=content, headers={"content-type": "text/event-stream"})
+            return await _stream_sse(request, _sse({"choices": [{"index": 0, "text": "a"}]},
+                                                   {"error": {"message": "the engine failed"}}))
+        if body["prompt"] == [7]:  # one chunk, then nothing until the test lets go
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+            await release.wait()
+            return resp
+        return await _stream_sse(request, _sse(
+            {"choices": [{"index": 0, "text": ""}], "usage": None},  # no text: not a chunk
+            {"choices": [{"index": 0, "text": "he"}], "usage": None},
+            {"choices": [{"index": 0, "text": "llo", "finish_reason": "length"}], "usage": None},
+            {"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5,
+                                      "prompt_tokens_details": {"cached_tokens": 1}}}))
+
+    async def detokenize(request):
+        return web.json_response({"prompt": "text of " + str((await request.json())["tokens"])})
+
+    async def chat_completions(request):
+        body = await request.json()
+        bodies.append(body)
+        return await _stream_sse(request, _sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},  # no content: not a chunk
+            {"choices": [{"index": 0, "delta": {"content": "hi"}}]},
+            {"choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2}}))
 
     reqs = [serve.SampleRequest([1, 2], 2, 5), serve.SampleRequest([3], 1, 5), serve.SampleRequest([4], 1, 5),
             serve.SampleRequest([5, 6], 2, 5)]
 
     async def run():
-        async with serve.OpenAIBackend("http://test", chat=False, transport=httpx2.MockTransport(handler)) as b:
-            return await serve.run_requests(b, reqs, progress=False)
-    outputs, _ = asyncio.run(run())
+        runner, url = await _canned_openai_server({
+            ("GET", "/v1/models"): models, ("POST", "/v1/completions"): completions,
+            ("POST", "/detokenize"): detokenize, ("POST", "/v1/chat/completions"): chat_completions})
+        try:
+            async with serve.OpenAIBackend(url, chat=False, max_connections=2) as b:
+                outputs, _ = await serve.run_requests(b, reqs, progress=False)
+            async with serve.OpenAIBackend(url, chat=False, timeout_s=0.3) as b:
+                late = await b.send(serve.SampleRequest([7], 1, 5), time.perf_counter())
+            release.set()
+            chat_req = serve.SampleRequest([8, 9], 2, 2)
+            async with serve.OpenAIBackend(url + "/", chat=True, model="served-name") as b:
+                await b.prepare([chat_req, chat_req])
+                chat = await b.send(chat_req, time.perf_counter())
+            return outputs, late, chat_req, chat
+        finally:
+            release.set()
+            await runner.cleanup()
+    outputs, late, chat_req, chat = asyncio.run(run())
     ok, status, in_stream, ok2 = outputs
     assert ok.success and ok2.success and ok.output_len == 5 and ok.chunk_tokens == [1, 4] and len(ok.itl_s) == 1
     assert ok.prompt_len == 2 and ok.cached_tokens == 1 and 0 < ok.ttft_s <= ok.latency_s
@@ -138,6 +199,11 @@ def test_openai_backend_stream_and_failed_requests():
                          "temperature": 0.0, "ignore_eos": True, "prompt": [1, 2], "max_tokens": 5}
     m = serve.compute_metrics(outputs, 1.0)
     assert m["completed"] == 2 and m["failed"] == 2 and m["total_output_tokens"] == 10
+    assert not late.success and late.error == "no answer within the request's deadline of 0.3 s"
+    assert chat_req.prompt_text == "text of [8, 9]"
+    assert bodies[-1]["model"] == "served-name" and bodies[-1]["messages"] == [{"role": "user",
+                                                                               "content": "text of [8, 9]"}]
+    assert chat.success and chat.output_len == 2 and chat.chunk_tokens == [1, 1] and chat.prompt_len == 9
 
     chat = serve.OpenAIBackend("http://test", chat=True, n=2, model="tiny")
     body = chat.body(serve.SampleRequest([1, 2], 2, 7, prompt_text="hi there"))
