@@ -255,20 +255,27 @@ def _stats(prefix: str, values_s: Sequence[float]) -> dict[str, float]:
 
 
 def throughput_over_time(outputs: Sequence[RequestOutput], duration: float, bin_s: float = 0.0) -> dict:
-    """Output tokens/s and requests in flight per time bin (1 s, or 1/20 of a shorter run)."""
+    """Output tokens/s and requests in flight (time-weighted mean) per time bin (1 s, or 1/20 of a shorter run), and
+    the most requests in flight at one instant."""
     bin_s = bin_s or (1.0 if duration >= 20 else max(duration / 20, 1e-3))
     n = max(1, math.ceil(duration / bin_s))
     tokens = np.zeros(n)
     running = np.zeros(n)
     edges = np.arange(n) * bin_s
+    events = []
     for o in outputs:
         for t, k in zip(o.chunk_times_s, o.chunk_tokens):
             tokens[min(n - 1, int(t / bin_s))] += k
         if o.success:
             end = o.start_s + o.latency_s
-            running += (edges + bin_s > o.start_s) & (edges < end)  # overlaps the bin at all
+            running += np.clip(np.minimum(edges + bin_s, end) - np.maximum(edges, o.start_s), 0, None) / bin_s
+            events += [(o.start_s, 1), (end, -1)]
+    peak = now = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):  # an end before a start at the same instant
+        now += step
+        peak = max(peak, now)
     return {"bin_s": bin_s, "time_s": edges.tolist(), "output_tokens_per_s": (tokens / bin_s).tolist(),
-            "requests_in_flight": running.astype(int).tolist()}
+            "requests_in_flight": running.round(2).tolist(), "max_in_flight": peak}
 
 
 def compute_metrics(outputs: Sequence[RequestOutput], duration: float, goodput: dict[str, float] | None = None
@@ -295,7 +302,7 @@ def compute_metrics(outputs: Sequence[RequestOutput], duration: float, goodput: 
         "request_throughput": len(ok) / duration, "request_goodput": good / duration if goodput else None,
         "output_throughput": total_out / duration, "total_token_throughput": (total_in + total_out) / duration,
         "max_output_tokens_per_s": max(over_time["output_tokens_per_s"]),
-        "max_concurrent_requests": max(over_time["requests_in_flight"]),
+        "max_concurrent_requests": over_time["max_in_flight"],
     }
     for name, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2els)):
         m.update(_stats(name, values))

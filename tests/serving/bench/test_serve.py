@@ -333,3 +333,15 @@ def test_cli_compare_n_prefill(server, tmp_path, backend):
     last_page = prompt_len - (prompt_len - 1) // r["page_size"] * r["page_size"]  # 1..page_size tokens
     assert b["prefill_tokens_computed"] == 2 * 6 * prompt_len
     assert a["prefill_tokens_computed"] == 6 * (prompt_len + last_page) < b["prefill_tokens_computed"]
+
+
+def test_requests_in_flight_is_a_time_weighted_count_and_the_peak_is_instantaneous():
+    def done(start, latency):
+        return serve.RequestOutput(prompt_len=4, requested_output_len=1, success=True, output_len=1, start_s=start,
+                                   latency_s=latency, chunk_times_s=[start + latency], chunk_tokens=[1])
+    # Five back-to-back requests in one 1 s bin, one at a time, then two overlapping ones.
+    outputs = [done(0.2 * k, 0.2) for k in range(5)] + [done(1.0, 1.0), done(1.5, 0.5)]
+    t = serve.throughput_over_time(outputs, 2.0, bin_s=1.0)
+    assert t["max_in_flight"] == 2  # not 5: they never overlapped
+    assert t["requests_in_flight"] == [1.0, 1.5]
+    assert t["output_tokens_per_s"] == [4.0, 3.0]
