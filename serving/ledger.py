@@ -16,6 +16,7 @@ import re
 from typing import Sequence
 
 from models.config import ModelConfig
+from sharding.pipeline import stage_layers as _stage_layers, stage_slots as _stage_slots
 from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, kv_cache_partition_spec, \
     partition_spec_for_sizes, shard_shape
 
@@ -128,12 +129,6 @@ class _Param:
     itemsize: int
 
 
-def _layer_split(num_layers: int, pp: int) -> list[range]:
-    base, extra = divmod(num_layers, pp)
-    starts = [s * base + min(s, extra) for s in range(pp + 1)]
-    return [range(starts[s], starts[s + 1]) for s in range(pp)]
-
-
 class ModelMemory:
     """The model's parameters (shape, logical axes, bytes) read off the abstract CausalLM, so counts match the
     arrays the loader creates; per-device bytes for any layout follow from the sharding rules."""
@@ -158,13 +153,33 @@ class ModelMemory:
         return math.prod(shard_shape(spec, p.shape, layout.axis_sizes)) * p.itemsize
 
     def stage_layers(self, layout: Layout) -> list[range]:
-        return _layer_split(self.cfg.num_layers, layout.pp)
+        """Each stage's real layers, the pipeline runner's split (`sharding.pipeline.stage_layers`: the first
+        num_layers % pp stages one layer more)."""
+        return _stage_layers(self.cfg.num_layers, layout.pp)
+
+    def stage_slots(self, layout: Layout) -> int:
+        """Layer slots every stage allocates (weights and a KV buffer each): the longest stage's layer count, as
+        the runner stacks slot j of all stages into one array split evenly over 'pipeline'."""
+        return _stage_slots(self.stage_layers(layout))
+
+    def stage_padding_layers(self, layout: Layout, stage: int) -> int:
+        """Padding slots of `stage` (no-op slots whose zero weights and KV buffer are allocated all the same)."""
+        return self.stage_slots(layout) - len(self.stage_layers(layout)[stage])
+
+    def stage_layer_weight_bytes(self, layout: Layout, stage: int) -> int:
+        """Bytes of decoder-layer weights on one device of pipeline stage `stage`: its real layers and its padding
+        slots (each the size of the real layers in that slot on the other stages)."""
+        stages = self.stage_layers(layout)
+        per_kind = {kind: sum(self._bytes(p, layout) for p in params) for kind, params in self.layer_kinds.items()}
+        total = sum(per_kind[self.cfg.moe_layers[i]] for i in stages[stage])
+        for j in range(len(stages[stage]), self.stage_slots(layout)):  # padding slots
+            total += per_kind[self.cfg.moe_layers[next(layers[j] for layers in stages if j < len(layers))]]
+        return total
 
     def stage_weight_bytes(self, layout: Layout, stage: int) -> int:
-        """Bytes of weights on one device of pipeline stage `stage`."""
-        layers = self.stage_layers(layout)[stage]
-        per_kind = {kind: sum(self._bytes(p, layout) for p in params) for kind, params in self.layer_kinds.items()}
-        total = sum(per_kind[self.cfg.moe_layers[i]] for i in layers)
+        """Bytes of weights on one device of pipeline stage `stage`: its layer slots (`stage_layer_weight_bytes`)
+        plus the embedding on the first stage and the final norm and LM head on the last."""
+        total = self.stage_layer_weight_bytes(layout, stage)
         first, last = stage == 0, stage == layout.pp - 1
         for name, p in self.top.items():
             on = {"embed_tokens": first or (last and self.cfg.tie_word_embeddings)}.get(name, last)
@@ -177,9 +192,10 @@ class ModelMemory:
         return shard_shape(spec, shape, layout.axis_sizes)[2] // 2
 
     def stage_kv_bytes_per_token(self, layout: Layout, stage: int) -> int:
-        """KV bytes per cached token on one device of `stage` (its layers, its share of the heads)."""
-        layers = len(self.stage_layers(layout)[stage])
-        return 2 * layers * self.kv_heads_per_device(layout) * self.cfg.head_dim * self.kv_itemsize
+        """KV bytes per cached token on one device of `stage` (its slots, padding ones included, and its share of
+        the heads)."""
+        slots = self.stage_slots(layout)
+        return 2 * slots * self.kv_heads_per_device(layout) * self.cfg.head_dim * self.kv_itemsize
 
 
 @functools.lru_cache(maxsize=32)
@@ -343,7 +359,7 @@ def latency_cost(mm: ModelMemory, work: Workload, layout: Layout, hw: Hardware, 
     m = 1 if layout.pp == 1 else max(1, min(micro_batches or layout.pp, batch))
     b = -(-batch // m)
     led = device_ledger(mm, work, layout, hw)
-    n_layers = len(mm.stage_layers(layout)[led.stage])
+    n_layers = mm.stage_slots(layout)  # every stage runs all its slots each tick (a padding slot masked)
     n_moe = sum(c.moe_layers[i] for i in mm.stage_layers(layout)[led.stage])
     kv_read = b * work.avg_seq_len * mm.stage_kv_bytes_per_token(layout, led.stage)
     reads = (led.weights + kv_read) / hw.hbm_bandwidth
@@ -657,6 +673,11 @@ def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: i
              f"  peak activations {fmt_bytes(act)} ({max_batched_tokens} tokens, {max_seqs} seqs), comm buffers "
              f"{fmt_bytes(comm)}, runtime reserve {fmt_bytes(reserve)}",
              f"  total {fmt_bytes(total)}" + (f" of {fmt_bytes(device_total_bytes)}" if device_total_bytes else "")]
+    if layout.pp > 1:
+        sizes = [len(layers) for layers in mm.stage_layers(layout)]
+        padded = [s for s in range(layout.pp) if mm.stage_padding_layers(layout, s)]
+        lines.insert(1, f"  pipeline stages of {'+'.join(map(str, sizes))} layers, {mm.stage_slots(layout)} slots "
+                        f"each" + (f" (padding slots on stages {padded}, in their weights and KV)" if padded else ""))
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """The one batch builder (`BatchBuilder`, `build_batch`, `build_layout`, `SeqChunk`): a step's scheduled sequences ->
-the RaggedBatch the jitted step takes, and the micro-batches a pipelined step cuts them into (`split_micro_batches`).
-Details: docs/engine.md."""
+the RaggedBatch the jitted step takes, and the micro-batches a pipelined step cuts them into (`split_micro_batches`,
+`micro_batch_tokens`). Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -93,12 +93,15 @@ def build_batch(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: 
 
 
 def split_micro_batches(chunks: Sequence, num_tokens: int, num_micro: int) -> list[list[SeqChunk]]:
-    """Cuts a step's chunks, laid end to end, into `num_micro` runs of num_tokens / num_micro tokens each; a chunk
-    crossing a boundary is split into two pieces (the second runs after the first on every pipeline stage, so its
-    K/V is already written)."""
-    if num_tokens % num_micro:
-        raise ValueError(f"{num_micro} micro-batches do not divide a {num_tokens}-token step")
-    size = num_tokens // num_micro
+    """Cuts a step's chunks, laid end to end, into `num_micro` runs of `micro_batch_tokens(num_tokens, num_micro)`
+    tokens each (when `num_micro` does not divide `num_tokens`, the step is padded to num_micro such runs: only the
+    trailing ones are short or empty, and their padding writes no KV, as a bucket's padding). A chunk crossing a
+    boundary is split into two pieces (the second runs after the first on every pipeline stage, so its K/V is
+    already written)."""
+    size = micro_batch_tokens(num_tokens, num_micro)
+    total = sum(len(c.token_ids) for c in chunks)
+    if total > num_tokens:
+        raise ValueError(f"{total} tokens do not fit a {num_tokens}-token step")
     out: list[list[SeqChunk]] = [[] for _ in range(num_micro)]
     offset = 0
     for c in chunks:
@@ -109,3 +112,12 @@ def split_micro_batches(chunks: Sequence, num_tokens: int, num_micro: int) -> li
             out[m].append(SeqChunk(ids[:take], start, c.block_table))
             ids, start, offset = ids[take:], start + take, offset + take
     return out
+
+
+def micro_batch_tokens(num_tokens: int, num_micro: int) -> int:
+    """Tokens per micro-batch of a `num_tokens` step cut into `num_micro`: ceil(num_tokens / num_micro), so the
+    padded step is num_micro times that (at most num_micro - 1 padding tokens more than the bucket)."""
+    if num_micro < 1 or num_tokens < 1:
+        raise ValueError(f"a step of {num_tokens} tokens cannot be cut into {num_micro} micro-batches "
+                         "(both must be >= 1)")
+    return -(-num_tokens // num_micro)

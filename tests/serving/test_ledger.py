@@ -86,12 +86,13 @@ MOE = ModelConfig.from_hf(dict(
     num_key_value_heads=4, intermediate_size=64, vocab_size=256, num_local_experts=8, num_experts_per_tok=2,
     max_position_embeddings=128))
 
-# The layouts the sharding tests use: tp 2/4/8, pp 2/4, ep 2/4/8, tp x pp, tp x ep, dp x tp; DENSE has 2 KV
-# heads, so tp 4 and 8 replicate its KV cache and k/v weights.
+# The layouts the sharding tests use: tp 2/4/8, pp 2/3/4 (3: an uneven split, padding slots), ep 2/4/8, tp x pp,
+# tp x ep, dp x tp; DENSE has 2 KV heads, so tp 4 and 8 replicate its KV cache and k/v weights.
 LAYOUTS = [
     (DENSE, Layout(tp=2)), (DENSE, Layout(tp=4)), (DENSE, Layout(tp=8)), (DENSE_MHA, Layout(tp=8)),
     (DENSE, Layout(pp=2)), (DENSE, Layout(pp=4)), (DENSE_MHA, Layout(pp=2)), (DENSE, Layout(pp=2, tp=2)),
     (DENSE, Layout(pp=2, tp=4)), (DENSE, Layout(dp=2, tp=2)), (DENSE, Layout(dp=2, tp=4)),
+    (DENSE, Layout(pp=3)), (DENSE, Layout(pp=3, tp=2)), (DENSE_MHA, Layout(pp=3)),  # 4 layers: 2 + 1 + 1
     (MOE, Layout(ep=2)), (MOE, Layout(ep=4)), (MOE, Layout(ep=8)), (MOE, Layout(tp=2, ep=2)),
     (MOE, Layout(tp=2, ep=4)), (MOE, Layout(tp=4, ep=2)), (MOE, Layout(pp=2, ep=2)), (MOE, Layout(dp=2, tp=2, ep=2)),
 ]
@@ -123,24 +124,25 @@ def test_ledger_matches_allocated_arrays(cfg, layout):
     flat = list(nnx.to_flat_state(state))
     stages = mm.stage_layers(layout)
     pages_per_replica = work.requests_per_replica(layout) * work.pages_per_request
+    slots = mm.stage_slots(layout)
     for s, layers in enumerate(stages):
         smesh = _stage_mesh(mesh, s)
         first, last = s == 0, s == layout.pp - 1
+        padding = [stages[0][j] for j in range(len(layers), slots)]  # a padding slot is shaped as its slot's layers
         wanted = []
         for path, var in flat:
             if path[0] == "layers":
-                on = int(path[1]) in layers
+                copies = (int(path[1]) in layers) + padding.count(int(path[1]))
             elif path[0] == "embed_tokens":
-                on = first or (last and cfg.tie_word_embeddings)
+                copies = first or (last and cfg.tie_word_embeddings)
             else:
-                on = last
-            if on:
-                axes = var.get_metadata()["axes"]
-                wanted.append((tuple(var.shape), DEFAULT_RULES.partition_spec(axes, var.shape, smesh)))
+                copies = last
+            axes = var.get_metadata()["axes"]
+            wanted += [(tuple(var.shape), DEFAULT_RULES.partition_spec(axes, var.shape, smesh))] * copies
         weights = _allocate(wanted, smesh, jnp.bfloat16)
         kv_shape = kv_cache_shape(cfg, pages_per_replica * layout.dp, work.page_size)
         kv_spec = kv_cache_partition_spec(cfg.num_kv_heads, dict(smesh.shape))
-        kv = _allocate([(kv_shape, kv_spec)] * len(layers), smesh, jnp.bfloat16)
+        kv = _allocate([(kv_shape, kv_spec)] * slots, smesh, jnp.bfloat16)  # one buffer per slot, padding too
         predicted = ledger.device_ledger(mm, work, layout, hw) if layout.pp == 1 else None
         w_pred = mm.stage_weight_bytes(layout, s)
         kv_pred = (work.requests_per_replica(layout) * work.pages_per_request * work.page_size
@@ -232,3 +234,25 @@ def test_size_parsing_is_explicit_about_units():
     with pytest.raises(ValueError, match="80GB"):
         ledger.parse_size("eighty")
     np.testing.assert_equal(ledger.itemsize("float8_e4m3fn"), 1)
+
+
+def test_uneven_pipeline_stages_count_their_padding_slots():
+    """4 layers on 3 stages: 2 + 1 + 1 real layers, 2 slots on every device (the runner's stacked slots), so the
+    short stages pay for one padding slot of weights and KV; 80 layers on 3 stages: 27 + 27 + 26."""
+    mm = ModelMemory(DENSE, "bfloat16")
+    layout = Layout(pp=3)
+    assert [list(r) for r in mm.stage_layers(layout)] == [[0, 1], [2], [3]]
+    assert mm.stage_slots(layout) == 2
+    assert [mm.stage_padding_layers(layout, s) for s in range(3)] == [0, 1, 1]
+    one_layer = mm.stage_layer_weight_bytes(Layout(pp=4), 0)
+    assert [mm.stage_layer_weight_bytes(layout, s) for s in range(3)] == [2 * one_layer] * 3
+    assert [mm.stage_kv_bytes_per_token(layout, s) for s in range(3)] == [2 * 2 * 2 * DENSE.head_dim * 2] * 3
+    _, cfg = ledger.load_config("llama-3-70b")
+    big = ModelMemory(cfg, "bfloat16")
+    assert [len(r) for r in big.stage_layers(layout)] == [27, 27, 26]
+    text = ledger.ledger_summary(cfg, dtype="bfloat16", page_size=16, num_pages=100, mesh_shape={"pipeline": 3})
+    assert "pipeline stages of 27+27+26 layers, 27 slots each (padding slots on stages [2]" in text
+    even = ledger.ledger_summary(cfg, dtype="bfloat16", page_size=16, num_pages=100, mesh_shape={"pipeline": 4})
+    assert "20+20+20+20 layers, 20 slots each\n" in even
+    with pytest.raises(ValueError, match="needs 1 .. 4 stages"):
+        mm.stage_layers(Layout(pp=5))

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from serving.core import BatchBuilder, Request, SamplingParams, Scheduler, SchedulerConfig, SeqChunk, build_batch, build_layout
+from serving.core.batch import micro_batch_tokens, split_micro_batches
 from serving.core.fake_model import FakeModel
 
 
@@ -112,3 +113,38 @@ def test_same_errors(chunks, match):
             build(chunks, page_size=4, num_tokens=8, num_seqs=2, max_pages=4)
     with pytest.raises(ValueError, match=match):
         BatchBuilder(page_size=4, max_pages=4, max_seqs=2).build(chunks, num_tokens=8, num_seqs=2)
+
+
+@pytest.mark.parametrize("num_tokens, num_micro", [(16, 2), (16, 3), (10, 4), (17, 5), (7, 7), (9, 1)])
+def test_split_micro_batches_pads_a_step_they_do_not_divide(num_tokens, num_micro):
+    """The micro-batches of a pipelined step, laid end to end, are the step padded to num_micro x ceil(num_tokens /
+    num_micro) tokens: the same ids, positions and KV slots at the same flat index (padding writes no KV), so the
+    whole step's logits rows index the pipeline's output."""
+    size = micro_batch_tokens(num_tokens, num_micro)
+    assert size == -(-num_tokens // num_micro) and (size - 1) * num_micro < num_tokens <= size * num_micro
+    rng = np.random.default_rng(num_tokens * 10 + num_micro)
+    for _ in range(30):
+        chunks, left = [], int(rng.integers(0, num_tokens + 1))
+        while left:
+            n = int(rng.integers(1, left + 1))
+            start = int(rng.integers(0, 20))
+            chunks.append(SeqChunk(rng.integers(0, 100, n).tolist(), start, list(range(-(-(start + n) // 4)))))
+            left -= n
+        parts = split_micro_batches(chunks, num_tokens, num_micro)
+        assert len(parts) == num_micro
+        sizes = [sum(len(c.token_ids) for c in p) for p in parts]
+        assert all(s <= size for s in sizes)
+        assert all(s == size for s in sizes[:max((i for i, s in enumerate(sizes) if s), default=0)])  # only the tail
+        layouts = [build_layout(p, page_size=4, num_tokens=size, num_seqs=len(chunks) or 1, max_pages=16)
+                   for p in parts]
+        full = build_layout(chunks, page_size=4, num_tokens=size * num_micro, num_seqs=len(chunks) or 1,
+                            max_pages=16)
+        for key in ("input_ids", "positions", "slot_mapping"):
+            assert np.array_equal(np.concatenate([p[key] for p in layouts]), full[key]), key
+
+
+def test_split_micro_batches_rejects_an_overfull_step():
+    with pytest.raises(ValueError, match="9 tokens do not fit a 8-token step"):
+        split_micro_batches([SeqChunk([1] * 9, 0, [0, 1, 2])], 8, 3)
+    with pytest.raises(ValueError, match="cannot be cut into 0 micro-batches"):
+        split_micro_batches([], 8, 0)
