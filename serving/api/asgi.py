@@ -24,6 +24,7 @@ from serving.api.responses import DONE, Delta, ResponseBuilder, sse
 
 log = logging.getLogger(__name__)
 
+LARGE_BODY_BYTES = 32 << 10  # a body this large is parsed and tokenized off the event loop
 CLIENT_GONE = 499  # nginx's "client closed request": the status of a request whose client left before its answer
 # Request error counters name HTTP errors by the gRPC code of the same meaning: one vocabulary for both APIs.
 ERROR_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
@@ -82,6 +83,12 @@ def check_size(raw: bytes, limit: int, chat: bool) -> None:
         field = "messages" if chat else "prompt"
         raise ApiError(400, f"{field}: the request is {len(raw)} bytes, over the server's limit of {limit} bytes "
                        "(--max_request_bytes)", param=field)
+
+
+async def by_size(raw: bytes, fn):
+    """fn() for a request of body `raw`: on a worker thread when the body is large (tokenizing it would hold the
+    event loop, and every other request with it), inline otherwise."""
+    return await asyncio.to_thread(fn) if len(raw) > LARGE_BODY_BYTES else fn()
 
 
 async def until_disconnect(request: Request, coro):

@@ -203,9 +203,24 @@ class EngineRequest:
 _PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
                    "skip_special_tokens")
+# meshserve.v1's integer widths: the gateway sends the request on as a GenerateRequest, so a value that does not fit is
+# a 400 naming the parameter (on the instance too: both APIs take the same values). Unlisted integers are 64-bit.
+_INT32_FIELDS = ("max_tokens", "min_tokens", "top_k", "n", "logprobs")
 
 
-def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | None) -> dict:
+def _check_widths(kw: dict, renames: dict[str, str]) -> None:
+    for name, value in kw.items():
+        bits = 32 if name in _INT32_FIELDS else 64
+        lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        for v in value if name in ("stop_token_ids", "logit_bias") else (value,):  # logit_bias: its token ids
+            if isinstance(v, int) and not isinstance(v, bool) and not lo <= v <= hi:
+                param = renames.get(name, name)
+                raise ApiError(400, f"{param}: {v} does not fit a {bits}-bit integer; use a value in [{lo}, {hi}]",
+                               param=param)
+
+
+def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | None,
+              renames: dict[str, str] | None = None) -> dict:
     kw = {name: getattr(req, name) for name in _PASSED_THROUGH if getattr(req, name) is not None}
     kw["max_tokens"] = max_tokens
     kw["logprobs"] = logprobs
@@ -215,6 +230,7 @@ def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | Non
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.logit_bias:
         kw["logit_bias"] = dict(req.logit_bias)
+    _check_widths(kw, renames or {})
     return kw
 
 
@@ -270,6 +286,12 @@ def check_token_ids(field: str, ids, vocab_size: int) -> None:
             raise InvalidArgument(f"{field}: token id {t} at position {i} is outside the vocabulary [0, {vocab_size})")
 
 
+# chat_template_kwargs names refused: a request's own template (its loops are unbounded and it renders on the event
+# loop, so one request could stall the server), and the names the rendering passes itself (a clash was a TypeError).
+_RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "add_generation_prompt", "tokenizer", "field",
+                                       "self"})
+
+
 def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_elsewhere: bool = False
                  ) -> EngineRequest:
     """Raises ApiError (400) naming the parameter. render_elsewhere (the gateway): without a tokenizer, the messages
@@ -287,9 +309,13 @@ def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_el
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:
         max_tokens, renames["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
-    sampling = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+    sampling = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, renames)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     kwargs = dict(req.chat_template_kwargs or {})
+    refused = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if refused:
+        raise ApiError(400, f"chat_template_kwargs: {refused[0]!r} cannot be set here; the model's chat template "
+                       "renders the request's own messages and add_generation_prompt", param="chat_template_kwargs")
     if req.tools is not None:
         kwargs["tools"] = req.tools
     generation_prompt = req.add_generation_prompt is not False

@@ -42,10 +42,12 @@ async def _serve() -> int:
     from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
     from serving.gateway.security import server_credentials
     from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
+    from serving.server.decoding import DecodeErrorInterceptor
     from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 
     gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, service_name=FLAGS.service_name)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+    server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()],
+                             options=[("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
     inference = InferenceServicer(gateway)
     pb_grpc.add_InferenceServicer_to_server(inference, server)

@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
-from serving.api.asgi import HttpServer, check_size, install_error_handlers, parse, respond
+from serving.api.asgi import HttpServer, by_size, check_size, install_error_handlers, parse, respond
 from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder, TokenLogprob
 from serving.gateway.app import RETRY_PUSHBACK_KEY, Gateway, GatewayError, Prepared
@@ -211,10 +211,12 @@ class GatewayHTTP:
             self._check_model(req.model)
             check_size(raw, gw.limits.max_request_bytes, chat)
             tok = gw.tokenizer
-            if chat:
-                ereq = protocol.chat_request(req, tok, PRIORITIES, render_elsewhere=True)
-            else:
-                ereq = protocol.completion_request(req, tok, gw.limits.vocab_size, PRIORITIES, render_elsewhere=True)
+
+            def build():
+                if chat:
+                    return protocol.chat_request(req, tok, PRIORITIES, render_elsewhere=True)
+                return protocol.completion_request(req, tok, gw.limits.vocab_size, PRIORITIES, render_elsewhere=True)
+            ereq = await by_size(raw, build)
             response_id = protocol.response_id(chat)
             prepared = self._prepare(ereq, tenant, response_id)
             try:
@@ -250,9 +252,12 @@ class GatewayHTTP:
 
     async def tokenize(self, request: Request):
         self._tenant(request)
-        req = parse(await request.body(), protocol.TokenizeRequest)
+        raw = await request.body()
+        req = parse(raw, protocol.TokenizeRequest)
         self._check_model(req.model)
-        return protocol.tokenize_response(req, self.gw.tokenizer, self.gw.limits.max_model_len)
+        check_size(raw, self.gw.limits.max_request_bytes, req.messages is not None)
+        return await by_size(raw, lambda: protocol.tokenize_response(req, self.gw.tokenizer,
+                                                                     self.gw.limits.max_model_len))
 
     async def detokenize(self, request: Request):
         self._tenant(request)

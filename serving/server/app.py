@@ -20,6 +20,7 @@ from serving.core import interface
 from serving.core.config import EngineConfig
 from serving.core.interface import ServingEngine
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.server.decoding import DecodeErrorInterceptor
 from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer, make_tracer_provider
@@ -107,7 +108,8 @@ class InstanceServer:
         cfg = self.config
         # gRPC's own limit sits well above ours so an oversized prompt gets our INVALID_ARGUMENT naming it.
         transport_limit = max(64 << 20, 4 * cfg.max_request_bytes)
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", transport_limit),
+        self.server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()],
+                                      options=[("grpc.max_receive_message_length", transport_limit),
                                                ("grpc.max_send_message_length", transport_limit),
                                                ("grpc.so_reuseport", 0)])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)

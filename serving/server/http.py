@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
-from serving.api.asgi import ERROR_CODES, HttpServer, check_size, install_error_handlers, parse, respond
+from serving.api.asgi import ERROR_CODES, HttpServer, by_size, check_size, install_error_handlers, parse, respond
 from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder
 from serving.core.async_engine import EngineDeadError
@@ -26,7 +26,6 @@ from serving.validation import check_vocabulary
 
 log = logging.getLogger(__name__)
 
-LARGE_BODY_BYTES = 32 << 10  # parsed and tokenized off the event loop
 PRIORITIES = tuple(p.value for p in Priority)
 
 
@@ -217,7 +216,7 @@ class OpenAIServer:
                 if chat:
                     return protocol.chat_request(req, tok, PRIORITIES)
                 return protocol.completion_request(req, tok, self.engine.model_config.vocab_size, PRIORITIES)
-            ereq = await asyncio.to_thread(build) if len(raw) > LARGE_BODY_BYTES else build()
+            ereq = await by_size(raw, build)
             params = self._params(ereq)
             protocol.check_fits(ereq, params.max_tokens, self.engine.max_model_len)
         except ApiError as e:
@@ -244,9 +243,14 @@ class OpenAIServer:
         return Response(status_code=200)
 
     async def tokenize(self, request: Request):
-        req = parse(await request.body(), protocol.TokenizeRequest)
+        raw = await request.body()
+        req = parse(raw, protocol.TokenizeRequest)
         self._check_model(req.model)
-        return protocol.tokenize_response(req, self.engine.tokenizer, self.engine.max_model_len)
+        check_size(raw, self.max_request_bytes, req.messages is not None)  # 16 MiB took 19 s on the event loop
+
+        def tokenize():
+            return protocol.tokenize_response(req, self.engine.tokenizer, self.engine.max_model_len)
+        return await by_size(raw, tokenize)
 
     async def detokenize(self, request: Request):
         req = parse(await request.body(), protocol.DetokenizeRequest)

@@ -178,9 +178,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         which = check_request_header(req, self.options.max_request_bytes, [p.value for p in Priority])
         params = self._sampling_params(req.sampling)
         ids = self._tokenize_prompt(which, req)
+        field = "chat.messages" if which == "chat" else which  # the name its other errors give it
         if not ids:
-            raise InvalidArgument(f"{which}: the prompt has no tokens")
-        check_context(which, len(ids), params.max_tokens, self.engine.max_model_len)
+            raise InvalidArgument(f"{field}: the prompt has no tokens")
+        check_context(field, len(ids), params.max_tokens, self.engine.max_model_len)
         return ids, params, int(req.priority)
 
     # ------------------------------------------------------------------ Generate
