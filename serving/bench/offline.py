@@ -218,7 +218,7 @@ def bench_startup():
     code = ("import time, psutil; from serving.core.llm import LLM; "
             f"llm = LLM({llama_125m(dtype, _WORKDIR.value)!r}, dtype={dtype!r}, page_size=16, num_pages=4096, "
             "max_num_seqs=16, max_num_batched_tokens=256); "
-            "e = llm.engine; print('READY', time.time() - psutil.Process().create_time(), e.load_time_s, "
+            "e = llm.engine; print('READY', time.time() - psutil.Process().create_time(), e.runner.load_time_s, "
             "e.compile_count, e.compile_time_s, len(e.buckets))")
     rows = []
     with tempfile.TemporaryDirectory(prefix="meshserve-bench-xla-") as cache:
