@@ -178,13 +178,9 @@ class ModelMemory:
 
     def stage_weight_bytes(self, layout: Layout, stage: int) -> int:
         """Bytes of weights on one device of pipeline stage `stage`: its layer slots (`stage_layer_weight_bytes`)
-        plus the embedding on the first stage and the final norm and LM head on the last."""
-        total = self.stage_layer_weight_bytes(layout, stage)
-        first, last = stage == 0, stage == layout.pp - 1
-        for name, p in self.top.items():
-            on = {"embed_tokens": first or (last and self.cfg.tie_word_embeddings)}.get(name, last)
-            total += self._bytes(p, layout) if on else 0
-        return total
+        plus the embedding, the final norm and the LM head, which the pipeline runner keeps on every stage
+        (replicated over 'pipeline': the first stage embeds, the last one samples, and one program serves all)."""
+        return self.stage_layer_weight_bytes(layout, stage) + sum(self._bytes(p, layout) for p in self.top.values())
 
     def kv_heads_per_device(self, layout: Layout) -> int:
         spec = kv_cache_partition_spec(self.cfg.num_kv_heads, layout.axis_sizes, self.rules)

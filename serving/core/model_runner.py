@@ -74,7 +74,8 @@ def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_scre
     gb = None if memory_fraction is not None else config.kv_cache_memory_gb * (1 << 30)
     screen = head_screen_bytes(model_config.vocab_size, model_config.hidden_size) if head_screen else 0
     return ledger.kv_cache_pages(model_config, dtype=config.dtype, page_size=config.page_size,
-                                 mesh_shape={"tensor": config.tp, "expert": config.ep}, kv_cache_bytes=gb,
+                                 mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
+                                 kv_cache_bytes=gb,
                                  memory_fraction=memory_fraction, draft=draft, head_screen_bytes=screen,
                                  max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs)
 
