@@ -48,6 +48,71 @@ class Run(Protocol):
         """Ends the run once (unfinished samples aborted); no await: it runs inside cancelled tasks too."""
 
 
+class MergedRun:
+    """A `Run` over one stream per prompt (n samples each), merged as their items come. A subclass starts the streams
+    (`start`), turns each item into a Delta or an ApiError (`take`), and ends what is left (`end`, once)."""
+
+    def __init__(self, num_prompts: int, n: int):
+        self.remaining = [n] * num_prompts  # samples not finished, per prompt
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.buffer: list = []  # outputs read by open()
+        self.tasks: list[asyncio.Future] = []
+        self.closed = False
+
+    def start(self, i: int, stream) -> None:
+        self.tasks.append(asyncio.ensure_future(self._pump(i, stream)))
+
+    async def _pump(self, i: int, stream) -> None:
+        try:
+            async for item in stream:
+                self.queue.put_nowait((i, item))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            self.queue.put_nowait((i, e))
+        finally:
+            aclose = getattr(stream, "aclose", None)  # an async generator: its cleanup runs now, not at GC
+            if aclose is not None:
+                await aclose()
+
+    def take(self, i: int, item) -> Delta:
+        """Prompt i's stream item (or the exception that ended it) as a Delta; raises ApiError."""
+        raise NotImplementedError
+
+    def end(self) -> None:
+        """Called once by close(), after the streams' tasks are cancelled."""
+
+    @property
+    def done(self) -> bool:
+        return not any(self.remaining)
+
+    async def _next(self) -> tuple[int, Delta]:
+        i, item = await self.queue.get()
+        d = self.take(i, item)
+        if d.finished:
+            self.remaining[i] -= 1
+        return i, d
+
+    async def open(self) -> None:
+        pending = set(range(len(self.remaining)))
+        while pending:
+            i, d = await self._next()
+            self.buffer.append((i, d))
+            pending.discard(i)
+
+    async def outputs(self):
+        while self.buffer:
+            yield self.buffer.pop(0)
+        while not self.done:
+            yield await self._next()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for t in self.tasks:
+            t.cancel()
+        self.end()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every failure answers with OpenAI's error body."""
     async def api_error(request, e: ApiError):

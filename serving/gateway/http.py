@@ -7,7 +7,6 @@ so affinity and lane come from the exact prompt tokens; without one, text and ch
 Details: docs/gateway.md."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -17,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
-from serving.api.asgi import HttpServer, by_size, check_size, install_error_handlers, parse, respond
+from serving.api.asgi import HttpServer, MergedRun, by_size, check_size, install_error_handlers, parse, respond
 from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder, TokenLogprob
 from serving.gateway.app import RETRY_PUSHBACK_KEY, Gateway, GatewayError, Prepared
@@ -66,35 +65,22 @@ def delta(r: pb.GenerateResponse) -> Delta:
     return d
 
 
-class _GatewayRun:
+class _GatewayRun(MergedRun):
     """The gateway streams of one HTTP request (one per prompt), merged as they come; `close` cancels the ones
     still running (the instances abort them). Counted in the gateway's request metrics like gRPC requests."""
 
     def __init__(self, api: GatewayHTTP, prepared: list[Prepared], fields: list[str], n: int, deadline: float,
                  parent, renames: dict):
+        super().__init__(len(prepared), n)
         self.api, self.gw = api, api.gw
         self.fields, self.renames = fields, renames
         self.t0 = time.monotonic()
-        self.remaining = [n] * len(prepared)
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.buffer: list = []
         self.first = True
         self.code = grpc.StatusCode.OK
-        self.closed = False
-        self.tasks = [asyncio.ensure_future(self._pump(i, self.gw.stream(p, deadline, parent)))
-                      for i, p in enumerate(prepared)]
+        for i, p in enumerate(prepared):
+            self.start(i, self.gw.stream(p, deadline, parent))
 
-    async def _pump(self, i: int, stream) -> None:
-        try:
-            async for r in stream:
-                self.queue.put_nowait((i, r))
-        except Exception as e:  # noqa: BLE001 - handed to the reader
-            self.queue.put_nowait((i, e))
-        finally:
-            await stream.aclose()
-
-    async def _next(self) -> tuple[int, Delta]:
-        i, r = await self.queue.get()
+    def take(self, i: int, r) -> Delta:
         if isinstance(r, Exception):
             if isinstance(r, GatewayError):
                 self.code = r.code
@@ -104,33 +90,12 @@ class _GatewayRun:
         if self.first:
             self.first = False
             self.gw.metrics.ttft.observe(time.monotonic() - self.t0)
-        d = delta(r)
-        if d.finished:
-            self.remaining[i] -= 1
-        return i, d
+        return delta(r)
 
-    async def open(self) -> None:
-        pending = set(range(len(self.tasks)))
-        while pending:
-            i, d = await self._next()
-            self.buffer.append((i, d))
-            pending.discard(i)
-
-    async def outputs(self):
-        while self.buffer:
-            yield self.buffer.pop(0)
-        while any(self.remaining):
-            yield await self._next()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        for t in self.tasks:
-            t.cancel()
-        if any(self.remaining) and self.code == grpc.StatusCode.OK:
+    def end(self) -> None:
+        if not self.done and self.code == grpc.StatusCode.OK:
             self.code = grpc.StatusCode.CANCELLED  # the client left
-        elif not any(self.remaining):
+        elif self.done:
             self.gw.metrics.e2e.observe(time.monotonic() - self.t0)
         self.gw.metrics.requests.labels(self.code.name).inc()
 

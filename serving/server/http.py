@@ -5,7 +5,6 @@ the gRPC servicer's engine, in-flight books (drain), metrics and traces; a clien
 Details: docs/server.md."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -14,7 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
-from serving.api.asgi import ERROR_CODES, HttpServer, by_size, check_size, install_error_handlers, parse, respond
+from serving.api.asgi import (ERROR_CODES, HttpServer, MergedRun, by_size, check_size, install_error_handlers, parse,
+                              respond)
 from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder
 from serving.core.async_engine import EngineDeadError
@@ -38,59 +38,49 @@ def delta(out) -> Delta:
                  cached_tokens=r.metrics.num_cached_prompt_tokens)
 
 
-class _Run:
+class _Run(MergedRun):
     """The engine requests of one HTTP request (one per prompt, each with its n samples): admitted together, their
     outputs merged as they come, and ended exactly once by `close` (unfinished samples aborted, their pages freed),
     with the servicer's books, metrics and traces kept as for a gRPC request."""
 
     def __init__(self, server: OpenAIServer, base_id: str, ereq: protocol.EngineRequest, params: SamplingParams,
                  headers):
+        super().__init__(len(ereq.prompts), params.n)
         self.server, self.servicer, self.ereq = server, server.servicer, ereq
         single = len(ereq.prompts) == 1
         self.rids = [base_id if single else f"{base_id}-{i}" for i in range(len(ereq.prompts))]
-        self.remaining = [params.n] * len(self.rids)  # samples not finished, per prompt
         self.last = [None] * len(self.rids)  # each prompt's last request state
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.buffer: list = []  # outputs read by open()
         self.failure: str | None = None
-        self.closed = False
-        self.arrivals, self.spans, self.tasks = [], [], []
+        self.arrivals, self.spans = [], []
         for i, (rid, p) in enumerate(zip(self.rids, ereq.prompts)):
             self.arrivals.append(self.servicer.begin(rid))
             self.spans.append(self.servicer.tracer.start(rid, headers, {
                 "meshserve.request_id": rid, "meshserve.priority": ereq.priority,
                 "meshserve.prompt_tokens": len(p.token_ids), "meshserve.api": "openai"}))
-            stream = self.servicer.aengine.generate(rid, p.token_ids, params, priority=ereq.priority)
-            self.tasks.append(asyncio.ensure_future(self._pump(i, stream)))
+            self.start(i, self.servicer.aengine.generate(rid, p.token_ids, params, priority=ereq.priority))
 
-    async def _pump(self, i: int, stream) -> None:
-        try:
-            async for out in stream:
-                self.queue.put_nowait((i, out))
-        except Exception as e:  # noqa: BLE001 - handed to the reader
-            self.queue.put_nowait((i, e))
-
-    @property
-    def done(self) -> bool:
-        return not any(self.remaining)
-
-    async def _next(self):
-        i, out = await self.queue.get()
+    def take(self, i: int, out) -> Delta:
         if isinstance(out, Exception):
             raise self._error(i, out)
         self.last[i] = out.request
         if out.finished:
-            self.remaining[i] -= 1
             self.servicer.record_finished(out)
-            reason = out.finish_reason
-            if reason is FinishReason.ABORT:
-                raise self._fail(503, "the server shut down before the request finished; retry elsewhere")
-            if reason is FinishReason.ERROR:
-                log.error("request %s failed inside the engine: %s", self.rids[i], out.stop_reason)
-                raise self._fail(500, f"the engine failed on this request's step: {out.stop_reason}")
-            if reason is FinishReason.TIMEOUT:
-                raise self._fail(500, "the request's deadline passed")
-        return i, delta(out)
+            error = self._ended_badly(i, out)
+            if error is not None:
+                self.remaining[i] -= 1  # it finished, though not well: nothing to abort
+                raise error
+        return delta(out)
+
+    def _ended_badly(self, i: int, out) -> ApiError | None:
+        reason = out.finish_reason
+        if reason is FinishReason.ABORT:
+            return self._fail(503, "the server shut down before the request finished; retry elsewhere")
+        if reason is FinishReason.ERROR:
+            log.error("request %s failed inside the engine: %s", self.rids[i], out.stop_reason)
+            return self._fail(500, f"the engine failed on this request's step: {out.stop_reason}")
+        if reason is FinishReason.TIMEOUT:
+            return self._fail(500, "the request's deadline passed")
+        return None
 
     def _fail(self, status: int, message: str) -> ApiError:
         self.failure = message
@@ -109,28 +99,7 @@ class _Run:
             return ApiError(400, f"{self.ereq.prompts[i].field}: {e}", param=self.ereq.prompts[i].field)
         return self._fail(500, f"{type(e).__name__}: {e}")
 
-    async def open(self) -> None:
-        """Waits until every prompt is admitted and has its first output (raises ApiError if one is refused)."""
-        pending = set(range(len(self.rids)))
-        while pending:
-            i, out = await self._next()
-            self.buffer.append((i, out))
-            pending.discard(i)
-
-    async def outputs(self):
-        """(prompt index, step output) until every sample has finished; raises ApiError on a failure."""
-        while self.buffer:
-            yield self.buffer.pop(0)
-        while not self.done:
-            yield await self._next()
-
-    def close(self) -> None:
-        """Ends the run (idempotent, no await: it runs inside cancelled tasks too)."""
-        if self.closed:
-            return
-        self.closed = True
-        for t in self.tasks:
-            t.cancel()
+    def end(self) -> None:
         for i, rid in enumerate(self.rids):
             if self.remaining[i]:
                 self.servicer.aengine.abort(rid, FinishReason.ABORT)  # a no-op if it never got in
