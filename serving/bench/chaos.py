@@ -34,6 +34,7 @@ KEY = "chaos-key"
 ADMIN_KEY = "chaos-admin"
 METADATA = (("authorization", f"Bearer {KEY}"),)
 GRACE_S = 5.0  # a request still open this long past its deadline is counted lost (hung)
+CLIENTS = 32  # open-loop load: connections the requests are spread over
 
 
 # ---------------------------------------------------------------------------- the processes
@@ -228,19 +229,25 @@ async def open_loop(target: str, rate: float, seconds: float, tally: Tally, *, m
     """Poisson arrivals at `rate` per second for `seconds`; `during(elapsed)` is called every 50 ms (a fault)."""
     from serving.server.client import AsyncClient
     rng = random.Random(1)
-    async with AsyncClient(target) as client:
+    # Many clients, as in production: one connection carrying thousands of concurrent streams has some of them
+    # cancelled by gRPC's transport before the gateway sees them (CANCELLED, not counted by the gateway).
+    clients = [AsyncClient(target, channel=grpc.aio.insecure_channel(  # its own connection (no shared subchannel)
+        target, options=[("grpc.use_local_subchannel_pool", 1)])) for _ in range(CLIENTS)]
+    try:
         tasks, t0, seed = [], time.monotonic(), 0
         next_at = 0.0
         while (now := time.monotonic() - t0) < seconds:
             while next_at <= now:
-                tasks.append(asyncio.ensure_future(request(client, tally, seed, max_tokens=max_tokens,
-                                                           deadline_s=deadline_s)))
+                tasks.append(asyncio.ensure_future(request(clients[seed % CLIENTS], tally, seed,
+                                                           max_tokens=max_tokens, deadline_s=deadline_s)))
                 seed += 1
                 next_at += rng.expovariate(rate)
             if during is not None:
                 await asyncio.to_thread(during, now)
             await asyncio.sleep(min(0.05, max(0.0, next_at - (time.monotonic() - t0))))
         await asyncio.gather(*tasks)
+    finally:
+        await asyncio.gather(*(c.close() for c in clients))
 
 
 async def closed_loop(target: str, concurrency: int, seconds: float, *, max_tokens: int = 8) -> float:
@@ -280,13 +287,13 @@ def _books(cluster: Cluster, row: Row) -> Row:
     return row
 
 
-def capacity(cluster: Cluster, seconds: float, concurrency: int = 32) -> float:
-    return asyncio.run(closed_loop(cluster.gateway.target, concurrency, seconds))
+def capacity(cluster: Cluster, seconds: float, concurrency: int = 32, max_tokens: int = 8) -> float:
+    return asyncio.run(closed_loop(cluster.gateway.target, concurrency, seconds, max_tokens=max_tokens))
 
 
-def overload(cluster: Cluster, rate: float, seconds: float) -> Row:
+def overload(cluster: Cluster, rate: float, seconds: float, max_tokens: int = 8) -> Row:
     tally = Tally()
-    asyncio.run(open_loop(cluster.gateway.target, rate, seconds, tally))
+    asyncio.run(open_loop(cluster.gateway.target, rate, seconds, tally, max_tokens=max_tokens))
     return _books(cluster, Row("overload", f"{rate:.0f} req/s for {seconds:.0f}s", f"{rate:.0f} req/s", tally))
 
 
