@@ -373,7 +373,7 @@ def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, prior
                 if vocab_size:
                     check_token_ids(field, item, vocab_size)
                 if req.echo and tokenizer is None and render_elsewhere:
-                    raise InvalidArgument(f"echo: echoing token ids needs their text, and the gateway has no "
+                    raise InvalidArgument("echo: echoing token ids needs their text, and the gateway has no "
                                           "tokenizer; set `tokenizer:` in its configuration")
                 text = tokenizer.decode(item, skip_special_tokens=False) if req.echo and tokenizer else None
                 prompts.append(Prompt(list(item), text, field))

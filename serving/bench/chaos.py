@@ -17,7 +17,6 @@ import random
 import signal
 import tempfile
 import time
-import urllib.request
 
 import grpc
 from absl import flags

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
-from serving.api.asgi import HttpServer, MergedRun, by_size, check_size, install_error_handlers, parse, respond
+from serving.api.asgi import ERROR_CODES, HttpServer, MergedRun, by_size, check_size, install_error_handlers, parse, respond
 from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder, TokenLogprob
 from serving.gateway.app import RETRY_PUSHBACK_KEY, Gateway, GatewayError, Prepared
@@ -136,8 +136,7 @@ class GatewayHTTP:
             raise protocol.model_not_found(model, name)
 
     def _count(self, e: ApiError) -> None:
-        code = next((c for c, s in STATUS.items() if s == e.status), grpc.StatusCode.INTERNAL)
-        self.gw.metrics.requests.labels(code.name).inc()
+        self.gw.metrics.requests.labels(ERROR_CODES.get(e.status, "INTERNAL")).inc()
 
     # ------------------------------------------------------------------ generation
     async def chat_completions(self, request: Request):
