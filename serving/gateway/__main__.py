@@ -38,7 +38,7 @@ async def _serve() -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from serving.gateway.app import Gateway
+    from serving.gateway.app import SERVER_OPTIONS, Gateway
     from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
     from serving.gateway.security import server_credentials
     from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
@@ -46,9 +46,7 @@ async def _serve() -> int:
     from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 
     gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, service_name=FLAGS.service_name)
-    server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()],
-                             options=[("grpc.max_receive_message_length", 64 << 20),
-                                      ("grpc.max_send_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()], options=list(SERVER_OPTIONS))
     inference = InferenceServicer(gateway)
     pb_grpc.add_InferenceServicer_to_server(inference, server)
     gpb_grpc.add_JobsServicer_to_server(JobsServicer(gateway), server)

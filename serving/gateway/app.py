@@ -36,6 +36,14 @@ RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, gr
 MAX_ATTEMPTS = 2  # the first try and one retry on another instance
 PROBE_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
 CONFIG_POLL_S = 1.0
+# The gRPC server's options (serving.gateway's entry point). gRPC core drops calls the event loop has not taken yet once
+# more than `grpc.server.max_pending_requests` (default 1,000) wait: CANCELLED, no retry hint, never seen by the
+# servicer (issue 22). Overload must be answered by admission (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms), so the
+# limit sits far above any backlog a deadline leaves alive (as serving.server.app.PENDING_CALL_OPTIONS).
+PENDING_CALLS_LIMIT = 1 << 16
+SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                  ("grpc.so_reuseport", 0), ("grpc.server.max_pending_requests", PENDING_CALLS_LIMIT),
+                  ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_LIMIT))
 
 
 class GatewayError(Exception):

@@ -29,6 +29,16 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "meshserve.v1.Inference"
 
+# gRPC core keeps the calls its transport has accepted but the application has not taken yet (grpc.aio takes them one
+# at a time, from the event loop, so a busy loop falls behind). Past `grpc.server.max_pending_requests` of them (default
+# 1,000) core drops new calls at random, and every one past the hard limit (default 3,000): each ends CANCELLED
+# ("CANCELLED") with no retry hint, before any handler runs (issue 22). Overload is for our admission control to answer
+# (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms), so core's limit sits far above any backlog a deadline leaves alive
+# (65,536 calls: over 30 s of arrivals at 2,000/s); it only bounds memory. The gateway's server sets the same.
+PENDING_CALLS_LIMIT = 1 << 16
+PENDING_CALL_OPTIONS = (("grpc.server.max_pending_requests", PENDING_CALLS_LIMIT),
+                        ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_LIMIT))
+
 
 @dataclasses.dataclass(slots=True)
 class ServerConfig:
@@ -111,7 +121,7 @@ class InstanceServer:
         self.server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()],
                                       options=[("grpc.max_receive_message_length", transport_limit),
                                                ("grpc.max_send_message_length", transport_limit),
-                                               ("grpc.so_reuseport", 0)])
+                                               ("grpc.so_reuseport", 0), *PENDING_CALL_OPTIONS])
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.tls_cert:
