@@ -82,6 +82,9 @@ class EngineConfig:
     # The platform the engine's programs are for: None = JAX's default backend. Another one ('gpu', 'tpu') builds
     # an engine whose programs can be lowered for it from this host (`Engine.lower_programs`), not run.
     platform: str | None = None
+    # How the model marks its reasoning ("" = it does not; "deepseek_r1", "qwen3": serving.core.structured): a
+    # grammar asked to apply after the reasoning leaves the reasoning free
+    reasoning_parser: str = ""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

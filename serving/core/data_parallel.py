@@ -165,6 +165,11 @@ class DataParallelEngine:
     def make_request(self, *args, **kwargs) -> Request:
         return self.replicas[0].make_request(*args, **kwargs)
 
+    @property
+    def structured(self):
+        """The grammars (compiled by the first replica; each request carries its own state to any replica)."""
+        return self.replicas[0].structured
+
     @staticmethod
     def _queued_tokens(engine: Engine) -> int:
         s = engine.scheduler

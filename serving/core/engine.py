@@ -23,6 +23,7 @@ from serving.core.request import FinishReason, Priority, Request
 from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.speculative import SpeculativeDecoder
+from serving.core.structured import StructuredOutputs
 from serving.validation import check_vocabulary
 from sharding.multihost import local_value
 
@@ -65,6 +66,8 @@ class Engine:
                 log.warning("no tokenizer in %s: token ids in and out only", config.model)
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(tokenizer.eos_token_ids) if tokenizer else self.model_config.eos_token_ids
+        self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                            reasoning_parser=config.reasoning_parser)
         r = self.runner
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=r.max_model_len, num_pages=r.num_pages, page_size=config.page_size,
@@ -199,8 +202,10 @@ class Engine:
         if params.seed is None:  # (an n > 1 request's samples derive theirs from it: request.sample_seed)
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2 ** 31)))
         now = time.monotonic() if arrival_time is None else arrival_time
-        return Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
-                       eos_token_ids=self.eos_token_ids)
+        request = Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
+                          eos_token_ids=self.eos_token_ids)
+        self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is a ValueError here
+        return request
 
     def add_request(self, request: Request) -> None:
         """Queues a request, with every sample of an n > 1 one (raises ValueError / PromptTooLongError /
@@ -244,10 +249,11 @@ class Engine:
     @staticmethod
     def _fast_greedy(sched: SchedulerOutput) -> bool:
         """Every sequence that samples takes the plain argmax (the forward's own tokens; no sampling program). A
-        logit bias takes the sampling program, whose argmax is the biased one."""
+        logit bias or a grammar takes the sampling program, whose argmax is the biased, masked one."""
         for s in sched.scheduled:
             p = s.request.sampling_params
-            if s.sample and (not p.is_greedy or p.has_penalties or p.logprobs is not None or p.logit_bias):
+            if s.sample and (not p.is_greedy or p.has_penalties or p.logprobs is not None or p.logit_bias
+                             or s.request.grammar is not None):
                 return False
         return True
 
@@ -289,9 +295,10 @@ class Engine:
             tokens.copy_to_host_async()
             self._pending = _InFlight(sched, tokens, t0, True, launched)
             return
-        # The sampling inputs are built while the forward runs.
+        # The sampling inputs, and the grammars' masks, are built while the forward runs.
         sampled = sched.scheduled
-        st = runner.sampling_tensors([s.request for s in sampled], s_bucket)
+        bitmask = self.structured.fill([s.request if s.sample else None for s in sampled], s_bucket)
+        st = runner.sampling_tensors([s.request for s in sampled], s_bucket, bitmask)
         st = dataclasses.replace(st, valid=st.valid & np.array(
             [s.sample for s in sampled] + [False] * (s_bucket - len(sampled))))
         want_logprobs = any(s.request.sampling_params.logprobs is not None for s in sampled)

@@ -22,6 +22,7 @@ class ServingEngine(Protocol):
     eos_token_ids: tuple[int, ...]
     scheduler: object  # a Scheduler, or a read-only view of several (stats, pages, invariants)
     spec: object | None  # the SpeculativeDecoder, when speculating
+    structured: object  # structured outputs' grammars and masks (serving.core.structured.StructuredOutputs)
     last_step: StepRecord | None
     step_count: int
     last_step_time_s: float

@@ -28,7 +28,7 @@ from serving.core.batch import BatchBuilder
 from serving.core.config import DTYPES, EngineConfig
 from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
-from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
 from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
 from sharding.multihost import to_global
@@ -111,6 +111,7 @@ class Program:
             parts.append("greedy" if self.params.temperature == 0 else "random")
             parts += ["penalties"] if self.params.has_penalties else []
             parts += ["logit-bias"] if self.params.logit_bias else []
+            parts += ["masked"] if self.params.structured else []
         parts += [f"logprobs={self.max_logprobs}"] if self.max_logprobs else []
         return f"{self.kind}[{','.join(parts)}]"
 
@@ -123,6 +124,9 @@ WARMUP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=1
 # bias, whatever its sequences ask (greedy slots take its biased argmax).
 WARMUP_LOGIT_BIAS = SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1, logit_bias={0: 1.0})
 LOGIT_BIAS_SLOTS = 1 << (MAX_LOGIT_BIAS - 1).bit_length()  # the bias variant's static K: [S, K] ids and values
+# Structured outputs: a step with a constrained sequence and no penalty or bias takes the masked variant (random,
+# logprobs, the token bitmask); with penalties or a bias, the general one above, which always carries a bitmask.
+WARMUP_MASKED = SamplingParams(temperature=1.0, seed=0, structured=StructuredOutput(json_object=True))
 
 
 class ModelRunner:
@@ -261,13 +265,15 @@ class ModelRunner:
         (`sampling.pack`)."""
         return sampling.pack(sampling.sample(logits, sampling_tensors, max_logprobs=max_logprobs))
 
-    def sampling_tensors(self, requests: Sequence[Request], num_slots: int) -> sampling.SamplingTensors:
+    def sampling_tensors(self, requests: Sequence[Request], num_slots: int,
+                         bitmask: np.ndarray | None = None) -> sampling.SamplingTensors:
         """Per-step sampling inputs, with the static variant canonicalised so that a bucket has only the few
         programs `warmup` compiles (greedy or not, penalties or not; with a logit bias, the one general variant:
-        penalties and the draw included, neutral where a slot asks for neither, and logprobs, see `run_sample`)."""
+        penalties, the bias, the draw and a token bitmask included, neutral where a slot asks for none of them, and
+        logprobs, see `run_sample`; with a `bitmask` (structured outputs) and no penalties, the masked variant)."""
         params = [r.sampling_params for r in requests]
-        bias = any(p.logit_bias for p in params)
-        penalties = bias or any(p.has_penalties for p in params)
+        penalties = any(p.has_penalties or p.logit_bias for p in params)
+        bias = any(p.logit_bias for p in params) or (bitmask is not None and penalties)  # the general variant
         st = sampling.build_sampling_tensors(
             params, vocab_size=self.model_config.vocab_size, num_slots=num_slots,
             token_ids=[r.token_ids for r in requests], num_prompt_tokens=[r.num_prompt_tokens for r in requests],
@@ -280,8 +286,13 @@ class ModelRunner:
                 window[:, :st.token_ids.shape[1]] = st.token_ids
             prompt_lens = st.num_prompt_tokens if st.num_prompt_tokens is not None else np.zeros(num_slots, np.int32)
             st = dataclasses.replace(st, token_ids=window, num_prompt_tokens=prompt_lens)
-        if bias:
-            st = dataclasses.replace(st, all_greedy=False)
+        if bias and st.bias_ids is None:
+            st = dataclasses.replace(st, bias_ids=np.full((num_slots, LOGIT_BIAS_SLOTS), -1, np.int32),
+                                     bias_values=np.zeros((num_slots, LOGIT_BIAS_SLOTS), np.float32))
+        if bias or bitmask is not None:
+            words = -(-self.model_config.vocab_size // 32)
+            st = dataclasses.replace(st, all_greedy=False, token_bitmask=(
+                np.full((num_slots, words), -1, np.int32) if bitmask is None else bitmask))
         if not st.all_greedy:
             st = dataclasses.replace(st, num_candidates=self._num_candidates, use_min_p=True)
         return st
@@ -307,8 +318,9 @@ class ModelRunner:
         return logits, tokens
 
     def run_sample(self, logits, st, max_logprobs):
-        """Launches the sampling program; a step with a logit bias always returns logprobs (its one variant)."""
-        if st.bias_ids is not None:
+        """Launches the sampling program; a step with a logit bias or a token bitmask always returns logprobs (its
+        one variant)."""
+        if st.bias_ids is not None or st.token_bitmask is not None:
             max_logprobs = MAX_LOGPROBS
         if self.channel is not None:
             self.channel.broadcast(("sample", st, max_logprobs))
@@ -366,7 +378,8 @@ class ModelRunner:
     def warmup_plan(self) -> list[Program]:
         """Every program a request can need, in the order `warmup` compiles them: per token bucket the forward
         (and its screened greedy variant), then the sampling variants greedy/random x penalties/none x
-        logprobs/none, and the logit-bias variant. The lowering tests enumerate programs from this list."""
+        logprobs/none, the logit-bias (general) variant and the masked one. The lowering tests enumerate programs
+        from this list."""
         plan, sampled = [], set()
         for t in self.buckets:
             s = self.seq_bucket(t)
@@ -377,11 +390,15 @@ class ModelRunner:
                 sampled.add(s)
                 plan += [Program("sample", t, s, params=p, max_logprobs=n)
                          for p in WARMUP_SAMPLING for n in (0, MAX_LOGPROBS)]
-                plan.append(Program("sample", t, s, params=WARMUP_LOGIT_BIAS, max_logprobs=MAX_LOGPROBS))
+                plan += [Program("sample", t, s, params=p, max_logprobs=MAX_LOGPROBS)
+                         for p in (WARMUP_LOGIT_BIAS, WARMUP_MASKED)]
         return plan
 
     def _warmup_sampling_tensors(self, program: Program) -> sampling.SamplingTensors:
-        st = self.sampling_tensors([Request("warmup", [0], program.params, arrival_time=0.0)], program.seqs)
+        masked = program.params.structured is not None
+        words = -(-self.model_config.vocab_size // 32)
+        st = self.sampling_tensors([Request("warmup", [0], program.params, arrival_time=0.0)], program.seqs,
+                                   np.full((program.seqs, words), -1, np.int32) if masked else None)
         return dataclasses.replace(st, valid=np.zeros_like(st.valid))
 
     def warmup(self) -> int:

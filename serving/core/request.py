@@ -88,7 +88,7 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "deadline",
                  "eos_token_ids", "stop_token_ids", "status", "num_computed_tokens", "block_table",
                  "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order",
-                 "num_pending", "sample_index", "group")
+                 "num_pending", "sample_index", "group", "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, arrival_time: float, priority: int = Priority.INTERACTIVE, deadline: float | None = None,
@@ -115,6 +115,7 @@ class Request:
         self.num_pending = 0
         self.sample_index = 0  # which of the request's n samples this is
         self.group: SampleGroup | None = None  # the request's samples when n > 1
+        self.grammar = None  # structured outputs: its GrammarState (serving.core.structured), set by the engine
         if sampling_params.n > 1:
             self.group = SampleGroup(request_id, [self])
             for i in range(1, sampling_params.n):

@@ -42,6 +42,9 @@ class SamplingTensors:
     num_prompt_tokens: jax.Array | None  # i32[S]; how many of token_ids are prompt; None when no penalties
     bias_ids: jax.Array | None = None  # i32[S, K]; logit_bias token ids, -1 padded; None when no slot has a bias
     bias_values: jax.Array | None = None  # f32[S, K]; the bias of each of bias_ids (0 where padded)
+    # i32[S, ceil(V / 32)]; structured outputs: bit j of word w allows token 32w + j (all set for free slots); None
+    # when no slot is constrained
+    token_bitmask: jax.Array | None = None
     all_greedy: bool = False  # static: every slot is greedy; skip filters and the draw
     num_candidates: int = 0  # static: lax.top_k width for top-k / top-p; 0 = no slot uses either
     use_min_p: bool = False  # static: some slot has min_p > 0
@@ -59,7 +62,7 @@ jax.tree_util.register_dataclass(
     SamplingTensors,
     data_fields=["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "step", "valid", "token_ids", "num_prompt_tokens", "bias_ids",
-                 "bias_values"],
+                 "bias_values", "token_bitmask"],
     meta_fields=["all_greedy", "num_candidates", "use_min_p"])
 
 
@@ -219,6 +222,22 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors, offset: jax.Array | i
     logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
     return (logits - t.frequency_penalty[:, None] * output_counts.astype(logits.dtype)
             - t.presence_penalty[:, None] * (output_counts > 0).astype(logits.dtype))
+
+
+def apply_token_bitmask(logits: jax.Array, t: SamplingTensors, offset: jax.Array | int = 0) -> jax.Array:
+    """Pure, jit-able. Structured outputs: -inf for the tokens whose bit is clear in the slot's row of
+    `token_bitmask`. `logits` may be the vocabulary shard starting at global id `offset`."""
+    if t.token_bitmask is None:
+        return logits
+    num_slots, vocab = logits.shape
+    if isinstance(offset, int) and offset % 32 == 0:  # whole words: shift every word by 0..31
+        words = lax.slice_in_dim(t.token_bitmask, offset // 32, offset // 32 + -(-vocab // 32), axis=1)
+        bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+        allowed = bits.reshape(num_slots, -1)[:, :vocab] != 0
+    else:  # a shard whose first id is traced (inside shard_map): each column's word and bit
+        ids = offset + jnp.arange(vocab, dtype=jnp.int32)
+        allowed = ((t.token_bitmask[:, ids // 32] >> (ids % 32)) & 1) != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 class _Rows:
@@ -432,7 +451,8 @@ def vocab_parallel_mesh(vocab_size: int):
 def sample(logits: jax.Array, t: SamplingTensors, *, max_logprobs: int = 0) -> SamplerOutput:
     """Pure, jit-able (max_logprobs static). One token per slot from float32 logits [S, V].
 
-    The logit bias is added first (as HF's sequence_bias and vLLM do), then the penalties. Greedy slots
+    The logit bias is added first (as HF's sequence_bias and vLLM do), then the penalties, then the structured
+    outputs' token bitmask removes what the slot's grammar forbids. Greedy slots
     (temperature 0) take exactly the argmax of the biased, penalised logits (first index on ties). Others draw from
     softmax(penalised / temperature) restricted by min-p, top-k, top-p. Padding slots return zeros. Logprobs are
     the raw model's.
@@ -464,7 +484,9 @@ def greedy(logits: jax.Array) -> jax.Array:
 
 def _sample(logits: jax.Array, t: SamplingTensors, max_logprobs: int, rows: _Rows) -> SamplerOutput:
     raw = logits.astype(jnp.float32)
-    penalised = apply_penalties(apply_logit_bias(raw, t, rows.offset), t, rows.offset)
+    # The mask comes last, so neither the bias nor a penalty can lift a token the grammar forbids.
+    penalised = apply_token_bitmask(apply_penalties(apply_logit_bias(raw, t, rows.offset), t, rows.offset), t,
+                                    rows.offset)
     greedy_ids = rows.argmax(penalised)
     if t.all_greedy:
         token_ids = greedy_ids

@@ -14,6 +14,38 @@ from serving.validation import (MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, _is_int,  #
                                 check_sampling)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """Constrained decoding: the output follows exactly one of a JSON schema (`json_schema`, JSON text), any JSON
+    object, a regular expression, a Lark grammar (llguidance's dialect) or a choice among strings. The engine masks
+    every token the grammar does not allow and allows EOS only where the grammar may end (serving/core/structured.py).
+    `after_reasoning`: with the server's reasoning parser, the model's reasoning is free and the grammar applies to
+    what follows it."""
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: tuple[str, ...] | None = None
+    after_reasoning: bool = False
+
+    def __post_init__(self):
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        kinds = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured: set exactly one of {', '.join(STRUCTURED_KINDS)}"
+                             + (f" (got {', '.join(kinds)})" if kinds else ""))
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured.choice: give one or more non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
 @dataclasses.dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded.
@@ -42,6 +74,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     n: int = 1  # samples returned for the prompt, in [1, MAX_N]
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit; None (or {}) = none
+    structured: StructuredOutput | None = None  # constrained decoding; None = free
 
     def __post_init__(self):
         # Normalise the forms users pass (a single string, lists) before checking.
@@ -61,6 +94,13 @@ class SamplingParams:
     def validate(self) -> None:
         """Raises ValueError naming the first invalid field. Cheap; the scheduler calls it again at admission."""
         check_sampling(self)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise ValueError(f"structured: expected a StructuredOutput, got {type(self.structured).__name__}")
+            for name, bad in (("ignore_eos", self.ignore_eos), ("min_tokens", self.min_tokens > 0)):
+                if bad:
+                    raise ValueError(f"{name}: cannot be combined with structured outputs (the grammar decides "
+                                     "where the output may end)")
 
     @property
     def is_greedy(self) -> bool:

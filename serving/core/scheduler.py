@@ -362,6 +362,7 @@ class Scheduler:
             self._step.pop(r.request_id, None)
         r.status = RequestStatus.FINISHED
         r.num_pending = 0
+        r.grammar = None  # structured outputs: its matcher goes with its pages
         r.finish_reason, r.stop_reason = reason, stop_reason
         r.metrics.finished_time = now
         del self.requests[r.request_id]

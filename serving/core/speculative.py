@@ -368,14 +368,16 @@ class SpeculativeDecoder:
 
     def launch(self, sched) -> tuple | None:
         """Plans and launches this step speculatively; None if it must run the plain program (a sampling
-        sequence wants logprobs or penalties, a sequence has a logit bias, or, n-grams, nothing to propose).
+        sequence wants logprobs or penalties, a sequence has a logit bias or a grammar, or, n-grams, nothing to
+        propose).
         Returns (packed, plan)."""
         e, cfg, k = self.runner, self.config, self.k
         self.steps += 1
         seqs = sched.scheduled
         for s in seqs:
             p = s.request.sampling_params
-            if s.sample and (p.logprobs is not None or p.has_penalties) or p.logit_bias:
+            if (s.sample and (p.logprobs is not None or p.has_penalties) or p.logit_bias
+                    or s.request.grammar is not None):  # structured outputs: drafts are not checked by the grammar
                 return None
         scheduler = self.scheduler
         bm, ps = scheduler.block_manager, e.config.page_size

@@ -24,6 +24,16 @@ TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 100
 FINISH_REASONS = ("stop", "length", "abort", "timeout", "error")
 
 
+STRUCTURED_COUNTERS = {
+    "structured_requests": "Requests with structured outputs (a grammar).",
+    "grammar_compiles": "Grammars compiled (cache misses).",
+    "grammar_compile_seconds": "Time spent compiling grammars.",
+    "grammar_cache_hits": "Grammars found compiled in the cache.",
+    "grammar_mask_seconds": "Host time filling the grammars' token masks (while the forward runs).",
+    "grammar_mask_steps": "Steps that filled token masks.",
+}
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None,
                  num_speculative_tokens: int = 0, page_size: int = 0, num_pages: int = 0):
@@ -123,6 +133,12 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         self._mirrored = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
+        # Structured outputs (serving.core.structured.StructuredOutputs.stats), mirrored like the counters above.
+        self._structured = {}
+        for key, doc in STRUCTURED_COUNTERS.items():
+            self._structured[key] = Counter(PREFIX + key, doc, labels, registry=r)
+            self._structured[key].labels(model_name)
+            self._mirrored[key] = 0
         self._spec_counters: dict[str, Counter] = {}
         self._spec_per_pos = None
         if num_speculative_tokens:  # vLLM's spec-decode series (created only when speculation is on, as there)
@@ -154,6 +170,11 @@ class ServerMetrics:
                                  ("prefix_cache_hits", self.prefix_cache_hits),
                                  ("num_preemptions", self.num_preemptions)):
                 delta = int(stats.get(key, 0)) - self._mirrored[key]
+                if delta > 0:
+                    counter.labels(self.model_name).inc(delta)
+                    self._mirrored[key] += delta
+            for key, counter in self._structured.items():
+                delta = float(stats.get(key, 0)) - self._mirrored[key]
                 if delta > 0:
                     counter.labels(self.model_name).inc(delta)
                     self._mirrored[key] += delta

@@ -83,7 +83,8 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
     llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
               min_token_bucket=min_bucket)
     eng = llm.engine
-    # Per token bucket the forward, per sequence bucket 8 sampling variants and the logit-bias one; buckets of up to
+    # Per token bucket the forward, per sequence bucket 8 sampling variants, the logit-bias (general) one and the
+    # masked one (structured outputs); buckets of up to
     # SCREEN_MAX_ROWS sequences also the greedy-only forward with the screened LM head (when the native kernels run).
     screened = [t for t in eng.buckets if eng.runner.screens(eng.runner.seq_bucket(t))]
     if min_bucket == 16:
@@ -92,7 +93,7 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
         assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
         assert screened == ([1, 2, 4] if native.enabled() else [])
     seq_buckets = {eng.runner.seq_bucket(t) for t in eng.buckets}
-    assert eng.compile_count == len(eng.buckets) + 9 * len(seq_buckets) + len(screened)
+    assert eng.compile_count == len(eng.buckets) + 10 * len(seq_buckets) + len(screened)
     assert eng.compile_count == len(eng.warmup_plan())
     forward_programs = eng.runner._forward_fn._cache_size()
     sample_programs = eng.runner._sample_fn._cache_size()
@@ -108,6 +109,7 @@ def test_warmup_compiles_every_program(llama, workload, min_bucket):
               SamplingParams(temperature=0.0, presence_penalty=1.0, logit_bias={7: 1.0}, max_tokens=5)]
     llm.generate(workload[0][:3], biased)
     llm.generate(workload[0][:1], biased[:1])
+    # (Steps with a grammar reuse the warmed-up programs too: tests/serving/core/test_structured.py.)
     assert eng.runner._forward_fn._cache_size() == forward_programs
     assert eng.runner._sample_fn._cache_size() == sample_programs
 
