@@ -47,6 +47,8 @@ def make_test_tokenizer(
     vocab_size: int = 512,
     corpus: list[str] | tuple[str, ...] | None = None,
     chat_template_in_config: bool = False,
+    extra_special_tokens: tuple[str, ...] | list[str] = (),
+    chat_template: str | None = None,
 ) -> str:
     """Train a small byte-level BPE and save it HF-style into `out_dir`; returns `out_dir` as a str.
 
@@ -54,16 +56,19 @@ def make_test_tokenizer(
     <|im_end|>; generation_config.json lists both </s> and <|im_end|> as EOS. The trained vocabulary holds at
     most `vocab_size` tokens (fewer if the corpus has too few merges). Deterministic; takes milliseconds.
     `chat_template_in_config` puts the template in tokenizer_config.json (the pre-transformers-5 layout)
-    instead of chat_template.jinja.
+    instead of chat_template.jinja. `extra_special_tokens` (e.g. `<tool_call>`, `[TOOL_CALLS]`, `<think>`) follow
+    as special tokens with ids 5, 6, ...; `chat_template` replaces the default template.
     """
-    if vocab_size < _MIN_VOCAB_SIZE:
-        raise ValueError(f"vocab_size={vocab_size} is below {_MIN_VOCAB_SIZE} (256 bytes + special tokens)")
+    special_tokens = TEST_SPECIAL_TOKENS + tuple(t for t in extra_special_tokens if t not in TEST_SPECIAL_TOKENS)
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(f"vocab_size={vocab_size} is below {256 + len(special_tokens)} (256 bytes + special tokens)")
+    template = TEST_CHAT_TEMPLATE if chat_template is None else chat_template
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     texts = list(_BUILTIN_CORPUS if corpus is None else corpus)
 
     # Repetition gives multi-byte sequences enough counts to be merged into whole-character tokens.
-    backend = train_byte_level_bpe(texts * 4, vocab_size, TEST_SPECIAL_TOKENS, bos_token=TEST_BOS_TOKEN)
+    backend = train_byte_level_bpe(texts * 4, vocab_size, special_tokens, bos_token=TEST_BOS_TOKEN)
     bos_id = backend.token_to_id(TEST_BOS_TOKEN)
     backend.save(os.path.join(out_dir, "tokenizer.json"))
 
@@ -72,7 +77,7 @@ def make_test_tokenizer(
             "content": token, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
             "special": True,
         }
-        for token in TEST_SPECIAL_TOKENS
+        for token in special_tokens
     }
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -85,12 +90,12 @@ def make_test_tokenizer(
     }
     template_path = os.path.join(out_dir, "chat_template.jinja")
     if chat_template_in_config:
-        config["chat_template"] = TEST_CHAT_TEMPLATE
+        config["chat_template"] = template
         if os.path.exists(template_path):
             os.remove(template_path)  # it would take priority over the config's template
     else:
         with open(template_path, "w", encoding="utf-8") as f:
-            f.write(TEST_CHAT_TEMPLATE)
+            f.write(template)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, ensure_ascii=False)
 
@@ -105,9 +110,10 @@ def make_test_tokenizer(
     return out_dir
 
 
-def random_llama(out_dir: str, *, hidden_size: int = 64, intermediate_size: int = 96, seed: int = 0) -> str:
+def random_llama(out_dir: str, *, hidden_size: int = 64, intermediate_size: int = 96, seed: int = 0,
+                 extra_special_tokens: tuple[str, ...] | list[str] = (), chat_template: str | None = None) -> str:
     """A 2-layer random Llama (vocab 512, context 512) with the test BPE tokenizer and chat template, written to
-    `out_dir` (kept if it is there already)."""
+    `out_dir` (kept if it is there already). `extra_special_tokens`, `chat_template`: as `make_test_tokenizer`."""
     if os.path.exists(os.path.join(out_dir, "tokenizer.json")):
         return out_dir
     import torch  # the test extras: not needed to serve
@@ -118,7 +124,8 @@ def random_llama(out_dir: str, *, hidden_size: int = 64, intermediate_size: int 
                          max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.08, bos_token_id=0,
                          eos_token_id=1, pad_token_id=2)
     tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
-    make_test_tokenizer(out_dir, vocab_size=512)
+    make_test_tokenizer(out_dir, vocab_size=512, extra_special_tokens=extra_special_tokens,
+                        chat_template=chat_template)
     return out_dir
 
 

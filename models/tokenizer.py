@@ -63,6 +63,7 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(i for i in eos if i is not None))
         self._special_ids = frozenset(
             i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+        self._shown_ids: frozenset[int] = frozenset()  # special tokens decoded even when skipping special tokens
         self._byte_fallback_ids = _byte_fallback_ids(backend)
         self._compiled_templates: dict[str, jinja2.Template] = {}
 
@@ -116,7 +117,20 @@ class Tokenizer:
     @property
     def special_token_ids(self) -> frozenset[int]:
         """Ids that `decode(..., skip_special_tokens=True)` drops."""
-        return self._special_ids
+        return self._special_ids - self._shown_ids
+
+    def special_token_id(self, token: str) -> int | None:
+        """The id of `token` when it is a special token (shown or not), else None."""
+        i = self.backend.token_to_id(token)
+        return i if i in self._special_ids else None
+
+    def show_special_tokens(self, tokens: Iterable[str]) -> list[str]:
+        """Keeps these special tokens in decoded text even with `skip_special_tokens` (markers a tool-call or
+        reasoning parser reads: `[TOOL_CALLS]`, `<|python_tag|>`, `<think>`); returns those that are special tokens
+        here (the others decode as text anyway)."""
+        shown = [t for t in tokens if self.backend.token_to_id(t) in self._special_ids]
+        self._shown_ids = self._shown_ids | frozenset(self.backend.token_to_id(t) for t in shown)
+        return shown
 
     @property
     def byte_fallback_ids(self) -> frozenset[int]:
@@ -146,6 +160,9 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._shown_ids:  # drop the skipped ones here: the backend would drop all
+            skipped = self.special_token_ids
+            return self.backend.decode([t for t in token_ids if t not in skipped], skip_special_tokens=False)
         return self.backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def detokenizer(self, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True

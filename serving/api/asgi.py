@@ -200,8 +200,7 @@ async def _events(run: Run, builder: ResponseBuilder, count_error: Callable[[Api
         for chunk in builder.first_chunks():
             yield sse(chunk)
         async for i, out in run.outputs():
-            chunk = builder.chunk(i, out)
-            if chunk is not None:
+            for chunk in builder.chunks(i, out):
                 yield sse(chunk)
         if builder.include_usage:
             yield sse(builder.usage_chunk())

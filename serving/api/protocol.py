@@ -6,6 +6,7 @@ reasons; `api_error` turns such a ValueError into a 400 naming the request's par
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from typing import Any
@@ -13,6 +14,8 @@ from typing import Any
 import jinja2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from serving.api import reasoning as reasoning_api
+from serving.api import tools as tools_api
 from serving.validation import InvalidArgument, check_context
 
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -135,6 +138,9 @@ class _GenerateRequest(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int | None = None  # meshserve's: 0 interactive, 1 batch
+    # vLLM's constrained decoding: exactly one of json (a schema), regex, choice, grammar (Lark), json_object
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_GenerateRequest):
@@ -144,7 +150,6 @@ class ChatCompletionRequest(_GenerateRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -194,6 +199,7 @@ class EngineRequest:
     include_usage: bool
     echo: bool = False
     renames: dict[str, str] = dataclasses.field(default_factory=dict)  # SamplingParams field -> request parameter
+    tool_parser: str = ""  # chat with tools to call: the parser that turns the output into tool_calls
 
     @property
     def n(self) -> int:
@@ -219,6 +225,57 @@ def _check_widths(kw: dict, renames: dict[str, str]) -> None:
                                param=param)
 
 
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+                    "json_object": "json_object"}
+
+
+def structured_output(req: _GenerateRequest, renames: dict[str, str]) -> dict | None:
+    """`response_format` (OpenAI's json_object / json_schema) or `structured_outputs` (vLLM's json / regex /
+    choice / grammar) as StructuredOutput keywords (plain data, so the gateway can send them on); None for free
+    text. Raises ApiError naming the parameter; the grammar itself is compiled where the model is."""
+    rf, so = req.response_format, req.structured_outputs
+    if rf is not None and so is not None:
+        raise ApiError(400, "structured_outputs: send either response_format or structured_outputs, not both",
+                       param="structured_outputs")
+    if rf is not None:
+        kind = rf.get("type", "text")
+        renames["structured"] = "response_format"
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"json_object": True}
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise ApiError(400, "response_format.json_schema: expected an object with `name` and `schema` (a "
+                               "JSON schema object)", param="response_format.json_schema")
+            return {"json_schema": json.dumps(spec.get("schema", {}))}  # OpenAI: no schema = any JSON
+        raise ApiError(400, f"response_format.type: unknown {kind!r}; use text, json_object or json_schema",
+                       param="response_format.type")
+    if so is None:
+        return None
+    renames["structured"] = "structured_outputs"
+    given = [k for k in so if so[k] is not None and k in _STRUCTURED_KEYS]
+    unknown = sorted(set(so) - set(_STRUCTURED_KEYS))
+    if unknown or len(given) != 1:
+        raise ApiError(400, "structured_outputs: set exactly one of " + ", ".join(_STRUCTURED_KEYS)
+                       + (f" (unknown: {', '.join(unknown)})" if unknown else ""), param="structured_outputs")
+    key = given[0]
+    value = so[key]
+    if key == "json":
+        value = value if isinstance(value, str) else json.dumps(value)
+    elif key == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise ApiError(400, "structured_outputs.choice: a list of one or more non-empty strings",
+                           param="structured_outputs.choice")
+    elif key == "json_object":
+        if value is not True:
+            raise ApiError(400, "structured_outputs.json_object: must be true", param="structured_outputs.json_object")
+    elif not isinstance(value, str) or not value:
+        raise ApiError(400, f"structured_outputs.{key}: a non-empty string", param=f"structured_outputs.{key}")
+    return {_STRUCTURED_KEYS[key]: value}
+
+
 def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | None,
               renames: dict[str, str] | None = None) -> dict:
     kw = {name: getattr(req, name) for name in _PASSED_THROUGH if getattr(req, name) is not None}
@@ -230,7 +287,10 @@ def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | Non
         kw["stop_token_ids"] = tuple(req.stop_token_ids)
     if req.logit_bias:
         kw["logit_bias"] = dict(req.logit_bias)
-    _check_widths(kw, renames or {})
+    _check_widths(kw, renames if renames is not None else {})
+    structured = structured_output(req, renames if renames is not None else {})
+    if structured is not None:
+        kw["structured"] = structured
     return kw
 
 
@@ -245,8 +305,38 @@ def _common(req: _GenerateRequest, priorities) -> tuple[int, bool, bool]:
     return priority, stream, include_usage
 
 
+def parser_markers(tool_call_parser: str, reasoning_parser: str) -> tuple[str, ...]:
+    """The markers the chat parsers read, which decoded text must keep even where they are special tokens."""
+    markers = tools_api.tool_parser(tool_call_parser).markers if tool_call_parser else ()
+    if reasoning_parser:
+        p = reasoning_api.reasoning_parser(reasoning_parser)
+        markers += (p.START, p.END)
+    return markers
+
+
+def _arguments_as_objects(i: int, d: dict) -> None:
+    """An assistant message's tool_calls with each `function.arguments` (OpenAI's JSON text) as the object it holds,
+    which chat templates expect (they write it with `tojson`); text that is not a JSON object stays as it is."""
+    calls = d.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        where = f"messages[{i}].tool_calls"
+        raise ApiError(400, f"{where}: expected a list of tool calls", param=where)
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except ValueError:
+                continue
+            if isinstance(args, dict):
+                fn["arguments"] = args
+
+
 def _message_dict(i: int, m: ChatMessage) -> dict:
     d = m.model_dump(exclude_none=True)
+    _arguments_as_objects(i, d)
     if isinstance(m.content, list):
         texts = []
         for j, part in enumerate(m.content):
@@ -292,24 +382,52 @@ _RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "add_generat
                                        "self"})
 
 
-def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_elsewhere: bool = False
-                 ) -> EngineRequest:
+def _tools(req: ChatCompletionRequest, tokenizer, tool_call_parser: str, sampling: dict, renames: dict) -> str:
+    """`tools` and `tool_choice` checked; `required` or a named function forced with the parser's grammar (into
+    sampling["structured"]). Returns the parser to read the output with ("" when no tool calls are expected)."""
+    if req.tools is None and req.tool_choice is None:
+        return ""
+    try:
+        tools_api.check_tools(req.tools, req.tool_choice)
+    except ValueError as e:
+        raise api_error(e) from e
+    if req.tool_choice == "none" or not req.tools:
+        return ""
+    if req.tool_choice in (None, "auto"):
+        return tool_call_parser  # "": this model's tool calls are not parsed, its output is content
+    if not tool_call_parser:
+        raise ApiError(400, "tool_choice: this server does not know its model's tool-call format, so it cannot force "
+                       "a call; start it with --tool_call_parser", param="tool_choice")
+    if "structured" in sampling:
+        other = renames["structured"]
+        raise ApiError(400, f"tool_choice: a forced tool call cannot be combined with {other}", param="tool_choice")
+    parser = tools_api.tool_parser(tool_call_parser)
+    special = {}
+    if tokenizer is not None:
+        special = {m: i for m in parser.markers if (i := tokenizer.special_token_id(m)) is not None}
+    try:
+        grammar = tools_api.tool_grammar(tool_call_parser, req.tools, req.tool_choice, special_tokens=special)
+    except ValueError as e:
+        raise api_error(e) from e
+    sampling["structured"] = {"grammar": grammar}
+    renames["structured"] = "tool_choice"
+    return tool_call_parser
+
+
+def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_elsewhere: bool = False,
+                 tool_call_parser: str = "") -> EngineRequest:
     """Raises ApiError (400) naming the parameter. render_elsewhere (the gateway): without a tokenizer, the messages
-    go on as they are, for the instance to render."""
+    go on as they are, for the instance to render. tool_call_parser: the model's tool-call format (serving.api.tools),
+    which parses calls and forces them for tool_choice `required` or a named function."""
     priority, stream, include_usage = _common(req, priorities)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise ApiError(400, f"response_format: type {req.response_format.get('type')!r} (structured outputs) is not "
-                       "supported; use text", param="response_format")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice: only 'none' and 'auto' are supported (no forced tool calls)",
-                       param="tool_choice")
     renames = {"logprobs": "top_logprobs"}
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:
         max_tokens, renames["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     sampling = _sampling(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None, renames)
+    parser = _tools(req, tokenizer, tool_call_parser, sampling, renames)
     messages = [_message_dict(i, m) for i, m in enumerate(req.messages)]
     kwargs = dict(req.chat_template_kwargs or {})
     refused = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
@@ -331,12 +449,13 @@ def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_el
                                "template and has no tokenizer; set `tokenizer:` in its configuration",
                                param=f"messages[{i}].{extra[0]}")
         prompt = Prompt(None, None, "messages", messages=messages, add_generation_prompt=generation_prompt)
-        return EngineRequest([prompt], sampling, priority, stream, include_usage, renames=renames)
+        return EngineRequest([prompt], sampling, priority, stream, include_usage, renames=renames, tool_parser=parser)
     try:
         ids = encode_chat(tokenizer, messages, field="messages", add_generation_prompt=generation_prompt, **kwargs)
     except ValueError as e:
         raise api_error(e) from e
-    return EngineRequest([Prompt(ids, None, "messages")], sampling, priority, stream, include_usage, renames=renames)
+    return EngineRequest([Prompt(ids, None, "messages")], sampling, priority, stream, include_usage, renames=renames,
+                         tool_parser=parser)
 
 
 def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, priorities, *,
@@ -379,8 +498,9 @@ def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, prior
                 prompts.append(Prompt(list(item), text, field))
     except InvalidArgument as e:
         raise api_error(e) from e
-    sampling = _sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs)
-    return EngineRequest(prompts, sampling, priority, stream, include_usage, echo=bool(req.echo))
+    renames: dict[str, str] = {}
+    sampling = _sampling(req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs, renames)
+    return EngineRequest(prompts, sampling, priority, stream, include_usage, echo=bool(req.echo), renames=renames)
 
 
 def check_fits(ereq: EngineRequest, max_tokens: int | None, max_model_len: int) -> None:

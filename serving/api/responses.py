@@ -7,6 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from serving.api import reasoning as reasoning_api
+from serving.api import tools as tools_api
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -51,6 +54,7 @@ class Delta:
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    token_ids: list[int] | None = None  # the new tokens, where known (they count the reasoning tokens)
 
     @property
     def finished(self) -> bool:
@@ -58,15 +62,21 @@ class Delta:
 
 
 class _Choice:
-    __slots__ = ("text", "logprobs", "finish_reason", "started", "offset", "completion_tokens")
+    __slots__ = ("text", "logprobs", "finish_reason", "started", "offset", "completion_tokens", "reasoning", "tools",
+                 "tokens_seen", "reasoning_end")
 
-    def __init__(self, echo: str | None):
+    def __init__(self, echo: str | None, reasoning: reasoning_api.ReasoningParser | None = None,
+                 tools: tools_api.ToolParser | None = None):
         self.text: list[str] = [echo] if echo else []
         self.logprobs: list = []
         self.finish_reason: str | None = None
         self.started = False  # a streamed choice's first chunk went out (it carries the echo)
         self.offset = len(echo or "")  # completions' text_offset of the next token
         self.completion_tokens = 0
+        self.reasoning = reasoning  # chat with a reasoning parser: splits reasoning_content from content
+        self.tools = tools  # chat with tools to parse: turns content into tool_calls
+        self.tokens_seen = 0  # output tokens seen in deltas
+        self.reasoning_end: int | None = None  # output tokens up to and including the reasoning's end marker
 
 
 class ResponseBuilder:
@@ -75,8 +85,10 @@ class ResponseBuilder:
 
     def __init__(self, *, chat: bool, response_id: str, model: str, created: int, n: int, prompt_lengths: list[int],
                  tokenizer, logprobs: int | None, echo_texts: list[str | None] | None = None,
-                 include_usage: bool = False):
-        """prompt_lengths: each prompt's tokens (0 where not known yet: a delta's prompt_tokens sets it)."""
+                 include_usage: bool = False, reasoning_parser: str = "", tool_parser: str = ""):
+        """prompt_lengths: each prompt's tokens (0 where not known yet: a delta's prompt_tokens sets it).
+        Chat only: `reasoning_parser` (serving.api.reasoning) splits each choice's reasoning_content from its content;
+        `tool_parser` (serving.api.tools) parses the content into tool_calls (a request with tools to call)."""
         self.chat, self.id, self.model, self.created, self.n = chat, response_id, model, created, n
         self.tokenizer = tokenizer
         self.want_logprobs = logprobs is not None
@@ -84,7 +96,16 @@ class ResponseBuilder:
         self.prompt_lengths = list(prompt_lengths)
         self.cached_tokens = [0] * len(prompt_lengths)
         echoes = echo_texts or [None] * len(prompt_lengths)
-        self.choices = [_Choice(echoes[p]) for p in range(len(prompt_lengths)) for _ in range(n)]
+        reasoning_cls = reasoning_api.reasoning_parser(reasoning_parser) if chat and reasoning_parser else None
+        tools_cls = tools_api.tool_parser(tool_parser) if chat and tool_parser else None
+        self.reasoning = reasoning_cls is not None
+        self.choices = [_Choice(echoes[p], reasoning_cls and reasoning_cls(), tools_cls and tools_cls())
+                        for p in range(len(prompt_lengths)) for _ in range(n)]
+        # The reasoning's end marker as one token id, when it is one: reasoning tokens are counted up to it.
+        self._reasoning_end_id = None
+        if reasoning_cls is not None and tokenizer is not None:
+            ids = tokenizer.encode(reasoning_cls.END, add_special_tokens=False)
+            self._reasoning_end_id = ids[0] if len(ids) == 1 else None
         self._token_text: dict[int, str] = {}
         decoder = getattr(getattr(tokenizer, "backend", None), "decoder", None)  # a `tokenizers` decoder
         self._byte_level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
@@ -134,11 +155,46 @@ class ResponseBuilder:
             choice.completion_tokens = out.completion_tokens
             if out.index == 0:
                 self.cached_tokens[prompt_index] = out.cached_tokens
+        if choice.reasoning is not None and out.token_ids:
+            if choice.reasoning_end is None and self._reasoning_end_id is not None:
+                for j, t in enumerate(out.token_ids):
+                    if t == self._reasoning_end_id:
+                        choice.reasoning_end = choice.tokens_seen + j + 1
+                        break
+            choice.tokens_seen += len(out.token_ids)
         return i, choice
+
+    def _parse(self, choice: _Choice, text: str, final: bool) -> list[tuple[str, object]]:
+        """A chat choice's new text through its parsers, in order: ("reasoning_content" | "content", text) and
+        ("tool_call", an entry of delta.tool_calls). At the last delta the parsers finish, and a choice that made
+        tool calls finishes with "tool_calls"."""
+        events: list[tuple[str, object]] = []
+        if choice.reasoning is not None:
+            reasoning, content = choice.reasoning.feed(text) if text else (None, None)
+            if final:
+                more_reasoning, more_content = choice.reasoning.finish()
+                reasoning = (reasoning or "") + (more_reasoning or "") or None
+                content = (content or "") + (more_content or "") or None
+            if reasoning:
+                events.append(("reasoning_content", reasoning))
+            text = content or ""
+        if choice.tools is None:
+            if text:
+                events.append(("content", text))
+            return events
+        pieces = choice.tools.feed(text) if text else []
+        if final:
+            pieces += choice.tools.finish()
+            choice.finish_reason = tools_api.finish_reason(choice.finish_reason, choice.tools.result()[1])
+        for e in pieces:
+            events.append(("content", e.content) if e.content is not None else ("tool_call", e.tool_call))
+        return events
 
     def add(self, prompt_index: int, out: Delta) -> None:
         _, choice = self._record(prompt_index, out)
         choice.text.append(out.text)
+        if choice.reasoning is not None or choice.tools is not None:
+            self._parse(choice, out.text, out.finished)
         if self.want_logprobs and out.logprobs:
             choice.logprobs.extend(out.logprobs)
 
@@ -149,16 +205,21 @@ class ResponseBuilder:
         return [self._chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                              "finish_reason": None}) for i in range(len(self.choices))]
 
-    def chunk(self, prompt_index: int, out: Delta) -> dict | None:
-        """The stream chunk of one delta; None when it carries nothing (text held back mid-character)."""
+    def chunks(self, prompt_index: int, out: Delta) -> list[dict]:
+        """The stream chunks of one delta: none when it carries nothing (text held back mid-character, or by a
+        parser); one, or with parsers one per run of text and one per tool-call entry, the first with the logprobs
+        and the last with the finish_reason."""
         i, choice = self._record(prompt_index, out)
         text = out.text
         if not choice.started:
             choice.started = True
             text = "".join(choice.text) + text  # the echo
+        if choice.reasoning is not None or choice.tools is not None:
+            choice.text.append(out.text)
+            return self._parsed_chunks(i, choice, out)
         lps = out.logprobs if self.want_logprobs and out.logprobs else None
         if not text and lps is None and not out.finished:
-            return None
+            return []
         if self.chat:
             logprobs = {"content": self._chat_logprobs(lps), "refusal": None} if lps else None
             body = {"index": i, "delta": {"content": text} if text else {}, "logprobs": logprobs,
@@ -166,7 +227,26 @@ class ResponseBuilder:
         else:
             logprobs = self._completion_logprobs(choice, lps) if lps else None
             body = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
-        return self._chunk(body)
+        return [self._chunk(body)]
+
+    def _parsed_chunks(self, i: int, choice: _Choice, out: Delta) -> list[dict]:
+        deltas: list[dict] = []
+        for kind, value in self._parse(choice, out.text, out.finished):
+            if kind == "tool_call":
+                deltas.append({"tool_calls": [value]})
+            elif deltas and "tool_calls" not in deltas[-1]:
+                deltas[-1][kind] = deltas[-1].get(kind, "") + value
+            else:
+                deltas.append({kind: value})
+        lps = out.logprobs if self.want_logprobs and out.logprobs else None
+        if not deltas and (lps is not None or out.finished):
+            deltas.append({})
+        bodies = [{"index": i, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if lps is not None:
+            bodies[0]["logprobs"] = {"content": self._chat_logprobs(lps), "refusal": None}
+        if out.finished:
+            bodies[-1]["finish_reason"] = choice.finish_reason
+        return [self._chunk(b) for b in bodies]
 
     def _chunk(self, choice: dict) -> dict:
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -179,8 +259,25 @@ class ResponseBuilder:
     def usage(self) -> dict:
         completion = sum(c.completion_tokens for c in self.choices)
         prompt = sum(self.prompt_lengths)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens)}}
+        if self.reasoning:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(map(self._reasoning_tokens, self.choices))}
+        return usage
+
+    def _reasoning_tokens(self, c: _Choice) -> int:
+        """A finished choice's reasoning tokens, its end marker included: counted up to the marker's token when the
+        deltas carry token ids; all of them when the reasoning never ended; else the reasoning text re-tokenized."""
+        start = c.reasoning.content_start
+        if start == 0:  # no reasoning
+            return 0
+        if start is None:
+            return c.completion_tokens
+        if c.reasoning_end is not None:
+            return c.reasoning_end
+        if self.tokenizer is None:
+            return 0
+        return len(self.tokenizer.encode("".join(c.text)[:start], add_special_tokens=False))
 
     def usage_chunk(self) -> dict:
         """The stream's last chunk when stream_options.include_usage: no choices, the usage."""
@@ -194,8 +291,14 @@ class ResponseBuilder:
             if self.chat:
                 logprobs = ({"content": self._chat_logprobs(c.logprobs), "refusal": None} if self.want_logprobs
                             else None)
-                choices.append({"index": i, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": logprobs, "finish_reason": c.finish_reason})
+                message = {"role": "assistant", "content": text, "refusal": None}
+                if c.reasoning is not None:
+                    message["reasoning_content"], message["content"] = c.reasoning.result()
+                if c.tools is not None:
+                    message["content"], calls = c.tools.result()
+                    if calls:
+                        message["tool_calls"] = [call.to_openai() for call in calls]
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
                 logprobs = self._completion_logprobs(c, c.logprobs) if self.want_logprobs else None
                 choices.append({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})

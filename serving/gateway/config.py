@@ -11,6 +11,9 @@ from typing import Any
 
 import yaml
 
+from serving.api.reasoning import REASONING_PARSERS
+from serving.api.tools import TOOL_PARSERS
+
 log = logging.getLogger(__name__)
 
 POLICIES = ("load_aware", "least_requests", "round_robin")
@@ -113,6 +116,9 @@ class GatewayConfig:
     callback_allowed_hosts: tuple[str, ...] = ()
     tokenizer: str = ""  # optional tokenizer directory: exact prompt lengths for the long lane
     instance_tls: tuple[tuple[str, str], ...] = ()  # ca / cert / key files for (mutual) TLS to instances
+    # The chat parsers of the HTTP API (serving.api.tools / serving.api.reasoning); "": the instances' (ModelInfo)
+    tool_call_parser: str = ""
+    reasoning_parser: str = ""
 
     @property
     def auth_enabled(self) -> bool:
@@ -173,7 +179,7 @@ def parse_config(raw: Any) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
     known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
-             "tokenizer", "instance_tls"}
+             "tokenizer", "instance_tls", "tool_call_parser", "reasoning_parser"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
@@ -298,11 +304,16 @@ def parse_config(raw: Any) -> GatewayConfig:
     tokenizer = raw.get("tokenizer") or ""
     if not isinstance(tokenizer, str):
         raise ConfigError("tokenizer: expected a directory path")
+    parsers = {}
+    for key, known_names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+        parsers[key] = raw.get(key) or ""
+        if parsers[key] and parsers[key] not in known_names:
+            raise ConfigError(f"{key}: unknown {parsers[key]!r}; known: {', '.join(sorted(known_names))}")
     return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
                          long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
                          callback_allowed_hosts=tuple(h.lower() for h in _str_list(cb.get("allowed_hosts"),
                                                                                    "callbacks.allowed_hosts")),
-                         tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())))
+                         tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())), **parsers)
 
 
 def load_config(path: str) -> GatewayConfig:

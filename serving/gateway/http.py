@@ -58,7 +58,7 @@ def api_error(e: GatewayError | AuthError, *, field: str = "prompt", renames: di
 
 def delta(r: pb.GenerateResponse) -> Delta:
     lps = [TokenLogprob(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in r.logprobs]
-    d = Delta(r.index, r.text, lps or None, prompt_tokens=r.usage.prompt_tokens)
+    d = Delta(r.index, r.text, lps or None, prompt_tokens=r.usage.prompt_tokens, token_ids=list(r.token_ids))
     if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
         d.finish_reason = FINISH.get(r.finish_reason, "stop")
         d.completion_tokens, d.cached_tokens = r.usage.completion_tokens, r.usage.cached_prompt_tokens
@@ -138,6 +138,15 @@ class GatewayHTTP:
     def _count(self, e: ApiError) -> None:
         self.gw.metrics.requests.labels(ERROR_CODES.get(e.status, "INTERNAL")).inc()
 
+    def _parsers(self) -> tuple[str, str, bool]:
+        """(tool-call parser, reasoning parser, whether the instances' grammars apply after the reasoning): the
+        configuration's parsers, else those the instances report (ModelInfo)."""
+        tool, reasoning = self.gw.config.tool_call_parser, self.gw.config.reasoning_parser
+        mi = next((i.model_info for i in self.gw.pools.instances.values() if i.model_info is not None), None)
+        if mi is None:
+            return tool, reasoning, False
+        return tool or mi.tool_call_parser, reasoning or mi.reasoning_parser, bool(mi.reasoning_parser)
+
     # ------------------------------------------------------------------ generation
     async def chat_completions(self, request: Request):
         return await self._generate(request, chat=True)
@@ -175,12 +184,16 @@ class GatewayHTTP:
             self._check_model(req.model)
             check_size(raw, gw.limits.max_request_bytes, chat)
             tok = gw.tokenizer
+            tool_call_parser, reasoning_parser, after_reasoning = self._parsers()
 
             def build():
                 if chat:
-                    return protocol.chat_request(req, tok, PRIORITIES, render_elsewhere=True)
+                    return protocol.chat_request(req, tok, PRIORITIES, render_elsewhere=True,
+                                                 tool_call_parser=tool_call_parser)
                 return protocol.completion_request(req, tok, gw.limits.vocab_size, PRIORITIES, render_elsewhere=True)
             ereq = await by_size(raw, build)
+            if after_reasoning and "structured" in ereq.sampling:  # as the instance's own HTTP API does
+                ereq.sampling["structured"] = {**ereq.sampling["structured"], "after_reasoning": True}
             response_id = protocol.response_id(chat)
             prepared = self._prepare(ereq, tenant, response_id)
             try:
@@ -197,7 +210,7 @@ class GatewayHTTP:
             chat=chat, response_id=response_id, model=self._model_name(), created=int(time.time()), n=ereq.n,
             prompt_lengths=[len(p.token_ids or ()) for p in ereq.prompts], tokenizer=tok,
             logprobs=ereq.sampling.get("logprobs"), echo_texts=[p.text for p in ereq.prompts] if ereq.echo else None,
-            include_usage=ereq.include_usage)
+            include_usage=ereq.include_usage, reasoning_parser=reasoning_parser, tool_parser=ereq.tool_parser)
         return await respond(request, run, builder, stream=ereq.stream, count_error=self._count)
 
     # ------------------------------------------------------------------ other endpoints

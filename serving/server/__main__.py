@@ -95,6 +95,12 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "served_model_name", "",
       "The model's name in the HTTP API (requests naming another get 404) and in metrics; default: the --model "
       "directory's name.")
+    d(flags.DEFINE_enum, "reasoning_parser", "", ["", "deepseek_r1", "qwen3"],
+      "How the model marks its reasoning (<think>...</think>): chat responses carry it as reasoning_content, usage "
+      "counts its tokens, and a response_format or forced tool call applies only after it; empty: no reasoning.")
+    d(flags.DEFINE_enum, "tool_call_parser", "", ["", "hermes", "llama3_json", "mistral"],
+      "The format of the model's tool calls, parsed into OpenAI tool_calls; empty: the one its chat template shows "
+      "(<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: llama3_json), else none.")
     d(flags.DEFINE_enum, "log_format", "text", ["text", "json"], "Log line format.")
     d(flags.DEFINE_float, "drain_grace_s", 30.0, "On SIGTERM: how long accepted requests may take to finish.")
     d(flags.DEFINE_integer, "max_request_bytes", 1 << 20,
@@ -160,13 +166,13 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         speculative_method=f.speculative_method, speculative_model=f.speculative_model,
         num_speculative_tokens=f.num_speculative_tokens, prompt_lookup_min=f.prompt_lookup_min,
         prompt_lookup_max=f.prompt_lookup_max, speculative_disable_by_batch_size=f.speculative_disable_by_batch_size,
-        speculative_min_acceptance=f.speculative_min_acceptance)
+        speculative_min_acceptance=f.speculative_min_acceptance, reasoning_parser=f.reasoning_parser)
     server_config = ServerConfig(
         host=f.host, port=f.port, metrics_port=f.metrics_port, warmup=f.warmup, drain_grace_s=f.drain_grace_s,
         max_request_bytes=f.max_request_bytes, retry_after_s=f.retry_after_s, instance_id=f.instance_id,
         otlp_endpoint=f.otlp_endpoint, service_name=f.service_name, ready_file=f.ready_file,
         tls_cert=f.tls_cert, tls_key=f.tls_key, tls_client_ca=f.tls_client_ca, http_port=f.http_port,
-        served_model_name=f.served_model_name)
+        served_model_name=f.served_model_name, tool_call_parser=f.tool_call_parser)
     return engine_config, server_config
 
 

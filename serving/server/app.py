@@ -16,6 +16,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from serving.core.async_engine import AsyncEngine
 from models.tokenizer import Tokenizer
+from serving.api.protocol import parser_markers
+from serving.api.tools import resolve_tool_call_parser
 from serving.core import interface
 from serving.core.config import EngineConfig
 from serving.core.interface import ServingEngine
@@ -58,6 +60,7 @@ class ServerConfig:
     tls_client_ca: str = ""  # PEM CA: require client certificates signed by it (mutual TLS, e.g. from the gateway)
     http_port: int = -1  # the OpenAI-compatible HTTP API: -1 off; 0 any free port
     served_model_name: str = ""  # the model's name in the HTTP API and metrics; default the model directory's name
+    tool_call_parser: str = ""  # serving.api.tools' parser of tool calls; "": the chat template's, if it shows one
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
@@ -80,6 +83,7 @@ class InstanceServer:
 
         def stats() -> dict:
             out = engine.scheduler.stats()
+            out.update(engine.structured.stats())
             if spec is not None:
                 out.update(spec.stats())
             out["pipeline_bubble_fraction"] = getattr(engine, "bubble_fraction", 0.0)
@@ -99,6 +103,13 @@ class InstanceServer:
             metrics=self.metrics, tracer=self.tracer, load_tracker=self.load_tracker,
             on_drain_change=lambda draining: asyncio.ensure_future(self._set_health(not draining)))
         self.servicer.model_name = self.model_name
+        # The chat parsers (ModelInfo reports them to the gateway); their markers stay in the decoded text.
+        tok = engine.tokenizer
+        self.tool_call_parser = resolve_tool_call_parser(config.tool_call_parser, tok.chat_template if tok else None)
+        self.reasoning_parser = engine.config.reasoning_parser
+        if tok is not None:
+            tok.show_special_tokens(parser_markers(self.tool_call_parser, self.reasoning_parser))
+        self.servicer.tool_call_parser, self.servicer.reasoning_parser = self.tool_call_parser, self.reasoning_parser
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self.metrics_port = 0
@@ -144,7 +155,8 @@ class InstanceServer:
         if cfg.http_port >= 0:  # answers 503 on /health and the APIs until SERVING
             from serving.server.http import OpenAIServer
             self.http = OpenAIServer(self.servicer, model_name=self.model_name,
-                                     max_request_bytes=cfg.max_request_bytes, retry_after_s=cfg.retry_after_s)
+                                     max_request_bytes=cfg.max_request_bytes, retry_after_s=cfg.retry_after_s,
+                                     tool_call_parser=self.tool_call_parser)
             self.http_port = self.servicer.http_port = await self.http.start(cfg.host, cfg.http_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
                                                    tls_client_ca=cfg.tls_client_ca)
         log.info("listening on %s:%d (metrics :%s, HTTP :%s); warming up", cfg.host, self.port,

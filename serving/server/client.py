@@ -88,7 +88,13 @@ def generate_request(prompt: str | Sequence[int] | None = None, *, messages: Seq
         if value is None:
             continue
         field = getattr(req.sampling, name)
-        if isinstance(value, Mapping):
+        if name == "structured":  # {kind: value, after_reasoning: bool}, as StructuredOutput's keywords
+            for key, v in value.items():
+                if key == "choice":
+                    field.choice.values.extend(v)
+                elif v is not None and v is not False:
+                    setattr(field, key, v)
+        elif isinstance(value, Mapping):
             field.update(value)
         elif isinstance(value, (list, tuple)):
             field.extend(value)

@@ -19,7 +19,7 @@ from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder
 from serving.core.async_engine import EngineDeadError
 from serving.core.request import FinishReason, Priority
-from serving.core.sampling_params import SamplingParams
+from serving.core.sampling_params import SamplingParams, StructuredOutput
 from serving.core.scheduler import QueueFullError
 from serving.server.servicer import InferenceServicer
 from serving.validation import check_vocabulary
@@ -33,9 +33,9 @@ def delta(out) -> Delta:
     """The engine's step output (serving.core.output_processor.StepOutput) as the response builder's delta."""
     r = out.request
     if not out.finished:
-        return Delta(out.index, out.new_text, out.logprobs)
+        return Delta(out.index, out.new_text, out.logprobs, token_ids=out.new_token_ids)
     return Delta(out.index, out.new_text, out.logprobs, out.finish_reason.value, r.num_output_tokens,
-                 cached_tokens=r.metrics.num_cached_prompt_tokens)
+                 cached_tokens=r.metrics.num_cached_prompt_tokens, token_ids=out.new_token_ids)
 
 
 class _Run(MergedRun):
@@ -117,10 +117,13 @@ class OpenAIServer:
     """The HTTP app over the gRPC servicer's engine; `start` serves it on the running loop, `stop` closes it."""
 
     def __init__(self, servicer: InferenceServicer, *, model_name: str, max_request_bytes: int = 1 << 20,
-                 retry_after_s: float = 1.0):
+                 retry_after_s: float = 1.0, tool_call_parser: str = ""):
+        """tool_call_parser: the model's tool-call format (serving.api.tools); the reasoning parser is the
+        engine's (EngineConfig.reasoning_parser)."""
         self.servicer = servicer
         self.engine = servicer.engine
         self.model_name = model_name
+        self.tool_call_parser = tool_call_parser
         self.max_request_bytes = max_request_bytes
         self.retry_after_s = retry_after_s
         self.created = int(time.time())
@@ -159,8 +162,14 @@ class OpenAIServer:
     def _params(self, ereq: protocol.EngineRequest) -> SamplingParams:
         """The engine's SamplingParams: serving.validation's checks, the gRPC servicer's reasons."""
         try:
-            params = SamplingParams(**ereq.sampling)
+            kw = dict(ereq.sampling)
+            if "structured" in kw:  # a reasoning model's reasoning stays free: the grammar applies after it
+                kw["structured"] = StructuredOutput(**kw["structured"],
+                                                    after_reasoning=bool(self.engine.config.reasoning_parser))
+            params = SamplingParams(**kw)
             check_vocabulary(params, self.engine.model_config.vocab_size)
+            if params.structured is not None:  # compiled (or found in the cache) before anything is queued
+                self.engine.structured.compile(params.structured)
         except ValueError as e:
             raise protocol.api_error(e, ereq.renames) from e
         return params
@@ -183,7 +192,7 @@ class OpenAIServer:
 
             def build():
                 if chat:
-                    return protocol.chat_request(req, tok, PRIORITIES)
+                    return protocol.chat_request(req, tok, PRIORITIES, tool_call_parser=self.tool_call_parser)
                 return protocol.completion_request(req, tok, self.engine.model_config.vocab_size, PRIORITIES)
             ereq = await by_size(raw, build)
             params = self._params(ereq)
@@ -196,7 +205,8 @@ class OpenAIServer:
         builder = ResponseBuilder(
             chat=chat, response_id=response_id, model=self.model_name, created=int(time.time()), n=params.n,
             prompt_lengths=[len(p.token_ids) for p in ereq.prompts], tokenizer=tok, logprobs=params.logprobs,
-            echo_texts=[p.text for p in ereq.prompts] if ereq.echo else None, include_usage=ereq.include_usage)
+            echo_texts=[p.text for p in ereq.prompts] if ereq.echo else None, include_usage=ereq.include_usage,
+            reasoning_parser=self.engine.config.reasoning_parser, tool_parser=ereq.tool_parser)
         return await respond(request, run, builder, stream=ereq.stream, count_error=self._count)
 
     # ------------------------------------------------------------------ other endpoints

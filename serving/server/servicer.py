@@ -16,7 +16,7 @@ import grpc
 from serving.api.protocol import check_token_ids, encode_chat
 from serving.core.async_engine import AsyncEngine, EngineDeadError
 from serving.core.request import FinishReason, Priority
-from serving.core.sampling_params import SamplingParams
+from serving.core.sampling_params import SamplingParams, StructuredOutput
 from serving.core.scheduler import PromptTooLongError, QueueFullError
 from serving.server.proto import meshserve_pb2 as pb
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
@@ -35,6 +35,24 @@ FINISH_REASONS = {
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server retry hint
 STEP_WINDOW_S = 10.0
 LARGE_REQUEST_BYTES = 32 << 10  # parsed and tokenized off the event loop
+
+
+def structured_output(sp: pb.SamplingParameters) -> StructuredOutput | None:
+    """meshserve.v1's StructuredOutput as the engine's (None when unset); raises ValueError naming the field."""
+    if not sp.HasField("structured"):
+        return None
+    so = sp.structured
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured: set one of json_schema, json_object, regex, grammar, choice")
+    value = getattr(so, kind)
+    if kind == "choice":
+        value = tuple(value.values)
+    elif kind == "json_object" and not value:
+        raise ValueError("structured.json_object: set it to true, or leave structured unset")
+    elif isinstance(value, str) and not value:
+        raise ValueError(f"structured.{kind}: empty")
+    return StructuredOutput(**{kind: value}, after_reasoning=so.after_reasoning)
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,6 +122,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.draining = False
         self.model_name = ""  # ModelInfo's served_model_name and http_port (set by the InstanceServer)
         self.http_port = 0
+        self.tool_call_parser = self.reasoning_parser = ""  # ModelInfo's chat parsers (set by the InstanceServer)
         self.inflight: dict[str, float] = {}  # request id -> arrival (monotonic)
         self._on_drain_change = on_drain_change
         self._idle = asyncio.Event()
@@ -168,8 +187,10 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     def _sampling_params(self, sp: pb.SamplingParameters) -> SamplingParams:
         """The shared checks (serving.validation), then token ids against the vocabulary, as the gateway runs them."""
         try:
-            params = SamplingParams(**sampling_fields(sp))
+            params = SamplingParams(**sampling_fields(sp), structured=structured_output(sp))
             check_vocabulary(params, self.engine.model_config.vocab_size)
+            if params.structured is not None:  # compiled (or found in the cache) before anything is queued
+                self.engine.structured.compile(params.structured)
         except ValueError as e:
             raise InvalidArgument(f"sampling.{e}") from e
         return params
@@ -353,7 +374,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             devices=[str(d) for d in e.devices], instance_id=self.options.instance_id,
             max_waiting_requests=c.max_waiting_requests * c.dp, max_waiting_tokens=c.max_waiting_tokens * c.dp,
             max_request_bytes=self.options.max_request_bytes, served_model_name=self.model_name,
-            http_port=self.http_port)
+            http_port=self.http_port, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
         def snapshot(engine):

@@ -157,7 +157,7 @@ GRPC_SAMPLING = {
 @st.composite
 def generate_requests(draw) -> GrpcCase:
     """A GenerateRequest with its fields drawn in or out of their ranges, and the deadline to send it with."""
-    pick = Faults(draw, ["request_id", "prompt", "priority", *GRPC_SAMPLING])
+    pick = Faults(draw, ["request_id", "prompt", "priority", "structured", *GRPC_SAMPLING])
     req = pb.GenerateRequest()
     unique = uuid.uuid4().hex  # ids of requests that run are unique: ALREADY_EXISTS is not what is tested here
     req.request_id = pick("request_id", st.sampled_from(["", unique, unique.ljust(MAX_REQUEST_ID, "r")]) | st.text(
@@ -185,6 +185,18 @@ def generate_requests(draw) -> GrpcCase:
                 getattr(sp, name).extend(value)
             elif value is not None:
                 setattr(sp, name, value)
+    # Structured outputs: only wrong ones are drawn (a valid grammar refuses ignore_eos and min_tokens, which the
+    # other draws set freely): no kind set, and grammars that do not compile.
+    structured = pick("structured", st.none(), st.sampled_from(
+        [("empty", None), ("regex", "a(("), ("json_schema", "{"), ("json_schema", '{"type": 5}'),
+         ("grammar", "start: nowhere"), ("choice", [])]))
+    if structured is not None:
+        kind, value = structured
+        req.sampling.structured.SetInParent()
+        if kind == "choice":
+            req.sampling.structured.choice.SetInParent()
+        elif kind != "empty":
+            setattr(req.sampling.structured, kind, value)
     # Priority is an open enum: any int32 arrives as that number.
     req.priority = pick("priority", st.sampled_from([0, 1]), ints(*INT32, 2))
     req.tenant = draw(st.text(max_size=12))
@@ -226,6 +238,11 @@ def generate_faults(req: pb.GenerateRequest, tokenizer) -> set[str]:
     check("n", not has("n") or 1 <= sp.n <= MAX_N)
     check("logit_bias", len(sp.logit_bias) <= MAX_LOGIT_BIAS and all(
         0 <= t < VOCAB and _finite_in(b, -100.0, 100.0) for t, b in sp.logit_bias.items()))
+    if has("structured"):  # every drawn one is wrong (see generate_requests); so are these beside any grammar
+        kind = sp.structured.WhichOneof("kind")
+        bad.update({"sampling.structured", f"sampling.structured.{kind}"})
+        check("ignore_eos", not sp.ignore_eos)
+        check("min_tokens", sp.min_tokens == 0)
 
     ids = None
     if which is None:
@@ -551,8 +568,11 @@ def http_requests(draw) -> HttpCase:
               lambda v: isinstance(v, list) and all(isinstance(t, dict) for t in v))
         field("tool_choice", st.sampled_from([ABSENT, None, "none", "auto"]),
               st.sampled_from(["required", {"type": "function"}, 5]), lambda v: v in ("none", "auto"))
+        # (json_object and json_schema are valid too, but refuse ignore_eos and min_tokens: tested on their own in
+        # tests/serving/server/test_http.py, not drawn here, where the expected error must be one field's.)
         field("response_format", st.sampled_from([ABSENT, None, {}, {"type": "text"}]),
-              st.sampled_from([{"type": "json_object"}, {"type": None}, 5]),
+              st.sampled_from([{"type": None}, 5, {"type": "yaml"}, {"type": "json_schema"},
+                               {"type": "json_schema", "json_schema": {"schema": 5}}]),
               lambda v: isinstance(v, dict) and v.get("type", "text") == "text")
         boolean("add_generation_prompt")
         field("chat_template_kwargs", st.sampled_from([ABSENT, None, {}, {"enable_thinking": False},

@@ -65,6 +65,8 @@ def test_config_parses_pools_tenants_lanes():
     ({"tenants": [{"name": "x", "pools": ["nope"]}]}, "tenants[0].pools"),
     ({"tenants": [{"name": "x", "api_keys": ["adm"]}]}, "tenants[0].api_keys"),
     ({"bogus": 1}, "bogus: unknown key"),
+    ({"tool_call_parser": "json"}, "tool_call_parser: unknown 'json'"),
+    ({"reasoning_parser": "o1"}, "reasoning_parser: unknown 'o1'"),
     ({"pools": [{"name": "a", "instances": [{"name": "i0", "target": "nohost"}]}]}, "pools[0].instances[0].target"),
     ({"pools": [{"name": "a", "instances": [{"name": "i0", "target": "h:1"}, {"name": "i0", "target": "h:2"}]}]},
      "defined twice"),

@@ -176,7 +176,8 @@ def test_http_api_without_a_tokenizer_forwards_text_and_chats(tmp_path):
             stream = await post("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": True,
                                                     "stream_options": {"include_usage": True}})
             refused = [await post("/v1/chat/completions", {
-                "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}),
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [{"type": "function", "function": {"name": "f"}}]}),
                 await post("/v1/completions", {"prompt": [5, 6], "echo": True}),
                 await post("/tokenize", {"prompt": "x"})]
         finally:

@@ -4,10 +4,12 @@ by a plain HTTP client for the SSE bytes and the error bodies; the gRPC API keep
 import asyncio
 import http.client
 import json
+import re
 import time
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.synthetic import shared_small_llama
 from models.tokenizer import Tokenizer
 from serving.process import ServerProcess
-from serving.server.client import Client
+from serving.server.client import Client, ClientError
 from tests.support.server import running, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -188,6 +190,54 @@ def test_logit_bias_forces_a_token(oai, tok):
         out = oai.completions.create(model=MODEL, prompt="x = 1", max_tokens=5, logit_bias={str(forced): 100},
                                      extra_body=LONG, **sampling)
         assert out.choices[0].text == tok.decode([forced] * 5)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                          "pets": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                   "maxItems": 2}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+
+
+def test_structured_outputs_through_openai_and_grpc(server, oai, base, grpc_client):
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=120, temperature=1.0, n=3,
+                                    response_format=fmt)
+    for c in r.choices:
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in oai.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=120, temperature=1.0, seed=5, stream=True, response_format=fmt))
+    jsonschema.validate(json.loads(streamed), PERSON)
+    r = oai.completions.create(model=MODEL, prompt="Request line:", max_tokens=40, temperature=1.0,
+                               extra_body={"structured_outputs": {"regex": r"(GET|PUT) /[a-z]{1,5} HTTP/1\.1"}})
+    assert re.fullmatch(r"(GET|PUT) /[a-z]{1,5} HTTP/1\.1", r.choices[0].text), r.choices[0].text
+    r = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=1.0,
+                                    extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert r.choices[0].message.content in ("left", "right")
+    # meshserve.v1: the same grammar; a greedy constrained answer never takes the free argmax.
+    out = grpc_client.complete(CHAT[1]["content"], max_tokens=120, temperature=0.0,
+                                    structured={"json_schema": json.dumps(PERSON)})
+    jsonschema.validate(json.loads(out.text), PERSON)
+    # A grammar that does not compile: 400 naming it (HTTP), INVALID_ARGUMENT (gRPC); nothing queued.
+    status, body, _ = post(base, "/v1/chat/completions", {
+        "model": MODEL, "messages": CHAT, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}})
+    assert status == 400 and body["error"]["param"].startswith("response_format"), body
+    assert "does not compile" in body["error"]["message"]
+    status, body, _ = post(base, "/v1/completions", {"model": MODEL, "prompt": "x",
+                                                     "structured_outputs": {"regex": "a((", "choice": ["a"]}})
+    assert status == 400 and body["error"]["param"] == "structured_outputs", body
+    with pytest.raises(ClientError) as e:
+        grpc_client.complete("x", structured={"regex": "a(("})
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling.structured.regex" in e.value.details
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    counters = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert counters["meshserve:structured_requests_total"] >= 5
+    assert counters["meshserve:grammar_compiles_total"] >= 3 and counters["meshserve:grammar_mask_steps_total"] > 0
+    assert counters["meshserve:grammar_compile_seconds_total"] > 0
+    assert counters["meshserve:grammar_mask_seconds_total"] > 0
 
 
 def test_stop_strings(oai):
