@@ -9,6 +9,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import MLP, param
+from pallas_kernels.moe import grouped_expert_mlp
 from sharding.axes import EMBED, EXPERT, MLP as MLP_AXIS
 from sharding.mesh import axis_size, mesh_axis
 
@@ -26,8 +27,9 @@ class MoE(nnx.Module):
     sigmoid-gated shared expert (Qwen2-MoE).
 
     Expert weights are stored per physical slot ([num_slots, ...], num_slots >= num_experts; the extra slots
-    hold replicas of hot experts). Tokens are dispatched: each (token, expert) pair is sorted by slot and run
-    through grouped matmuls (`ragged_dot`), so a token costs k experts, not all of them. Under a mesh the slots
+    hold replicas of hot experts). Tokens are dispatched by slot to grouped matmuls
+    (`pallas_kernels.moe.grouped_expert_mlp`: the native CPU kernel, else `ragged_dot`), so a token costs k experts,
+    not all of them, and an expert no token selected is not read. Under a mesh the slots
     are split over 'expert' (and the expert MLP over 'tensor'); each device computes the pairs routed to its
     slots and the partial outputs are summed across devices.
     """
@@ -85,22 +87,13 @@ def expert_mlp(x, slots, weights, gate, up, down):
     expert_axis = mesh_axis(EXPERT) if axis_size(EXPERT) > 1 else None
     mlp_axis = mesh_axis(MLP_AXIS) if axis_size(MLP_AXIS) > 1 else None
     axes = [a for a in (expert_axis, mlp_axis) if a is not None]
-    t, k = slots.shape
 
     def local(x, slots, weights, gate, up, down):
+        # This device's slots [first, first + n_local): the others' pairs (and padding) become -1, no work here.
         n_local = gate.shape[0]
         first = jax.lax.axis_index(expert_axis) * n_local if expert_axis else 0
-        flat = slots.reshape(-1) - first
-        mine = (flat >= 0) & (flat < n_local) & (slots.reshape(-1) >= 0)
-        key = jnp.where(mine, flat, n_local)  # pairs for other devices' slots sort last and are not computed
-        order = jnp.argsort(key, stable=True)
-        group_sizes = jnp.zeros((n_local + 1,), jnp.int32).at[key].add(1)[:n_local]
-        token = order // k
-        xs = x[token]
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
-        out = jax.lax.ragged_dot(h, down, group_sizes)
-        w = jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(out.dtype)
-        y = jnp.zeros_like(x).at[token].add(out * w[:, None])
+        mine = (slots >= first) & (slots < first + n_local)
+        y = grouped_expert_mlp(x, jnp.where(mine, slots - first, -1), weights, gate, up, down)
         return jax.lax.psum(y, tuple(axes)) if axes else y
 
     if not axes:

@@ -1,6 +1,6 @@
 """Native CPU kernels (C++ in this directory) called from XLA:CPU programs through the XLA FFI: their build into a
 cache, load and per-CPU instruction-set choice (`build`, `enabled`, `isa`), and the calls `matmul`, `matmul_packed`
-(with `pack_weights`), `greedy_head` and `ragged_paged_attention`. Details: docs/native-kernels.md."""
+(with `pack_weights`), `greedy_head`, `ragged_paged_attention` and `expert_mlp`. Details: docs/native-kernels.md."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -34,7 +34,8 @@ _MATMUL = "meshserve_cpu_matmul"
 _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
 _GREEDY_HEAD = "meshserve_cpu_greedy_head"
-FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD)  # CPU only: never in a GPU/TPU program
+_EXPERT_MLP = "meshserve_cpu_expert_mlp"
+FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP)  # CPU only: never in a GPU/TPU program
 PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed weight panel
 BF16_K_ALIGN = 32  # packed bfloat16 weights pad K to a multiple of this (one AMX tile step)
 
@@ -213,6 +214,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_MATMUL_PACKED, jax.ffi.pycapsule(lib.MeshserveMatmulPacked), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(_GREEDY_HEAD, jax.ffi.pycapsule(lib.MeshserveGreedyHead), platform="cpu")
+    jax.ffi.register_ffi_target(_EXPERT_MLP, jax.ffi.pycapsule(lib.MeshserveExpertMlp), platform="cpu")
     _registered = True
     return None
 
@@ -505,6 +507,29 @@ def greedy_head(x: jax.Array, q: jax.Array, bounds: jax.Array, w: jax.Array, num
     out = (jax.ShapeDtypeStruct((m,), jnp.int32), jax.ShapeDtypeStruct((m,), jnp.int32))
     return jax.ffi.ffi_call(_GREEDY_HEAD, out)(x, q, bounds, w, num_rows.astype(jnp.int32).reshape(1),
                                                layout=np.int32(HEAD_LAYOUTS[layout]), isa=_isa_attr())
+
+
+def expert_mlp_supported(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> bool:
+    """Trace-time. Whether `expert_mlp` can run here: x [T, E] and row-major gate/up [S, E, I], down [S, I, E], all
+    float32 or all bfloat16."""
+    if not enabled() or not _single_device_context() or x.ndim != 2 or gate.ndim != 3:
+        return False
+    s, e, i = gate.shape
+    dt = jnp.dtype(x.dtype)
+    if dt not in PANELS or any(jnp.dtype(w.dtype) != dt for w in (gate, up, down)):
+        return False
+    return x.shape[1] == e and up.shape == (s, e, i) and down.shape == (s, i, e)
+
+
+def expert_mlp(x: jax.Array, slots: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
+               down: jax.Array) -> jax.Array:
+    """Pure. [T, E] in x's dtype: sum_k weights[t, k] * down_s(silu(x[t] @ gate_s) * (x[t] @ up_s)) with
+    s = slots[t, k] (slots < 0 or >= S: no work), accumulated in float32 (native/moe.h). Each selected expert's
+    weights are read once for all its tokens; experts no token selected are not read."""
+    _require()
+    call = jax.ffi.ffi_call(_EXPERT_MLP, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return call(x, jnp.asarray(slots, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up, down,
+                isa=_isa_attr())
 
 
 def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:

@@ -61,6 +61,11 @@ struct Kernels {
   void (*greedy_head)(const Runner&, Dt dt, const void* x, int64_t rows, int64_t K, int64_t Kq, const int8_t* q,
                       const float* scale, const float* bound, const HeadWeight& w, int32_t* tokens,
                       int32_t* candidates);
+  // Grouped expert MLP (moe.h): out[T, E] = sum_k weights[t, k] * SwiGLU expert slots[t, k] of x[t] (slot < 0 or
+  // >= S: none), gate/up [S, E, I], down [S, I, E]; x, the expert weights and out in `dt`, weights float32.
+  void (*expert_mlp)(const Runner&, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
+                     const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
+                     int64_t S, int64_t I, void* out);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

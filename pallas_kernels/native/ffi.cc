@@ -7,8 +7,9 @@
 // single-device CPU engine runs for every step size). matmul: the same on a row-major w[K, N] for small M, for
 // weights that are not packed. attention: the ragged paged attention of pallas_kernels/reference.py with an
 // online softmax. greedy head: the argmax of the exact logits of a few rows from an int8 screen of the LM head plus
-// a recheck of the rows its error bounds leave open. Work is split between the XLA intra-op thread pool's threads
-// and the calling thread.
+// a recheck of the rows its error bounds leave open. expert mlp: a mixture-of-experts layer's routed experts
+// (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once. Work is split between the XLA
+// intra-op thread pool's threads and the calling thread.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -180,6 +181,38 @@ ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
+                         ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                         ffi::Result<ffi::AnyBuffer> out, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto xd = x.dimensions(), sd = slots.dimensions(), wd = weights.dimensions();
+  auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
+  if (xd.size() != 2 || sd.size() != 2 || wd.size() != 2 || gd.size() != 3 || ud.size() != 3 || dd.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "expert mlp: expected x[T, E], slots[T, k], weights[T, k], gate/up[S, E, I], down[S, I, E]");
+  const int64_t T = xd[0], E = xd[1], topk = sd[1], S = gd[0], I = gd[2];
+  if (sd[0] != T || wd[0] != T || wd[1] != topk || gd[1] != E || ud[0] != S || ud[1] != E || ud[2] != I ||
+      dd[0] != S || dd[1] != I || dd[2] != E)
+    return ffi::Error::InvalidArgument("expert mlp: shapes do not match (x[T, E], slots/weights[T, k], gate/up[S, E, I], "
+                                       "down[S, I, E])");
+  const auto t = x.element_type();
+  if (!(t == ffi::DataType::F32 || t == ffi::DataType::BF16) || gate.element_type() != t ||
+      up.element_type() != t || down.element_type() != t || out->element_type() != t)
+    return ffi::Error::InvalidArgument("expert mlp: x, gate, up, down and out must all be f32 or all bf16");
+  if (static_cast<int64_t>(out->element_count()) != T * E)
+    return ffi::Error::InvalidArgument("expert mlp: out must be [T, E]");
+  if (!T || !E) return ffi::Error::Success();
+  if (!S || !I || !topk) {
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  kernels->expert_mlp(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, E,
+                      slots.typed_data(), weights.typed_data(), topk, gate.untyped_data(), up.untyped_data(),
+                      down.untyped_data(), S, I, out->untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace meshserve
 
@@ -231,4 +264,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGreedyHead, meshserve::GreedyHeadImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("layout")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveExpertMlp, meshserve::ExpertMlpImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa"));

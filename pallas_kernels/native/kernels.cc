@@ -7,6 +7,7 @@
 //   matmul.h       packed matmul (any rows) and small-M matmul on row-major weights, AMX where built for it
 //   attention.h    ragged paged attention with an online softmax
 //   greedy_head.h  greedy LM head: argmax of the exact logits from an int8 screen plus an exact recheck
+//   moe.h          grouped expert MLP (mixture of experts): each selected expert's weights read once per call
 //   simd.h         the vector operations all of them are written in; parallel.h work sharing and buffers
 #include <atomic>
 #include <cmath>
@@ -79,11 +80,12 @@ namespace {
 #include "matmul.h"
 #include "attention.h"
 #include "greedy_head.h"
+#include "moe.h"
 
 #define MESHSERVE_STR2(x) #x
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
 const Kernels kTable = {MESHSERVE_STR(MESHSERVE_NS), MatmulEntry, MatmulPackedEntry, AttentionEntry,
-                        GreedyHeadEntry};
+                        GreedyHeadEntry, ExpertMlpEntry};
 
 }  // namespace
 }  // namespace MESHSERVE_NS

@@ -5,7 +5,7 @@
 //   F                     a vector of kLanes float32
 //   M, Mask(n)            the first n lanes (tails of rows)
 //   Load/Store[M]         float32; LoadBf16[M]/StoreBf16M bfloat16 widened / rounded to nearest even; LoadI8 int8
-//   Fma(a, b, c)          a * b + c
+//   Fma(a, b, c)          a * b + c; Div(a, b) a / b
 //   Exp                   e^x for x <= 0 (softmax), ~1 ulp
 //   Pair*                 the bfloat16 pair layout of packed weights (rows k, k+1 of a column side by side):
 //                         PairDot(acc, x pair, w pairs) = acc + x[k] w[k, :] + x[k+1] w[k+1, :] over kLanes
@@ -45,6 +45,7 @@ struct VOps {
   static F Add(F a, F b) { return _mm512_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm512_div_ps(a, b); }
   static F Max(F a, F b) { return _mm512_max_ps(a, b); }
   static F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float ReduceAdd(F v) { return _mm512_reduce_add_ps(v); }
@@ -147,6 +148,7 @@ struct VOps {
   static F Add(F a, F b) { return _mm256_add_ps(a, b); }
   static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm256_div_ps(a, b); }
   static F Max(F a, F b) { return _mm256_max_ps(a, b); }
   static F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static float ReduceAdd(F v) {
@@ -248,6 +250,7 @@ struct VOps {
   static F Add(F a, F b) { return vaddq_f32(a, b); }
   static F Sub(F a, F b) { return vsubq_f32(a, b); }
   static F Mul(F a, F b) { return vmulq_f32(a, b); }
+  static F Div(F a, F b) { return vdivq_f32(a, b); }
   static F Max(F a, F b) { return vmaxq_f32(a, b); }
   static F Fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
   static float ReduceAdd(F v) { return vaddvq_f32(v); }
@@ -363,6 +366,7 @@ struct VOps {
   static F Add(F a, F b) { return a + b; }
   static F Sub(F a, F b) { return a - b; }
   static F Mul(F a, F b) { return a * b; }
+  static F Div(F a, F b) { return a / b; }
   static F Max(F a, F b) {
     F r;
     for (int i = 0; i < 4; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];

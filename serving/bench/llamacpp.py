@@ -30,12 +30,14 @@ def _rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
-    """Writes `model_dir` (a LlamaForCausalLM in safetensors) as GGUF at `path`; returns the path."""
+    """Writes `model_dir` (a LlamaForCausalLM, or a MixtralForCausalLM with per-expert w1/w2/w3, in safetensors) as
+    GGUF at `path` (llama.cpp's "llama" architecture; Mixtral's experts stacked as ffn_{gate,up,down}_exps and its
+    router as ffn_gate_inp); returns the path."""
     import gguf
     model_dir, path = Path(model_dir), Path(path)
     cfg = ModelConfig.from_pretrained(str(model_dir))
-    if cfg.family != "llama":
-        raise ValueError(f"write_gguf handles Llama checkpoints, not {cfg.family!r}")
+    if cfg.family not in ("llama", "mixtral"):
+        raise ValueError(f"write_gguf handles Llama and Mixtral checkpoints, not {cfg.family!r}")
     if cfg.rope.rope_type != "default":
         raise ValueError(f"write_gguf writes plain RoPE only, not {cfg.rope.rope_type!r}")
     tensors = SafetensorsCheckpoint(str(model_dir))
@@ -45,7 +47,11 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    moe = cfg.family == "mixtral"
+    w.add_feed_forward_length(cfg.moe_intermediate_size if moe else cfg.intermediate_size)
+    if moe:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(cfg.head_dim)
@@ -84,6 +90,13 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
         add(f"blk.{i}.attn_v.weight", tensors.get(p + "self_attn.v_proj.weight"))
         add(f"blk.{i}.attn_output.weight", tensors.get(p + "self_attn.o_proj.weight"))
         add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+        if moe:  # [n_expert, out, in] per projection (GGUF lists dimensions innermost first)
+            m = p + "block_sparse_moe."
+            add(f"blk.{i}.ffn_gate_inp.weight", tensors.get(m + "gate.weight"))
+            for name, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                add(f"blk.{i}.ffn_{name}_exps.weight",
+                    np.stack([tensors.get(f"{m}experts.{j}.{hf}.weight") for j in range(cfg.num_experts)]))
+            continue
         add(f"blk.{i}.ffn_gate.weight", tensors.get(p + "mlp.gate_proj.weight"))
         add(f"blk.{i}.ffn_up.weight", tensors.get(p + "mlp.up_proj.weight"))
         add(f"blk.{i}.ffn_down.weight", tensors.get(p + "mlp.down_proj.weight"))

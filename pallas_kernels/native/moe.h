@@ -1,0 +1,245 @@
+// Grouped expert MLP for mixture-of-experts layers (included inside an instruction set's namespace, after
+// matmul.h, whose small-M tiles it reuses):
+//
+//   y[t] = sum_k w[t, k] * down_s(silu(x[t] @ gate_s) * (x[t] @ up_s)),   s = slots[t, k]; s < 0 (or >= S): no work
+//
+// with gate/up [S, E, I] and down [S, I, E] row-major per slot. The (token, k) pairs are grouped by slot (counting
+// sort, token order kept), so each selected expert's weights are read once for all the tokens routed to it and an
+// expert no token selected is not read at all: a decode step costs the bytes of the experts it routes to.
+//
+// Two parallel passes over the caller's threads:
+//   1. gate|up: units of (selected expert, chunk of I's columns); both weights' columns multiply the expert's
+//      gathered token rows in float32 and SwiGLU writes h[pair, I] (float32) for every pair of the expert;
+//   2. down + combine: units of chunks of E's columns (so no two threads write one output element); each sweeps
+//      every selected expert's down columns with its h rows and adds w[t, k] * out into the tokens' rows, in slot
+//      order (float32), then writes the chunk of y (rounded to bfloat16 once, for bf16).
+// bfloat16: x @ gate|up take the pair dot products where the CPU has them (else widened in registers, as the
+// matmul); h stays float32 and the down weights are widened in registers.
+
+// Rows rowp[0..rows) of x, columns [k0, k0 + kb), packed k-major as the tiles read them (matmul.h PackX).
+inline void PackRows(const float* const* rowp, int64_t rows, int64_t k0, int64_t kb, float* xt) {
+  for (int64_t k = 0; k < kb; ++k)
+    for (int64_t r = 0; r < rows; ++r) xt[k * rows + r] = rowp[r][k0 + k];
+}
+inline void PackRows(const uint16_t* const* rowp, int64_t rows, int64_t k0, int64_t kb, float* xt) {
+  for (int64_t k = 0; k < kb; ++k)
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint32_t b = static_cast<uint32_t>(rowp[r][k0 + k]) << 16;
+      std::memcpy(xt + k * rows + r, &b, 4);
+    }
+}
+inline void PackRows(const uint16_t* const* rowp, int64_t rows, int64_t k0, int64_t kb, int32_t* xt) {
+  for (int64_t k = 0; k < kb; k += 2)
+    for (int64_t r = 0; r < rows; ++r) {
+      int32_t v = rowp[r][k0 + k];
+      if (k + 1 < kb) v |= static_cast<int32_t>(rowp[r][k0 + k + 1]) << 16;
+      xt[(k / 2) * rows + r] = v;
+    }
+}
+
+// One tile: pair dot products where x comes as bfloat16 pairs (XTT int32), else float32 x against float32 or
+// bfloat16 (widened) weights.
+template <int RT, int CB, typename XTT, typename WT>
+inline void GroupTile(const XTT* xt, const WT* w, int64_t ldw, int64_t kb, float* acc, int64_t lda,
+                      const V::M* masks, bool first) {
+#if MESHSERVE_BF16_PAIRS
+  if constexpr (std::is_same_v<XTT, int32_t>)
+    PairTile<RT, CB>(xt, w, ldw, kb, acc, lda, masks, first);
+  else
+#endif
+    WidenTile<RT, CB, WT>(xt, w, ldw, kb, acc, lda, masks, first);
+}
+
+// acc_j[Mp, width] (row stride lda) = rows[Mp, K] @ w_j[K, width] (row stride ldw) for the NW weights w_j that
+// read the same rows (gate and up), float32 accumulation, in tiles of RT rows: Mp = M rounded up to RT, the rows
+// past M read as zeros (`zero`: K zeros) and their accumulators are written but meaningless. (Every tile has RT rows:
+// a remainder tile per height would multiply the instantiations, and the build time, by ~16.) K is walked in
+// blocks of kKBlock rows, each block sweeping the columns panel by panel (matmul.h MatmulRows: the weight is read
+// once, as sequential row streams).
+template <int RT, typename XS, typename XTT, typename WT, int NW>
+void GroupedChunk(const XS* const* rowp, int64_t M, const XS* zero, int64_t K, const WT* const* w, int64_t ldw,
+                  int64_t width, float* const* acc, int64_t lda) {
+  constexpr int CB = CbFor(RT);
+  constexpr int64_t panel = V::kLanes * CB;
+  const int64_t tiles = (M + RT - 1) / RT;
+  thread_local Scratch xts_buf, rows_buf;
+  XTT* xts = xts_buf.Get<XTT>(static_cast<size_t>(tiles * RT * kKBlock));
+  const XS** rows = rows_buf.Get<const XS*>(static_cast<size_t>(tiles * RT));
+  for (int64_t r = 0; r < tiles * RT; ++r) rows[r] = r < M ? rowp[r] : zero;
+  for (int64_t k0 = 0; k0 < K; k0 += kKBlock) {
+    const int64_t kb = Min<int64_t>(kKBlock, K - k0);
+    for (int64_t t = 0; t < tiles; ++t) PackRows(rows + t * RT, RT, k0, kb, xts + t * RT * kKBlock);
+#pragma GCC unroll 2
+    for (int j = 0; j < NW; ++j) {
+      // The next block's rows into L2 while this one is swept panel by panel (the sweep reads each row a panel at a
+      // time, which the hardware prefetchers follow poorly: ~3x the bandwidth at a few rows per expert).
+      const int64_t next = k0 + kKBlock, nb = Min<int64_t>(kKBlock, K - next);
+      for (int64_t r = 0; r < nb; ++r) {
+        const char* row = reinterpret_cast<const char*>(w[j] + (next + r) * ldw);
+        for (int64_t l = 0; l < width * static_cast<int64_t>(sizeof(WT)); l += 64) PrefetchT1(row + l);
+      }
+      for (int64_t n0 = 0; n0 < width; n0 += panel) {
+        V::M masks[CB];
+        for (int c = 0; c < CB; ++c) masks[c] = V::Mask(width - n0 - V::kLanes * c);
+        for (int64_t t = 0; t < tiles; ++t)
+          GroupTile<RT, CB, XTT, WT>(xts + t * RT * kKBlock, w[j] + k0 * ldw + n0, ldw, kb,
+                                     acc[j] + t * RT * lda + n0, lda, masks, k0 == 0);
+      }
+    }
+  }
+}
+
+// Tile height for M rows: the smallest of 1, 2, 3, 4, 6, 8, 12, 16 (up to kMaxTileRows) that holds them, else the
+// tallest.
+inline int GroupTileRows(int64_t M) {
+  constexpr int kHeights[] = {1, 2, 3, 4, 6, 8, 12, 16};
+  for (int rt : kHeights)
+    if (rt <= kMaxTileRows && (rt >= M || rt == kMaxTileRows)) return rt;
+  return static_cast<int>(kMaxTileRows);
+}
+inline int64_t GroupPaddedRows(int64_t M) {
+  const int64_t rt = GroupTileRows(M);
+  return (M + rt - 1) / rt * rt;
+}
+
+template <typename XS, typename XTT, typename WT, int NW>
+void GroupedRows(const XS* const* rowp, int64_t M, const XS* zero, int64_t K, const WT* const* w, int64_t ldw,
+                 int64_t width, float* const* acc, int64_t lda) {
+  switch (GroupTileRows(M)) {
+#define MESHSERVE_ROWS(n) \
+  case n:                 \
+    if constexpr (n <= kMaxTileRows) return GroupedChunk<n, XS, XTT, WT, NW>(rowp, M, zero, K, w, ldw, width, acc, lda); \
+    return;
+    MESHSERVE_ROWS(1) MESHSERVE_ROWS(2) MESHSERVE_ROWS(3) MESHSERVE_ROWS(4) MESHSERVE_ROWS(6) MESHSERVE_ROWS(8)
+    MESHSERVE_ROWS(12) MESHSERVE_ROWS(16)
+#undef MESHSERVE_ROWS
+    default: return;
+  }
+}
+
+// h[i] = silu(h[i]) * u[i] = h u / (1 + e^-h), n elements.
+inline void SwiGlu(float* h, const float* u, int64_t n) {
+  const V::F one = V::Set1(1.0f), zero = V::Zero();
+  int64_t i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) {
+    const V::F g = V::Load(h + i);
+    V::Store(h + i, V::Div(V::Mul(g, V::Load(u + i)), V::Add(one, V::Exp(V::Sub(zero, g)))));
+  }
+  if (i < n) {
+    const V::M m = V::Mask(n - i);
+    const V::F g = V::LoadM(h + i, m);
+    V::StoreM(h + i, V::Div(V::Mul(g, V::LoadM(u + i, m)), V::Add(one, V::Exp(V::Sub(zero, g)))), m);
+  }
+}
+
+// y[i] += a * v[i], n elements.
+inline void AddScaled(float* y, const float* v, float a, int64_t n) {
+  const V::F av = V::Set1(a);
+  int64_t i = 0;
+  for (; i + V::kLanes <= n; i += V::kLanes) V::Store(y + i, V::Fma(av, V::Load(v + i), V::Load(y + i)));
+  if (i < n) {
+    const V::M m = V::Mask(n - i);
+    V::StoreM(y + i, V::Fma(av, V::LoadM(v + i, m), V::LoadM(y + i, m)), m);
+  }
+}
+
+// Columns per unit of work when N's columns are cut into `parts`: whole multiples of 64 (wide units: each weight row
+// is read as one long sequential run).
+inline int64_t GroupChunkCols(int64_t N, int64_t parts) {
+  const int64_t per = (N + Max<int64_t>(1, parts) - 1) / Max<int64_t>(1, parts);
+  return Max<int64_t>(64, (per + 63) / 64 * 64);
+}
+
+template <typename XT>
+void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32_t* slots, const float* weights,
+               int64_t topk, const XT* gate, const XT* up, const XT* down, int64_t S, int64_t I, XT* out) {
+  // x as the gate|up tiles read it: bfloat16 pairs where the CPU has pair dot products, else float32.
+  using XTT = std::conditional_t<std::is_same_v<XT, uint16_t> && V::kNativePairs, int32_t, float>;
+  // Group the pairs by slot (counting sort; token order within a slot).
+  thread_local Scratch count_buf, pos_buf, tok_buf, wt_buf, xrow_buf, hrow_buf, h_buf;
+  int64_t* start = count_buf.Get<int64_t>(static_cast<size_t>(S + 1));
+  std::memset(start, 0, (S + 1) * sizeof(int64_t));
+  const int64_t n = T * topk;
+  for (int64_t p = 0; p < n; ++p)
+    if (slots[p] >= 0 && slots[p] < S) ++start[slots[p] + 1];
+  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+  const int64_t pairs = start[S];
+  int64_t* fill = pos_buf.Get<int64_t>(static_cast<size_t>(S));
+  std::memcpy(fill, start, S * sizeof(int64_t));
+  int32_t* tok = tok_buf.Get<int32_t>(static_cast<size_t>(pairs));
+  float* wt = wt_buf.Get<float>(static_cast<size_t>(pairs));
+  for (int64_t p = 0; p < n; ++p)
+    if (slots[p] >= 0 && slots[p] < S) {
+      const int64_t q = fill[slots[p]]++;
+      tok[q] = static_cast<int32_t>(p / topk);
+      wt[q] = weights[p];
+    }
+  const XT** xrow = xrow_buf.Get<const XT*>(static_cast<size_t>(pairs));
+  const float** hrow = hrow_buf.Get<const float*>(static_cast<size_t>(pairs));
+  float* h = h_buf.Get<float>(static_cast<size_t>(pairs * I));
+  for (int64_t q = 0; q < pairs; ++q) {
+    xrow[q] = x + tok[q] * E;
+    hrow[q] = h + q * I;
+  }
+  thread_local Scratch xzero_buf, hzero_buf;  // the rows that pad a tile
+  XT* xzero = xzero_buf.Get<XT>(static_cast<size_t>(E + 1));
+  float* hzero = hzero_buf.Get<float>(static_cast<size_t>(I + 1));
+  std::memset(xzero, 0, E * sizeof(XT));
+  std::memset(hzero, 0, I * sizeof(float));
+  thread_local Scratch active_buf;
+  int32_t* active = active_buf.Get<int32_t>(static_cast<size_t>(S));  // the selected slots
+  int64_t na = 0;
+  for (int64_t s = 0; s < S; ++s)
+    if (start[s + 1] > start[s]) active[na++] = static_cast<int32_t>(s);
+
+  // 1. gate|up and SwiGLU into h.
+  if (na) {
+    // About two units per thread over all the selected experts (their costs differ with their token counts).
+    const int64_t threads = Max<int64_t>(1, run.threads);
+    const int64_t cw = GroupChunkCols(I, (2 * threads + na - 1) / na), chunks = (I + cw - 1) / cw;
+    ParallelFor(run, na * chunks, [&](int64_t unit) {
+      const int64_t s = active[unit / chunks], c0 = unit % chunks * cw, width = Min<int64_t>(cw, I - c0);
+      const int64_t q0 = start[s], m = start[s + 1] - q0;
+      thread_local Scratch gu_buf;
+      float* g = gu_buf.Get<float>(static_cast<size_t>(2 * GroupPaddedRows(m) * width));
+      float* u = g + GroupPaddedRows(m) * width;
+      const XT* w[2] = {gate + s * E * I + c0, up + s * E * I + c0};
+      float* acc[2] = {g, u};
+      GroupedRows<XT, XTT, XT, 2>(xrow + q0, m, xzero, E, w, I, width, acc, width);
+      for (int64_t r = 0; r < m; ++r) {
+        SwiGlu(g + r * width, u + r * width, width);
+        std::memcpy(h + (q0 + r) * I + c0, g + r * width, width * sizeof(float));
+      }
+    });
+  }
+
+  // 2. down and the weighted combine, by chunks of E's columns: one per thread (every chunk does the same work).
+  const int64_t cw = GroupChunkCols(E, run.threads), chunks = (E + cw - 1) / cw;
+  ParallelFor(run, chunks, [&](int64_t ci) {
+    const int64_t c0 = ci * cw, width = Min<int64_t>(cw, E - c0);
+    thread_local Scratch y_buf, o_buf;
+    float* y = y_buf.Get<float>(static_cast<size_t>(T * width));
+    std::memset(y, 0, T * width * sizeof(float));
+    for (int64_t a = 0; a < na; ++a) {
+      const int64_t s = active[a], q0 = start[s], m = start[s + 1] - q0;
+      float* o = o_buf.Get<float>(static_cast<size_t>(GroupPaddedRows(m) * width));
+      const XT* w[1] = {down + s * I * E + c0};
+      float* acc[1] = {o};
+      GroupedRows<float, float, XT, 1>(hrow + q0, m, hzero, I, w, E, width, acc, width);
+      for (int64_t r = 0; r < m; ++r) AddScaled(y + tok[q0 + r] * width, o + r * width, wt[q0 + r], width);
+    }
+    for (int64_t t = 0; t < T; ++t) StoreRow<XT>(y + t * width, out + t * E + c0, width);
+  });
+}
+
+void ExpertMlpEntry(const Runner& run, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
+                    const float* weights, int64_t topk, const void* gate, const void* up, const void* down, int64_t S,
+                    int64_t I, void* out) {
+  if (dt == Dt::kF32)
+    return ExpertMlp<float>(run, static_cast<const float*>(x), T, E, slots, weights, topk,
+                            static_cast<const float*>(gate), static_cast<const float*>(up),
+                            static_cast<const float*>(down), S, I, static_cast<float*>(out));
+  ExpertMlp<uint16_t>(run, static_cast<const uint16_t*>(x), T, E, slots, weights, topk,
+                      static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
+                      static_cast<const uint16_t*>(down), S, I, static_cast<uint16_t*>(out));
+}

@@ -1,0 +1,152 @@
+"""The grouped expert MLP (pallas_kernels/moe.py, native/moe.h) against a float64 NumPy oracle on every
+instruction-set path this CPU runs (forced in turn, as test_native.py does), float32 and bfloat16: empty experts,
+one expert taking every token, top-k 1..8, padding and out-of-range slots; and the ragged_dot fallback against the
+same oracle."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import moe, native
+from tests.pallas_kernels.test_native import RUNNABLE, _call
+
+needs_native = pytest.mark.skipif(native.machine_reason() is not None,
+                                  reason=f"native CPU kernels cannot run here: {native.machine_reason()}")
+
+
+@pytest.fixture(autouse=True)
+def _native_on(monkeypatch):
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    monkeypatch.delenv(moe.MOE_ENV_VAR, raising=False)
+
+
+@pytest.fixture(params=RUNNABLE)
+def isa(request, monkeypatch):
+    monkeypatch.setenv(native.ISA_ENV_VAR, request.param)
+    return request.param
+
+
+def oracle(x, slots, weights, gate, up, down):
+    """float64: sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]) over slots in [0, S)."""
+    x, weights = np.asarray(x, np.float64), np.asarray(weights, np.float64)
+    gate, up, down = (np.asarray(w, np.float64) for w in (gate, up, down))
+    y = np.zeros_like(x)
+    for t, row in enumerate(np.asarray(slots)):
+        for k, s in enumerate(row):
+            if 0 <= s < gate.shape[0]:
+                g, u = x[t] @ gate[s], x[t] @ up[s]
+                y[t] += weights[t, k] * ((g / (1 + np.exp(-g)) * u) @ down[s])
+    return y
+
+
+def operands(t, e, i, s, k, dtype, seed=0, slots=None):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((t, e)).astype(np.float32)
+    gate = (rng.standard_normal((s, e, i)) / np.sqrt(e)).astype(np.float32)
+    up = (rng.standard_normal((s, e, i)) / np.sqrt(e)).astype(np.float32)
+    down = (rng.standard_normal((s, i, e)) / np.sqrt(i)).astype(np.float32)
+    if slots is None:
+        slots = np.stack([rng.permutation(s)[:k] for _ in range(t)]) if k <= s else rng.integers(0, s, (t, k))
+    weights = rng.random((t, k)).astype(np.float32)
+    cast = lambda a: jnp.asarray(a, dtype)
+    return cast(x), jnp.asarray(slots, jnp.int32), jnp.asarray(weights), cast(gate), cast(up), cast(down)
+
+
+def check(out, args, dtype):
+    # The oracle on the operands as the kernel saw them (bf16 inputs widened exactly); bf16: h stays float32 in
+    # the kernel and y is rounded once.
+    want = oracle(*(np.asarray(jnp.asarray(a, jnp.float32)) if a.dtype == jnp.bfloat16 else np.asarray(a)
+                    for a in args))
+    got = np.asarray(jnp.asarray(out, jnp.float32), np.float64)
+    scale = np.abs(want).max() + 1e-30
+    tol = 1e-5 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(got, want, atol=tol * scale, rtol=tol)
+    assert out.dtype == dtype and out.shape == args[0].shape
+
+
+DTYPES = [jnp.float32, jnp.bfloat16]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", range(1, 9))
+def test_native_top_k_1_to_8(isa, dtype, k):
+    args = operands(t=7, e=48, i=40, s=8, k=k, dtype=dtype, seed=k)
+    assert moe.moe_backend(*args[:1], *args[3:]) == "native"
+    check(_call(native.expert_mlp, *args), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,i,s,k", [(1, 64, 96, 8, 2), (16, 96, 200, 8, 2), (37, 33, 17, 4, 3),
+                                       (64, 128, 64, 16, 4), (3, 1, 1, 2, 1)])
+def test_native_shapes(isa, dtype, t, e, i, s, k):
+    # Row counts per expert across every tile height (1..16 and past it), odd E and I (column and K tails).
+    args = operands(t, e, i, s, k, dtype, seed=t + e)
+    check(_call(native.expert_mlp, *args), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_one_expert_takes_every_token_others_empty(isa, dtype):
+    t, s = 40, 6
+    slots = np.full((t, 2), 3)
+    slots[:, 1] = -1  # the second choice is padding everywhere
+    args = operands(t, 64, 48, s, 2, dtype, slots=slots)
+    check(_call(native.expert_mlp, *args), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_padding_and_foreign_slots_do_no_work(isa, dtype):
+    # -1: padding; >= S: another device's slot (the sharded caller maps those to -1, the kernel skips both).
+    slots = np.array([[0, -1], [-1, -1], [5, 9], [2, 2], [-7, 1]])
+    args = operands(5, 32, 24, 4, 2, dtype, slots=slots)
+    out = _call(native.expert_mlp, *args)
+    check(out, args, dtype)
+    assert not np.asarray(out[1], np.float32).any()  # a token with no expert gets zeros
+
+
+@needs_native
+def test_native_all_padding_and_empty_inputs(isa):
+    args = operands(4, 32, 24, 4, 2, jnp.float32, slots=np.full((4, 2), -1))
+    assert not np.asarray(_call(native.expert_mlp, *args)).any()
+    args = operands(0, 32, 24, 4, 2, jnp.float32, slots=np.zeros((0, 2), np.int32))
+    assert _call(native.expert_mlp, *args).shape == (0, 32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ragged_dot_path_matches_the_oracle(monkeypatch, dtype):
+    monkeypatch.setenv(moe.MOE_ENV_VAR, "ragged_dot")
+    slots = np.array([[0, -1], [3, 1], [5, 2], [2, 2], [-7, 1]])
+    args = operands(5, 32, 24, 4, 2, dtype, slots=slots)
+    assert moe.moe_backend(*args[:1], *args[3:]) == "ragged_dot"
+    out = jax.jit(moe.grouped_expert_mlp)(*args)
+    if dtype == jnp.float32:
+        check(out, args, dtype)
+    else:  # XLA's bf16 path rounds h and every partial sum to bf16
+        want = oracle(*(np.asarray(jnp.asarray(a, jnp.float32)) if a.dtype == jnp.bfloat16 else np.asarray(a)
+                        for a in args))
+        np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=0.05 * np.abs(want).max())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entry_point_dispatch_and_switches(monkeypatch, dtype):
+    args = operands(6, 64, 32, 8, 2, dtype)
+    fn = lambda *a: moe.grouped_expert_mlp(*a)
+    text = jax.jit(fn).lower(*args).as_text()
+    assert "meshserve_cpu_expert_mlp" in text and "ragged_dot" not in text
+    native_out = jax.jit(fn)(*args)
+    monkeypatch.setenv(native.ENV_VAR, "xla")
+    assert moe.moe_backend(*args[:1], *args[3:]) == "ragged_dot"
+    xla_text = jax.jit(lambda *a: moe.grouped_expert_mlp(*a)).lower(*args).as_text()
+    assert "meshserve_cpu_expert_mlp" not in xla_text
+    xla_out = jax.jit(lambda *a: moe.grouped_expert_mlp(*a))(*args)
+    tol = 1e-5 if dtype == jnp.float32 else 0.05
+    np.testing.assert_allclose(np.asarray(native_out, np.float32), np.asarray(xla_out, np.float32),
+                               atol=tol * float(np.abs(np.asarray(xla_out, np.float32)).max()))
+    monkeypatch.setenv(native.ENV_VAR, "native")
+    monkeypatch.setenv(moe.MOE_ENV_VAR, "nonsense")
+    with pytest.raises(ValueError, match="MESHSERVE_MOE_KERNEL"):
+        moe.moe_backend(*args[:1], *args[3:])
