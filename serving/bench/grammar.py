@@ -444,7 +444,8 @@ def _violations(schema: dict, value, path: str = "$") -> list[str]:
         return errors + [f"{path}: not number"]
     if kind in ("integer", "number"):
         for key, bad in (("minimum", lambda lim: value < lim), ("maximum", lambda lim: value > lim),
-                         ("exclusiveMinimum", lambda lim: value <= lim), ("exclusiveMaximum", lambda lim: value >= lim)):
+                         ("exclusiveMinimum", lambda lim: value <= lim),
+                         ("exclusiveMaximum", lambda lim: value >= lim)):
             if key in schema and bad(schema[key]):
                 errors.append(f"{path}: {value} breaks {key} {schema[key]}")
     if kind == "string":

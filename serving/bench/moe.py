@@ -5,13 +5,13 @@ hidden 512, 8 experts of intermediate 1024, top-2, vocabulary 32000).
     python -m serving.bench moe [--only=kernel,throughput] [--dtypes=float32,bfloat16] [--quick]
 
 kernel: MoE layers' routed experts (`pallas_kernels.moe.grouped_expert_mlp`, 8 layers of distinct weights in turn,
-so they come from memory) at 1 and 16 tokens (decode steps) and 256 (a prefill chunk), time per layer against the memory roofline of the experts the tokens select (their
-bytes / read bandwidth measured now). throughput: the engine (`LLM`), 16 prompts x 128 tokens in -> 128 out greedy
-at batch 16 (all at once) and batch 1 (one at a time), output tok/s, and the batch-1 decode step against the
-roofline of the weights it reads (attention, the selected experts, the LM head or its int8 screen), and llama.cpp
-on the same checkpoint written as GGUF (`serving.bench.llamacpp`, where llama-cpp-python is installed), interleaved
-round by round. "ragged_dot" is the old path (MESHSERVE_MOE_KERNEL=ragged_dot at trace time: every other native
-kernel stays on), "native" the new.
+so they come from memory) at 1 and 16 tokens (decode steps) and 256 (a prefill chunk), time per layer against the
+memory roofline of the experts the tokens select (their bytes / read bandwidth measured now). throughput: the engine
+(`LLM`), 16 prompts x 128 tokens in -> 128 out greedy at batch 16 (all at once) and batch 1 (one at a time), output
+tok/s, and the batch-1 decode step against the roofline of the weights it reads (attention, the selected experts,
+the LM head or its int8 screen), and llama.cpp on the same checkpoint written as GGUF (`serving.bench.llamacpp`,
+where llama-cpp-python is installed), interleaved round by round. "ragged_dot" is the old path
+(MESHSERVE_MOE_KERNEL=ragged_dot at trace time: every other native kernel stays on), "native" the new.
 """
 from __future__ import annotations
 
@@ -214,8 +214,8 @@ def bench_throughput(bw: float):
             cpp.close()
         del llms
     table(f"mixtral-tiny, output tok/s, 16 x ({n_in} in, {n_out} out) greedy: batch 16 (all at once) and batch 1 "
-          f"(one at a time, {singles} prompts); batch-1 decode step (median) against the roofline of the bytes it reads "
-          f"(attention, selected experts, LM head screen) at {bw / 1e9:.1f} GB/s measured now",
+          f"(one at a time, {singles} prompts); batch-1 decode step (median) against the roofline of the bytes it "
+          f"reads (attention, selected experts, LM head screen) at {bw / 1e9:.1f} GB/s measured now",
           ["dtype", "MoE path", "kernels", "tok/s b16", "tok/s b1", "b1 step (ms)", "MB read / step",
            "of which experts", "roofline (ms)", "roofline/step"], rows)
 
