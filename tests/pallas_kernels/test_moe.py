@@ -130,6 +130,24 @@ def test_ragged_dot_path_matches_the_oracle(monkeypatch, dtype):
         np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=0.05 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("slots", [[[0, -1]], [[3, 1], [-7, 2]], [[2, 2], [5, 0]]])
+def test_gather_path_matches_the_oracle(monkeypatch, dtype, slots):
+    """XLA:CPU decode steps of a few (token, expert) pairs gather the selected experts (padding and foreign slots
+    weigh 0)."""
+    monkeypatch.setenv(native.ENV_VAR, "xla")
+    args = operands(len(slots), 32, 24, 4, 2, dtype, slots=np.array(slots))
+    assert moe.moe_backend(*args[:1], *args[3:], pairs=args[1].size) == "gather"
+    assert moe.moe_backend(*args[:1], *args[3:], pairs=moe.GATHER_MAX_PAIRS + 1) == "ragged_dot"
+    text = jax.jit(moe.grouped_expert_mlp).lower(*args).as_text()
+    assert "ragged_dot" not in text
+    out = jax.jit(moe.grouped_expert_mlp)(*args)
+    want = oracle(*(np.asarray(jnp.asarray(a, jnp.float32)) if a.dtype == jnp.bfloat16 else np.asarray(a)
+                    for a in args))
+    tol = 1e-5 if dtype == jnp.float32 else 0.05
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=tol * np.abs(want).max(), rtol=tol)
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_entry_point_dispatch_and_switches(monkeypatch, dtype):
