@@ -2,7 +2,8 @@
 native kernels it is one call of `native.expert_mlp` (each selected expert's weights read once for all its tokens,
 unselected experts not read at all; fused gate|up, SwiGLU, down and the weighted combine); on XLA:CPU a step of a few
 (token, expert) pairs gathers the selected experts' weights (`GATHER_MAX_PAIRS`); elsewhere (GPU, TPU, larger steps
-on XLA:CPU) the (token, expert) pairs are sorted by slot and run through `jax.lax.ragged_dot`. MESHSERVE_MOE_KERNEL=ragged_dot (or gather) forces that path (for comparisons)."""
+on XLA:CPU) the (token, expert) pairs are sorted by slot and run through `jax.lax.ragged_dot`.
+MESHSERVE_MOE_KERNEL=ragged_dot (or gather) forces that path (for comparisons)."""
 from __future__ import annotations
 
 import os
