@@ -35,6 +35,23 @@ CHATML_TURNS = (
 # What transformers reads a message's reasoning from; the first is the name templates use.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character each byte is written as in a token string -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_LEVEL_ALPHABET = _byte_level_alphabet()  # what a ByteLevel decoder undoes: token-string character -> byte
 # Prompt tokens kept as left context for the first decoded output token (vLLM uses the same number).
 _DETOKENIZER_PROMPT_CONTEXT = 5
 

@@ -249,19 +249,27 @@ def isa() -> str:
 
 
 @contextlib.contextmanager
-def use_isa(name: str):
-    """Programs traced inside take path `name` (as MESHSERVE_CPU_ISA would; jit a fresh function inside: a
-    program traced earlier keeps the path it was traced with)."""
-    before = os.environ.get(ISA_ENV_VAR)
-    os.environ[ISA_ENV_VAR] = name
+def env_var(name: str, value: str):
+    """Environment variable `name` set to `value` inside, as it was after (the kernel switches are read at trace
+    time)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
-        isa()
         yield
     finally:
         if before is None:
-            os.environ.pop(ISA_ENV_VAR, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[ISA_ENV_VAR] = before
+            os.environ[name] = before
+
+
+@contextlib.contextmanager
+def use_isa(name: str):
+    """Programs traced inside take path `name` (as MESHSERVE_CPU_ISA would; jit a fresh function inside: a
+    program traced earlier keeps the path it was traced with)."""
+    with env_var(ISA_ENV_VAR, name):
+        isa()
+        yield
 
 
 def _isa_attr() -> np.int32:

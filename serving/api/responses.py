@@ -7,27 +7,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from models.tokenizer import BYTE_LEVEL_ALPHABET
 from serving.api import reasoning as reasoning_api
 from serving.api import tools as tools_api
 
 DONE = b"data: [DONE]\n\n"
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet: the character each byte is written as in a token string -> the byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
 
 
 def sse(payload: dict) -> bytes:
@@ -122,8 +106,8 @@ class ResponseBuilder:
     def token_bytes(self, token_id: int) -> list[int]:
         """The token's own bytes (a byte-level BPE token may hold part of a character), else its text's UTF-8."""
         piece = self.tokenizer.id_to_token(token_id) if self._byte_level else None
-        if piece and all(c in _BYTE_LEVEL for c in piece):
-            return [_BYTE_LEVEL[c] for c in piece]
+        if piece and all(c in BYTE_LEVEL_ALPHABET for c in piece):
+            return [BYTE_LEVEL_ALPHABET[c] for c in piece]
         return list(self.token_text(token_id).encode("utf-8"))
 
     def _chat_logprobs(self, lps) -> list[dict]:

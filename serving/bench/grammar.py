@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 from absl import flags
 
-from models.tokenizer import Tokenizer
+from models.tokenizer import BYTE_LEVEL_ALPHABET, Tokenizer
 from serving.bench.harness import BENCH_WORKDIR, table
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -272,25 +272,12 @@ ENGINE_CLASSES = {c.name: c for c in (LLGuidanceEngine, XGrammarEngine, Outlines
 
 
 # ---------------------------------------------------------------------------------------------- the tokenizers
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's printable stand-in character -> byte, inverted (what a ByteLevel decoder undoes)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 def token_bytes(tokenizer: Tokenizer) -> list[bytes]:
     """Each token id's bytes (byte-level BPE vocabularies; added tokens as their UTF-8 text)."""
     decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
     if decoder.get("type") != "ByteLevel":
         raise ValueError(f"token_bytes: only ByteLevel decoders are handled, this tokenizer's is {decoder.get('type')}")
-    table = _byte_decoder()
+    table = BYTE_LEVEL_ALPHABET
     added = {t.content for t in tokenizer.backend.get_added_tokens_decoder().values()}
     out = [b""] * tokenizer.vocab_size
     for text, i in tokenizer.backend.get_vocab(with_added_tokens=True).items():

@@ -15,7 +15,6 @@ where llama-cpp-python is installed), interleaved round by round. "ragged_dot" i
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import time
@@ -47,19 +46,11 @@ def mixtral_tiny(dtype: str, workdir: str = BENCH_WORKDIR) -> str:
     return d
 
 
-@contextlib.contextmanager
 def moe_path(name: str):
     """Programs traced inside take MoE path `name` ("native": the default choice; "ragged_dot": forced)."""
+    from pallas_kernels import native
     from pallas_kernels.moe import MOE_ENV_VAR
-    before = os.environ.get(MOE_ENV_VAR)
-    os.environ[MOE_ENV_VAR] = "auto" if name == "native" else name
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(MOE_ENV_VAR, None)
-        else:
-            os.environ[MOE_ENV_VAR] = before
+    return native.env_var(MOE_ENV_VAR, "auto" if name == "native" else name)
 
 
 def _cpu_path() -> str:

@@ -65,7 +65,9 @@ class StructuredOutputs:
             self.reasoning = (ids[0], ids[1], inside)
         self._llg_tokenizer = None
         self._lock = threading.Lock()  # compiles run on the event loop, masks on the engine thread
-        self._cache: collections.OrderedDict[str, object] = collections.OrderedDict()
+        # Compiled matchers by request spec (LRU), and those compiled for a request not attached yet.
+        self._cache: collections.OrderedDict[StructuredOutput, object] = collections.OrderedDict()
+        self._fresh: set[StructuredOutput] = set()
         self.cache_size = cache_size
         self._live: weakref.WeakSet = weakref.WeakSet()
         # Figures for /metrics (serving/telemetry/metrics.py) and the benchmark.
@@ -135,27 +137,29 @@ class StructuredOutputs:
         return json.dumps({"grammars": [{"lark_grammar": lark}, {**body, "name": "body"}]})
 
     def compile(self, spec: StructuredOutput):
-        """The pristine matcher of `spec` (cached); raises ValueError naming the field when the grammar is bad."""
+        """The pristine matcher of `spec`, compiled on the first sight of it, then from the cache; raises ValueError
+        naming the field when the grammar is bad. The front ends call it while parsing a request (a bad grammar is
+        refused before anything is queued); `attach` then finds it here."""
+        with self._lock:
+            matcher = self._cache.get(spec)
+            if matcher is not None:
+                self._cache.move_to_end(spec)
+                return matcher
         import llguidance
         if spec.after_reasoning and self.reasoning is None:
             raise ValueError("structured.after_reasoning: this server has no reasoning parser (--reasoning_parser)")
-        key = self.grammar(spec)
+        t0 = time.perf_counter()
+        matcher = llguidance.LLMatcher(self._llg(), self.grammar(spec))
+        if matcher.is_error():
+            raise ValueError(f"structured.{spec.kind}: the grammar does not compile: {matcher.get_error()}")
         with self._lock:
-            matcher = self._cache.get(key)
-            if matcher is not None:
-                self._cache.move_to_end(key)
-                self.cache_hits += 1
-                return matcher
-            t0 = time.perf_counter()
-            matcher = llguidance.LLMatcher(self._llg(), key)
-            if matcher.is_error():
-                raise ValueError(f"structured.{spec.kind}: the grammar does not compile: {matcher.get_error()}")
             self.compiles += 1
             self.compile_time_s += time.perf_counter() - t0
-            self._cache[key] = matcher
+            self._cache[spec] = matcher
+            self._fresh.add(spec)  # its first request is a miss, not a cache hit
             if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-            return matcher
+                self._fresh.discard(self._cache.popitem(last=False)[0])
+        return matcher
 
     def attach(self, request) -> None:
         """Gives every sample of `request` its own grammar state (None when unconstrained). Raises ValueError."""
@@ -163,6 +167,11 @@ class StructuredOutputs:
         if spec is None:
             return
         pristine = self.compile(spec)
+        with self._lock:
+            if spec in self._fresh:
+                self._fresh.discard(spec)
+            else:
+                self.cache_hits += 1
         self.constrained_requests += 1
         for sample in request.samples:
             sample.grammar = GrammarState(pristine.deep_copy())
