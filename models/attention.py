@@ -11,9 +11,8 @@ from flax import nnx
 import pallas_kernels
 from models.batch import RaggedBatch
 from models.config import ModelConfig
-from models.layers import RMSNorm, param, zeros
+from models.layers import RMSNorm, linear, linear_param, zeros
 from models.rope import apply_rope, inverse_frequencies
-from pallas_kernels.matmul import dense_weight, matmul
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
 from sharding.mesh import axis_size, mesh_axis
 
@@ -21,10 +20,12 @@ from sharding.mesh import axis_size, mesh_axis
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = param(rngs, (e, hq, d), (EMBED, HEADS, HEAD_DIM), dtype)
-        self.k_proj = param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
-        self.v_proj = param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
-        self.o_proj = param(rngs, (hq, d, e), (HEADS, HEAD_DIM, EMBED), dtype)
+        quant = cfg.weight_quant
+        linear_param(self, "q_proj", rngs, (e, hq, d), (EMBED, HEADS, HEAD_DIM), dtype, (0,), quant)
+        linear_param(self, "k_proj", rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype, (0,), quant)
+        linear_param(self, "v_proj", rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype, (0,), quant)
+        linear_param(self, "o_proj", rngs, (hq, d, e), (HEADS, HEAD_DIM, EMBED), dtype, (0, 1), quant)
+        self.quant_group = quant.group if quant else 0
         if cfg.qkv_bias:
             self.q_bias = zeros((hq, d), (HEADS, HEAD_DIM), dtype)
             self.k_bias = zeros((hkv, d), (KV_HEADS, HEAD_DIM), dtype)
@@ -44,15 +45,16 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        g = self.quant_group
         if self.qkv_proj is not None:
-            qkv = matmul(x, self.qkv_proj[...])
+            qkv = linear(x, self, "qkv_proj", e, g)
             q = qkv[:, :hq * d].reshape(t, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
             v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].reshape(t, hkv, d)
         else:
-            q = matmul(x, dense_weight(self.q_proj, e)).reshape(t, hq, d)
-            k = matmul(x, dense_weight(self.k_proj, e)).reshape(t, hkv, d)
-            v = matmul(x, dense_weight(self.v_proj, e)).reshape(t, hkv, d)
+            q = linear(x, self, "q_proj", e, g).reshape(t, hq, d)
+            k = linear(x, self, "k_proj", e, g).reshape(t, hkv, d)
+            v = linear(x, self, "v_proj", e, g).reshape(t, hkv, d)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -62,7 +64,7 @@ class Attention(nnx.Module):
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
                                         sliding_window=self.sliding_window)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
-        y = matmul(out.reshape(t, -1), dense_weight(self.o_proj, hq * d))
+        y = linear(out.reshape(t, -1), self, "o_proj", hq * d, g)
         if self.o_bias_on:
             y = y + self.o_bias[...]
         return y, kv_pages

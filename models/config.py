@@ -67,6 +67,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "float32"  # the checkpoint's stored dtype
+    # Matmul weights held quantized (models.quant): "" (no), "int8" or "fp8" (e4m3); scales per output channel, or
+    # per `quantization_group` K rows (block-wise fp8 checkpoints)
+    quantization: str = ""
+    quantization_group: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -81,6 +85,12 @@ class ModelConfig:
             object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+
+    @property
+    def weight_quant(self):
+        """The `models.quant.WeightQuant` of the matmul weights, or None when they are not quantized."""
+        from models.quant import WeightQuant
+        return WeightQuant(self.quantization, self.quantization_group) if self.quantization else None
 
     @property
     def is_moe(self) -> bool:

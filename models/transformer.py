@@ -26,7 +26,7 @@ class DecoderLayer(nnx.Module):
         if cfg.moe_layers[layer]:
             self.mlp = MoE(cfg, dtype, rngs, num_slots=cfg.num_expert_slots)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.weight_quant)
 
     def __call__(self, x, positions, kv_pages, batch):
         h, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, batch)
@@ -122,9 +122,11 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[in
 
 
 def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
-                   sharding=None) -> list[jax.Array]:
+                   sharding=None, kv_cache_dtype: str = "auto") -> list[jax.Array]:
     """One zeroed KV buffer per layer, in the storage dtype the attention backend wants for `dtype`
     (`pallas_kernels.kv_storage_dtype`: uint16 bits for 16-bit floats on CPU)."""
+    if kv_cache_dtype != "auto":
+        raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r}")
     shape = kv_cache_shape(cfg, num_pages, page_size)
     dtype = pallas_kernels.kv_storage_dtype(dtype)
     # Committed to a device from the start, so the step's output caches match its inputs (one compile).

@@ -11,11 +11,14 @@ from flax import nnx
 from pallas_kernels import native
 
 
-def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
+def matmul(x: jax.Array, w: jax.Array, out_dtype=None, scale=None) -> jax.Array:
     """Pure. `x[..., K] @ w[K, N]` accumulated in float32, returned in `out_dtype` (default x's). On CPU the
     native kernel runs it where it can; otherwise XLA, asked for bf16 x bf16 -> f32 (its fast AMX/YNNPACK path,
-    ~4x faster than its bf16 -> bf16 dot)."""
+    ~4x faster than its bf16 -> bf16 dot). A quantized `w` (models.quant) comes with its `scale`: [N] per column or
+    [G, N] per group of K rows."""
     out_dtype = out_dtype or x.dtype
+    if scale is not None:
+        return _quantized_matmul(x, w, scale, out_dtype)
     if native.is_packed(w):  # panels packed at load (`pack_groups`)
         if native.packed_supported(x, w, out_dtype):
             return native.matmul_packed(x, w, out_dtype)
@@ -23,6 +26,22 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     if native.matmul_supported(x, w, out_dtype):
         return native.matmul(x, w, out_dtype)
     return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _quantized_matmul(x, w, scale, out_dtype):
+    """XLA: the weight converted to x's dtype inside the dot, the scales applied to the float32 accumulator."""
+    k, n = w.shape
+    wx = w.astype(x.dtype)
+    if scale.ndim == 1:
+        y = jnp.dot(x, wx, preferred_element_type=jnp.float32) * scale
+    else:
+        g = scale.shape[0]
+        if k % g:
+            raise ValueError(f"group-wise scales [{g}, {n}] need K ({k}) a multiple of the {g} groups")
+        parts = jnp.einsum("...gr,grn->...gn", x.reshape(x.shape[:-1] + (g, k // g)), wx.reshape(g, k // g, n),
+                           preferred_element_type=jnp.float32)
+        y = jnp.sum(parts * scale, axis=-2)
+    return y.astype(out_dtype)
 
 
 def dense_weight(param: nnx.Param, rows: int) -> jax.Array:
