@@ -106,7 +106,7 @@ def test_tiny_model_heldout_perplexity_with_quantized_weights():
                                                    max_pages=seq_len // 16), windows)
         greedy[kind] = PagedRunner(model, page_size=16, num_pages=64, max_pages=8).generate(prompts, 24)
     agree = {k: np.mean([a == b for g, f in zip(greedy[k], greedy["none"]) for a, b in zip(g, f)]) for k in greedy}
-    print(f"QUANT tiny target held-out ppl: " + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()) +
+    print("QUANT tiny target held-out ppl: " + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()) +
           "; greedy tokens equal to float: " + ", ".join(f"{k} {agree[k]:.0%}" for k in ("int8", "fp8")))
     assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01
     assert abs(ppl["fp8"] / ppl["none"] - 1) < 0.02

@@ -187,3 +187,26 @@ def test_pipeline_parallel(models, reference, name, layout):
     logits_ref, tokens_ref = reference[name]
     np.testing.assert_allclose(_prompt_logits(engine), logits_ref, atol=1e-4, rtol=1e-4)
     assert _greedy(Engine(cfg)) == tokens_ref
+
+
+QUANT_LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("mixtral", dict(ep=2)),
+                 ("qwen2_moe", dict(tp=2, ep=2))]
+
+
+@pytest.mark.parametrize("name, layout", QUANT_LAYOUTS, ids=[f"{n}-" + "-".join(f"{k}{v}" for k, v in l.items())
+                                                             for n, l in QUANT_LAYOUTS])
+def test_quantized_layout_matches_single_device(models, name, layout):
+    """int8 weights (scales sharded with them): every layout gives the single-device quantized engine's logits
+    and greedy tokens."""
+    quant = dict(quantization="int8")
+    ref_logits, ref_tokens = _prompt_logits(_engine(models[name], **quant)), _greedy(_engine(models[name], **quant))
+    engine = _engine(models[name], **quant, **layout)
+    attn = engine.runner.state["layers"][0]["self_attn"]
+    if "tp" in layout:
+        q, s = attn["q_proj"].get_value(), attn["q_proj_scale"].get_value()
+        assert q.dtype == np.int8 and q.sharding.spec[1] == "tensor" and s.sharding.spec[0] == "tensor"
+    if "ep" in layout:
+        s = engine.runner.state["layers"][0]["mlp"]["gate_proj_scale"].get_value()
+        assert s.sharding.spec[0] == "expert" and s.addressable_shards[0].data.shape[0] == 8 // layout["ep"]
+    np.testing.assert_allclose(_prompt_logits(engine), ref_logits, atol=1e-4, rtol=1e-4)
+    assert _greedy(_engine(models[name], **quant, **layout)) == ref_tokens
