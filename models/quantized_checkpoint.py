@@ -268,8 +268,8 @@ def _unpack_int8(ckpt: SafetensorsCheckpoint, module: str) -> np.ndarray:
     packed = _stored_any(ckpt, f"{module}.weight_packed", ("I32",))
     shape = tuple(int(v) for v in _stored_any(ckpt, f"{module}.weight_shape", ("I64", "I32")))
     if len(shape) != 2 or packed.ndim != 2 or packed.shape != (shape[0], math.ceil(shape[1] / 4)):
-        raise CheckpointError(f"tensor {module}.weight_packed has shape {packed.shape}, which does not hold 8-bit "
-                              f"values of weight_shape {shape}")
+        raise CheckpointError(f"tensor {module + '.weight_packed'!r} has shape {packed.shape}, which does not hold "
+                              f"8-bit values of weight_shape {shape}")
     unsigned = np.ascontiguousarray(packed).astype("<i4").view(np.uint8)[:, :shape[1]]
     return (unsigned.astype(np.int16) - 128).astype(np.int8)
 

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 
 import numpy as np
 import torch
@@ -68,24 +69,31 @@ def load_reference_model(ckpt_dir: str, route: str | None = None):
     import transformers as tf
     route = route or reference_route(ckpt_dir)
     kwargs = dict(dtype=torch.float32, attn_implementation="eager")
-    if route == "compressed-tensors":
-        return tf.AutoModelForCausalLM.from_pretrained(
-            ckpt_dir, quantization_config=tf.CompressedTensorsConfig(dequantize=True), **kwargs).eval()
-    if route == "fine-grained-fp8":
-        return tf.AutoModelForCausalLM.from_pretrained(
-            ckpt_dir, quantization_config=tf.FineGrainedFP8Config(dequantize=True), **kwargs).eval()
+    if route in ("compressed-tensors", "fine-grained-fp8"):
+        config = tf.CompressedTensorsConfig if route == "compressed-tensors" else tf.FineGrainedFP8Config
+        with warnings.catch_warnings():  # "the model's quantization_config is used": all but `dequantize`, as meant
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            return tf.AutoModelForCausalLM.from_pretrained(
+                ckpt_dir, quantization_config=config(dequantize=True), **kwargs).eval()
     with tempfile.TemporaryDirectory() as float_dir:
-        save_file(dequantized_weights(ckpt_dir), os.path.join(float_dir, "model.safetensors"),
-                  metadata={"format": "pt"})
-        with open(os.path.join(ckpt_dir, "config.json")) as f:
-            config = json.load(f)
-        config.pop("quantization_config")
-        with open(os.path.join(float_dir, "config.json"), "w") as f:
-            json.dump(config, f)
-        for name in os.listdir(ckpt_dir):
-            if name.startswith(("tokenizer", "generation_config", "special_tokens")):
-                shutil.copy(os.path.join(ckpt_dir, name), float_dir)
-        return tf.AutoModelForCausalLM.from_pretrained(float_dir, **kwargs).eval()
+        return tf.AutoModelForCausalLM.from_pretrained(write_dequantized_checkpoint(ckpt_dir, float_dir),
+                                                       **kwargs).eval()
+
+
+def write_dequantized_checkpoint(ckpt_dir: str, out_dir: str) -> str:
+    """The checkpoint with our dequantised weights (`dequantized_weights`) as a float32 HF checkpoint in `out_dir`,
+    without its quantization_config; returns `out_dir`."""
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(dequantized_weights(ckpt_dir), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(ckpt_dir, "config.json")) as f:
+        config = json.load(f)
+    config.pop("quantization_config")
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    for name in os.listdir(ckpt_dir):
+        if name.startswith(("tokenizer", "generation_config", "special_tokens")):
+            shutil.copy(os.path.join(ckpt_dir, name), out_dir)
+    return out_dir
 
 
 def reference_logits(ckpt_dir: str, ids: list[int], route: str | None = None) -> np.ndarray:
