@@ -16,6 +16,7 @@ from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
 FP8_E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 INT8 = np.dtype(np.int8)
 _STORED_NAME = {INT8: "I8", FP8_E4M3: "F8_E4M3"}
+_FP8_TO_FLOAT32 = np.arange(256, dtype=np.uint8).view(FP8_E4M3).astype(np.float32)  # 4x ml_dtypes' cast
 _FLOAT_NAMES = ("F32", "BF16", "F16", "F64")
 _CT_FORMATS = ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized")
 _STRATEGIES = ("channel", "tensor", "group", "block")
@@ -60,7 +61,9 @@ class QuantizedWeight:
 
     def dequantize(self) -> np.ndarray:
         """float32 [out, in]."""
-        return self.values.astype(np.float32) * element_scales(self.scales, self.block, self.values.shape)
+        values = _FP8_TO_FLOAT32[self.values.view(np.uint8)] if self.values.dtype == FP8_E4M3 else \
+            self.values.astype(np.float32)
+        return values * element_scales(self.scales, self.block, self.values.shape)
 
 
 def element_scales(scales: np.ndarray, block: tuple[int, int] | None, shape: tuple[int, int]) -> np.ndarray:
@@ -145,9 +148,12 @@ def _parse_compressed_tensors(q: dict) -> CheckpointQuantization:
     if fmt not in _CT_FORMATS + ("mixed-precision",):
         raise CheckpointError(f"quantization_config: compressed-tensors format {fmt!r} is not supported (supported: "
                               f"{', '.join(_CT_FORMATS)}, mixed-precision of those)")
-    for key in ("sparsity_config", "transform_config"):
-        if q.get(key):
-            raise CheckpointError(f"quantization_config: compressed-tensors {key} {q[key]!r} is not supported")
+    sparsity = q.get("sparsity_config") or {}
+    if sparsity and sparsity.get("format") != "dense":  # older llm-compressor records a "dense" one
+        raise CheckpointError(f"quantization_config: compressed-tensors sparsity_config {sparsity!r} is not supported")
+    if q.get("transform_config"):
+        raise CheckpointError(f"quantization_config: compressed-tensors transform_config {q['transform_config']!r} "
+                              f"is not supported")
     groups = q.get("config_groups") or {}
     if not groups:
         raise CheckpointError("quantization_config: compressed-tensors config without config_groups")

@@ -57,12 +57,7 @@ def quantize_weight(w: np.ndarray, kind: str, strategy: str, block: tuple[int, i
     amax = padded.reshape(grid[0], rows, grid[1], cols).max(axis=(1, 3))
     scales = amax / np.float32(_INT8_HALF_RANGE if kind == "int" else _FP8_MAX)
     scales = np.where(scales == 0, np.finfo(np.float32).eps, scales).astype(scale_dtype)
-    exact = scales.astype(np.float32)
-    if strategy in ("tensor", "channel"):
-        x = w / element_scales(np.broadcast_to(exact.reshape(-1), (out,)) if strategy == "tensor" else exact, None,
-                               w.shape)
-    else:
-        x = w / element_scales(exact, (rows, cols), w.shape)
+    x = w / element_scales(scales.astype(np.float32), (rows, cols), w.shape)
     if kind == "int":
         values = np.clip(np.round(x), -128, 127).astype(INT8)
     else:

@@ -14,8 +14,8 @@ import torch
 import transformers as tf
 from safetensors.numpy import save_file
 
-from models.quantized_checkpoint import (FP8_E4M3, INT8, CheckpointQuantization, QuantizedWeight, element_scales,
-                                         name_matches)
+from models.quantized_checkpoint import (FP8_E4M3, INT8, CheckpointQuantization, QuantizedWeight, WeightScheme,
+                                         element_scales, name_matches)
 from models.quantized_checkpoint_writer import (DEFAULT_IGNORE, SCHEMES, is_linear_weight, quantize_weight,
                                                 write_quantized_checkpoint)
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -193,7 +193,7 @@ REFUSED = [
     (_ct(fmt="nvfp4-pack-quantized"), "format 'nvfp4-pack-quantized'"),
     (_ct(fmt="dense"), "format 'dense'"),
     (_ct(fmt="marlin-24"), "format 'marlin-24'"),
-    ({**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config"),
+    ({**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparsity_config {'format': 'sparse-24-bitmask'}"),
     ({**_ct(), "transform_config": {"config_groups": {"u": {}}}}, "transform_config"),
     (_ct({"strategy": "tensor_group", "group_size": 16}), "weight strategy 'tensor_group'"),
     (_ct({"strategy": "group", "group_size": 128, "actorder": "group"}), "actorder 'group'"),
@@ -222,6 +222,22 @@ def test_refused_schemes_name_themselves(config, message):
 
 def test_no_quantization_config_is_none():
     assert CheckpointQuantization.from_config({"model_type": "llama"}) is None
+
+
+def test_a_released_llm_compressor_config_parses():
+    """FP8_DYNAMIC as llm-compressor 0.x wrote it (every optional key spelled out, a "dense" sparsity record)."""
+    args = {"actorder": None, "block_structure": None, "group_size": None, "num_bits": 8, "observer_kwargs": {},
+            "symmetric": True, "type": "float"}
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized", "global_compression_ratio": 1.24,
+              "ignore": ["lm_head"], "kv_cache_scheme": None, "quantization_status": "compressed",
+              "sparsity_config": {"format": "dense", "global_sparsity": 0.14, "sparsity_structure": "unstructured"},
+              "config_groups": {"group_0": {
+                  "targets": ["Linear"], "output_activations": None,
+                  "input_activations": {**args, "dynamic": True, "observer": None, "strategy": "token"},
+                  "weights": {**args, "dynamic": False, "observer": "minmax", "strategy": "channel"}}}}
+    quant = CheckpointQuantization.from_config({"quantization_config": config})
+    assert quant.groups[0] == WeightScheme(FP8_E4M3, "channel", None, "dynamic float8 per-token", False, ("Linear",))
+    assert quant.scheme_for("lm_head") is None and quant.scheme_for("model.layers.3.mlp.down_proj") is quant.groups[0]
 
 
 # ----------------------------------------------------------------------------------------- malformed tensors
