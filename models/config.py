@@ -236,4 +236,19 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     if kw["dtype"] not in ("float32", "bfloat16", "float16"):
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
+    kw["quantization"], kw["quantization_group"] = _checkpoint_quantization(hf)
     return ModelConfig(**kw)
+
+
+def _checkpoint_quantization(hf: dict[str, Any]) -> tuple[str, int]:
+    """(quantization, group) of a pre-quantized checkpoint's matmul weights (models.quantized_checkpoint); ("", 0)
+    when it declares none."""
+    from models.quantized_checkpoint import INT8, CheckpointQuantization
+    q = CheckpointQuantization.from_config(hf)
+    if q is None:
+        return "", 0
+    schemes = {(g.dtype, g.block[1] if g.block else 0) for g in q.groups}
+    if len(schemes) != 1:
+        raise _unsupported(f"quantization_config with {len(schemes)} different weight schemes (one per model only)")
+    (dtype, group), = schemes
+    return ("int8" if dtype == INT8 else "fp8"), group

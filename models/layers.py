@@ -2,10 +2,13 @@
 the embedding lookup. Matmuls go through `pallas_kernels.matmul` (native CPU kernels where they run)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.config import UnsupportedModelError
 from models.quant import WeightQuant, matmul_scale, quantize, scale_axes, scale_name
 from pallas_kernels.matmul import dense_weight, matmul
 from pallas_kernels.target import target_platform
@@ -23,6 +26,10 @@ def linear_param(owner: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, dtyp
     """Sets `owner.<name>`, a matmul weight contracting over axes `contract`: a float parameter, or with `quant` its
     quantized values (the random init quantized) and `owner.<name>_scale` (models.quant)."""
     p = param(rngs, shape, axes, dtype)
+    k = math.prod(shape[contract[0]:contract[-1] + 1])
+    if quant is not None and quant.group and k > quant.group and k % quant.group:
+        raise UnsupportedModelError(f"{name}: {k} input rows are not whole {quant.group}-row quantization blocks "
+                                    f"(block-wise scales need the input dimension a multiple of the block)")
     if quant is None:
         setattr(owner, name, p)
         return

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import ModelConfig
-from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, quantize, scale_name
+from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, num_groups, quantize, scale_name
+from models.quantized_checkpoint import CheckpointQuantization, QuantizedWeight, element_scales
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from models.transformer import CausalLM
 from sharding.experts import identity_placement
@@ -159,6 +160,7 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
     t0 = time.perf_counter()
     cfg = with_quantization(config or ModelConfig.from_pretrained(model_dir), quantization)
     ckpt = SafetensorsCheckpoint(model_dir)
+    ckpt_quant = _checkpoint_quantization(model_dir)
     graphdef, state, rest = nnx.split(abstract_model(cfg, dtype), nnx.Param, ...)
     used: set[str] = set()
     flat = dict(nnx.to_flat_state(state))
@@ -166,6 +168,11 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
         if str(path[-1]).endswith("_scale") and path[:-1] + (str(path[-1])[:-len("_scale")],) in flat:
             continue  # set with its weight
         names, fn = _hf_source(cfg, path)
+        stored = _stored_quantized(ckpt_quant, ckpt, names, path)
+        if stored is not None:
+            used.update(t for q in stored for t in q.tensors)
+            _set_from_quantized(cfg, path, var, flat, stored, fn, mesh, rules)
+            continue
         if any(n not in ckpt for n in names):
             names, fn = _alternative_source(ckpt, names, fn, str(path[-1]))
         missing = [n for n in names if n not in ckpt]
@@ -191,13 +198,76 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
                 scale_var.get_metadata().get("axes"), scale_var.shape, mesh, rules)))
         var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
     unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+              and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
     if unused:
         raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "
                               f"{unused[:3]} — an option the config does not declare?")
     model = nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
     log.info("loaded %s from %s in %.2fs", cfg.family, model_dir, time.perf_counter() - t0)
     return model
+
+
+# Parameters that are HF Linear weights (a pre-quantized checkpoint may hold any of them quantized).
+_LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
+           "shared_expert_gate", "lm_head"}
+# compressed-tensors' static KV-cache scales: our quantized cache keeps a scale per token (--kv_cache_dtype)
+_KV_SCALES = re.compile(r"\.(k_scale|v_scale)$")
+
+
+def _checkpoint_quantization(model_dir: str) -> CheckpointQuantization | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        q = CheckpointQuantization.from_config(json.load(f))
+    if q is not None and q.kv_cache:
+        log.info("%s: the checkpoint's static KV-cache scales are not used (--kv_cache_dtype quantizes the cache "
+                 "with a scale per token)", model_dir)
+    return q
+
+
+def _stored_quantized(ckpt_quant, ckpt, names: list[str], path) -> list[QuantizedWeight] | None:
+    """The checkpoint's quantized tensors behind a parameter, or None when it holds them in floating point."""
+    if ckpt_quant is None or str(path[-1]) not in _LINEAR:
+        return None
+    stored = [ckpt_quant.read_linear(ckpt, n) for n in names]
+    if all(q is None for q in stored):
+        return None
+    if any(q is None for q in stored):
+        raise CheckpointError(f"{names[0]!r}: the checkpoint quantizes some of the tensors of parameter "
+                              f"{'/'.join(map(str, path))} and not others")
+    return stored
+
+
+def _set_from_quantized(cfg: ModelConfig, path, var, flat, stored: list[QuantizedWeight], fn, mesh, rules) -> None:
+    """Sets a parameter from a checkpoint's quantized tensors: as they are (values in our layout, scales mapped with
+    them) when the model holds it quantized, else dequantized (e.g. a router the checkpoint quantized)."""
+    where = "/".join(map(str, path))
+    if not is_quantized(var):
+        host = fn(*[q.dequantize() for q in stored])
+    else:
+        if any(q.values.dtype != var.dtype for q in stored):
+            raise CheckpointError(f"{where}: the checkpoint holds {stored[0].values.dtype} values, the model "
+                                  f"{var.dtype}")
+        host = fn(*[q.values for q in stored])
+        # Each element's scale, moved to our layout like the values, then one per output column per group.
+        per_element = fn(*[element_scales(q.scales, q.block, q.values.shape) for q in stored])
+        contract = contracting_axes(cfg, path)
+        c0, c1 = contract[0], contract[-1] + 1
+        lead, k, out = per_element.shape[:c0], int(np.prod(per_element.shape[c0:c1])), per_element.shape[c1:]
+        group = cfg.quantization_group
+        rows = group if group and k > group else k
+        scale = np.ascontiguousarray(per_element.reshape(lead + (num_groups(k, group), rows) + out)[
+            (slice(None),) * len(lead) + (slice(None), 0)])
+        if not group:
+            scale = scale.reshape(lead + out)
+        scale_var = flat[path[:-1] + (scale_name(str(path[-1])),)]
+        if scale.shape != tuple(scale_var.shape):
+            raise CheckpointError(f"{where}: scales of shape {scale.shape}, expected {tuple(scale_var.shape)}")
+        scale_var.set_value(_place(scale, scale_var.dtype, param_sharding(
+            scale_var.get_metadata().get("axes"), scale_var.shape, mesh, rules)))
+    if tuple(host.shape) != tuple(var.shape):
+        raise CheckpointError(f"{where}: the checkpoint's tensors give shape {tuple(host.shape)}, expected "
+                              f"{tuple(var.shape)}")
+    var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
 
 
 def _init_routing_state(rest, cfg: ModelConfig, mesh: Mesh | None):

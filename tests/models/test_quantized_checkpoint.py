@@ -381,12 +381,20 @@ def test_our_float_model_on_the_dequantised_weights_matches_the_reference(family
 E2E = [("llama", s) for s in _scheme_for("llama")] + [
     (f, s) for f in ("qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for s in (
         "int8-w8a8", "fp8-dynamic", "deepseek-fp8")] + [
-    ("llama-whole", "int8-w8a16-g128"), ("llama-whole", "fp8-block"), ("llama-partial", "deepseek-fp8")]
+    ("llama-whole", "int8-w8a16-g128"), ("llama-whole", "fp8-block")]
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError,
-                   reason="needs the quantized model side of issue 24 (the lead's branch): load_hf_model on a "
-                          "quantized checkpoint directory returning a model with quantized parameters")
+def test_partial_blocks_are_refused_by_name(sources, tmp_path):
+    """Block-wise scales over an input dimension that is not whole blocks (HF's fine-grained fp8 cannot load these
+    either): refused at load, naming the weight and the block."""
+    from models.config import UnsupportedModelError
+    from models.weights import load_hf_model
+    out = str(tmp_path / "partial")
+    write_quantized_checkpoint(sources["llama-partial"], out, "deepseek-fp8")
+    with pytest.raises(UnsupportedModelError, match="q_proj: 192 input rows are not whole 128-row"):
+        load_hf_model(out, dtype=jnp.float32)
+
+
 @pytest.mark.parametrize("family,scheme", E2E)
 def test_quantized_checkpoint_logits_match_hf(family, scheme, sources, tmp_path):
     """`models.weights.load_hf_model(path, dtype=float32)` on a pre-quantized checkpoint keeps the quantized Linear
