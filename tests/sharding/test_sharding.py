@@ -189,7 +189,7 @@ def test_pipeline_parallel(models, reference, name, layout):
     assert _greedy(Engine(cfg)) == tokens_ref
 
 
-QUANT_LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("mixtral", dict(ep=2)),
+QUANT_LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("mixtral", dict(ep=2)), ("llama", dict(pp=2)),
                  ("qwen2_moe", dict(tp=2, ep=2))]
 
 
@@ -201,10 +201,13 @@ def test_quantized_layout_matches_single_device(models, name, layout):
     quant = dict(quantization="int8")
     ref_logits, ref_tokens = _prompt_logits(_engine(models[name], **quant)), _greedy(_engine(models[name], **quant))
     engine = _engine(models[name], **quant, **layout)
-    attn = engine.runner.state["layers"][0]["self_attn"]
+    attn = engine.runner.state["slots" if "pp" in layout else "layers"][0]["self_attn"]
     if "tp" in layout:
         q, s = attn["q_proj"].get_value(), attn["q_proj_scale"].get_value()
         assert q.dtype == np.int8 and q.sharding.spec[1] == "tensor" and s.sharding.spec[0] == "tensor"
+    if "pp" in layout:
+        s = attn["q_proj_scale"].get_value()
+        assert attn["q_proj"].get_value().dtype == np.int8 and s.sharding.spec[0] == "pipeline"
     if "ep" in layout:
         s = engine.runner.state["layers"][0]["mlp"]["gate_proj_scale"].get_value()
         assert s.sharding.spec[0] == "expert" and s.addressable_shards[0].data.shape[0] == 8 // layout["ep"]
