@@ -87,13 +87,6 @@ def dequantize(values: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.A
     return (widen(values) * scales[..., None]).astype(dtype)
 
 
-def zeros(shape: tuple[int, ...], kv_cache_dtype: str, backend: str, sharding=None) -> QuantizedKV:
-    """A zeroed quantized cache of pages `shape` [P, page_size, 2*Hkv, D] for `backend`; `sharding` is the values'
-    (the scales take it less its head_dim entry, `scales_sharding`)."""
-    values = jnp.zeros(shape, values_dtype(kv_cache_dtype, backend), device=sharding)
-    return QuantizedKV(values, jnp.zeros(shape[:-1], jnp.float32, device=scales_sharding(sharding, len(shape))))
-
-
 def _less_head_dim(spec, values_ndim: int) -> jax.sharding.PartitionSpec:
     spec = tuple(spec) + (None,) * (values_ndim - len(spec))
     return jax.sharding.PartitionSpec(*spec[:-1])
