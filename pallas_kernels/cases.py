@@ -9,6 +9,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from pallas_kernels import kv_quant
@@ -123,3 +124,57 @@ NAMED_CASES = {
 
 # (atol, rtol) of a backend's output against the float64 oracle (`dense_attention`), per dtype.
 TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantized-cache granularity: the attention-output error of K/V quantised per token per KV head (`kv_quant`) against
+# per-tensor and per-channel static scales (docs/attention.md has the figures).
+
+
+def _per_tensor(x: np.ndarray, kv_cache_dtype: str, scale: float | None = None) -> np.ndarray:
+    """x through one static scale for the whole tensor (its absmax / qmax unless `scale` is given), float64."""
+    qmax = kv_quant.QMAX[kv_cache_dtype]
+    scale = np.float32(np.abs(x).max() / qmax if scale is None else scale)
+    y = np.clip(np.asarray(x, np.float32) / scale, -qmax, qmax)
+    y = np.round(y) if kv_cache_dtype == "int8" else y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return y.astype(np.float64) * scale
+
+
+def _per_row(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """x through `kv_quant.quantize` (one scale per row of D), float64."""
+    values, scales = kv_quant.quantize(jnp.asarray(x, jnp.float32), kv_quant.values_dtype(kv_cache_dtype, "gpu"))
+    return np.asarray(values.astype(jnp.float32), np.float64) * np.asarray(scales, np.float64)[..., None]
+
+
+def _per_channel_int8(x: np.ndarray) -> np.ndarray:
+    """x [T, Hkv, D] through int8 with one static scale per head and channel (absmax over the tokens), float64."""
+    scale = np.abs(x).max(axis=0, keepdims=True) / 127
+    return np.round(x / np.where(scale > 0, scale, 1)) * scale
+
+
+KV_GRANULARITIES = {
+    "int8, per token and head (kv_quant)": lambda x: _per_row(x, "int8"),
+    "fp8_e4m3, per token and head (kv_quant)": lambda x: _per_row(x, "fp8_e4m3"),
+    "int8, per tensor (absmax)": lambda x: _per_tensor(x, "int8"),
+    "fp8_e4m3, per tensor (absmax)": lambda x: _per_tensor(x, "fp8_e4m3"),
+    "fp8_e4m3, per tensor, scale 1.0": lambda x: _per_tensor(x, "fp8_e4m3", 1.0),
+    "int8, per channel (absmax over tokens)": _per_channel_int8,
+}
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """One sequence's causal attention in float64: q [T, Hkv, G, D], k/v [T, Hkv, D] -> [T, Hkv, G, D]."""
+    t, _, _, d = q.shape
+    s = np.einsum("thgd,lhd->thgl", q, k) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((t, t), bool))[:, None, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("thgl,lhd->thgd", p / p.sum(-1, keepdims=True), v)
+
+
+def kv_granularity_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, float]:
+    """For each of KV_GRANULARITIES: ||attention(q, K~, V~) - attention(q, K, V)|| / ||attention(q, K, V)||, with
+    K~, V~ the cache's K/V quantised that way (q [T, Hkv, G, D], k/v [T, Hkv, D], one causal sequence)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    want = causal_attention(q, k, v)
+    return {name: float(np.linalg.norm(causal_attention(q, f(k), f(v)) - want) / np.linalg.norm(want))
+            for name, f in KV_GRANULARITIES.items()}

@@ -23,16 +23,19 @@ inline void KvRowToF32(const int8_t* src, float scale, float* dst, int64_t n) {
 }
 // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (m * 2^-9). A normal
 // magnitude's 7 bits shifted into float32's exponent and mantissa fields and rebiased (+120) are its float32 bits.
-// The NaN encodings (0x7F, 0xFF) are never written (quantisation saturates at 448). Plain C++ the compiler
-// vectorises for each instruction set.
+// The NaN encodings (0x7F, 0xFF) are never written (quantisation saturates at 448). Plain C++ the compiler vectorises
+// for each instruction set: both cases computed, picked by a bit mask (a conditional would keep it scalar).
 inline void KvRowToF32(const E4m3* src, float scale, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = src[i].bits, mag = b & 0x7F;
-    const uint32_t normal_bits = (mag << 20) + (120u << 23);
-    float normal;
-    std::memcpy(&normal, &normal_bits, sizeof normal);
-    const float v = mag >= 8 ? normal : static_cast<float>(mag) * 0x1p-9f;
-    dst[i] = (b & 0x80 ? -v : v) * scale;
+    const int32_t b = src[i].bits, mag = b & 0x7F;
+    const float subnormal = static_cast<float>(mag) * 0x1p-9f;
+    int32_t subnormal_bits;
+    std::memcpy(&subnormal_bits, &subnormal, sizeof subnormal_bits);
+    const int32_t normal = -static_cast<int32_t>(mag >= 8);  // all ones where normal
+    const int32_t bits = ((((mag << 20) + (120 << 23)) & normal) | (subnormal_bits & ~normal)) | ((b & 0x80) << 24);
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    dst[i] = v * scale;
   }
 }
 
