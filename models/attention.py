@@ -13,6 +13,7 @@ from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.layers import RMSNorm, linear, linear_param, zeros
 from models.rope import apply_rope, inverse_frequencies
+from pallas_kernels import kv_quant
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
 from sharding.mesh import axis_size, mesh_axis
 
@@ -71,9 +72,10 @@ class Attention(nnx.Module):
 
 
 def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
-    """Pure. Writes this step's K/V into the pages, then attends. Under a mesh that splits the heads (the rules'
-    mesh axis for HEADS) it runs per shard (heads are independent): q heads split; KV heads split too when the
-    degree divides them, else replicated, each shard reading only the KV heads its q heads use."""
+    """Pure. Writes this step's K/V into the pages (an array, or a `QuantizedKV`: quantised as written), then
+    attends. Under a mesh that splits the heads (the rules' mesh axis for HEADS) it runs per shard (heads are
+    independent): q heads split; KV heads split too when the degree divides them, else replicated, each shard
+    reading only the KV heads its q heads use (a quantized cache's scales split and sliced as its values)."""
     tp, heads_axis = axis_size(HEADS), mesh_axis(HEADS)
     hq, hkv = q.shape[1], k.shape[1]
 
@@ -84,7 +86,7 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
             group = hq // hkv
             hq_local = q.shape[1]
             first = jax.lax.axis_index(heads_axis) * hq_local // group
-            view = jax.lax.dynamic_slice_in_dim(kv_pages, 2 * first, 2 * max(1, hq_local // group), axis=2)
+            view = kv_quant.slice_heads(kv_pages, 2 * first, 2 * max(1, hq_local // group))
         out = pallas_kernels.ragged_paged_attention(q, view, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                     sm_scale=sm_scale, sliding_window=sliding_window)
         return out, kv_pages
@@ -97,6 +99,6 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
     P = jax.sharding.PartitionSpec
     heads = P(None, heads_axis, None)
     kv_heads = heads if hkv % tp == 0 else P()
-    pages = P(None, None, heads_axis, None) if hkv % tp == 0 else P()
+    pages = kv_quant.partition_spec(kv_pages, P(None, None, heads_axis, None) if hkv % tp == 0 else P())
     return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, pages, P(), P(), P(), P(), P()),
                          out_specs=(heads, pages), check_vma=False)(*args)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.target import target_platform
 
 log = logging.getLogger(__name__)
@@ -540,10 +541,15 @@ def expert_mlp(x: jax.Array, slots: jax.Array, weights: jax.Array, gate: jax.Arr
                 isa=_isa_attr())
 
 
-def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:
-    """Trace-time. Whether `ragged_paged_attention` can take these operands here."""
+def attention_supported(q: jax.Array, kv_pages) -> bool:
+    """Trace-time. Whether `ragged_paged_attention` can take these operands here: f32 q over an f32 cache, bf16 q
+    over a bf16 (or uint16-bits) cache, or f32 / bf16 q over a `QuantizedKV` (int8, float8_e4m3fn or its uint8
+    bits)."""
     if not enabled() or q.shape[-1] % 16 or kv_pages.shape[-1] != q.shape[-1]:
         return False
+    if isinstance(kv_pages, QuantizedKV):
+        return (q.dtype in (jnp.float32, jnp.bfloat16) and kv_pages.scales.dtype == jnp.float32
+                and kv_pages.values.dtype in (jnp.int8, jnp.uint8, jnp.float8_e4m3fn))
     if q.dtype == jnp.float32:
         return kv_pages.dtype == jnp.float32
     return q.dtype == jnp.bfloat16 and kv_pages.dtype in (jnp.bfloat16, jnp.uint16)
@@ -551,13 +557,18 @@ def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, logit_soft_cap=None):
-    """Pure. Same contract as `reference.ragged_paged_attention_reference`."""
+    """Pure. Same contract as `reference.ragged_paged_attention_reference`; a `QuantizedKV` is dequantised row by
+    row inside the kernel (native/attention.h)."""
     _require()
     i32 = lambda a: jnp.asarray(a, jnp.int32)
+    if isinstance(kv_pages, QuantizedKV):
+        values, scales = kv_pages.values, kv_pages.scales
+    else:  # an unquantized cache has no scales: an empty operand
+        values, scales = kv_pages, jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), jnp.reshape(i32(num_seqs), (1,)),
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(logit_soft_cap or 0.0),
-                window=np.int64(sliding_window or 0), isa=_isa_attr())
+    return call(q, values, scales, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+                jnp.reshape(i32(num_seqs), (1,)), sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(logit_soft_cap or 0.0), window=np.int64(sliding_window or 0), isa=_isa_attr())
 
 
 def main(argv=None) -> int:

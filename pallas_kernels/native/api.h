@@ -31,6 +31,9 @@ struct Runner {
 
 enum class Dt : int32_t { kF32 = 0, kBf16 = 1 };
 
+// A KV cache's elements: q's dtype, or quantized (int8 / float8_e4m3fn bits) with a float32 scale per row.
+enum class KvFormat : int32_t { kAsQuery = 0, kInt8 = 1, kE4m3 = 2 };
+
 struct AttnShape {
   int64_t hq, hkv, d, page_size, max_pages;
   float sm_scale, soft_cap;
@@ -54,9 +57,11 @@ struct Kernels {
   // The same on w packed into panels (pallas_kernels/native.py `pack_weight`); kw: K rows held (bf16: padded).
   void (*matmul_packed)(const Runner&, Dt in, Dt out, const void* x, int64_t M, int64_t K, const void* w,
                         int64_t panels, int64_t kw, void* o);
-  // Ragged paged attention (pallas_kernels/reference.py); q, kv and out in `dt`.
-  void (*attention)(const Runner&, Dt dt, const AttnShape& a, int64_t t, const void* q, const void* kv,
-                    const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs, void* out);
+  // Ragged paged attention (pallas_kernels/reference.py); q and out in `dt`, kv in `dt` (kAsQuery) or quantized
+  // with kv_scales [P, page, 2Hkv] (one per row of kv; null for kAsQuery).
+  void (*attention)(const Runner&, Dt dt, KvFormat kv_format, const AttnShape& a, int64_t t, const void* q,
+                    const void* kv, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
+                    const int32_t* cu, int64_t num_seqs, void* out);
   // Greedy LM head by screening: tokens/candidates for the first `rows` rows of x[., K] (x in `dt`).
   void (*greedy_head)(const Runner&, Dt dt, const void* x, int64_t rows, int64_t K, int64_t Kq, const int8_t* q,
                       const float* scale, const float* bound, const HeadWeight& w, int32_t* tokens,

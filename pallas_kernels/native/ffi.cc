@@ -112,10 +112,12 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
-                         ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
-                         ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                         float soft_cap, int64_t window, int32_t isa) {
+// q [T, Hq, D] (f32 or bf16) over kv [P, page, 2Hkv, D] in q's dtype (bf16 also as uint16 bits) with an empty
+// scales operand, or quantized: int8 or float8_e4m3fn (also as uint8 bits) values with float32 scales [P, page, 2Hkv].
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer kv_scales,
+                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                         ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, int64_t window, int32_t isa) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
   auto qd = q.dimensions(), kd = kv.dimensions(), pd = page_indices.dimensions();
@@ -130,16 +132,27 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("attention: kv_lens[S] and cu_q_lens[S+1] must match page_indices[S, M]");
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, seqs);
   auto qt = q.element_type(), kt = kv.element_type();
-  Dt dt;
-  if (qt == ffi::DataType::F32 && kt == ffi::DataType::F32)
-    dt = Dt::kF32;
-  else if (qt == ffi::DataType::BF16 && (kt == ffi::DataType::BF16 || kt == ffi::DataType::U16))
-    dt = Dt::kBf16;
-  else
+  if (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("attention: q must be f32 or bf16");
+  const Dt dt = qt == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16;
+  KvFormat format = KvFormat::kAsQuery;
+  if (kt == ffi::DataType::S8)
+    format = KvFormat::kInt8;
+  else if (kt == ffi::DataType::F8E4M3FN || kt == ffi::DataType::U8)
+    format = KvFormat::kE4m3;
+  else if (!(kt == qt || (dt == Dt::kBf16 && kt == ffi::DataType::U16)))
     return ffi::Error::InvalidArgument(
-        "attention: supported are f32 q with an f32 cache, bf16 q with a bf16 (or uint16-bits) cache");
-  kernels->attention(RunnerFor(pool), dt, a, t, q.untyped_data(), kv.untyped_data(), kv_lens.typed_data(),
-                        page_indices.typed_data(), cu_q_lens.typed_data(), n, out->untyped_data());
+        "attention: the cache must be in q's dtype (bf16 also as uint16 bits), int8 or float8_e4m3fn (or uint8 bits)");
+  const float* scales = nullptr;
+  if (format != KvFormat::kAsQuery) {
+    auto sd = kv_scales.dimensions();
+    if (kv_scales.element_type() != ffi::DataType::F32 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] ||
+        sd[2] != kd[2])
+      return ffi::Error::InvalidArgument("attention: a quantized cache needs float32 scales [P, page, 2Hkv]");
+    scales = static_cast<const float*>(kv_scales.untyped_data());
+  }
+  kernels->attention(RunnerFor(pool), dt, format, a, t, q.untyped_data(), kv.untyped_data(), scales,
+                     kv_lens.typed_data(), page_indices.typed_data(), cu_q_lens.typed_data(), n, out->untyped_data());
   return ffi::Error::Success();
 }
 
@@ -239,6 +252,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, meshserve::MatmulImpl, MatmulBind
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -282,7 +282,7 @@ Worst CheckAttention(const Kernels& k) {
         for (int threads : kThreadCounts) {
           Buf o(dt, c.t * c.a.hq * c.a.d);
           Call(threads, [&](const Runner& run) {
-            k.attention(run, dt, c.a, c.t, q.data(), kv.data(),
+            k.attention(run, dt, KvFormat::kAsQuery, c.a, c.t, q.data(), kv.data(), nullptr,
                         c.kv_lens.data(), c.pages.data(), c.cu.data(), c.num_seqs, o.data());
           });
           Compare(worst, o, want,
