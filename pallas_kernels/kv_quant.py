@@ -28,6 +28,7 @@ class QuantizedKV:
 
     @property
     def kv_cache_dtype(self) -> str:
+        """"int8" or "fp8_e4m3" (KV_CACHE_DTYPES), from the values' dtype."""
         return cache_format(self.values.dtype)
 
 

@@ -67,11 +67,12 @@ def test_named_case(backend, name):
     _check(_run(backend, case, options), case, options, atol=2e-5, rtol=2e-5)
 
 
-# Quantized caches: every named case on the native paths (milliseconds each); on the JAX backends (seconds per
-# compile) two cases that together cover decodes on and past page boundaries, mixed prefill/decode, GQA 2 and 8, and a
-# sliding window with a soft cap.
+# Quantized caches: every named case on the best native path; on the lower native paths and the JAX backends
+# (seconds per compile) cases that together cover decodes on and past page boundaries, mixed prefill/decode, GQA 2, 4
+# and 8, and a sliding window with a soft cap.
 JAX_BACKENDS = ("reference", "cpu", "gpu_interpret", "tpu_interpret")
-QUANTIZED_RUNS = [(b, n) for b in NATIVE for n in CASES] + \
+QUANTIZED_RUNS = [(b, n) for b in NATIVE[-1:] for n in CASES] + \
+    [(b, n) for b in NATIVE[:-1] for n in ("decode_only", "mixed_gqa8", "sliding_window_soft_cap")] + \
     [(b, n) for b in JAX_BACKENDS for n in ("mixed_gqa8", "sliding_window_soft_cap")]
 
 
@@ -161,6 +162,22 @@ def test_native_attention_is_tested_here():
     if not NATIVE:
         pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
     assert NATIVE[-1] == f"native-{native.runnable_isas()[-1]}" and f"native-{native.isa()}" in NATIVE
+
+
+def test_native_attention_takes_quantized_caches():
+    if not NATIVE:
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
+    S = jax.ShapeDtypeStruct
+
+    def cache(values, scales=jnp.float32, d=64):
+        return QuantizedKV(S((3, 8, 4, d), values), S((3, 8, 4), scales))
+
+    for q in (S((5, 8, 64), jnp.float32), S((5, 8, 64), jnp.bfloat16)):
+        for values in (jnp.int8, jnp.uint8, jnp.float8_e4m3fn):
+            assert native.attention_supported(q, cache(values))
+        assert not native.attention_supported(q, cache(jnp.int8, jnp.bfloat16))  # scales are float32
+        assert not native.attention_supported(q, cache(jnp.int8, d=128))
+    assert not native.attention_supported(S((5, 8, 64), jnp.float16), cache(jnp.int8))
 
 
 @settings(max_examples=6, **_SETTINGS)

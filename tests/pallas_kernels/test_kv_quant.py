@@ -61,7 +61,8 @@ def test_rows_round_trip_within_the_format_error(kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_zero_rows_get_scale_zero_and_dequantise_to_zero(kv_cache_dtype):
-    values, scales = kv_quant.quantize(jnp.zeros((3, 2, 64), jnp.bfloat16), kv_quant.values_dtype(kv_cache_dtype, "cpu"))
+    zeros = jnp.zeros((3, 2, 64), jnp.bfloat16)
+    values, scales = kv_quant.quantize(zeros, kv_quant.values_dtype(kv_cache_dtype, "cpu"))
     assert not np.asarray(scales).any() and not np.asarray(values).any()
     deq = np.asarray(kv_quant.dequantize(values, scales, jnp.bfloat16).astype(jnp.float32))
     assert np.isfinite(deq).all() and not deq.any()
