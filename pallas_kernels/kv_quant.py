@@ -11,6 +11,8 @@ import jax.numpy as jnp
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # "auto": the model's dtype, unquantized
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest magnitude a row's absmax is scaled to
+VALUE_DTYPE_NAMES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # each quantized format's values
+SCALE_BYTES = 4  # a float32 scale per row (token, KV head, K or V)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=[])
@@ -122,4 +124,4 @@ def bytes_per_token(num_kv_heads: int, head_dim: int, kv_cache_dtype: str, dtype
     plus a float32 scale per row (int8, fp8_e4m3)."""
     if check_kv_cache_dtype(kv_cache_dtype) == "auto":
         return 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    return 2 * num_kv_heads * (head_dim + 4)
+    return 2 * num_kv_heads * (head_dim + SCALE_BYTES)

@@ -16,6 +16,7 @@ import re
 from typing import Sequence
 
 from models.config import ModelConfig
+from pallas_kernels import kv_quant
 from sharding.pipeline import stage_layers as _stage_layers, stage_slots as _stage_slots
 from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, kv_cache_partition_spec, \
     partition_spec_for_sizes, shard_shape
@@ -31,17 +32,10 @@ LINK_PRESETS = {
 }
 
 
-# --kv_cache_dtype: "auto" (the model's dtype) or a quantized cache's value dtype, which keeps a float32 scale per
-# token per KV head for K and for V (pallas_kernels.kv_quant).
-KV_CACHE_DTYPES = {"auto": None, "int8": "int8", "fp8_e4m3": "float8_e4m3fn"}
-KV_SCALE_BYTES = 4
-
-
 def kv_dtype_of(kv_cache_dtype: str) -> str | None:
-    """The ledger's KV dtype for a --kv_cache_dtype value (None: the model's dtype)."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return KV_CACHE_DTYPES[kv_cache_dtype]
+    """The ledger's KV dtype for a --kv_cache_dtype value (pallas_kernels.kv_quant: "auto" -> None, the model's
+    dtype; a quantized cache -> its values' dtype, each row with a float32 scale beside)."""
+    return kv_quant.VALUE_DTYPE_NAMES.get(kv_quant.check_kv_cache_dtype(kv_cache_dtype))
 
 
 def itemsize(dtype: str) -> int:
@@ -150,8 +144,8 @@ class ModelMemory:
                  rules: ShardingRules = DEFAULT_RULES):
         self.cfg, self.dtype, self.kv_dtype, self.rules = cfg, dtype, kv_dtype or dtype, rules
         self.act_itemsize, self.kv_itemsize = itemsize(dtype), itemsize(self.kv_dtype)
-        # a quantized cache's per-row scale (KV_CACHE_DTYPES)
-        self.kv_scale_bytes = KV_SCALE_BYTES if self.kv_dtype in KV_CACHE_DTYPES.values() else 0
+        # a quantized cache's per-row scale (pallas_kernels.kv_quant)
+        self.kv_scale_bytes = kv_quant.SCALE_BYTES if self.kv_dtype in kv_quant.VALUE_DTYPE_NAMES.values() else 0
         self.top, self.layer_kinds = _abstract_params(cfg, dtype)
         params = list(self.top.values()) + [p for i in range(cfg.num_layers) for p in self.layer_kinds[cfg.moe_layers[i]]]
         self.num_params = sum(math.prod(p.shape) for p in params)
@@ -740,7 +734,7 @@ def _define_flags() -> None:
                         "source's worked 70B example).")
     flags.DEFINE_string("model", "", "HF model directory or config.json path (instead of --preset).")
     flags.DEFINE_string("dtype", "", "Weight/activation dtype (default: the checkpoint's, float32 -> bfloat16).")
-    flags.DEFINE_enum("kv_cache_dtype", "auto", sorted(KV_CACHE_DTYPES), "KV-cache dtype, as the server's flag: "
+    flags.DEFINE_enum("kv_cache_dtype", "auto", list(kv_quant.KV_CACHE_DTYPES), "KV-cache dtype, as the server's flag: "
                       "auto (--dtype) or a quantized cache (int8, fp8_e4m3: 1 B per value + a 4 B scale per row).")
     flags.DEFINE_string("kv_dtype", "", f"KV-cache dtype by name (overrides --kv_cache_dtype); one of "
                         f"{sorted(_ITEMSIZE)}.")

@@ -6,7 +6,7 @@ import dataclasses
 
 from models.quant import WEIGHT_QUANTIZATIONS
 from pallas_kernels.target import canonical_platform
-from serving.ledger import KV_CACHE_DTYPES
+from pallas_kernels.kv_quant import check_kv_cache_dtype
 from serving.core.platform import DTYPES, PlatformChoices, platform_choices
 
 SPECULATIVE_METHODS = ("draft", "ngram")
@@ -98,8 +98,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.min_token_bucket < 0:
             raise ValueError(f"EngineConfig.min_token_bucket must be >= 0 (0 = auto), got {self.min_token_bucket}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "pp"):

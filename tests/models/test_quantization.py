@@ -93,21 +93,28 @@ def test_group_wise_scales_match_hf_on_the_same_quantized_weights(family, tmp_pa
     np.testing.assert_allclose(_logits(model, prompt), hf_models.hf_logits(hf, prompt), atol=1e-4, rtol=1e-4)
 
 
-def test_tiny_model_heldout_perplexity_with_quantized_weights():
-    """Quantise-at-load on the shipped tiny model: held-out perplexity within 1% of float (int8) / 2% (fp8), and
-    greedy continuations mostly the same (reported)."""
+def test_tiny_model_heldout_perplexity_with_quantized_weights_and_kv():
+    """Quantise-at-load and a quantized KV cache on the shipped tiny model: held-out perplexity within 1% of float
+    with int8 weights, within 2% with an int8 / fp8 KV cache too; greedy agreement with float reported."""
     from tests.support.tiny import heldout_ids, heldout_perplexity, heldout_windows, model_dir
     windows, seq_len = heldout_windows("target")
-    ppl, greedy = {}, {}
     prompts = [heldout_ids("target")[i * 300:i * 300 + 24] for i in range(4)]
-    for kind in ("none", "int8", "fp8"):
-        model = load_hf_model(model_dir("target"), quantization=kind)
-        ppl[kind] = heldout_perplexity(PagedRunner(model, page_size=16, num_pages=seq_len // 16 + 16,
-                                                   max_pages=seq_len // 16), windows)
-        greedy[kind] = PagedRunner(model, page_size=16, num_pages=64, max_pages=8).generate(prompts, 24)
-    agree = {k: np.mean([a == b for g, f in zip(greedy[k], greedy["none"]) for a, b in zip(g, f)]) for k in greedy}
-    print("QUANT tiny target held-out ppl: " + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()) +
-          "; greedy tokens equal to float: " + ", ".join(f"{k} {agree[k]:.0%}" for k in ("int8", "fp8")))
-    assert abs(ppl["int8"] / ppl["none"] - 1) < 0.01
-    assert abs(ppl["fp8"] / ppl["none"] - 1) < 0.02
-    assert agree["int8"] > 0.5
+    cells = [("none", "auto"), ("int8", "auto"), ("fp8", "auto"), ("none", "int8"), ("none", "fp8_e4m3"),
+             ("int8", "int8"), ("int8", "fp8_e4m3")]
+    ppl, greedy, models = {}, {}, {}
+    for weights, kv in cells:
+        if weights not in models:
+            models[weights] = load_hf_model(model_dir("target"), quantization=weights)
+        m = models[weights]
+        ppl[weights, kv] = heldout_perplexity(PagedRunner(m, page_size=16, num_pages=seq_len // 16 + 16,
+                                                          max_pages=seq_len // 16, kv_cache_dtype=kv), windows)
+        greedy[weights, kv] = PagedRunner(m, page_size=16, num_pages=64, max_pages=8, kv_cache_dtype=kv).generate(
+            prompts, 24)
+    base = ("none", "auto")
+    for cell in cells:
+        agree = np.mean([a == b for g, f in zip(greedy[cell], greedy[base]) for a, b in zip(g, f)])
+        print(f"QUANT tiny target, weights {cell[0]}, KV {cell[1]}: held-out ppl {ppl[cell]:.4f} "
+              f"({ppl[cell] / ppl[base] - 1:+.2%}), greedy tokens equal to float {agree:.0%}")
+    assert abs(ppl["int8", "auto"] / ppl[base] - 1) < 0.01
+    for cell in cells[2:]:
+        assert abs(ppl[cell] / ppl[base] - 1) < 0.02, cell
