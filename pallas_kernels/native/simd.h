@@ -37,7 +37,7 @@ struct VOps {
   static constexpr int kBf16SubCols = 4;  // the whole 64-column panel
   static constexpr int64_t kWidenPanelMinRows = INT64_MAX;  // (measured: the pair tiles win at every height)
   static constexpr int kScreenStreams = 4;
-  static constexpr int kI8Rows = 8;
+  static constexpr int kI8Rows = 4;
 
   static F Zero() { return _mm512_setzero_ps(); }
   static F Set1(float a) { return _mm512_set1_ps(a); }
