@@ -367,7 +367,8 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
   const int64_t chunks = (panels + per_chunk - 1) / per_chunk, mblocks = (M + kPackedMBlock - 1) / kPackedMBlock;
   ParallelFor(run, chunks * mblocks, [&](int64_t unit) {
     const int64_t ci = unit % chunks, m0 = unit / chunks * kPackedMBlock;
-    const int64_t j0 = ci * per_chunk, j1 = Min<int64_t>(panels, j0 + per_chunk), m1 = Min<int64_t>(M, m0 + kPackedMBlock);
+    const int64_t j0 = ci * per_chunk, j1 = Min<int64_t>(panels, j0 + per_chunk);
+    const int64_t m1 = Min<int64_t>(M, m0 + kPackedMBlock);
 #if MESHSERVE_I8DOT
     if (dot) return I8DotPanels<Out>(p, m0, m1, j0, j1, w, out);
 #endif

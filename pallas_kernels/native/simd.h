@@ -91,7 +91,9 @@ struct VOps {
   static F LoadI8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static F LoadI8M(const int8_t* p, M m) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p))); }
+  static F LoadI8M(const int8_t* p, M m) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+  }
   static void I8Quads(const int8_t* p, F (&q)[4]) {  // byte j of each 32-bit lane, sign-extended
     const __m512i v = _mm512_loadu_si512(p);
     q[0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));

@@ -1,16 +1,17 @@
 """int8 weight matmuls on CPU (issue 24): per-call time of the native kernels on packed float32, packed bfloat16 and
 packed int8 weights (each int8 method this CPU runs: `widen`, and `dot` where it has int8 dot products), side by
-side in one run, on the W1 shapes (hidden 768: fused qkv 768 x 2304, o 768 x 768, fused gate|up 768 x 6144, down
-3072 x 768) at 1, 4 and 16 rows.
+side in one run (interleaved), on the W1 shapes (hidden 768: fused qkv 768 x 2304, o 768 x 768, fused gate|up
+768 x 6144, down 3072 x 768) at 1, 4 and 16 rows.
 
     python -m serving.bench quant_kernels [--rows=1,4,16] [--repeats=15] [--x_dtype=bfloat16]
 
-Each shape is called on enough distinct copies of its weight, in turn, that every format's copies together exceed
-twice the last-level cache (so weights come from memory, as in a decode step), in one jitted program per format
-(each call's input depends on the previous call's output); time per call: median over `repeats` rounds (each round
-runs every format's program once) of the program, divided by its calls. int8 weights have a float32 scale per column; x is `x_dtype` for the bfloat16 and int8 columns
-and float32 for the float32 column. The dot method's x is quantised to two int8 digits per row (~15 bits): its
-error against the widened products is printed beside (max |dot - widen| / max |widen| per shape at 16 rows).
+Each shape is called on enough distinct copies of its weight, in turn, that every format's copies exceed twice the
+last-level cache (weights come from memory, as in a decode step), in one jitted program per format (each call's
+input depends on the previous call's output). Time per call: the median over `repeats` rounds (a round runs every
+format's program once) divided by the program's calls. int8 weights have a float32 scale per column; x is `x_dtype`
+for the bfloat16 and int8 columns, float32 for the float32 one. The dot method's x is quantised to two int8 digits
+per row (~15 bits): its difference from the widened (exact) products is printed beside, max |dot - widen| over
+max |widen|.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from absl import flags
 from serving.bench.harness import table
 
 _ROWS = flags.DEFINE_list("rows", ["1", "4", "16"], "rows of x (tokens in the step)")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "timed runs per program (median)")
+_REPEATS = flags.DEFINE_integer("repeats", 15, "timed rounds (median)")
 _X_DTYPE = flags.DEFINE_enum("x_dtype", "bfloat16", ["bfloat16", "float32"], "x of the bf16 and int8 columns")
 
 W1_SHAPES = {"qkv 768x2304": (768, 2304), "o 768x768": (768, 768), "gate|up 768x6144": (768, 6144),
@@ -43,6 +44,7 @@ def _chain(matmul, x, weights, scale):
 
 
 def bench(rows: list[int], repeats: int, x_dtype: str):
+    """Prints the table: each W1 shape at each row count, every format side by side."""
     import jax
     import jax.numpy as jnp
 
@@ -87,9 +89,9 @@ def bench(rows: list[int], repeats: int, x_dtype: str):
             result.append([name, m, copies] + [times[f] / copies * 1e3 for f in formats] +
                           [times["bf16"] / min(times[f] for f in formats if f.startswith("int8")), err])
     table(f"Per-call ms of the native matmuls on packed weights ({isa} path; x {x_dtype} for bf16/int8, f32 for "
-          f"f32), weights from memory (distinct copies in turn, {FOOTPRINT >> 20} MB of int8 per shape); int8: "
-          f"per-column float32 scales; 'bf16/int8': the packed bf16 time over the faster int8 method's; 'dot err': "
-          f"max |dot - widen| / max |widen|",
+          f"f32), weights from memory (distinct copies in turn, {FOOTPRINT >> 20} MB of int8 per shape), median of "
+          f"{repeats} interleaved rounds; int8: per-column float32 scales; 'bf16/int8': the packed bf16 time over "
+          f"the faster int8 method's; 'dot err': max |dot - widen| / max |widen|",
           ["shape", "rows", "copies"] + [f"{f} (ms)" for f in formats] + ["bf16/int8", "dot err"], result)
 
 

@@ -180,6 +180,27 @@ def test_dot_method_error_against_widened_products_is_bounded():
         assert diff.max() <= largest * np.abs(outs["widen"]).max()
 
 
+@pytest.mark.skipif(not any(m == "dot" for _, m in PATHS), reason="no path of this CPU has int8 dot products")
+@pytest.mark.parametrize("groups", [1, 3])
+def test_dot_method_is_exact_on_rows_its_two_digits_hold(monkeypatch, groups):
+    """x = sx (h + l / 254) (float32 nearest) with sx = max|x| / 127 = 1/64: the digits are recovered exactly, so the
+    dot method's result is x @ (w * scale) to float32 accumulation (1e-5 of |x| @ |w|), without its rounding
+    bound: a wrong digit weight or offset correction shows here even where that bound would hide it."""
+    rng = np.random.default_rng(7)
+    q, scale = quantize(rng, 96, 128, groups)
+    h = rng.integers(-126, 127, (5, 96))
+    h[:, 0] = 127  # the row's largest element: sx = 127 / 64 / 127
+    low = rng.integers(-127, 128, (5, 96))
+    low[:, 0] = 0
+    x = ((h + low / 254) / 64).astype(np.float32)
+    isa = next(p for p, m in PATHS if m == "dot")
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    monkeypatch.setenv(native.INT8_ENV_VAR, "dot")
+    w = native.pack_weights([jnp.asarray(q)])[0]
+    out = _call(lambda x, w, s: matmul(x, w, scale=s), jnp.asarray(x), w, jnp.asarray(scale))
+    assert_close(out, x, q, scale, dot=False)
+
+
 def test_auto_method_is_the_default_and_forcing_dot_without_it_is_a_clear_error(monkeypatch):
     monkeypatch.setenv(native.ISA_ENV_VAR, RUNNABLE[-1])
     assert native.int8_method() == "auto"
