@@ -477,14 +477,13 @@ def matmul_packed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 # scale [N] (per column) or [G, N] (per group of K/G rows and column), accumulated in float32. Two methods: "widen"
 # (the weights widened to float32 in registers, exact products) and "dot" (x quantised per row to two int8 digits,
 # ~15 bits, and int8 dot products: vpdpbusd on AVX512_VNNI, sdot on aarch64's dotprod); "auto" takes the dot
-# method where the path has it and it wins.
+# method wherever the path has it (measured: it won or tied at every row count, docs/native-kernels.md).
 
 # Most rows the int8 matmul on row-major weights takes; above, XLA's (the weight converted, then its dot). Row-major
 # int8 streams poorly (short row segments): on the AMD EPYC both ran even at 4-16 rows (768 x 2304, weights from
 # memory), XLA ahead from 32. Packed int8 weights take the kernel at any rows (at 256 rows even with XLA's unpack
 # and dot, faster below).
 MAX_INT8_ROWS = 16
-INT8_MAX_DOT_GROUP = 65536  # most K rows per group (per-column scales: K) the dot method takes (int32 sums)
 
 
 def int8_dot_runs(path: str) -> bool:

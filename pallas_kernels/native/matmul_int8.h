@@ -21,8 +21,9 @@ constexpr float kI8LowDigit = 254;         // the low digit's unit: l / 254
 
 // Vectors of columns per packed tile of RT rows (a divisor of the panel's): the widest whose registers fit, with D
 // accumulators per (row, vector) (widen 1, dot 2) plus the tile's other values: widen the four widened rows of a
-// quad; dot each row's two broadcast digits, where several column vectors share them (measured on the AMD EPYC:
-// 4 rows x 4 vectors widened, 4 rows x 2 vectors of dot products, ~1.8x and ~1.5x the throughput of 8 rows x 1).
+// quad; dot each row's two broadcast digits, where several column vectors share them. Measured on the AMD EPYC
+// (weights in L2): widened 4 rows x the whole panel ran ~1.8x as fast as 8 rows x 1 vector; dot products 2 rows x
+// the whole panel (one pass over it) as fast as 4 rows x 2 vectors (two) and ~1.5x 8 rows x 1.
 template <int RT, int D>
 constexpr int I8Footprint(int cb) {
   return D == 1 ? RT * cb + 4 : D * RT * cb + (cb > 1 ? 2 * RT : 0);
