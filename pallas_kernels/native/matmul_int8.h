@@ -341,8 +341,8 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
                     const float* scale, int64_t groups, int32_t method, Out* out) {
   const int64_t kp = (K + 3) / 4 * 4;
   I8Problem p{K, kp, N, groups, kp / 4 / groups, scale, nullptr, kp, nullptr, nullptr, nullptr};
-  // auto: the dot method wherever it runs (serving/bench/quant_kernels.py on the AMD EPYC: ~10% faster than widened
-  // products at 1 row, even within noise at 2-4, 10-25% faster from 6 rows)
+  // auto: the dot method wherever it runs (on the AMD EPYC: faster at every row count with the weights in L2; from
+  // memory even within noise at 1-4 rows, 10-25% faster from 5-6; docs/native-kernels.md)
   [[maybe_unused]] const bool dot = Int8Dot() && (method == kInt8Dot ||
                                                   (method == kInt8Auto && kp / groups <= kI8MaxDotGroup));
   if constexpr (std::is_same_v<XT, float>)
