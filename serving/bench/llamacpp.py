@@ -77,7 +77,7 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     def add(name: str, a: np.ndarray) -> None:
         if q8_0 and a.ndim > 1:
             w.add_tensor(name, gguf.quants.quantize(np.asarray(a, np.float32), gguf.GGMLQuantizationType.Q8_0),
-                         raw_shape=a.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # the shape from the blocks' bytes
         elif a.ndim == 1 or a.dtype == np.float32:
             w.add_tensor(name, np.ascontiguousarray(a, np.float32))
         else:  # bfloat16 bits as stored
