@@ -194,9 +194,8 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
         if is_quantized(var):
             scale_var = flat[path[:-1] + (scale_name(str(path[-1])),)]
             host, scale = quantize(host, contracting_axes(cfg, path), cfg.weight_quant)
-            scale_var.set_value(_place(scale, scale_var.dtype, param_sharding(
-                scale_var.get_metadata().get("axes"), scale_var.shape, mesh, rules)))
-        var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
+            _set(scale_var, scale, mesh, rules)
+        _set(var, host, mesh, rules)
     unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n)
               and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
               and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
@@ -262,12 +261,11 @@ def _set_from_quantized(cfg: ModelConfig, path, var, flat, stored: list[Quantize
         scale_var = flat[path[:-1] + (scale_name(str(path[-1])),)]
         if scale.shape != tuple(scale_var.shape):
             raise CheckpointError(f"{where}: scales of shape {scale.shape}, expected {tuple(scale_var.shape)}")
-        scale_var.set_value(_place(scale, scale_var.dtype, param_sharding(
-            scale_var.get_metadata().get("axes"), scale_var.shape, mesh, rules)))
+        _set(scale_var, scale, mesh, rules)
     if tuple(host.shape) != tuple(var.shape):
         raise CheckpointError(f"{where}: the checkpoint's tensors give shape {tuple(host.shape)}, expected "
                               f"{tuple(var.shape)}")
-    var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
+    _set(var, host, mesh, rules)
 
 
 def _init_routing_state(rest, cfg: ModelConfig, mesh: Mesh | None):
@@ -281,6 +279,11 @@ def _init_routing_state(rest, cfg: ModelConfig, mesh: Mesh | None):
         value = {"replica_slots": table, "replica_count": count}[str(path[-1])]
         var.set_value(jax.device_put(value, sharding))
     return rest
+
+
+def _set(var, host: np.ndarray, mesh: Mesh | None, rules: ShardingRules) -> None:
+    """Sets parameter `var` to `host` in its dtype, placed on its sharding under `mesh`."""
+    var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
 
 
 def _place(host: np.ndarray, dtype, sharding) -> jax.Array:
