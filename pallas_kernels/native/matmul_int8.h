@@ -503,13 +503,14 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
   const int64_t kp = (K + 3) / 4 * 4;
   I8Problem p{K, kp, N, groups, kp / 4 / groups, scale, nullptr, kp, nullptr, nullptr, nullptr};
   // Blocks of rows of equal height (at most kPackedMBlock). widen: each panel widened once per block from
-  // `panel_min` rows, below per tile. auto: the dot method where it runs, except for bfloat16 x from kI8PanelMinRows
-  // rows on a path with pair dot products (as many multiply-adds per instruction as the dot method's two digits, and
-  // exact; the panels won from there: docs/native-kernels.md); else the widened products.
+  // `panel_min` rows, below per tile. auto: for bfloat16 x the dot method where it runs (its x, ~15 bits, is finer
+  // than bfloat16's 8), except from kI8PanelMinRows rows on a path with pair dot products (as many multiply-adds per
+  // instruction as the dot method's two digits, and exact; the panels won from there: docs/native-kernels.md); the
+  // widened products for float32 x (exact, as float32 serving expects) and where there is no dot method.
   constexpr bool pairs = std::is_same_v<XT, uint16_t> && V::kNativePairs;
   constexpr int64_t panel_min = pairs ? V::kI8PanelMinRows : V::kI8F32PanelMinRows;
   const int64_t mblocks = (M + kPackedMBlock - 1) / kPackedMBlock, mrows = (M + mblocks - 1) / mblocks;
-  const bool dot_runs = Int8Dot() && kp / groups <= kI8MaxDotGroup;
+  const bool dot_runs = std::is_same_v<XT, uint16_t> && Int8Dot() && kp / groups <= kI8MaxDotGroup;
   const bool panel_rows = M >= panel_min && (method == kInt8Widen || (method == kInt8Auto && (pairs || !dot_runs)));
   [[maybe_unused]] const bool dot = !panel_rows && (method == kInt8Dot || (method == kInt8Auto && dot_runs));
   // x as the tiles read it: bfloat16 (x itself, or a copy zero-padded to kp) for the bfloat16 panels; else float32

@@ -125,8 +125,8 @@ METHODS = [(p, m) for p in RUNNABLE for m in ("widen", "auto")]
 @pytest.mark.parametrize("dtypes", DTYPES, ids=["f32", "bf16", "bf16-f32out"])
 @pytest.mark.parametrize("isa,method", METHODS, ids=[f"{p}-{m}" for p, m in METHODS])
 def test_many_rows_match_oracle(monkeypatch, isa, method, m, k, n, groups, dtypes):
-    """widen: exact products at any rows (float32 accumulation); auto: the dot method's rounding allowed where the
-    path has it."""
+    """widen: exact products at any rows (float32 accumulation); auto: the dot method's rounding allowed for bfloat16
+    x where the path has it."""
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
     monkeypatch.setenv(native.INT8_ENV_VAR, method)
     rng = np.random.default_rng(m * 1000 + k + n + groups)
@@ -135,23 +135,25 @@ def test_many_rows_match_oracle(monkeypatch, isa, method, m, k, n, groups, dtype
     w = native.pack_weights([jnp.asarray(q)])[0]
     out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, w, jnp.asarray(scale))
     assert out.dtype == dtypes[1] and out.shape == (m, n)
-    assert_close(out, x, q, scale, dot=method == "auto" and native.int8_dot_runs(isa))
+    assert_close(out, x, q, scale, dot=method == "auto" and native.int8_dot_runs(isa) and dtypes[0] == jnp.bfloat16)
 
 
-PAIR_PATHS = [p for p in RUNNABLE if p in ("avx512_bf16", "amx", "neon_bf16")]  # bfloat16 pair dot products
+PAIR_PATHS = ("avx512_bf16", "amx", "neon_bf16")  # bfloat16 pair dot products
 
 
-@pytest.mark.skipif(not PAIR_PATHS, reason="no path of this CPU has bfloat16 pair dot products")
-@pytest.mark.parametrize("isa", PAIR_PATHS)
-def test_auto_takes_the_exact_panels_for_many_bfloat16_rows(monkeypatch, isa):
-    """auto = the widened panels (bit for bit) for 40 rows of bfloat16 x on a path with pair dot products; at 2 rows
-    the dot method where the path has it."""
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_auto_is_exact_where_it_should_be(monkeypatch, isa):
+    """auto, bit for bit: the widened products for float32 x (exact, at any rows); for bfloat16 x the dot method
+    where the path has it, except 40 rows on a path with pair dot products (the widened bfloat16 panels)."""
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
     rng = np.random.default_rng(8)
     q, scale = quantize(rng, 256, 128, 2)
     w = native.pack_weights([jnp.asarray(q)])[0]
-    for rows, twin in ((40, "widen"), (2, "dot" if native.int8_dot_runs(isa) else "widen")):
-        x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    dot = native.int8_dot_runs(isa)
+    for dtype, rows, twin in ((jnp.float32, 2, "widen"), (jnp.float32, 40, "widen"),
+                              (jnp.bfloat16, 2, "dot" if dot else "widen"),
+                              (jnp.bfloat16, 40, "dot" if dot and isa not in PAIR_PATHS else "widen")):
+        x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
         outs = {}
         for method in ("auto", twin):
             monkeypatch.setenv(native.INT8_ENV_VAR, method)
