@@ -92,11 +92,16 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
         return out, kv_pages
 
     args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    P = jax.sharding.PartitionSpec
     if tp == 1:
-        return local(*args)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1 or all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+            return local(*args)
+        # A mesh that does not split the heads (e.g. experts only): every device attends on its whole copy, inside
+        # shard_map (a Mosaic kernel cannot be partitioned by the compiler).
+        return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=(P(), P()), check_vma=False)(*args)
     if hq % tp:
         raise ValueError(f"tensor parallelism {tp} does not divide the {hq} attention heads")
-    P = jax.sharding.PartitionSpec
     heads = P(None, heads_axis, None)
     kv_heads = heads if hkv % tp == 0 else P()
     pages = kv_quant.partition_spec(kv_pages, P(None, None, heads_axis, None) if hkv % tp == 0 else P())

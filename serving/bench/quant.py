@@ -12,9 +12,10 @@ import time
 
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, llama_125m, table
+from serving.bench.harness import BENCH_WORKDIR, decode_step_bytes, decode_step_times, llama_125m, read_bandwidth, \
+    table
 
-_ONLY = flags.DEFINE_list("only", ["throughput", "capacity", "ledger", "kernels"], "sections to run")
+_ONLY = flags.DEFINE_list("only", ["throughput", "roofline", "capacity", "ledger", "kernels"], "sections to run")
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark model is written")
 _QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (a smoke run)")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds per cell (median)")
@@ -93,6 +94,28 @@ def bench_throughput() -> None:
            "b16 vs llama.cpp Q8_0", "b16 tokens agree with bf16"], rows)
 
 
+def bench_roofline() -> None:
+    """Batch-1 and batch-16 decode steps of each meshserve cell against the read-bandwidth roofline of the bytes of
+    weights the step reads (quantized weights at their size, the LM head's int8 screen at batch 1)."""
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    bw = read_bandwidth()
+    hf_dir = llama_125m("bfloat16", _WORKDIR.value)
+    rows = []
+    for name, options in MESHSERVE_CELLS.items():
+        llm = LLM(hf_dir, dtype="bfloat16", page_size=16, num_pages=1024, max_num_seqs=16,
+                  max_num_batched_tokens=256, **options)
+        for batch in (1, 16):
+            times, idle = decode_step_times(llm.engine, _prompts(batch, 64),
+                                            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            step, nbytes = statistics.median(times), decode_step_bytes(llm.engine, batch)
+            rows.append([name, batch, nbytes / 1e6, step * 1e3, nbytes / bw * 1e3, nbytes / bw / step, idle * 1e3])
+        del llm
+    table(f"Decode step vs roofline, ~125M Llama (weight bytes a step reads / read bandwidth, {bw / 1e9:.1f} GB/s "
+          "measured now)", ["engine", "batch", "MB read", "step (ms)", "roofline (ms)", "roofline/step",
+                            "device idle/step (ms)"], rows)
+
+
 def bench_capacity() -> None:
     import jax
 
@@ -138,6 +161,8 @@ def main() -> None:
     for section in _ONLY.value:
         if section == "throughput":
             bench_throughput()
+        elif section == "roofline":
+            bench_roofline()
         elif section == "capacity":
             bench_capacity()
         elif section == "ledger":
