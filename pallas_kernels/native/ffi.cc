@@ -254,8 +254,8 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const int64_t T = xd[0], E = xd[1], topk = sd[1], S = gd[0], I = gd[2];
   if (sd[0] != T || wd[0] != T || wd[1] != topk || gd[1] != E || ud[0] != S || ud[1] != E || ud[2] != I ||
       dd[0] != S || dd[1] != I || dd[2] != E)
-    return ffi::Error::InvalidArgument("expert mlp: shapes do not match (x[T, E], slots/weights[T, k], gate/up[S, E, I], "
-                                       "down[S, I, E])");
+    return ffi::Error::InvalidArgument(
+        "expert mlp: shapes do not match (x[T, E], slots/weights[T, k], gate/up[S, E, I], down[S, I, E])");
   const auto t = x.element_type();
   if (!(t == ffi::DataType::F32 || t == ffi::DataType::BF16) || out->element_type() != t)
     return ffi::Error::InvalidArgument("expert mlp: x and out must both be f32 or both bf16");
