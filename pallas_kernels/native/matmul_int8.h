@@ -6,8 +6,10 @@
 // Packed weights (pallas_kernels/native `pack_weight` of int8): [N/64, Kp/4, 64, 4], K zero-padded to Kp (a multiple
 // of 4) and rows k..k+3 of each column side by side (a "quad": the operand layout of vpdpbusd and sdot). Each
 // thread streams whole panels, as the float kernels do (matmul.h), by one of two methods:
-//   widen  each quad widened to four float32 (shifts and a convert), FMAs against x: exact products, the float32
-//          kernels' accumulation;
+//   widen  exact products, the float32 kernels' accumulation: each quad widened to four float32 (shifts and a
+//          convert) per tile, FMAs against x; from many rows each panel widened once per block of rows (to
+//          bfloat16 for pair dot products where x is bfloat16 and the path has them, else to float32) and register
+//          tiles of many rows run over it;
 //   dot    x quantised per row to two int8 digits, x ~ sx (h + l / 254) with sx = max|x| / 127, h = round(x / sx),
 //          l = round((x / sx - h) 254): |x - sx (h + l / 254)| <= sx / 508 (+ float32 rounding of x / sx), ~15 bits
 //          against the row's largest element, the order of bfloat16 x's own rounding. Each digit's int32 dot
