@@ -514,7 +514,8 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
   const int64_t mblocks = (M + kPackedMBlock - 1) / kPackedMBlock, mrows = (M + mblocks - 1) / mblocks;
   const bool dot_runs = std::is_same_v<XT, uint16_t> && Int8Dot() && kp / groups <= kI8MaxDotGroup;
   const bool panel_rows = M >= panel_min && (method == kInt8Widen || (method == kInt8Auto && (pairs || !dot_runs)));
-  [[maybe_unused]] const bool dot = !panel_rows && (method == kInt8Dot || (method == kInt8Auto && dot_runs));
+  [[maybe_unused]] const bool dot =
+      !panel_rows && Int8Dot() && (method == kInt8Dot || (method == kInt8Auto && dot_runs));
   // x as the tiles read it: bfloat16 (x itself, or a copy zero-padded to kp) for the bfloat16 panels; else float32
   // [M, kp] (x itself where it is float32 and K = kp).
   const bool bf16_rows = pairs && panel_rows;
@@ -550,7 +551,7 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
     const int64_t j0 = ci * per_chunk, j1 = Min<int64_t>(panels, j0 + per_chunk);
     const int64_t m1 = Min<int64_t>(M, m0 + mrows);
     if (panel_rows) {
-      if constexpr (pairs) return I8PanelPanels<uint16_t, Out>(p, xb, kp == K ? K : kp, m0, m1, j0, j1, w, out);
+      if constexpr (pairs) return I8PanelPanels<uint16_t, Out>(p, xb, kp, m0, m1, j0, j1, w, out);
       return I8PanelPanels<float, Out>(p, p.xf, p.ldx, m0, m1, j0, j1, w, out);
     }
 #if MESHSERVE_I8DOT
