@@ -1,8 +1,9 @@
 """The grouped expert MLP of mixture-of-experts layers, behind one entry point: `grouped_expert_mlp`. On CPU with the
 native kernels it is one call of `native.expert_mlp` (each selected expert's weights read once for all its tokens,
-unselected experts not read at all; fused gate|up, SwiGLU, down and the weighted combine); on XLA:CPU a step of a few
-(token, expert) pairs gathers the selected experts' weights (`GATHER_MAX_PAIRS`); elsewhere (GPU, TPU, larger steps
-on XLA:CPU) the (token, expert) pairs are sorted by slot and run through `jax.lax.ragged_dot`.
+unselected experts not read at all; fused gate|up, SwiGLU, down and the weighted combine; float weights, or int8
+with per-channel scales); on XLA:CPU a step of a few (token, expert) pairs gathers the selected experts' weights
+(`GATHER_MAX_PAIRS`; quantized experts the kernel does not take, on every platform); elsewhere (GPU, TPU, larger
+steps on XLA:CPU) the (token, expert) pairs are sorted by slot and run through `jax.lax.ragged_dot`.
 MESHSERVE_MOE_KERNEL=ragged_dot (or gather) forces that path (for comparisons)."""
 from __future__ import annotations
 
@@ -23,18 +24,20 @@ BACKENDS = ("native", "gather", "ragged_dot")
 GATHER_MAX_PAIRS = 4
 
 
-def moe_backend(x, gate, up, down, pairs: int | None = None) -> str:
+def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group: int = 0) -> str:
     """Trace-time. Which backend `grouped_expert_mlp` takes for these operands here (`pairs`: the (token, expert)
-    pairs, T * k; None: many)."""
+    pairs, T * k; None: many; `scales`, `group`: quantized weights' as `grouped_expert_mlp` takes them). The native
+    kernel takes int8 experts with per-channel scales; quantized experts it does not take gather their weights
+    for a few pairs on every platform."""
     pairs = GATHER_MAX_PAIRS + 1 if pairs is None else pairs
     choice = os.environ.get(MOE_ENV_VAR, "auto").strip().lower()
     if choice not in ("", "auto", *BACKENDS):
         raise ValueError(f"{MOE_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
     if choice in ("gather", "ragged_dot"):
         return choice
-    if native.expert_mlp_supported(x, gate, up, down):
+    if not (scales is not None and group) and native.expert_mlp_supported(x, gate, up, down, scales):
         return "native"
-    if target_platform() == "cpu" and pairs <= GATHER_MAX_PAIRS:
+    if (target_platform() == "cpu" or scales is not None) and pairs <= GATHER_MAX_PAIRS:
         return "gather"
     return "ragged_dot"
 
@@ -45,10 +48,9 @@ def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     weights [T, k], gate/up [S, E, I], down [S, I, E]. Runs on whole local arrays (under a mesh: inside shard_map).
     Quantized weights (models.quant) come with `scales` (gate, up, down): per channel [S, I], [S, I], [S, E], or per
     `group` K rows [S, G, I], [S, G, I], [S, G, E]."""
-    backend = "gather" if scales is not None and slots.size <= GATHER_MAX_PAIRS else \
-        moe_backend(x, gate, up, down, slots.size)
-    if backend == "native" and scales is None:
-        return native.expert_mlp(x, slots, weights, gate, up, down)
+    backend = moe_backend(x, gate, up, down, slots.size, scales, group)
+    if backend == "native":
+        return native.expert_mlp(x, slots, weights, gate, up, down, scales)
     if backend == "gather":
         return gathered_expert_mlp(x, slots, weights, gate, up, down, scales, group)
     return ragged_expert_mlp(x, slots, weights, gate, up, down, scales, group)

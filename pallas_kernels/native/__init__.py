@@ -476,9 +476,11 @@ def matmul_packed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 # ---------------------------------------------------------------------------------------------------------
 # int8 weights with float32 scales (native/matmul_int8.h): x @ (w * scale) with w int8, row-major [K, N] or packed,
 # scale [N] (per column) or [G, N] (per group of K/G rows and column), accumulated in float32. Two methods: "widen"
-# (the weights widened to float32 in registers, exact products) and "dot" (x quantised per row to two int8 digits,
-# ~15 bits, and int8 dot products: vpdpbusd on AVX512_VNNI, sdot on aarch64's dotprod); "auto" takes the dot
-# method wherever the path has it (measured: it won or tied at every row count, docs/native-kernels.md).
+# (exact products: the weights widened in registers, or from many rows each panel once, to bfloat16 where x is
+# bfloat16 and the path has pair dot products) and "dot" (x quantised per row to two int8 digits, ~15 bits, and int8
+# dot products: vpdpbusd on AVX512_VNNI, sdot on aarch64's dotprod); "auto" takes the dot method for bfloat16 x
+# where the path has it, except many rows on the pair paths, and the exact widened products for float32 x
+# (docs/native-kernels.md).
 
 # Most rows the int8 matmul on row-major weights takes; above, XLA's (the weight converted, then its dot). Row-major
 # int8 streams poorly (short row segments): on the AMD EPYC both ran even at 4-16 rows (768 x 2304, weights from
@@ -614,26 +616,34 @@ def greedy_head(x: jax.Array, q: jax.Array, bounds: jax.Array, w: jax.Array, num
                                                layout=np.int32(HEAD_LAYOUTS[layout]), isa=_isa_attr())
 
 
-def expert_mlp_supported(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> bool:
-    """Trace-time. Whether `expert_mlp` can run here: x [T, E] and row-major gate/up [S, E, I], down [S, I, E], all
-    float32 or all bfloat16."""
+def expert_mlp_supported(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, scales=None) -> bool:
+    """Trace-time. Whether `expert_mlp` can run here: x [T, E] float32 or bfloat16 and row-major gate/up [S, E, I],
+    down [S, I, E] in x's dtype (`scales` None), or int8 with float32 `scales` (gate, up, down) per output channel
+    and slot: [S, I], [S, I], [S, E] (group-wise scales are not taken)."""
     if not enabled() or not _single_device_context() or x.ndim != 2 or gate.ndim != 3:
         return False
     s, e, i = gate.shape
     dt = jnp.dtype(x.dtype)
-    if dt not in PANELS or any(jnp.dtype(w.dtype) != dt for w in (gate, up, down)):
+    wdt = dt if scales is None else jnp.dtype(jnp.int8)
+    if dt not in PANELS or any(jnp.dtype(w.dtype) != wdt for w in (gate, up, down)):
+        return False
+    if scales is not None and [(tuple(c.shape), jnp.dtype(c.dtype)) for c in scales] != [
+            ((s, i), jnp.float32), ((s, i), jnp.float32), ((s, e), jnp.float32)]:
         return False
     return x.shape[1] == e and up.shape == (s, e, i) and down.shape == (s, i, e)
 
 
 def expert_mlp(x: jax.Array, slots: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,
-               down: jax.Array) -> jax.Array:
+               down: jax.Array, scales=None) -> jax.Array:
     """Pure. [T, E] in x's dtype: sum_k weights[t, k] * down_s(silu(x[t] @ gate_s) * (x[t] @ up_s)) with
     s = slots[t, k] (slots < 0 or >= S: no work), accumulated in float32 (native/moe.h). Each selected expert's
-    weights are read once for all its tokens; experts no token selected are not read."""
+    weights are read once for all its tokens; experts no token selected are not read. int8 experts: `scales`
+    (gate, up, down) per output channel and slot, [S, I], [S, I], [S, E], float32: the weights are w * scale."""
     _require()
+    if scales is None:  # (empty scale operands: weights in x's dtype)
+        scales = (jnp.zeros((0,), jnp.float32),) * 3
     call = jax.ffi.ffi_call(_EXPERT_MLP, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return call(x, jnp.asarray(slots, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up, down,
+    return call(x, jnp.asarray(slots, jnp.int32), jnp.asarray(weights, jnp.float32), gate, up, down, *scales,
                 isa=_isa_attr())
 
 

@@ -69,10 +69,12 @@ struct Kernels {
                       const float* scale, const float* bound, const HeadWeight& w, int32_t* tokens,
                       int32_t* candidates);
   // Grouped expert MLP (moe.h): out[T, E] = sum_k weights[t, k] * SwiGLU expert slots[t, k] of x[t] (slot < 0 or
-  // >= S: none), gate/up [S, E, I], down [S, I, E]; x, the expert weights and out in `dt`, weights float32.
+  // >= S: none), gate/up [S, E, I], down [S, I, E]; x and out in `dt`, weights float32; the expert weights in `dt`
+  // (scales null), or int8 with float32 scales per output channel and slot (gate/up [S, I], down [S, E]).
   void (*expert_mlp)(const Runner&, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
                      const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
-                     int64_t S, int64_t I, void* out);
+                     const float* gate_scale, const float* up_scale, const float* down_scale, int64_t S, int64_t I,
+                     void* out);
   // out[M, N] = (x[M, K] @ w) * scale accumulated in float32 (matmul_int8.h): w int8, packed (`packed`: [N/64,
   // Kp/4, 64, 4], Kp = K rounded up to 4) or row-major [K, N]; scale float32 [G, N], G groups of K/G rows (packed
   // with G > 1: K/G a multiple of 4); x in `in`, out in `out`. kInt8Dot needs int8_dot() (row-major w: widened).

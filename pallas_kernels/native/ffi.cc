@@ -8,9 +8,9 @@
 // weights that are not packed. attention: the ragged paged attention of pallas_kernels/reference.py with an
 // online softmax. greedy head: the argmax of the exact logits of a few rows from an int8 screen of the LM head plus
 // a recheck of the rows its error bounds leave open. expert mlp: a mixture-of-experts layer's routed experts
-// (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once. int8 matmul: x @ w for int8
-// weights (packed or row-major) times float32 scales per column or per group of rows. Work is split between the
-// XLA intra-op thread pool's threads and the calling thread.
+// (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once (in x's dtype, or int8 with
+// per-channel scales). int8 matmul: x @ w for int8 weights (packed or row-major) times float32 scales per column or
+// per group of rows. Work is split between the XLA intra-op thread pool's threads and the calling thread.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -238,8 +238,11 @@ ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// Quantized experts: int8 gate/up/down with float32 scales per output channel and slot; else the scale operands are
+// empty and the weights in x's dtype.
 ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
                          ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
+                         ffi::AnyBuffer gate_scale, ffi::AnyBuffer up_scale, ffi::AnyBuffer down_scale,
                          ffi::Result<ffi::AnyBuffer> out, int32_t isa) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
@@ -251,12 +254,23 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const int64_t T = xd[0], E = xd[1], topk = sd[1], S = gd[0], I = gd[2];
   if (sd[0] != T || wd[0] != T || wd[1] != topk || gd[1] != E || ud[0] != S || ud[1] != E || ud[2] != I ||
       dd[0] != S || dd[1] != I || dd[2] != E)
-    return ffi::Error::InvalidArgument("expert mlp: shapes do not match (x[T, E], slots/weights[T, k], gate/up[S, E, I], "
-                                       "down[S, I, E])");
+    return ffi::Error::InvalidArgument(
+        "expert mlp: shapes do not match (x[T, E], slots/weights[T, k], gate/up[S, E, I], down[S, I, E])");
   const auto t = x.element_type();
-  if (!(t == ffi::DataType::F32 || t == ffi::DataType::BF16) || gate.element_type() != t ||
-      up.element_type() != t || down.element_type() != t || out->element_type() != t)
-    return ffi::Error::InvalidArgument("expert mlp: x, gate, up, down and out must all be f32 or all bf16");
+  if (!(t == ffi::DataType::F32 || t == ffi::DataType::BF16) || out->element_type() != t)
+    return ffi::Error::InvalidArgument("expert mlp: x and out must both be f32 or both bf16");
+  const bool int8 = gate.element_type() == ffi::DataType::S8;
+  const auto wt = int8 ? ffi::DataType::S8 : t;
+  if (gate.element_type() != wt || up.element_type() != wt || down.element_type() != wt)
+    return ffi::Error::InvalidArgument("expert mlp: gate, up and down must all be in x's dtype or all int8");
+  auto scale_ok = [&](const ffi::AnyBuffer& s, int64_t n) {
+    auto d = s.dimensions();
+    return int8 ? s.element_type() == ffi::DataType::F32 && d.size() == 2 && d[0] == S && d[1] == n
+                : s.element_count() == 0;
+  };
+  if (!scale_ok(gate_scale, I) || !scale_ok(up_scale, I) || !scale_ok(down_scale, E))
+    return ffi::Error::InvalidArgument("expert mlp: int8 experts need float32 scales gate/up [S, I], down [S, E]; "
+                                       "others none");
   if (static_cast<int64_t>(out->element_count()) != T * E)
     return ffi::Error::InvalidArgument("expert mlp: out must be [T, E]");
   if (!T || !E) return ffi::Error::Success();
@@ -264,9 +278,11 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
     std::memset(out->untyped_data(), 0, out->size_bytes());
     return ffi::Error::Success();
   }
+  auto scale = [&](const ffi::AnyBuffer& s) { return int8 ? static_cast<const float*>(s.untyped_data()) : nullptr; };
   kernels->expert_mlp(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, E,
                       slots.typed_data(), weights.typed_data(), topk, gate.untyped_data(), up.untyped_data(),
-                      down.untyped_data(), S, I, out->untyped_data());
+                      down.untyped_data(), scale(gate_scale), scale(up_scale), scale(down_scale), S, I,
+                      out->untyped_data());
   return ffi::Error::Success();
 }
 
@@ -346,6 +362,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveExpertMlp, meshserve::ExpertMlpImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

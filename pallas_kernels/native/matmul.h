@@ -346,14 +346,16 @@ constexpr int TileCols() {
 }
 
 // One packed row q (CB vectors of columns from the panel's vector c0, x kStep K rows) into a tile's accumulators.
-// float32: x[r, q] broadcast; bfloat16: the pair x[r, 2q:2q+2] (x padded to even K).
-template <int RT, int CB, typename XT>
+// float32: x[r, q] broadcast; bfloat16: the pair x[r, 2q:2q+2] (x padded to even K). kStream: the panel comes from
+// memory (the first column vector's pass prefetches ahead); a panel already in cache (matmul_int8.h's widened
+// panels) needs no prefetch.
+template <int RT, int CB, typename XT, bool kStream = true>
 inline void PackedStep(V::F (&acc)[RT][CB], const typename PackedTraits<XT>::X* __restrict x, int64_t ldx,
                        const XT* __restrict wp, int64_t q, int c0) {
   using T = PackedTraits<XT>;
   constexpr int64_t row_elems = T::kPanel * T::kStep;
   const XT* wq = wp + q * row_elems;
-  if (c0 == 0) {
+  if (kStream && c0 == 0) {
     const char* ahead = reinterpret_cast<const char*>(wq) + kPackedAhead;
 #pragma GCC unroll 4
     for (int64_t l = 0; l < row_elems * static_cast<int64_t>(sizeof(XT)); l += 64) PrefetchT1(ahead + l);

@@ -6,8 +6,10 @@
 // Packed weights (pallas_kernels/native `pack_weight` of int8): [N/64, Kp/4, 64, 4], K zero-padded to Kp (a multiple
 // of 4) and rows k..k+3 of each column side by side (a "quad": the operand layout of vpdpbusd and sdot). Each
 // thread streams whole panels, as the float kernels do (matmul.h), by one of two methods:
-//   widen  each quad widened to four float32 (shifts and a convert), FMAs against x: exact products, the float32
-//          kernels' accumulation;
+//   widen  exact products, the float32 kernels' accumulation: each quad widened to four float32 (shifts and a
+//          convert) per tile, FMAs against x; from many rows each panel widened once per block of rows (to
+//          bfloat16 for pair dot products where x is bfloat16 and the path has them, else to float32) and register
+//          tiles of many rows run over it;
 //   dot    x quantised per row to two int8 digits, x ~ sx (h + l / 254) with sx = max|x| / 127, h = round(x / sx),
 //          l = round((x / sx - h) 254): |x - sx (h + l / 254)| <= sx / 508 (+ float32 rounding of x / sx), ~15 bits
 //          against the row's largest element, the order of bfloat16 x's own rounding. Each digit's int32 dot
@@ -36,14 +38,6 @@ constexpr int I8Cols() {
   return 1;
 }
 
-// Streams per panel (K cut in S parts, each with its own accumulators and digits, the widened quad shared: more
-// reads in flight per core).
-template <int RT, int CB, int D>
-constexpr int I8Streams() {
-  constexpr int fit = D == 1 ? (V::kAccRegs - 4) / (RT * CB) : V::kAccRegs / I8Footprint<RT, D>(CB);
-  return fit >= kMaxStreams ? kMaxStreams : fit < 1 ? 1 : fit;
-}
-
 // The operands of one call, as the tiles read them.
 struct I8Problem {
   int64_t K, kp, N, groups, group_quads;  // quads (4 K rows) per group
@@ -55,9 +49,14 @@ struct I8Problem {
   const int32_t* corr;     // dot: [M][groups][2] what the weights' offset added to the h and l sums
 };
 
-// Prefetches packed row q + kPackedAhead / 256 into L2 (the first column vector's pass over the panel does it).
+// Bytes ahead in a panel's stream, prefetched into L2. Each tile reads a panel as one stream: on the AMD EPYC one
+// row's tiles streamed ~10-20% faster (dot products; widened: ~1.5x) than over the float kernels' several streams
+// per panel (matmul.h PackedTile), and 8 KiB ahead ~10% faster than 4 (weights from memory, one thread).
+constexpr int64_t kI8Ahead = 8192;
+
+// Prefetches packed row q + kI8Ahead / 256 into L2 (the first column vector's pass over the panel does it).
 inline void I8Prefetch(const int8_t* wq) {
-  const char* ahead = reinterpret_cast<const char*>(wq) + kPackedAhead;
+  const char* ahead = reinterpret_cast<const char*>(wq) + kI8Ahead;
 #pragma GCC unroll 4
   for (int64_t l = 0; l < 4 * kI8Panel; l += 64) PrefetchT1(ahead + l);
 }
@@ -108,31 +107,20 @@ inline void I8WidenStep(V::F (&acc)[RT][CB], const float* __restrict x, int64_t 
 // RT rows x the panel's columns, CB vectors at a time, over every group.
 template <int RT, typename Out>
 inline void I8WidenTile(const I8Problem& p, const float* x, const int8_t* wp, const float* scale, Out* out) {
-  constexpr int CB = I8Cols<RT, 1>(), S = I8Streams<RT, CB, 1>(), panel = kI8Panel / V::kLanes;
+  constexpr int CB = I8Cols<RT, 1>(), panel = kI8Panel / V::kLanes;
   static_assert(panel % CB == 0, "a tile's columns must divide the panel");
   const int64_t quads = p.kp / 4;
   for (int c0 = 0; c0 < panel; c0 += CB) {
     V::F tot[RT][CB];
     for (int64_t g = 0; g < p.groups; ++g) {
-      const int64_t q0 = g * p.group_quads, q1 = Min(quads, q0 + p.group_quads), part = (q1 - q0) / S;
-      V::F acc[S][RT][CB];
-#pragma GCC unroll 4
-      for (int s = 0; s < S; ++s)
+      V::F acc[RT][CB];
 #pragma GCC unroll 16
-        for (int r = 0; r < RT; ++r)
+      for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 8
-          for (int c = 0; c < CB; ++c) acc[s][r][c] = V::Zero();
-      for (int64_t i = 0; i < part; ++i)
-#pragma GCC unroll 4
-        for (int s = 0; s < S; ++s) I8WidenStep<RT, CB>(acc[s], x, p.ldx, wp, q0 + s * part + i, c0);
-      for (int64_t q = q0 + S * part; q < q1; ++q) I8WidenStep<RT, CB>(acc[0], x, p.ldx, wp, q, c0);
-#pragma GCC unroll 4
-      for (int s = 1; s < S; ++s)
-#pragma GCC unroll 16
-        for (int r = 0; r < RT; ++r)
-#pragma GCC unroll 8
-          for (int c = 0; c < CB; ++c) acc[0][r][c] = V::Add(acc[0][r][c], acc[s][r][c]);
-      I8AddGroup<RT, CB>(tot, acc[0], scale + g * p.N, c0, g == 0);
+        for (int c = 0; c < CB; ++c) acc[r][c] = V::Zero();
+      for (int64_t q = g * p.group_quads, q1 = Min(quads, q + p.group_quads); q < q1; ++q)
+        I8WidenStep<RT, CB>(acc, x, p.ldx, wp, q, c0);
+      I8AddGroup<RT, CB>(tot, acc, scale + g * p.N, c0, g == 0);
     }
     I8Store<RT, CB, Out>(tot, nullptr, out, p.N, c0);
   }
@@ -144,6 +132,196 @@ inline void I8WidenRows(int64_t rows, const I8Problem& p, const float* x, const 
   if constexpr (RT > 1)
     if (rows < RT) return I8WidenRows<Out, RT - 1>(rows, p, x, wp, scale, out);
   I8WidenTile<RT, Out>(p, x, wp, scale, out);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// widen, many rows (from simd.h's kI8PanelMinRows / kI8F32PanelMinRows): each panel widened once per block of rows
+// into a scratch panel in cache, and register tiles of many rows run over it, so the conversion is paid once for
+// all the block's rows instead of once per tile. bfloat16 x where the CPU has pair dot products: the panel as
+// bfloat16 element for element (int8 -> bfloat16 is exact), a vector holding kLanes / 2 columns' quads, multiplied
+// by each row's four x values (QuadSet1) with the pair dot product, the lane pairs added at each group's end. Else
+// float32 half panels [kp, 32] and the float32 packed tiles (matmul.h PackedStep). Tiles of even heights; each
+// group's sums scaled into the total (kept in a float32 tile in memory between groups). The next panel is
+// prefetched into L2 while the tiles run over this one, so the conversion reads it from cache.
+
+// The next panel's bytes into L2 while a tile runs over the current one: `lines` cache lines per K step of the
+// tile's first pass, from `p` up to `end` (the tiles of a panel take consecutive slices).
+struct I8Ahead {
+  const char* p;
+  const char* end;
+  int lines;
+  void Step() {
+    for (int l = 0; l < lines && p < end; ++l, p += 64) PrefetchT1(p);
+  }
+};
+
+// Tile t of `tiles` over a panel of `steps` K steps: its slice of the next panel (`next`, null: none).
+inline I8Ahead I8AheadFor(const int8_t* next, int64_t bytes, int64_t t, int64_t tiles, int64_t steps) {
+  if (!next) return {nullptr, nullptr, 0};
+  const int64_t lines = (bytes / 64 + tiles * steps - 1) / (tiles * steps);  // per step, so the tiles cover it
+  const char* base = reinterpret_cast<const char*>(next);
+  const int64_t from = Min(bytes, t * steps * lines * 64), to = Min(bytes, (t + 1) * steps * lines * 64);
+  return {base + from, base + to, static_cast<int>(lines)};
+}
+
+// tot (+)= sum * scale[g] for a tile's vector of columns; the last group stores it to `out`.
+template <typename Out>
+inline void I8GroupEnd(V::F sum, const float* scale, float* tot, Out* out, bool first, bool last) {
+  const V::F t = first ? V::Mul(sum, V::Load(scale)) : V::Fma(sum, V::Load(scale), V::Load(tot));
+  if (last)
+    StoreF32(out, t, V::Mask(V::kLanes));
+  else
+    V::Store(tot, t);
+}
+
+#if MESHSERVE_BF16_PAIRS
+// Packed int8 panel `wp` (kp rows) as bfloat16, element for element.
+inline void I8Bf16Panel(const int8_t* wp, int64_t kp, uint16_t* dst) {
+  for (int64_t q = 0; q < kp / 4; ++q) {
+    const int8_t* wq = wp + q * 4 * kI8Panel;
+    I8Prefetch(wq);
+#pragma GCC unroll 8
+    for (int64_t i = 0; i < 4 * kI8Panel; i += 2 * V::kLanes) V::I8ToBf16(wq + i, dst + q * 4 * kI8Panel + i);
+  }
+}
+
+// RT rows (bfloat16 x, [RT, ldx] zero-padded to kp) x the bfloat16 panel's 64 columns, CB vectors at a time.
+template <int RT, typename Out>
+inline void I8QuadTile(const I8Problem& p, const uint16_t* x, int64_t ldx, const uint16_t* panel, const float* scale,
+                       Out* out, I8Ahead ahead) {
+  constexpr int CB = V::kBf16SubCols, vecs = static_cast<int>(2 * kI8Panel / V::kLanes);  // quads per vector: kLanes/2
+  static_assert(vecs % CB == 0 && CB % 2 == 0, "a tile's vectors must divide the panel, in pairs");
+  const int64_t quads = p.kp / 4;
+  for (int c0 = 0; c0 < vecs; c0 += CB) {
+    alignas(64) float tot[RT][CB / 2][V::kLanes];
+    for (int64_t g = 0; g < p.groups; ++g) {
+      V::F acc[RT][CB];
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; ++c) acc[r][c] = V::Zero();
+      for (int64_t q = g * p.group_quads, q1 = Min(quads, q + p.group_quads); q < q1; ++q) {
+        if (c0 == 0) ahead.Step();
+        const uint16_t* wq = panel + q * 4 * kI8Panel + 2 * V::kLanes * c0;
+        V::WPair wv[CB];
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; ++c) wv[c] = V::PairLoad(wq + 2 * V::kLanes * c);
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; ++r) {
+          const V::XPair xv = V::QuadSet1(x + r * ldx + 4 * q);
+#pragma GCC unroll 8
+          for (int c = 0; c < CB; ++c) acc[r][c] = V::PairDot(acc[r][c], xv, wv[c]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int c = 0; c < CB / 2; ++c) {
+        const int64_t col = V::kLanes * (c0 / 2 + c);
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; ++r)
+          I8GroupEnd(V::AddPairs(acc[r][2 * c], acc[r][2 * c + 1]), scale + g * p.N + col, tot[r][c],
+                     out + r * p.N + col, g == 0, g + 1 == p.groups);
+      }
+    }
+  }
+}
+
+template <typename Out, int RT = V::kBf16Rows>
+inline void I8QuadRows(int64_t rows, const I8Problem& p, const uint16_t* x, int64_t ldx, const uint16_t* panel,
+                       const float* scale, Out* out, I8Ahead ahead) {
+  if constexpr (RT > 1)
+    if (rows < RT) return I8QuadRows<Out, RT - 1>(rows, p, x, ldx, panel, scale, out, ahead);
+  I8QuadTile<RT, Out>(p, x, ldx, panel, scale, out, ahead);
+}
+#endif
+
+// Columns [32h, 32h + 32) of packed int8 panel `wp` (kp rows) as float32 [kp, 32].
+inline void I8HalfPanel(const int8_t* wp, int64_t kp, int h, float* dst) {
+  constexpr int per = static_cast<int>(kF32Panel / V::kLanes);
+  for (int64_t q = 0; q < kp / 4; ++q) {
+    const int8_t* wq = wp + q * 4 * kI8Panel;
+    if (h == 0) I8Prefetch(wq);  // (the second half reads the panel from cache)
+#pragma GCC unroll 8
+    for (int c = 0; c < per; ++c) {
+      V::F w[4];
+      V::I8Quads(wq + 4 * V::kLanes * (per * h + c), w);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) V::Store(dst + (4 * q + j) * kF32Panel + V::kLanes * c, w[j]);
+    }
+  }
+}
+
+// RT rows (float32 x, [RT, ldx] zero-padded to kp) x a float32 half panel's 32 columns, CB vectors at a time.
+template <int RT, typename Out>
+inline void I8HalfTile(const I8Problem& p, const float* x, int64_t ldx, const float* panel, const float* scale,
+                       Out* out, I8Ahead ahead) {
+  constexpr int CB = TileCols<float, RT>(), vecs = static_cast<int>(kF32Panel / V::kLanes);
+  static_assert(vecs % CB == 0, "a tile's columns must divide the panel");
+  for (int c0 = 0; c0 < vecs; c0 += CB) {
+    alignas(64) float tot[RT][CB][V::kLanes];
+    for (int64_t g = 0; g < p.groups; ++g) {
+      V::F acc[RT][CB];
+#pragma GCC unroll 16
+      for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+        for (int c = 0; c < CB; ++c) acc[r][c] = V::Zero();
+      for (int64_t k = 4 * g * p.group_quads, k1 = Min(p.kp, k + 4 * p.group_quads); k < k1; ++k) {
+        if (c0 == 0) ahead.Step();
+        PackedStep<RT, CB, float, false>(acc, x, ldx, panel, k, c0);
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < CB; ++c) {
+        const int64_t col = V::kLanes * (c0 + c);
+#pragma GCC unroll 16
+        for (int r = 0; r < RT; ++r)
+          I8GroupEnd(acc[r][c], scale + g * p.N + col, tot[r][c], out + r * p.N + col, g == 0, g + 1 == p.groups);
+      }
+    }
+  }
+}
+
+template <typename Out, int RT = V::kF32Rows>
+inline void I8HalfRows(int64_t rows, const I8Problem& p, const float* x, int64_t ldx, const float* panel,
+                       const float* scale, Out* out, I8Ahead ahead) {
+  if constexpr (RT > 1)
+    if (rows < RT) return I8HalfRows<Out, RT - 1>(rows, p, x, ldx, panel, scale, out, ahead);
+  I8HalfTile<RT, Out>(p, x, ldx, panel, scale, out, ahead);
+}
+
+// Rows [m0, m1) of panels [j0, j1), each panel widened once. `x`: [M, ldx] zero-padded to kp, bfloat16 (XT
+// uint16_t: the pair dot products) or float32.
+template <typename XT, typename Out>
+void I8PanelPanels(const I8Problem& p, const XT* x, int64_t ldx, int64_t m0, int64_t m1, int64_t j0, int64_t j1,
+                   const int8_t* w, Out* out) {
+  thread_local Scratch scratch;
+  const int64_t bytes = p.kp * kI8Panel;
+  for (int64_t j = j0; j < j1; ++j) {
+    const int8_t* wp = w + j * bytes;
+    const int8_t* next = j + 1 < j1 ? wp + bytes : nullptr;
+    if constexpr (std::is_same_v<XT, uint16_t>) {
+#if MESHSERVE_BF16_PAIRS
+      uint16_t* panel = scratch.Get<uint16_t>(static_cast<size_t>(bytes));
+      I8Bf16Panel(wp, p.kp, panel);
+      const int64_t tiles = (m1 - m0 + V::kBf16Rows - 1) / V::kBf16Rows;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m = m0 + (m1 - m0) * t / tiles, rows = m0 + (m1 - m0) * (t + 1) / tiles - m;  // even heights
+        I8QuadRows<Out>(rows, p, x + m * ldx, ldx, panel, p.scale + j * kI8Panel,
+                        out + m * p.N + j * kI8Panel, I8AheadFor(next, bytes, t, tiles, p.kp / 4));
+      }
+#endif
+    } else {
+      float* panel = scratch.Get<float>(static_cast<size_t>(p.kp * kF32Panel));
+      const int64_t tiles = (m1 - m0 + V::kF32Rows - 1) / V::kF32Rows;
+      for (int h = 0; h < 2; ++h) {
+        I8HalfPanel(wp, p.kp, h, panel);
+        const int64_t col = j * kI8Panel + h * kF32Panel;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t m = m0 + (m1 - m0) * t / tiles, rows = m0 + (m1 - m0) * (t + 1) / tiles - m;
+          I8HalfRows<Out>(rows, p, x + m * ldx, ldx, panel, p.scale + col, out + m * p.N + col,
+                          I8AheadFor(next, bytes, h * tiles + t, 2 * tiles, p.kp));
+        }
+      }
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -209,7 +387,7 @@ struct I8Dot {
 template <int RT, typename Out>
 MESHSERVE_I8DOT_TARGET inline void I8DotTile(const I8Problem& p, int64_t m, const int8_t* wp, const float* scale,
                                              Out* out) {
-  constexpr int CB = I8Cols<RT, 2>(), S = I8Streams<RT, CB, 2>(), panel = kI8Panel / V::kLanes;
+  constexpr int CB = I8Cols<RT, 2>(), panel = kI8Panel / V::kLanes;
   static_assert(panel % CB == 0, "a tile's columns must divide the panel");
   const int64_t quads = p.kp / 4, ldx = 2 * p.kp;
   const int8_t* x = p.xq + m * ldx;
@@ -217,31 +395,22 @@ MESHSERVE_I8DOT_TARGET inline void I8DotTile(const I8Problem& p, int64_t m, cons
   for (int c0 = 0; c0 < panel; c0 += CB) {
     V::F tot[RT][CB];
     for (int64_t g = 0; g < p.groups; ++g) {
-      const int64_t q0 = g * p.group_quads, q1 = Min(quads, q0 + p.group_quads), part = (q1 - q0) / S;
-      I8Dot::I hi[S][RT][CB], lo[S][RT][CB];
-#pragma GCC unroll 4
-      for (int s = 0; s < S; ++s)
+      I8Dot::I hi[RT][CB], lo[RT][CB];
 #pragma GCC unroll 16
-        for (int r = 0; r < RT; ++r)
+      for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 8
-          for (int c = 0; c < CB; ++c) hi[s][r][c] = lo[s][r][c] = I8Dot::Zero();
+        for (int c = 0; c < CB; ++c) hi[r][c] = lo[r][c] = I8Dot::Zero();
       // (written out here: with the accumulators passed to a step function GCC copied them every step)
-      for (int64_t i = 0, tail = q1 - q0 - S * part; i < part + tail; ++i) {
-        const int streams = i < part ? S : 1;
-#pragma GCC unroll 4
-        for (int s = 0; s < S; ++s) {
-          if (s >= streams) break;
-          const int64_t q = i < part ? q0 + s * part + i : q0 + S * part + i - part;
-          const int8_t* wq = wp + q * 4 * kI8Panel;
-          if (c0 == 0) I8Prefetch(wq);
+      for (int64_t q = g * p.group_quads, q1 = Min(quads, q + p.group_quads); q < q1; ++q) {
+        const int8_t* wq = wp + q * 4 * kI8Panel;
+        if (c0 == 0) I8Prefetch(wq);
 #pragma GCC unroll 8
-          for (int c = 0; c < CB; ++c) {
-            const I8Dot::I w = I8Dot::Weights(wq + 4 * V::kLanes * (c0 + c));
+        for (int c = 0; c < CB; ++c) {
+          const I8Dot::I w = I8Dot::Weights(wq + 4 * V::kLanes * (c0 + c));
 #pragma GCC unroll 16
-            for (int r = 0; r < RT; ++r) {
-              hi[s][r][c] = I8Dot::Dot(hi[s][r][c], w, x + r * ldx + 4 * q);
-              lo[s][r][c] = I8Dot::Dot(lo[s][r][c], w, x + r * ldx + p.kp + 4 * q);
-            }
+          for (int r = 0; r < RT; ++r) {
+            hi[r][c] = I8Dot::Dot(hi[r][c], w, x + r * ldx + 4 * q);
+            lo[r][c] = I8Dot::Dot(lo[r][c], w, x + r * ldx + p.kp + 4 * q);
           }
         }
       }
@@ -250,14 +419,8 @@ MESHSERVE_I8DOT_TARGET inline void I8DotTile(const I8Problem& p, int64_t m, cons
       for (int r = 0; r < RT; ++r) {
         const int32_t* cr = corr + (r * p.groups + g) * 2;
 #pragma GCC unroll 8
-        for (int c = 0; c < CB; ++c) {
-#pragma GCC unroll 4
-          for (int s = 1; s < S; ++s) {
-            hi[0][r][c] = I8Dot::Add(hi[0][r][c], hi[s][r][c]);
-            lo[0][r][c] = I8Dot::Add(lo[0][r][c], lo[s][r][c]);
-          }
-          sum[r][c] = V::Fma(I8Dot::ToF(lo[0][r][c], cr[1]), V::Set1(1 / kI8LowDigit), I8Dot::ToF(hi[0][r][c], cr[0]));
-        }
+        for (int c = 0; c < CB; ++c)
+          sum[r][c] = V::Fma(I8Dot::ToF(lo[r][c], cr[1]), V::Set1(1 / kI8LowDigit), I8Dot::ToF(hi[r][c], cr[0]));
       }
       I8AddGroup<RT, CB>(tot, sum, scale + g * p.N, c0, g == 0);
     }
@@ -341,14 +504,31 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
                     const float* scale, int64_t groups, int32_t method, Out* out) {
   const int64_t kp = (K + 3) / 4 * 4;
   I8Problem p{K, kp, N, groups, kp / 4 / groups, scale, nullptr, kp, nullptr, nullptr, nullptr};
-  // auto: the dot method wherever it runs (on the AMD EPYC: faster at every row count with the weights in L2; from
-  // memory even within noise at 1-4 rows, 10-25% faster from 5-6; docs/native-kernels.md)
-  [[maybe_unused]] const bool dot = Int8Dot() && (method == kInt8Dot ||
-                                                  (method == kInt8Auto && kp / groups <= kI8MaxDotGroup));
+  // Blocks of rows of equal height (at most kPackedMBlock). widen: each panel widened once per block from
+  // `panel_min` rows, below per tile. auto: for bfloat16 x the dot method where it runs (its x, ~15 bits, is finer
+  // than bfloat16's 8), except from kI8PanelMinRows rows on a path with pair dot products (as many multiply-adds per
+  // instruction as the dot method's two digits, and exact; the panels won from there: docs/native-kernels.md); the
+  // widened products for float32 x (exact, as float32 serving expects) and where there is no dot method.
+  constexpr bool pairs = std::is_same_v<XT, uint16_t> && V::kNativePairs;
+  constexpr int64_t panel_min = pairs ? V::kI8PanelMinRows : V::kI8F32PanelMinRows;
+  const int64_t mblocks = (M + kPackedMBlock - 1) / kPackedMBlock, mrows = (M + mblocks - 1) / mblocks;
+  const bool dot_runs = std::is_same_v<XT, uint16_t> && Int8Dot() && kp / groups <= kI8MaxDotGroup;
+  const bool panel_rows = M >= panel_min && (method == kInt8Widen || (method == kInt8Auto && (pairs || !dot_runs)));
+  [[maybe_unused]] const bool dot =
+      !panel_rows && Int8Dot() && (method == kInt8Dot || (method == kInt8Auto && dot_runs));
+  // x as the tiles read it: bfloat16 (x itself, or a copy zero-padded to kp) for the bfloat16 panels; else float32
+  // [M, kp] (x itself where it is float32 and K = kp).
+  const bool bf16_rows = pairs && panel_rows;
+  Zeros<XT> xpad(bf16_rows && kp != K ? static_cast<size_t>(M * kp) : 0);
+  const XT* xb = x;
+  if (bf16_rows && kp != K) {
+    for (int64_t m = 0; m < M; ++m) std::memcpy(xpad.get() + m * kp, x + m * K, K * sizeof(XT));
+    xb = xpad.get();
+  }
   if constexpr (std::is_same_v<XT, float>)
     if (kp == K) p.xf = x;
-  Zeros<float> xf(p.xf ? 0 : static_cast<size_t>(M * kp));
-  if (!p.xf) {
+  Zeros<float> xf(p.xf || bf16_rows ? 0 : static_cast<size_t>(M * kp));
+  if (!p.xf && !bf16_rows) {
     I8FloatRows(x, M, K, kp, xf.get());
     p.xf = xf.get();
   }
@@ -365,11 +545,15 @@ void I8PackedMatmul(const Runner& run, const XT* x, int64_t M, int64_t K, const 
 #endif
   const int64_t panels = N / kI8Panel;
   const int64_t per_chunk = ChunkUnits(N, kI8Panel, run.threads);
-  const int64_t chunks = (panels + per_chunk - 1) / per_chunk, mblocks = (M + kPackedMBlock - 1) / kPackedMBlock;
+  const int64_t chunks = (panels + per_chunk - 1) / per_chunk;
   ParallelFor(run, chunks * mblocks, [&](int64_t unit) {
-    const int64_t ci = unit % chunks, m0 = unit / chunks * kPackedMBlock;
+    const int64_t ci = unit % chunks, m0 = unit / chunks * mrows;
     const int64_t j0 = ci * per_chunk, j1 = Min<int64_t>(panels, j0 + per_chunk);
-    const int64_t m1 = Min<int64_t>(M, m0 + kPackedMBlock);
+    const int64_t m1 = Min<int64_t>(M, m0 + mrows);
+    if (panel_rows) {
+      if constexpr (pairs) return I8PanelPanels<uint16_t, Out>(p, xb, kp, m0, m1, j0, j1, w, out);
+      return I8PanelPanels<float, Out>(p, p.xf, p.ldx, m0, m1, j0, j1, w, out);
+    }
 #if MESHSERVE_I8DOT
     if (dot) return I8DotPanels<Out>(p, m0, m1, j0, j1, w, out);
 #endif

@@ -14,7 +14,9 @@
 //      every selected expert's down columns with its h rows and adds w[t, k] * out into the tokens' rows, in slot
 //      order (float32), then writes the chunk of y (rounded to bfloat16 once, for bf16).
 // bfloat16: x @ gate|up take the pair dot products where the CPU has them (else widened in registers, as the
-// matmul); h stays float32 and the down weights are widened in registers.
+// matmul); h stays float32 and the down weights are widened in registers. int8 weights (quantized serving) come with
+// float32 scales per output channel and slot (gate/up [S, I], down [S, E]): widened to float32 in registers against
+// x as float32, each expert's sums scaled by its channels' scales (before SwiGLU; before the weighted combine).
 
 // Rows rowp[0..rows) of x, columns [k0, k0 + kb), packed k-major as the tiles read them (matmul.h PackX).
 inline void PackRows(const float* const* rowp, int64_t rows, int64_t k0, int64_t kb, float* xt) {
@@ -132,6 +134,15 @@ inline void SwiGlu(float* h, const float* u, int64_t n) {
   }
 }
 
+// Rows [rows, n] (row stride n) times scale[n], in place.
+inline void ScaleColumns(float* a, int64_t rows, int64_t n, const float* scale) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; i += V::kLanes) {
+      const V::M m = V::Mask(n - i);
+      V::StoreM(a + r * n + i, V::Mul(V::LoadM(a + r * n + i, m), V::LoadM(scale + i, m)), m);
+    }
+}
+
 // y[i] += a * v[i], n elements.
 inline void AddScaled(float* y, const float* v, float a, int64_t n) {
   const V::F av = V::Set1(a);
@@ -150,11 +161,19 @@ inline int64_t GroupChunkCols(int64_t N, int64_t parts) {
   return Max<int64_t>(64, (per + 63) / 64 * 64);
 }
 
-template <typename XT>
+// Per-channel scales of int8 expert weights (all null: weights in x's dtype).
+struct ExpertScales {
+  const float *gate, *up, *down;  // [S, I], [S, I], [S, E]
+};
+
+template <typename XT, typename WT>
 void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32_t* slots, const float* weights,
-               int64_t topk, const XT* gate, const XT* up, const XT* down, int64_t S, int64_t I, XT* out) {
-  // x as the gate|up tiles read it: bfloat16 pairs where the CPU has pair dot products, else float32.
-  using XTT = std::conditional_t<std::is_same_v<XT, uint16_t> && V::kNativePairs, int32_t, float>;
+               int64_t topk, const WT* gate, const WT* up, const WT* down, const ExpertScales& scales, int64_t S,
+               int64_t I, XT* out) {
+  // x as the gate|up tiles read it: bfloat16 pairs against bfloat16 weights where the CPU has pair dot products,
+  // else float32.
+  using XTT = std::conditional_t<std::is_same_v<XT, uint16_t> && std::is_same_v<WT, uint16_t> && V::kNativePairs,
+                                 int32_t, float>;
   // Group the pairs by slot (counting sort; token order within a slot).
   thread_local Scratch count_buf, pos_buf, tok_buf, wt_buf, xrow_buf, hrow_buf, h_buf;
   int64_t* start = count_buf.Get<int64_t>(static_cast<size_t>(S + 1));
@@ -203,9 +222,13 @@ void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32
       thread_local Scratch gu_buf;
       float* g = gu_buf.Get<float>(static_cast<size_t>(2 * GroupPaddedRows(m) * width));
       float* u = g + GroupPaddedRows(m) * width;
-      const XT* w[2] = {gate + s * E * I + c0, up + s * E * I + c0};
+      const WT* w[2] = {gate + s * E * I + c0, up + s * E * I + c0};
       float* acc[2] = {g, u};
-      GroupedRows<XT, XTT, XT, 2>(xrow + q0, m, xzero, E, w, I, width, acc, width);
+      GroupedRows<XT, XTT, WT, 2>(xrow + q0, m, xzero, E, w, I, width, acc, width);
+      if (scales.gate) {
+        ScaleColumns(g, m, width, scales.gate + s * I + c0);
+        ScaleColumns(u, m, width, scales.up + s * I + c0);
+      }
       for (int64_t r = 0; r < m; ++r) {
         SwiGlu(g + r * width, u + r * width, width);
         std::memcpy(h + (q0 + r) * I + c0, g + r * width, width * sizeof(float));
@@ -223,9 +246,10 @@ void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32
     for (int64_t a = 0; a < na; ++a) {
       const int64_t s = active[a], q0 = start[s], m = start[s + 1] - q0;
       float* o = o_buf.Get<float>(static_cast<size_t>(GroupPaddedRows(m) * width));
-      const XT* w[1] = {down + s * I * E + c0};
+      const WT* w[1] = {down + s * I * E + c0};
       float* acc[1] = {o};
-      GroupedRows<float, float, XT, 1>(hrow + q0, m, hzero, I, w, E, width, acc, width);
+      GroupedRows<float, float, WT, 1>(hrow + q0, m, hzero, I, w, E, width, acc, width);
+      if (scales.down) ScaleColumns(o, m, width, scales.down + s * E + c0);
       for (int64_t r = 0; r < m; ++r) AddScaled(y + tok[q0 + r] * width, o + r * width, wt[q0 + r], width);
     }
     for (int64_t t = 0; t < T; ++t) StoreRow<XT>(y + t * width, out + t * E + c0, width);
@@ -233,13 +257,16 @@ void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32
 }
 
 void ExpertMlpEntry(const Runner& run, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
-                    const float* weights, int64_t topk, const void* gate, const void* up, const void* down, int64_t S,
-                    int64_t I, void* out) {
-  if (dt == Dt::kF32)
-    return ExpertMlp<float>(run, static_cast<const float*>(x), T, E, slots, weights, topk,
-                            static_cast<const float*>(gate), static_cast<const float*>(up),
-                            static_cast<const float*>(down), S, I, static_cast<float*>(out));
-  ExpertMlp<uint16_t>(run, static_cast<const uint16_t*>(x), T, E, slots, weights, topk,
-                      static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
-                      static_cast<const uint16_t*>(down), S, I, static_cast<uint16_t*>(out));
+                    const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
+                    const float* gate_scale, const float* up_scale, const float* down_scale, int64_t S, int64_t I,
+                    void* out) {
+  const ExpertScales sc{gate_scale, up_scale, down_scale};
+  auto call = [&](auto x_type, auto w_type) {  // (values of the element types)
+    using XT = decltype(x_type);
+    using WT = decltype(w_type);
+    ExpertMlp<XT, WT>(run, static_cast<const XT*>(x), T, E, slots, weights, topk, static_cast<const WT*>(gate),
+                      static_cast<const WT*>(up), static_cast<const WT*>(down), sc, S, I, static_cast<XT*>(out));
+  };
+  if (dt == Dt::kF32) return gate_scale ? call(float{}, int8_t{}) : call(float{}, float{});
+  gate_scale ? call(uint16_t{}, int8_t{}) : call(uint16_t{}, uint16_t{});
 }

@@ -232,7 +232,7 @@ Worst CheckInt8(const Kernels& k) {
                           {33, 130, 1, false}, {30, 70, 3, false}, {128, 48, 2, false}};
   for (const auto& dts : kDtypes)
     for (const Shape& sh : shapes)
-      for (int64_t M : {1, 3, 8, 13, 17}) {
+      for (int64_t M : {1, 3, 8, 13, 17, 40, 230}) {  // (many rows: widened panels; 230: two blocks of rows)
         const int64_t K = sh.K, N = sh.N, G = sh.G;
         Rng rng{static_cast<uint64_t>(11 + M * 100003 + K * 1009 + N * 7 + G)};
         const Buf x = Random(dts[0], M * K, rng);

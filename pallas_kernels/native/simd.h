@@ -7,6 +7,10 @@
 //   Load/Store[M]         float32; LoadBf16[M]/StoreBf16M bfloat16 widened / rounded to nearest even; LoadI8[M] int8
 //   I8Quads(p, q)         kLanes columns of packed int8 quads (4 bytes per column: K rows k..k+3) as 4 float32
 //                         vectors, q[j] holding row k+j
+//   I8ToBf16(p, d)        (native pairs only) 2 kLanes int8 as bfloat16, in order (exact: |w| <= 127)
+//   QuadSet1(x)           (native pairs only) bfloat16 x[0..3] in every 64 bits: against a vector of packed quads
+//                         (kLanes / 2 columns x 4 K rows), PairDot sums rows k, k+1 in even lanes and k+2, k+3 in
+//                         odd ones; AddPairs(a, b) adds each lane pair: a's columns, then b's
 //   Fma(a, b, c)          a * b + c; Div(a, b) a / b
 //   Exp                   e^x for x <= 0 (softmax), ~1 ulp
 //   Pair*                 the bfloat16 pair layout of packed weights (rows k, k+1 of a column side by side):
@@ -18,6 +22,8 @@
 //   kF32Rows, kBf16Rows   rows per packed-matmul tile; kBf16SubCols: vectors of columns per bfloat16 tile of
 //                         more than one row; kScreenStreams: vocabulary rows per greedy-screen pass; kI8Rows: rows
 //                         per int8 tile (matmul_int8.h)
+//   kI8PanelMinRows,      rows from which the int8 matmul's widened products widen each panel once (to bfloat16
+//   kI8F32PanelMinRows    where x is bfloat16 and the path has native pairs, else to float32), matmul_int8.h
 //
 // Tails (M) on x86 are masked loads; elsewhere a partial copy through a small buffer.
 
@@ -38,6 +44,9 @@ struct VOps {
   static constexpr int64_t kWidenPanelMinRows = INT64_MAX;  // (measured: the pair tiles win at every height)
   static constexpr int kScreenStreams = 4;
   static constexpr int kI8Rows = 4;
+  // Measured on the AMD EPYC (Zen 5, one thread, W1 shapes): bfloat16 panels vs the dot method even at 12 rows,
+  // faster from 16; float32 panels no faster than widening per 4-row tile even at 256 rows.
+  static constexpr int64_t kI8PanelMinRows = 12, kI8F32PanelMinRows = INT64_MAX;
 
   static F Zero() { return _mm512_setzero_ps(); }
   static F Set1(float a) { return _mm512_set1_ps(a); }
@@ -114,6 +123,22 @@ struct VOps {
   }
   static WPair PairLoad(const uint16_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
   static F PairDot(F acc, XPair x, WPair w) { return _mm512_dpbf16_ps(acc, x, w); }
+  static void I8ToBf16(const int8_t* p, uint16_t* d) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+    _mm512_storeu_si512(d, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+  static XPair QuadSet1(const uint16_t* x) {
+    int64_t v;
+    std::memcpy(&v, x, 8);
+    return (__m512bh)_mm512_set1_epi64(v);
+  }
+  static F AddPairs(F a, F b) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+  }
   // Rows k (r0) and k+1 (r1; null: zeros) of kLanes columns of a row-major weight, into the pair layout.
   static WPair PairRows(const uint16_t* r0, const uint16_t* r1, M m) {
     const __m256i a = _mm256_maskz_loadu_epi16(m, r0);
@@ -146,6 +171,8 @@ struct VOps {
   static constexpr int64_t kWidenPanelMinRows = 24;
   static constexpr int kScreenStreams = 2;
   static constexpr int kI8Rows = 3;
+  // Measured on the AMD EPYC: float32 panels as fast as 3-row tiles at 4 rows, 0.7x their time at 8.
+  static constexpr int64_t kI8PanelMinRows = INT64_MAX, kI8F32PanelMinRows = 6;
 
   static F Zero() { return _mm256_setzero_ps(); }
   static F Set1(float a) { return _mm256_set1_ps(a); }
@@ -258,6 +285,9 @@ struct VOps {
   static constexpr int64_t kWidenPanelMinRows = 24;
   static constexpr int kScreenStreams = 4;
   static constexpr int kI8Rows = 4;
+  // Not measured on an aarch64 CPU: as the x86-64 paths (pair panels as AVX-512 BF16; float32 as AVX2, whose tiles
+  // are as narrow).
+  static constexpr int64_t kI8PanelMinRows = 12, kI8F32PanelMinRows = 6;
 
   static F Zero() { return vdupq_n_f32(0.0f); }
   static F Set1(float a) { return vdupq_n_f32(a); }
@@ -353,6 +383,17 @@ struct VOps {
   }
   static WPair PairLoad(const uint16_t* w) { return vreinterpretq_bf16_u16(vld1q_u16(w)); }
   static F PairDot(F acc, XPair x, WPair w) { return vbfdotq_f32(acc, x, w); }
+  static void I8ToBf16(const int8_t* p, uint16_t* d) {  // the high half of each float32
+    const int16x8_t v = vmovl_s8(vld1_s8(p));
+    auto bf16 = [](int16x4_t h) { return vshrn_n_u32(vreinterpretq_u32_f32(vcvtq_f32_s32(vmovl_s16(h))), 16); };
+    vst1q_u16(d, vcombine_u16(bf16(vget_low_s16(v)), bf16(vget_high_s16(v))));
+  }
+  static XPair QuadSet1(const uint16_t* x) {
+    uint64_t v;
+    std::memcpy(&v, x, 8);
+    return vreinterpretq_bf16_u64(vdupq_n_u64(v));
+  }
+  static F AddPairs(F a, F b) { return vpaddq_f32(a, b); }
   // Rows k (r0) and k+1 (r1; null: zeros) of kLanes columns of a row-major weight, into the pair layout; columns
   // past the first n are zero.
   static WPair PairRows(const uint16_t* r0, const uint16_t* r1, M n) {
@@ -390,6 +431,7 @@ struct VOps {
   static constexpr int64_t kWidenPanelMinRows = 24;
   static constexpr int kScreenStreams = 2;
   static constexpr int kI8Rows = 2;
+  static constexpr int64_t kI8PanelMinRows = INT64_MAX, kI8F32PanelMinRows = INT64_MAX;  // (1-row float32 tiles)
 
   static F Zero() { return F{0, 0, 0, 0}; }
   static F Set1(float a) { return F{a, a, a, a}; }

@@ -13,7 +13,7 @@ BENCHMARKS = {
     "gateway": "the gateway's routing policies in front of N instances, one of them slow or stuck",
     "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",
     "moe": "mixture of experts on CPU: the grouped expert kernel vs ragged_dot, per layer and a Mixtral-shaped model",
-    "quant_kernels": "int8 weight matmuls on CPU: per call, each int8 method vs packed f32 and bf16, at 1-16 rows",
+    "quant_kernels": "int8 weight matmuls on CPU: ms and GB/s per call, int8 vs packed f32 and bf16, 1-256 rows",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",

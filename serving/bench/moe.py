@@ -2,7 +2,7 @@
 side by side in one run, on a Mixtral-shaped model built locally with random weights ("mixtral-tiny": 8 layers,
 hidden 512, 8 experts of intermediate 1024, top-2, vocabulary 32000).
 
-    python -m serving.bench moe [--only=kernel,throughput] [--dtypes=float32,bfloat16] [--quick]
+    python -m serving.bench moe [--only=kernel,throughput] [--dtypes=float32,bfloat16,int8] [--quick]
 
 kernel: MoE layers' routed experts (`pallas_kernels.moe.grouped_expert_mlp`, 8 layers of distinct weights in turn,
 so they come from memory) at 1 and 16 tokens (decode steps) and 256 (a prefill chunk), time per layer against the
@@ -11,7 +11,8 @@ memory roofline of the experts the tokens select (their bytes / read bandwidth m
 tok/s, and the batch-1 decode step against the roofline of the weights it reads (attention, the selected experts,
 the LM head or its int8 screen), and llama.cpp on the same checkpoint written as GGUF (`serving.bench.llamacpp`,
 where llama-cpp-python is installed), interleaved round by round. "ragged_dot" is the old path
-(MESHSERVE_MOE_KERNEL=ragged_dot at trace time: every other native kernel stays on), "native" the new.
+(MESHSERVE_MOE_KERNEL=ragged_dot at trace time: every other native kernel stays on), "native" the new. The kernel
+benchmark's dtype "int8" is bfloat16 activations with int8 experts (a float32 scale per slot and output channel).
 """
 from __future__ import annotations
 
@@ -67,11 +68,15 @@ def bench_kernel(bw: float):
     rows = []
     layers = 8  # distinct weights per layer, called in turn: more bytes than the caches hold
     for dtype in _DTYPES.value:
-        dt = jnp.dtype(dtype)
+        int8 = dtype == "int8"  # bfloat16 activations, int8 experts with per-channel scales (models.quant's layout)
+        dt = jnp.dtype(jnp.bfloat16 if int8 else dtype)
         rng = np.random.default_rng(0)
         w = lambda *shape: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), dt)
         stack = [(w(n, e, i), w(n, e, i), w(n, i, e)) for _ in range(layers)]
-        expert_bytes = 3 * e * i * dt.itemsize
+        scales = [None] * layers
+        if int8:
+            stack, scales = zip(*[_quantized(ws) for ws in stack])
+        expert_bytes = 3 * e * i * (1 if int8 else dt.itemsize)
         for t in (1, 16, 256):
             x = jnp.asarray(rng.standard_normal((t, e)), dt)
             slots = [jnp.asarray(np.stack([rng.permutation(n)[:k] for _ in range(t)]), jnp.int32)
@@ -80,15 +85,15 @@ def bench_kernel(bw: float):
             selected = sum(len(np.unique(np.asarray(s))) for s in slots) / layers
             times = {}
 
-            def chain(x, slots, stack):
-                for s, (g, u, d) in zip(slots, stack):
-                    x = x + moe.grouped_expert_mlp(x, s, weights, g, u, d)
+            def chain(x, slots, stack, scales):
+                for s, (g, u, d), sc in zip(slots, stack, scales):
+                    x = x + moe.grouped_expert_mlp(x, s, weights, g, u, d, sc)
                 return x
             for path in PATHS:
                 with moe_path(path):
                     fn = jax.jit(lambda *a: chain(*a))  # a fresh trace: the path is read then
-                    fn.lower(x, slots, stack).compile()
-                    times[path] = median_time(lambda: jax.block_until_ready(fn(x, slots, stack)),
+                    fn.lower(x, slots, stack, scales).compile()
+                    times[path] = median_time(lambda: jax.block_until_ready(fn(x, slots, stack, scales)),
                                               10 if t < 256 else 3) / layers
             roof = selected * expert_bytes / bw
             rows.append([dtype, t, selected, selected * expert_bytes / 1e6, times["ragged_dot"] * 1e3,
@@ -100,6 +105,18 @@ def bench_kernel(bw: float):
           f"({bw / 1e9:.1f} GB/s measured now)",
           ["dtype", "tokens", "experts selected", "MB selected", "ragged_dot (ms)", "native (ms)", "speed-up",
            "roofline (ms)", "roofline/native"], rows)
+
+
+def _quantized(weights):
+    """Expert weights [S, K, N] as int8 with a float32 scale per slot and output column: (values, scales)."""
+    import jax.numpy as jnp
+    values, scales = [], []
+    for w in weights:
+        w = np.asarray(w, np.float32)
+        scale = np.maximum(np.abs(w).max(axis=1), 1e-30) / 127
+        values.append(jnp.asarray(np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)))
+        scales.append(jnp.asarray(scale.astype(np.float32)))
+    return tuple(values), tuple(scales)
 
 
 def _step_bytes(llm, screened: bool) -> tuple[int, int]:
@@ -142,21 +159,24 @@ def bench_throughput(bw: float):
     have_cpp = llamacpp.available()
     rows = []
     for dtype in _DTYPES.value:
+        int8 = dtype == "int8"  # the bfloat16 checkpoint quantised at load (llama.cpp: its Q8_0 GGUF)
+        model_dtype = "bfloat16" if int8 else dtype
         cpp = None
         if have_cpp:
-            hf_dir = mixtral_tiny(dtype, _WORKDIR.value)
+            hf_dir = mixtral_tiny(model_dtype, _WORKDIR.value)
             gguf_path = os.path.join(_WORKDIR.value, f"mixtral-tiny-{dtype}.gguf")
             if not os.path.exists(gguf_path) or os.path.getmtime(gguf_path) < os.path.getmtime(
                     os.path.join(hf_dir, "config.json")):
-                llamacpp.write_gguf(hf_dir, gguf_path)
+                llamacpp.write_gguf(hf_dir, gguf_path, q8_0=int8)
             cpp = llamacpp.LlamaCpp(gguf_path, max_seqs=16, max_len=n_in + n_out)
             cpp.generate(prompts(16), 8)
         cpp_rate16, cpp_rate1 = [], []
         llms = {}
         for path in PATHS:
             with moe_path(path):
-                llms[path] = LLM(mixtral_tiny(dtype, _WORKDIR.value), dtype=dtype, page_size=16, num_pages=4096,
-                                 max_num_seqs=16, max_num_batched_tokens=256, enable_prefix_caching=False)
+                llms[path] = LLM(mixtral_tiny(model_dtype, _WORKDIR.value), dtype=model_dtype, page_size=16,
+                                 num_pages=4096, max_num_seqs=16, max_num_batched_tokens=256,
+                                 enable_prefix_caching=False, **(dict(quantization="int8") if int8 else {}))
                 llms[path].generate(prompts(16), greedy)  # programs traced now, under this path
                 llms[path].generate(prompts(1), greedy)
         rate16 = {p: [] for p in PATHS}

@@ -1,17 +1,18 @@
-"""int8 weight matmuls on CPU (issue 24): per-call time of the native kernels on packed float32, packed bfloat16 and
-packed int8 weights (each int8 method this CPU runs: `widen`, and `dot` where it has int8 dot products), side by
-side in one run (interleaved), on the W1 shapes (hidden 768: fused qkv 768 x 2304, o 768 x 768, fused gate|up
-768 x 6144, down 3072 x 768) at 1, 4 and 16 rows.
+"""int8 weight matmuls on CPU (issue 24): per-call time and weight bytes per second of the native kernels on packed
+float32, packed bfloat16 and packed int8 weights (int8 as serving runs it, `auto`, and each method forced: `widen`,
+and `dot` where the CPU has int8 dot products), side by side in one run (interleaved), on the W1 shapes of the ~125M
+Llama (hidden 768, 12 query and 4 KV heads of 64, intermediate 2048: fused qkv 768 x 1280, o 768 x 768, fused
+gate|up 768 x 4096, down 2048 x 768) at 1, 4, 16, 64 and 256 rows, beside the machine's read bandwidth.
 
-    python -m serving.bench quant_kernels [--rows=1,4,16] [--repeats=15] [--x_dtype=bfloat16]
+    python -m serving.bench quant_kernels [--rows=1,4,16,64,256] [--repeats=9] [--x_dtype=bfloat16]
 
 Each shape is called on enough distinct copies of its weight, in turn, that every format's copies exceed twice the
 last-level cache (weights come from memory, as in a decode step), in one jitted program per format (each call's
 input depends on the previous call's output). Time per call: the median over `repeats` rounds (a round runs every
-format's program once) divided by the program's calls. int8 weights have a float32 scale per column; x is `x_dtype`
-for the bfloat16 and int8 columns, float32 for the float32 one. The dot method's x is quantised to two int8 digits
-per row (~15 bits): its difference from the widened (exact) products is printed beside, max |dot - widen| over
-max |widen|.
+format's program once) divided by the program's calls; GB/s: the weight's bytes over that time. int8 weights have
+a float32 scale per column; x is `x_dtype` for the bfloat16 and int8 columns, float32 for the float32 one. The dot
+method's x is quantised to two int8 digits per row (~15 bits): its difference from the widened (exact) products is
+printed beside, max |dot - widen| over max |widen|.
 """
 from __future__ import annotations
 
@@ -21,15 +22,16 @@ import statistics
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import table
+from serving.bench.harness import read_bandwidth, table
 
-_ROWS = flags.DEFINE_list("rows", ["1", "4", "16"], "rows of x (tokens in the step)")
-_REPEATS = flags.DEFINE_integer("repeats", 15, "timed rounds (median)")
+_ROWS = flags.DEFINE_list("rows", ["1", "4", "16", "64", "256"], "rows of x (tokens in the step)")
+_REPEATS = flags.DEFINE_integer("repeats", 9, "timed rounds (median)")
 _X_DTYPE = flags.DEFINE_enum("x_dtype", "bfloat16", ["bfloat16", "float32"], "x of the bf16 and int8 columns")
 
-W1_SHAPES = {"qkv 768x2304": (768, 2304), "o 768x768": (768, 768), "gate|up 768x6144": (768, 6144),
-             "down 3072x768": (3072, 768)}
+W1_SHAPES = {"qkv 768x1280": (768, 1280), "o 768x768": (768, 768), "gate|up 768x4096": (768, 4096),
+             "down 2048x768": (2048, 768)}
 FOOTPRINT = 64 << 20  # bytes of int8 copies per shape (the float formats' copies are 2x and 4x that)
+BYTES = {"f32": 4, "bf16": 2, "int8": 1}  # weight bytes per element
 
 
 def _chain(matmul, x, weights, scale):
@@ -51,8 +53,9 @@ def bench(rows: list[int], repeats: int, x_dtype: str):
     from pallas_kernels import matmul as mm
     from pallas_kernels import native
     isa = native.isa()
-    methods = ["widen"] + (["dot"] if native.int8_dot_runs(isa) else [])
+    methods = ["auto", "widen"] + (["dot"] if native.int8_dot_runs(isa) else [])
     formats = ["f32", "bf16"] + [f"int8 {m}" for m in methods]
+    bandwidth = read_bandwidth() / 1e9
     result = []
     for name, (k, n) in W1_SHAPES.items():
         rng = np.random.default_rng(0)
@@ -82,17 +85,19 @@ def bench(rows: list[int], repeats: int, x_dtype: str):
                         fn = jax.jit(lambda x, ws: _chain(lambda a, w, sc: mm.matmul(a, w), x, ws, None))
                     compiled = fn.lower(x, ws).compile()  # traced under this method
                 programs[fmt] = (lambda c, x, ws: lambda: jax.block_until_ready(c(x, ws)))(compiled, x, ws)
-            times = interleaved_medians(programs, repeats)
+            times = {f: t / copies for f, t in interleaved_medians(programs, repeats).items()}
             err = ""
             if "dot" in outs:
                 err = float(np.abs(outs["dot"] - outs["widen"]).max() / np.abs(outs["widen"]).max())
-            result.append([name, m, copies] + [times[f] / copies * 1e3 for f in formats] +
-                          [times["bf16"] / min(times[f] for f in formats if f.startswith("int8")), err])
-    table(f"Per-call ms of the native matmuls on packed weights ({isa} path; x {x_dtype} for bf16/int8, f32 for "
-          f"f32), weights from memory (distinct copies in turn, {FOOTPRINT >> 20} MB of int8 per shape), median of "
-          f"{repeats} interleaved rounds; int8: per-column float32 scales; 'bf16/int8': the packed bf16 time over "
-          f"the faster int8 method's; 'dot err': max |dot - widen| / max |widen|",
-          ["shape", "rows", "copies"] + [f"{f} (ms)" for f in formats] + ["bf16/int8", "dot err"], result)
+            cells = [c for f in formats for c in (times[f] * 1e3, k * n * BYTES[f.split()[0]] / times[f] / 1e9)]
+            result.append([name, m] + cells + [times["bf16"] / times["int8 auto"], err])
+    table(f"Per-call ms and weight GB/s of the native matmuls on packed weights ({isa} path; x {x_dtype} for "
+          f"bf16/int8, f32 for f32), weights from memory (distinct copies in turn, {FOOTPRINT >> 20} MB of int8 per "
+          f"shape), median of {repeats} interleaved rounds; read bandwidth {bandwidth:.1f} GB/s; int8: per-column "
+          f"float32 scales, 'auto' as serving runs it; 'bf16/int8': the packed bf16 time over int8 auto's; "
+          f"'dot err': max |dot - widen| / max |widen|",
+          ["shape", "rows"] + [h for f in formats for h in (f"{f} ms", f"{f} GB/s")] + ["bf16/int8", "dot err"],
+          result)
 
 
 def interleaved_medians(programs: dict, repeats: int) -> dict:

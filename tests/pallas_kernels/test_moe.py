@@ -1,7 +1,7 @@
 """The grouped expert MLP (pallas_kernels/moe.py, native/moe.h) against a float64 NumPy oracle on every
-instruction-set path this CPU runs (forced in turn, as test_native.py does), float32 and bfloat16: empty experts,
-one expert taking every token, top-k 1..8, padding and out-of-range slots; and the ragged_dot fallback against the
-same oracle."""
+instruction-set path this CPU runs (forced in turn, as test_native.py does), float32 and bfloat16 (and int8 experts
+with per-channel scales, against the oracle on the dequantized weights): empty experts, one expert taking every
+token, top-k 1..8, padding and out-of-range slots; and the ragged_dot fallback against the same oracle."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,3 +168,79 @@ def test_entry_point_dispatch_and_switches(monkeypatch, dtype):
     monkeypatch.setenv(moe.MOE_ENV_VAR, "nonsense")
     with pytest.raises(ValueError, match="MESHSERVE_MOE_KERNEL"):
         moe.moe_backend(*args[:1], *args[3:])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# int8 experts with float32 scales per output channel and slot (models.quant's layout: gate/up [S, I], down [S, E])
+
+
+def quantized(w):
+    """Symmetric int8 of expert weights [S, K, N], one scale per (slot, output column): (values, scales [S, N])."""
+    w = np.asarray(w, np.float32)
+    scale = np.abs(w).max(axis=1) / 127
+    scale = np.where(scale > 0, scale, 1).astype(np.float32)
+    return np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8), scale
+
+
+def int8_operands(*shape, dtype, seed=0, slots=None):
+    """`operands` with int8 gate/up/down and their scales: (x, slots, weights, gate, up, down, scales)."""
+    x, slots, weights, *ws = operands(*shape, jnp.float32, seed=seed, slots=slots)
+    qs = [quantized(w) for w in ws]
+    scales = tuple(jnp.asarray(sc) for _, sc in qs)
+    return (jnp.asarray(x, dtype), slots, weights, *(jnp.asarray(q) for q, _ in qs), scales)
+
+
+def check_int8(out, args, dtype):
+    """Against the oracle on the dequantized weights (w * scale, exact in float64)."""
+    x, slots, weights, gate, up, down, scales = args
+    deq = [np.asarray(w, np.float64) * np.asarray(sc, np.float64)[:, None, :]
+           for w, sc in zip((gate, up, down), scales)]
+    check(out, (x, slots, weights, *deq), dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", range(1, 9))
+def test_native_int8_top_k_1_to_8(isa, dtype, k):
+    args = int8_operands(7, 48, 40, 8, k, dtype=dtype, seed=k)
+    assert moe.moe_backend(args[0], *args[3:6], scales=args[6]) == "native"
+    check_int8(_call(native.expert_mlp, *args), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,i,s,k", [(1, 64, 96, 8, 2), (16, 96, 200, 8, 2), (37, 33, 17, 4, 3),
+                                       (64, 128, 64, 16, 4), (3, 1, 1, 2, 1)])
+def test_native_int8_shapes(isa, dtype, t, e, i, s, k):
+    args = int8_operands(t, e, i, s, k, dtype=dtype, seed=t + e)
+    check_int8(_call(native.expert_mlp, *args), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_int8_one_expert_takes_every_token_others_empty(isa, dtype):
+    slots = np.full((40, 2), 3)
+    slots[:, 1] = -1
+    slots[::7, 1] = 9  # another device's slot: no work
+    args = int8_operands(40, 64, 48, 6, 2, dtype=dtype, slots=slots)
+    check_int8(_call(native.expert_mlp, *args), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("group", [0, 16])
+def test_int8_experts_dispatch(monkeypatch, group):
+    """The entry point: per-channel int8 experts to the native kernel (equal to it called directly), group-wise ones
+    to XLA; the kernel refuses scales of the wrong shape."""
+    args = int8_operands(6, 64, 32, 8, 2, dtype=jnp.float32)
+    x, slots, weights, gate, up, down, scales = args
+    if group:  # [S, G, N]: 64 / 16 = 4 groups for gate/up, 32 / 16 = 2 for down
+        scales = tuple(jnp.repeat(sc[:, None], n, axis=1) for sc, n in zip(scales, (4, 4, 2)))
+    fn = lambda *a: moe.grouped_expert_mlp(*a, scales=scales, group=group)
+    text = jax.jit(fn).lower(x, slots, weights, gate, up, down).as_text()
+    assert ("meshserve_cpu_expert_mlp" in text) == (not group)
+    out = jax.jit(fn)(x, slots, weights, gate, up, down)
+    check_int8(out, args, jnp.float32)
+    if not group:
+        np.testing.assert_array_equal(out, jax.jit(native.expert_mlp)(*args))
+    assert not native.expert_mlp_supported(x, gate, up, down, scales[:2] + (scales[1],))  # down's: [S, E]
+    assert not native.expert_mlp_supported(x, gate, up, down)  # int8 without scales

@@ -113,6 +113,55 @@ def test_packed_int8_matches_oracle(path, m, k, n, groups, dtypes):
     assert_close(out, x, q, scale, dot=path[1] == "dot")
 
 
+# (rows, K, N, groups): many rows, where the widened products widen each panel once (simd.h kI8PanelMinRows /
+# kI8F32PanelMinRows: 6-12 rows on the paths that do) and auto takes those panels for bfloat16 x on the paths with
+# pair dot products: tiles of uneven heights, K padded to quads, groups of 128, 32 and 12 rows, two blocks of rows.
+MANY_ROWS_CASES = [(12, 768, 128, 1), (16, 256, 64, 2), (41, 70, 128, 1), (230, 96, 192, 3), (64, 2048, 64, 16),
+                   (7, 48, 64, 4)]
+METHODS = [(p, m) for p in RUNNABLE for m in ("widen", "auto")]
+
+
+@pytest.mark.parametrize("m,k,n,groups", MANY_ROWS_CASES)
+@pytest.mark.parametrize("dtypes", DTYPES, ids=["f32", "bf16", "bf16-f32out"])
+@pytest.mark.parametrize("isa,method", METHODS, ids=[f"{p}-{m}" for p, m in METHODS])
+def test_many_rows_match_oracle(monkeypatch, isa, method, m, k, n, groups, dtypes):
+    """widen: exact products at any rows (float32 accumulation); auto: the dot method's rounding allowed for bfloat16
+    x where the path has it."""
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    monkeypatch.setenv(native.INT8_ENV_VAR, method)
+    rng = np.random.default_rng(m * 1000 + k + n + groups)
+    q, scale = quantize(rng, k, n, groups)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtypes[0])
+    w = native.pack_weights([jnp.asarray(q)])[0]
+    out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, w, jnp.asarray(scale))
+    assert out.dtype == dtypes[1] and out.shape == (m, n)
+    assert_close(out, x, q, scale, dot=method == "auto" and native.int8_dot_runs(isa) and dtypes[0] == jnp.bfloat16)
+
+
+PAIR_PATHS = ("avx512_bf16", "amx", "neon_bf16")  # bfloat16 pair dot products
+
+
+@pytest.mark.parametrize("isa", RUNNABLE)
+def test_auto_is_exact_where_it_should_be(monkeypatch, isa):
+    """auto, bit for bit: the widened products for float32 x (exact, at any rows); for bfloat16 x the dot method
+    where the path has it, except 40 rows on a path with pair dot products (the widened bfloat16 panels)."""
+    monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+    rng = np.random.default_rng(8)
+    q, scale = quantize(rng, 256, 128, 2)
+    w = native.pack_weights([jnp.asarray(q)])[0]
+    dot = native.int8_dot_runs(isa)
+    for dtype, rows, twin in ((jnp.float32, 2, "widen"), (jnp.float32, 40, "widen"),
+                              (jnp.bfloat16, 2, "dot" if dot else "widen"),
+                              (jnp.bfloat16, 40, "dot" if dot and isa not in PAIR_PATHS else "widen")):
+        x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
+        outs = {}
+        for method in ("auto", twin):
+            monkeypatch.setenv(native.INT8_ENV_VAR, method)
+            fn = lambda x, w, s: matmul(x, w, out_dtype=jnp.float32, scale=s)  # a fresh trace per method
+            outs[method] = np.asarray(_call(fn, x, w, jnp.asarray(scale)))
+        np.testing.assert_array_equal(outs["auto"], outs[twin])
+
+
 # (rows, K, N, groups): N not whole vectors, groups of 10, 64 and 256 rows, up to MAX_INT8_ROWS rows.
 ROW_MAJOR_CASES = [(1, 33, 130, 1), (3, 30, 70, 3), (7, 128, 48, 2), (13, 768, 100, 3), (16, 64, 1000, 1)]
 
