@@ -159,9 +159,12 @@ def _quiet(level, text, user_data):  # llama.cpp's log goes nowhere
 
 
 class LlamaCpp:
-    """A llama.cpp context over a GGUF file with room for `max_seqs` sequences of up to `max_len` tokens each."""
+    """A llama.cpp context over a GGUF file with room for `max_seqs` sequences of up to `max_len` tokens each; its KV
+    cache in float16 (llama.cpp's default, the benchmarks') or, with `float32_cache`, float32 and attention without
+    flash attention (for exact checks)."""
 
-    def __init__(self, gguf_path: str | os.PathLike, max_seqs: int, max_len: int, threads: int | None = None):
+    def __init__(self, gguf_path: str | os.PathLike, max_seqs: int, max_len: int, threads: int | None = None,
+                 float32_cache: bool = False):
         import llama_cpp as lc
         self._lc = lc
         lc.llama_log_set(_quiet, None)
@@ -175,6 +178,9 @@ class LlamaCpp:
         p.n_batch = p.n_ubatch = min(p.n_ctx, 512)
         p.n_seq_max = max_seqs
         p.n_threads = p.n_threads_batch = threads
+        if float32_cache:  # and attention without flash attention, whose CPU kernel rounds to float16
+            p.type_k = p.type_v = lc.GGML_TYPE_F32
+            p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._ctx = lc.llama_init_from_model(self._model, p)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create a context")

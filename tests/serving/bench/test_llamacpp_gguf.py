@@ -222,26 +222,29 @@ def test_qwen3moe_gguf_refuses_what_llamacpp_would_compute_otherwise(tmp_path):
 def test_llamacpp_on_the_gguf_gives_hf_logits_and_greedy_tokens(tmp_path, family):
     model = _moe_model(family)
     model.save_pretrained(tmp_path / "hf")
-    cpp = llamacpp.LlamaCpp(llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf"), max_seqs=2, max_len=64,
-                            threads=1)
-    try:
-        rng = np.random.default_rng(0)
-        prompts = [rng.integers(3, 300, n).tolist() for n in (24, 9)]
-        tol = 0.05  # llama.cpp keeps K/V in float16; a wrong layout is off by several units (logits spread ~1.5)
-        for prompt in prompts:
-            with torch.no_grad():
-                ref = model(torch.tensor([prompt])).logits[0].numpy()
-            np.testing.assert_allclose(cpp.prompt_logits(prompt), ref, atol=tol, rtol=0)
+    gguf_path = llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (24, 9)]
+    with torch.no_grad():
+        refs = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+    # float32 K/V: llama.cpp computes what HF does (~1e-5 here); its default float16 cache moves logits by ~0.01;
+    # a wrong layout (q/k rows, expert order, norms) moves them by units (logits spread ~1.5)
+    for float32_cache, tol in ((True, 1e-3), (False, 0.05)):
+        cpp = llamacpp.LlamaCpp(gguf_path, max_seqs=2, max_len=64, threads=1, float32_cache=float32_cache)
+        try:
+            for prompt, ref in zip(prompts, refs):
+                np.testing.assert_allclose(cpp.prompt_logits(prompt), ref, atol=tol, rtol=0)
+            got = cpp.generate(prompts, 8)
+        finally:
+            cpp.close()
         # Greedy decoding through llama.cpp's KV cache, both prompts at once: HF's tokens, up to the first step
         # whose top two logits (HF's, on the same prefix) are within the tolerance, where either may be taken.
-        for prompt, got in zip(prompts, cpp.generate(prompts, 8)):
+        for prompt, tokens in zip(prompts, got):
             with torch.no_grad():
-                logits = model(torch.tensor([prompt + got])).logits[0, len(prompt) - 1:-1].numpy()
-            for step, (row, token) in enumerate(zip(logits, got)):
+                logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+            for step, (row, token) in enumerate(zip(logits, tokens)):
                 top2 = np.sort(row)[-2:]
                 if top2[1] - top2[0] < 2 * tol:
                     break
                 assert token == int(np.argmax(row)), f"step {step}: llama.cpp {token}, HF {int(np.argmax(row))}"
             assert step >= 4, f"a near-tie at step {step} already: too few tokens checked"
-    finally:
-        cpp.close()
