@@ -11,9 +11,9 @@ from flax import nnx
 import pallas_kernels
 from models.batch import RaggedBatch
 from models.config import ModelConfig
-from models.layers import RMSNorm, param, zeros
+from models.layers import RMSNorm, linear, linear_param, zeros
 from models.rope import apply_rope, inverse_frequencies
-from pallas_kernels.matmul import dense_weight, matmul
+from pallas_kernels import kv_quant
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
 from sharding.mesh import axis_size, mesh_axis
 
@@ -21,10 +21,12 @@ from sharding.mesh import axis_size, mesh_axis
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
         e, hq, hkv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = param(rngs, (e, hq, d), (EMBED, HEADS, HEAD_DIM), dtype)
-        self.k_proj = param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
-        self.v_proj = param(rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype)
-        self.o_proj = param(rngs, (hq, d, e), (HEADS, HEAD_DIM, EMBED), dtype)
+        quant = cfg.weight_quant
+        linear_param(self, "q_proj", rngs, (e, hq, d), (EMBED, HEADS, HEAD_DIM), dtype, (0,), quant)
+        linear_param(self, "k_proj", rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype, (0,), quant)
+        linear_param(self, "v_proj", rngs, (e, hkv, d), (EMBED, KV_HEADS, HEAD_DIM), dtype, (0,), quant)
+        linear_param(self, "o_proj", rngs, (hq, d, e), (HEADS, HEAD_DIM, EMBED), dtype, (0, 1), quant)
+        self.quant_group = quant.group if quant else 0
         if cfg.qkv_bias:
             self.q_bias = zeros((hq, d), (HEADS, HEAD_DIM), dtype)
             self.k_bias = zeros((hkv, d), (KV_HEADS, HEAD_DIM), dtype)
@@ -44,15 +46,16 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        g = self.quant_group
         if self.qkv_proj is not None:
-            qkv = matmul(x, self.qkv_proj[...])
+            qkv = linear(x, self, "qkv_proj", e, g)
             q = qkv[:, :hq * d].reshape(t, hq, d)
             k = qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d)
             v = qkv[:, (hq + hkv) * d:(hq + 2 * hkv) * d].reshape(t, hkv, d)
         else:
-            q = matmul(x, dense_weight(self.q_proj, e)).reshape(t, hq, d)
-            k = matmul(x, dense_weight(self.k_proj, e)).reshape(t, hkv, d)
-            v = matmul(x, dense_weight(self.v_proj, e)).reshape(t, hkv, d)
+            q = linear(x, self, "q_proj", e, g).reshape(t, hq, d)
+            k = linear(x, self, "k_proj", e, g).reshape(t, hkv, d)
+            v = linear(x, self, "v_proj", e, g).reshape(t, hkv, d)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -62,16 +65,17 @@ class Attention(nnx.Module):
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
                                         sliding_window=self.sliding_window)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
-        y = matmul(out.reshape(t, -1), dense_weight(self.o_proj, hq * d))
+        y = linear(out.reshape(t, -1), self, "o_proj", hq * d, g)
         if self.o_bias_on:
             y = y + self.o_bias[...]
         return y, kv_pages
 
 
 def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
-    """Pure. Writes this step's K/V into the pages, then attends. Under a mesh that splits the heads (the rules'
-    mesh axis for HEADS) it runs per shard (heads are independent): q heads split; KV heads split too when the
-    degree divides them, else replicated, each shard reading only the KV heads its q heads use."""
+    """Pure. Writes this step's K/V into the pages (an array, or a `QuantizedKV`: quantised as written), then
+    attends. Under a mesh that splits the heads (the rules' mesh axis for HEADS) it runs per shard (heads are
+    independent): q heads split; KV heads split too when the degree divides them, else replicated, each shard
+    reading only the KV heads its q heads use (a quantized cache's scales split and sliced as its values)."""
     tp, heads_axis = axis_size(HEADS), mesh_axis(HEADS)
     hq, hkv = q.shape[1], k.shape[1]
 
@@ -82,19 +86,24 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
             group = hq // hkv
             hq_local = q.shape[1]
             first = jax.lax.axis_index(heads_axis) * hq_local // group
-            view = jax.lax.dynamic_slice_in_dim(kv_pages, 2 * first, 2 * max(1, hq_local // group), axis=2)
+            view = kv_quant.slice_heads(kv_pages, 2 * first, 2 * max(1, hq_local // group))
         out = pallas_kernels.ragged_paged_attention(q, view, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                     sm_scale=sm_scale, sliding_window=sliding_window)
         return out, kv_pages
 
     args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    P = jax.sharding.PartitionSpec
     if tp == 1:
-        return local(*args)
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1 or all(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+            return local(*args)
+        # A mesh that does not split the heads (e.g. experts only): every device attends on its whole copy, inside
+        # shard_map (a Mosaic kernel cannot be partitioned by the compiler).
+        return jax.shard_map(local, in_specs=(P(),) * len(args), out_specs=(P(), P()), check_vma=False)(*args)
     if hq % tp:
         raise ValueError(f"tensor parallelism {tp} does not divide the {hq} attention heads")
-    P = jax.sharding.PartitionSpec
     heads = P(None, heads_axis, None)
     kv_heads = heads if hkv % tp == 0 else P()
-    pages = P(None, None, heads_axis, None) if hkv % tp == 0 else P()
+    pages = kv_quant.partition_spec(kv_pages, P(None, None, heads_axis, None) if hkv % tp == 0 else P())
     return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, pages, P(), P(), P(), P(), P()),
                          out_specs=(heads, pages), check_vma=False)(*args)

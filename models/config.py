@@ -67,6 +67,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     dtype: str = "float32"  # the checkpoint's stored dtype
+    # Matmul weights held quantized (models.quant): "" (no), "int8" or "fp8" (e4m3); scales per output channel, or
+    # per `quantization_group` K rows (block-wise fp8 checkpoints)
+    quantization: str = ""
+    quantization_group: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -81,6 +85,12 @@ class ModelConfig:
             object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+
+    @property
+    def weight_quant(self):
+        """The `models.quant.WeightQuant` of the matmul weights, or None when they are not quantized."""
+        from models.quant import WeightQuant
+        return WeightQuant(self.quantization, self.quantization_group) if self.quantization else None
 
     @property
     def is_moe(self) -> bool:
@@ -226,4 +236,19 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     if kw["dtype"] not in ("float32", "bfloat16", "float16"):
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
+    kw["quantization"], kw["quantization_group"] = _checkpoint_quantization(hf)
     return ModelConfig(**kw)
+
+
+def _checkpoint_quantization(hf: dict[str, Any]) -> tuple[str, int]:
+    """(quantization, group) of a pre-quantized checkpoint's matmul weights (models.quantized_checkpoint); ("", 0)
+    when it declares none."""
+    from models.quantized_checkpoint import INT8, CheckpointQuantization
+    q = CheckpointQuantization.from_config(hf)
+    if q is None:
+        return "", 0
+    schemes = {(g.dtype, g.block[1] if g.block else 0) for g in q.groups}
+    if len(schemes) != 1:
+        raise _unsupported(f"quantization_config with {len(schemes)} different weight schemes (one per model only)")
+    (dtype, group), = schemes
+    return ("int8" if dtype == INT8 else "fp8"), group

@@ -2,11 +2,15 @@
 the embedding lookup. Matmuls go through `pallas_kernels.matmul` (native CPU kernels where they run)."""
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.matmul import matmul
+from models.config import UnsupportedModelError
+from models.quant import WeightQuant, matmul_scale, quantize, scale_axes, scale_name
+from pallas_kernels.matmul import dense_weight, matmul
 from pallas_kernels.target import target_platform
 from sharding.axes import EMBED, MLP as MLP_AXIS
 
@@ -15,6 +19,34 @@ def param(rngs: nnx.Rngs, shape, axes, dtype, scale=0.02) -> nnx.Param:
     """A normal(0, scale) parameter with its logical axes (`sharding.axes`)."""
     value = (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
     return nnx.Param(value, axes=axes)
+
+
+def linear_param(owner: nnx.Module, name: str, rngs: nnx.Rngs, shape, axes, dtype, contract: tuple[int, ...],
+                 quant: WeightQuant | None) -> None:
+    """Sets `owner.<name>`, a matmul weight contracting over axes `contract`: a float parameter, or with `quant` its
+    quantized values (the random init quantized) and `owner.<name>_scale` (models.quant)."""
+    p = param(rngs, shape, axes, dtype)
+    k = math.prod(shape[contract[0]:contract[-1] + 1])
+    if quant is not None and quant.group and k > quant.group and k % quant.group:
+        raise UnsupportedModelError(f"{name}: {k} input rows are not whole {quant.group}-row quantization blocks "
+                                    f"(block-wise scales need the input dimension a multiple of the block)")
+    if quant is None:
+        setattr(owner, name, p)
+        return
+    values, scale = quantize(p[...], contract, quant, xp=jnp)
+    setattr(owner, name, nnx.Param(values, axes=axes))
+    setattr(owner, scale_name(name), nnx.Param(scale, axes=scale_axes(axes, contract, quant.group)))
+
+
+def weight_scale(owner: nnx.Module, name: str, rows: int, group: int) -> jax.Array | None:
+    """The scales of `owner.<name>` as `matmul` takes them for its [rows, N] view, or None (not quantized)."""
+    s = getattr(owner, scale_name(name), None)
+    return None if s is None else matmul_scale(s[...], rows, group)
+
+
+def linear(x: jax.Array, owner: nnx.Module, name: str, rows: int, group: int = 0) -> jax.Array:
+    """Pure. `x @ owner.<name>` over its [rows, N] view (packed, quantized or plain)."""
+    return matmul(x, dense_weight(getattr(owner, name), rows), scale=weight_scale(owner, name, rows, group))
 
 
 def ones(shape, axes, dtype) -> nnx.Param:
@@ -48,17 +80,19 @@ class RMSNorm(nnx.Module):
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs):
-        self.gate_proj = param(rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype)
-        self.up_proj = param(rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype)
-        self.down_proj = param(rngs, (intermediate, hidden), (MLP_AXIS, EMBED), dtype)
-        self.intermediate = intermediate
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, quant: WeightQuant | None = None):
+        linear_param(self, "gate_proj", rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype, (0,), quant)
+        linear_param(self, "up_proj", rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype, (0,), quant)
+        linear_param(self, "down_proj", rngs, (intermediate, hidden), (MLP_AXIS, EMBED), dtype, (0,), quant)
+        self.hidden, self.intermediate = hidden, intermediate
+        self.quant_group = quant.group if quant else 0
         self.gate_up_proj = nnx.data(None)  # gate|up fused and packed by `pallas_kernels.matmul.pack_groups` (then gate/up_proj are None)
 
     def __call__(self, x):
+        e, i, g = self.hidden, self.intermediate, self.quant_group
         if self.gate_up_proj is not None:
-            gu = matmul(x, self.gate_up_proj[...])
-            h = jax.nn.silu(gu[:, :self.intermediate]) * gu[:, self.intermediate:]
+            gu = linear(x, self, "gate_up_proj", e, g)
+            h = jax.nn.silu(gu[:, :i]) * gu[:, i:]
         else:
-            h = jax.nn.silu(matmul(x, self.gate_proj[...])) * matmul(x, self.up_proj[...])
-        return matmul(h, self.down_proj[...])
+            h = jax.nn.silu(linear(x, self, "gate_proj", e, g)) * linear(x, self, "up_proj", e, g)
+        return linear(h, self, "down_proj", i, g)

@@ -8,7 +8,8 @@ import numpy as np
 from flax import nnx
 
 from models.config import ModelConfig
-from models.layers import MLP, param
+from models.layers import MLP, linear_param, param
+from models.quant import scale_name
 from pallas_kernels.moe import grouped_expert_mlp
 from sharding.axes import EMBED, EXPERT, MLP as MLP_AXIS
 from sharding.mesh import axis_size, mesh_axis
@@ -38,9 +39,11 @@ class MoE(nnx.Module):
         e, n, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         slots = num_slots or n
         self.router = param(rngs, (e, n), (EMBED, None), dtype)
-        self.gate_proj = param(rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
-        self.up_proj = param(rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype)
-        self.down_proj = param(rngs, (slots, i, e), (EXPERT, MLP_AXIS, EMBED), dtype)
+        quant = cfg.weight_quant
+        linear_param(self, "gate_proj", rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype, (1,), quant)
+        linear_param(self, "up_proj", rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype, (1,), quant)
+        linear_param(self, "down_proj", rngs, (slots, i, e), (EXPERT, MLP_AXIS, EMBED), dtype, (1,), quant)
+        self.quant_group = quant.group if quant else 0
         table = np.zeros((n, max(1, slots - n + 1)), np.int32)
         table[:, 0] = np.arange(n)
         self.replica_slots = ExpertMap(jnp.asarray(table))
@@ -48,7 +51,7 @@ class MoE(nnx.Module):
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
-            self.shared_expert = MLP(e, cfg.shared_expert_intermediate_size, dtype, rngs)
+            self.shared_expert = MLP(e, cfg.shared_expert_intermediate_size, dtype, rngs, quant)
             self.shared_expert_gate = param(rngs, (e, 1), (EMBED, None), dtype)
 
     def routing(self, x) -> tuple[jax.Array, jax.Array]:
@@ -73,32 +76,46 @@ class MoE(nnx.Module):
             slots = jnp.where(valid[:, None], slots, -1)
         counted = jnp.where(slots < 0, num_slots, slots).reshape(-1)  # padding -> out of range (negative wraps)
         self.sow(ExpertCounts, "counts", jnp.zeros((num_slots,), jnp.int32).at[counted].add(1, mode="drop"))
+        scales = None
+        if hasattr(self, scale_name("gate_proj")):
+            scales = tuple(getattr(self, scale_name(n))[...] for n in ("gate_proj", "up_proj", "down_proj"))
         y = expert_mlp(x, slots, weights.astype(x.dtype), self.gate_proj[...], self.up_proj[...],
-                       self.down_proj[...])
+                       self.down_proj[...], scales, self.quant_group)
         if self.has_shared:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
             y = y + gate * self.shared_expert(x)
         return y
 
 
-def expert_mlp(x, slots, weights, gate, up, down):
+def expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     """Pure. sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), dispatched by slot; sharded over the mesh axes the
-    rules give EXPERT (slots) and MLP (expert MLP columns) when the mesh splits them."""
+    rules give EXPERT (slots) and MLP (expert MLP columns) when the mesh splits them. `scales`: the quantized
+    weights' (gate, up, down) scales (models.quant; `group` K rows per scale, 0: per channel), or None."""
     expert_axis = mesh_axis(EXPERT) if axis_size(EXPERT) > 1 else None
     mlp_axis = mesh_axis(MLP_AXIS) if axis_size(MLP_AXIS) > 1 else None
     axes = [a for a in (expert_axis, mlp_axis) if a is not None]
 
-    def local(x, slots, weights, gate, up, down):
+    def local(x, slots, weights, gate, up, down, scales):
         # This device's slots [first, first + n_local): the others' pairs (and padding) become -1, no work here.
         n_local = gate.shape[0]
         first = jax.lax.axis_index(expert_axis) * n_local if expert_axis else 0
         mine = (slots >= first) & (slots < first + n_local)
-        y = grouped_expert_mlp(x, jnp.where(mine, slots - first, -1), weights, gate, up, down)
+        if scales is not None and group and mlp_axis:  # down's K groups: those of this device's MLP columns
+            rows = down.shape[1]
+            if rows % group:
+                raise ValueError(f"tensor parallelism splits the expert MLP into {rows} columns per device, not "
+                                 f"whole {group}-row quantization groups")
+            g0 = jax.lax.axis_index(mlp_axis) * (rows // group)
+            scales = scales[:2] + (jax.lax.dynamic_slice_in_dim(scales[2], g0, rows // group, axis=1),)
+        y = grouped_expert_mlp(x, jnp.where(mine, slots - first, -1), weights, gate, up, down, scales, group)
         return jax.lax.psum(y, tuple(axes)) if axes else y
 
     if not axes:
-        return local(x, slots, weights, gate, up, down)
+        return local(x, slots, weights, gate, up, down, scales)
     P = jax.sharding.PartitionSpec
     e, m = expert_axis, mlp_axis
-    return jax.shard_map(local, in_specs=(P(), P(), P(), P(e, None, m), P(e, None, m), P(e, m, None)),
-                         out_specs=P(), check_vma=False)(x, slots, weights, gate, up, down)
+    scale_specs = None
+    if scales is not None:  # per channel: gate/up [S, I], down [S, E]; group-wise: [S, G, I], [S, G, E]
+        scale_specs = (P(e, m), P(e, m), P(e, None)) if not group else (P(e, None, m), P(e, None, m), P(e))
+    return jax.shard_map(local, in_specs=(P(), P(), P(), P(e, None, m), P(e, None, m), P(e, m, None), scale_specs),
+                         out_specs=P(), check_vma=False)(x, slots, weights, gate, up, down, scales)

@@ -1,6 +1,6 @@
 """Zero-copy reading of safetensors files: `SafetensorsFile` (one file), `SafetensorsCheckpoint` (single or sharded by
 `model.safetensors.index.json`) and `CheckpointError`. Tensors are numpy views over an mmap of the file, so reading
-one tensor touches only its bytes; bf16 comes back as `ml_dtypes.bfloat16`."""
+one tensor touches only its bytes; bf16 and fp8 (e4m3, e5m2) come back as their `ml_dtypes` types."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import numpy as np
 
 _DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 
@@ -95,6 +96,10 @@ class SafetensorsCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self._files[self._where[name]].shape(name)
+
+    def dtype_name(self, name: str) -> str:
+        """The safetensors dtype of a tensor as stored ("BF16", "F8_E4M3", ...)."""
+        return self._files[self._where[name]].dtype_name(name)
 
     def get(self, name: str) -> np.ndarray:
         if name not in self._where:

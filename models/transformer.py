@@ -13,7 +13,9 @@ from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.layers import MLP, RMSNorm, embed_lookup, param
 from models.moe import MoE
+from pallas_kernels import kv_quant
 from pallas_kernels import matmul as cpu_weights
+from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.matmul import matmul
 from sharding.axes import EMBED, VOCAB
 
@@ -26,7 +28,7 @@ class DecoderLayer(nnx.Module):
         if cfg.moe_layers[layer]:
             self.mlp = MoE(cfg, dtype, rngs, num_slots=cfg.num_expert_slots)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, rngs, cfg.weight_quant)
 
     def __call__(self, x, positions, kv_pages, batch):
         h, kv_pages = self.self_attn(self.input_layernorm(x), positions, kv_pages, batch)
@@ -53,8 +55,9 @@ class CausalLM(nnx.Module):
         self.head_screen = nnx.data(None)  # int8 screen of the head, set by `add_head_screen` (serving, CPU)
         self.head_screen_bounds = nnx.data(None)
 
-    def __call__(self, batch: RaggedBatch, kv_caches: list[jax.Array]) -> tuple[jax.Array, list[jax.Array]]:
-        """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches."""
+    def __call__(self, batch: RaggedBatch, kv_caches: list) -> tuple[jax.Array, list]:
+        """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches (one per
+        layer: an array or a `QuantizedKV`, `init_kv_caches`)."""
         x = embed_lookup(self.embed_tokens[...], batch.input_ids)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
@@ -117,16 +120,23 @@ class CausalLM(nnx.Module):
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
-    """Shape of one layer's KV pages: K and V interleaved on the head axis."""
+    """Shape of one layer's KV pages: K and V interleaved on the head axis (of a quantized cache: its values; its
+    scales are this shape less head_dim)."""
     return (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
 
 
-def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32,
-                   sharding=None) -> list[jax.Array]:
-    """One zeroed KV buffer per layer, in the storage dtype the attention backend wants for `dtype`
-    (`pallas_kernels.kv_storage_dtype`: uint16 bits for 16-bit floats on CPU)."""
+def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, sharding=None,
+                   kv_cache_dtype: str = "auto") -> list[jax.Array | QuantizedKV]:
+    """One zeroed KV cache per layer: for kv_cache_dtype "auto" an array in the storage dtype the attention backend
+    wants for `dtype` (`pallas_kernels.kv_storage_dtype`: uint16 bits for 16-bit floats on CPU); for "int8" or
+    "fp8_e4m3" a `QuantizedKV` (values in that backend's storage dtype, float32 scales). `sharding` is the pages'
+    (`sharding.mesh.kv_cache_sharding`); the scales take it less its head_dim entry."""
     shape = kv_cache_shape(cfg, num_pages, page_size)
-    dtype = pallas_kernels.kv_storage_dtype(dtype)
+    storage = pallas_kernels.kv_storage_dtype(dtype, kv_cache_dtype)
     # Committed to a device from the start, so the step's output caches match its inputs (one compile).
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return [jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.num_layers)]
+    if kv_cache_dtype == "auto":
+        return [jnp.zeros(shape, storage, device=sharding) for _ in range(cfg.num_layers)]
+    return [QuantizedKV(jnp.zeros(shape, storage, device=sharding),
+                        jnp.zeros(shape[:-1], jnp.float32, device=kv_quant.scales_sharding(sharding, len(shape))))
+            for _ in range(cfg.num_layers)]

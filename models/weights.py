@@ -2,6 +2,7 @@
 save/restore (`save_orbax`, `load_orbax_model`); `load_model` for either. Details: docs/models.md."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -17,6 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import ModelConfig
+from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, num_groups, quantize, scale_name
+from models.quantized_checkpoint import CheckpointQuantization, QuantizedWeight, element_scales
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from models.transformer import CausalLM
 from sharding.experts import identity_placement
@@ -97,6 +100,17 @@ def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
     raise CheckpointError(f"no HF source known for MoE parameter {name} of layer {i}")
 
 
+def contracting_axes(cfg: ModelConfig, path: tuple) -> tuple[int, ...]:
+    """The contracting axes of the matmul weight at `path` in our layout (what its scales reduce over): the MoE
+    expert stacks [S, K, N] contract axis 1, o_proj [Hq, D, E] axes 0-1, the others [K, ...] axis 0."""
+    p = tuple(str(x) for x in path)
+    if p[-1] == "o_proj":
+        return (0, 1)
+    if len(p) == 4 and p[0] == "layers" and p[2] == "mlp" and cfg.moe_layers[int(p[1])]:
+        return (1,)
+    return (0,)
+
+
 def _alternative_source(ckpt: SafetensorsCheckpoint, names: list[str], fn, param: str) -> Source:
     """transformers >= 5 in-memory MoE layout: `mlp.` instead of `block_sparse_moe.`, and experts fused as
     gate_up_proj [N, 2I, E] (gate rows first) and down_proj [N, E, I]."""
@@ -126,16 +140,39 @@ def abstract_model(cfg: ModelConfig, dtype=jnp.float32) -> CausalLM:
     return nnx.eval_shape(lambda: CausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
+def with_quantization(cfg: ModelConfig, quantization: str | None) -> ModelConfig:
+    """`cfg` with its matmul weights quantized at load as `quantization` asks ("int8", "fp8"; None / "" / "none":
+    as the checkpoint holds them). A checkpoint quantized already keeps its own scheme; asking for another fails."""
+    if not quantization or quantization == "none":
+        return cfg
+    if quantization not in WEIGHT_QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {('none',) + WEIGHT_QUANTIZATIONS}, got {quantization!r}")
+    if cfg.quantization and cfg.quantization != quantization:
+        raise ValueError(f"the checkpoint holds {cfg.quantization} weights; it cannot be loaded as {quantization}")
+    return dataclasses.replace(cfg, quantization=quantization)
+
+
 def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
-                  rules: ShardingRules = DEFAULT_RULES, config: ModelConfig | None = None) -> CausalLM:
-    """Loads an HF safetensors checkpoint (single file or sharded) into a CausalLM placed on `mesh`."""
+                  rules: ShardingRules = DEFAULT_RULES, config: ModelConfig | None = None,
+                  quantization: str | None = None) -> CausalLM:
+    """Loads an HF safetensors checkpoint (single file or sharded) into a CausalLM placed on `mesh`; with
+    `quantization` ("int8" / "fp8") its float matmul weights are quantized as they load (models.quant)."""
     t0 = time.perf_counter()
-    cfg = config or ModelConfig.from_pretrained(model_dir)
+    cfg = with_quantization(config or ModelConfig.from_pretrained(model_dir), quantization)
     ckpt = SafetensorsCheckpoint(model_dir)
+    ckpt_quant = _checkpoint_quantization(model_dir)
     graphdef, state, rest = nnx.split(abstract_model(cfg, dtype), nnx.Param, ...)
     used: set[str] = set()
-    for path, var in nnx.to_flat_state(state):
+    flat = dict(nnx.to_flat_state(state))
+    for path, var in flat.items():
+        if str(path[-1]).endswith("_scale") and path[:-1] + (str(path[-1])[:-len("_scale")],) in flat:
+            continue  # set with its weight
         names, fn = _hf_source(cfg, path)
+        stored = _stored_quantized(ckpt_quant, ckpt, names, path)
+        if stored is not None:
+            used.update(t for q in stored for t in q.tensors)
+            _set_from_quantized(cfg, path, var, flat, stored, fn, mesh, rules)
+            continue
         if any(n not in ckpt for n in names):
             names, fn = _alternative_source(ckpt, names, fn, str(path[-1]))
         missing = [n for n in names if n not in ckpt]
@@ -154,15 +191,83 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
                                   f"in our layout, expected {tuple(var.shape)} for {'/'.join(map(str, path))}")
         if not (np.issubdtype(host.dtype, np.floating) or host.dtype == jnp.bfloat16):
             raise CheckpointError(f"tensor {names[0]!r} has dtype {host.dtype}, which cannot be cast to {dtype}")
+        if is_quantized(var):
+            scale_var = flat[path[:-1] + (scale_name(str(path[-1])),)]
+            host, scale = quantize(host, contracting_axes(cfg, path), cfg.weight_quant)
+            scale_var.set_value(_place(scale, scale_var.dtype, param_sharding(
+                scale_var.get_metadata().get("axes"), scale_var.shape, mesh, rules)))
         var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
     unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+              and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
     if unused:
         raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "
                               f"{unused[:3]} — an option the config does not declare?")
     model = nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
     log.info("loaded %s from %s in %.2fs", cfg.family, model_dir, time.perf_counter() - t0)
     return model
+
+
+# Parameters that are HF Linear weights (a pre-quantized checkpoint may hold any of them quantized).
+_LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
+           "shared_expert_gate", "lm_head"}
+# compressed-tensors' static KV-cache scales: our quantized cache keeps a scale per token (--kv_cache_dtype)
+_KV_SCALES = re.compile(r"\.(k_scale|v_scale)$")
+
+
+def _checkpoint_quantization(model_dir: str) -> CheckpointQuantization | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        q = CheckpointQuantization.from_config(json.load(f))
+    if q is not None and q.kv_cache:
+        log.info("%s: the checkpoint's static KV-cache scales are not used (--kv_cache_dtype quantizes the cache "
+                 "with a scale per token)", model_dir)
+    return q
+
+
+def _stored_quantized(ckpt_quant, ckpt, names: list[str], path) -> list[QuantizedWeight] | None:
+    """The checkpoint's quantized tensors behind a parameter, or None when it holds them in floating point."""
+    if ckpt_quant is None or str(path[-1]) not in _LINEAR:
+        return None
+    stored = [ckpt_quant.read_linear(ckpt, n) for n in names]
+    if all(q is None for q in stored):
+        return None
+    if any(q is None for q in stored):
+        raise CheckpointError(f"{names[0]!r}: the checkpoint quantizes some of the tensors of parameter "
+                              f"{'/'.join(map(str, path))} and not others")
+    return stored
+
+
+def _set_from_quantized(cfg: ModelConfig, path, var, flat, stored: list[QuantizedWeight], fn, mesh, rules) -> None:
+    """Sets a parameter from a checkpoint's quantized tensors: as they are (values in our layout, scales mapped with
+    them) when the model holds it quantized, else dequantized (e.g. a router the checkpoint quantized)."""
+    where = "/".join(map(str, path))
+    if not is_quantized(var):
+        host = fn(*[q.dequantize() for q in stored])
+    else:
+        if any(q.values.dtype != var.dtype for q in stored):
+            raise CheckpointError(f"{where}: the checkpoint holds {stored[0].values.dtype} values, the model "
+                                  f"{var.dtype}")
+        host = fn(*[q.values for q in stored])
+        # Each element's scale, moved to our layout like the values, then one per output column per group.
+        per_element = fn(*[element_scales(q.scales, q.block, q.values.shape) for q in stored])
+        contract = contracting_axes(cfg, path)
+        c0, c1 = contract[0], contract[-1] + 1
+        lead, k, out = per_element.shape[:c0], int(np.prod(per_element.shape[c0:c1])), per_element.shape[c1:]
+        group = cfg.quantization_group
+        rows = group if group and k > group else k
+        scale = np.ascontiguousarray(per_element.reshape(lead + (num_groups(k, group), rows) + out)[
+            (slice(None),) * len(lead) + (slice(None), 0)])
+        if not group:
+            scale = scale.reshape(lead + out)
+        scale_var = flat[path[:-1] + (scale_name(str(path[-1])),)]
+        if scale.shape != tuple(scale_var.shape):
+            raise CheckpointError(f"{where}: scales of shape {scale.shape}, expected {tuple(scale_var.shape)}")
+        scale_var.set_value(_place(scale, scale_var.dtype, param_sharding(
+            scale_var.get_metadata().get("axes"), scale_var.shape, mesh, rules)))
+    if tuple(host.shape) != tuple(var.shape):
+        raise CheckpointError(f"{where}: the checkpoint's tensors give shape {tuple(host.shape)}, expected "
+                              f"{tuple(var.shape)}")
+    var.set_value(_place(host, var.dtype, param_sharding(var.get_metadata().get("axes"), var.shape, mesh, rules)))
 
 
 def _init_routing_state(rest, cfg: ModelConfig, mesh: Mesh | None):
@@ -199,7 +304,7 @@ def save_orbax(model: CausalLM, out_dir: str, *, hf_dir: str | None = None) -> N
     state = nnx.state(model, nnx.Param)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(os.path.join(out_dir, "params"), nnx.to_pure_dict(state), force=True)
-    dtype = str(jax.tree.leaves(nnx.to_pure_dict(state))[0].dtype)
+    dtype = str(model.embed_tokens[...].dtype)  # the float parameters' (quantized weights keep their own)
     with open(os.path.join(out_dir, _META), "w") as f:
         json.dump({"config": model.config.to_dict(), "param_dtype": dtype}, f, indent=1)
     if hf_dir:
@@ -237,8 +342,15 @@ def load_orbax_model(ckpt_dir: str, *, dtype=None, mesh: Mesh | None = None,
     return nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
 
 
-def load_model(path: str, *, dtype=None, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES) -> CausalLM:
-    """An HF directory or an Orbax checkpoint made by `models.convert`."""
+def load_model(path: str, *, dtype=None, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,
+               quantization: str | None = None) -> CausalLM:
+    """An HF directory or an Orbax checkpoint made by `models.convert`; `quantization` as `load_hf_model` (an Orbax
+    checkpoint holds its weights as saved: asking for another quantization fails)."""
     if is_orbax_dir(path):
-        return load_orbax_model(path, dtype=dtype, mesh=mesh, rules=rules)
-    return load_hf_model(path, dtype=dtype or jnp.float32, mesh=mesh, rules=rules)
+        model = load_orbax_model(path, dtype=dtype, mesh=mesh, rules=rules)
+        with_quantization(model.config, quantization)  # validates
+        if quantization and quantization != "none" and not model.config.quantization:
+            raise ValueError(f"{path} holds float weights; quantize when converting (python -m models.convert "
+                             f"--quantization={quantization}) or load the HF checkpoint with quantization")
+        return model
+    return load_hf_model(path, dtype=dtype or jnp.float32, mesh=mesh, rules=rules, quantization=quantization)

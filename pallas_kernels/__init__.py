@@ -1,8 +1,10 @@
-"""Kernels: ragged paged attention and the KV-cache write behind one entry point with a backend per platform
-(docs/attention.md), and the native CPU kernels with the model's matmul (`native`, `matmul`: docs/native-kernels.md)."""
+"""Kernels: ragged paged attention and the KV-cache write behind one entry point with a backend per platform, over a
+cache in the model's dtype or quantized (`kv_quant`) (docs/attention.md), and the native CPU kernels with the
+model's matmul (`native`, `matmul`: docs/native-kernels.md)."""
 from pallas_kernels.attention import attention_backend, kv_storage_dtype, ragged_paged_attention, write_kv
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, QuantizedKV
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.reference import ragged_paged_attention_reference
 
-__all__ = ["AttentionMetadata", "attention_backend", "kv_storage_dtype", "ragged_paged_attention", "ragged_paged_attention_reference",
-           "write_kv"]
+__all__ = ["AttentionMetadata", "KV_CACHE_DTYPES", "QuantizedKV", "attention_backend", "kv_storage_dtype",
+           "ragged_paged_attention", "ragged_paged_attention_reference", "write_kv"]

@@ -1,6 +1,7 @@
 """The entry points models call, `ragged_paged_attention` and `write_kv` (with `attention_backend`, `kv_storage_dtype`),
 dispatched at trace time to the platform's backend: native C++ or pure JAX on cpu, Triton on gpu, Mosaic on tpu;
-MESHSERVE_ATTENTION forces one. Details: docs/attention.md."""
+MESHSERVE_ATTENTION forces one. Every backend takes a cache of the model's dtype or a quantized one (`kv_quant`).
+Details: docs/attention.md."""
 from __future__ import annotations
 
 import os
@@ -28,7 +29,8 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
                            sliding_window=None, logit_soft_cap=None):
     """Pure. Causal attention of a ragged batch `q[T, Hq, D]` over paged KV -> `[T, Hq, D]`.
 
-    Same contract as `reference.ragged_paged_attention_reference` (see `metadata.py` for the arrays).
+    Same contract as `reference.ragged_paged_attention_reference` (see `metadata.py` for the arrays); `kv_pages` is
+    an array or a `kv_quant.QuantizedKV`, dequantised inside the kernel.
     """
     backend = attention_backend()
     if backend == "cpu":
@@ -53,14 +55,15 @@ def unsupported_reason(backend: str, head_dim: int, page_size: int) -> str | Non
     return None
 
 
-def kv_storage_dtype(dtype):
-    """Trace-time. The dtype the next trace's backend stores a KV cache of logical `dtype` in (see
-    `reference.kv_storage_dtype`)."""
-    return reference.kv_storage_dtype(dtype, attention_backend())
+def kv_storage_dtype(dtype, kv_cache_dtype: str = "auto"):
+    """Trace-time. The dtype the next trace's backend stores the pages of a KV cache of logical `dtype` in, for
+    `kv_cache_dtype` (`kv_quant.KV_CACHE_DTYPES`; see `reference.kv_storage_dtype`)."""
+    return reference.kv_storage_dtype(dtype, attention_backend(), kv_cache_dtype)
 
 
 def write_kv(kv_pages, k, v, slot_mapping):
-    """Pure. Writes `k`/`v` `[T, Hkv, D]` into flat slots `slot_mapping[T]` (-1 = padding, dropped).
+    """Pure. Writes `k`/`v` `[T, Hkv, D]` into flat slots `slot_mapping[T]` (-1 = padding, dropped); a
+    `QuantizedKV` gets each row quantised with its scale.
 
     In place when the cache is donated: XLA's scatter on cpu/gpu, an aliased DMA kernel on tpu.
     """

@@ -7,30 +7,45 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.metadata import ragged_layout
 
 
 @dataclasses.dataclass
 class PagedCase:
     q: np.ndarray  # [T, Hq, D]
-    kv_pages: np.ndarray  # [P, page_size, 2*Hkv, D]
-    k_dense: list  # per real sequence: [kv_len, Hkv, D] float64
+    kv_pages: np.ndarray | QuantizedKV  # [P, page_size, 2*Hkv, D] (quantized: float8 values as float8_e4m3fn)
+    k_dense: list  # per real sequence: [kv_len, Hkv, D] float64 (of a quantized cache: dequantised)
     v_dense: list
     arrays: dict  # ragged_layout's arrays (slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, ...)
     q_lens: list
     kv_lens: list
 
-    def attention_args(self):
+    def attention_args(self, platform: str = "cpu"):
+        """The arguments of `ragged_paged_attention`; a quantized cache as device arrays stored as on `platform`
+        (`kv_quant.values_dtype`: float8 values as uint8 bits on cpu)."""
         a = self.arrays
-        return (self.q, self.kv_pages, a["kv_lens"], a["page_indices"], a["cu_q_lens"], a["num_seqs"])
+        kv = self.kv_pages
+        if isinstance(kv, QuantizedKV):
+            values, dtype = jnp.asarray(kv.values), kv_quant.values_dtype(kv.kv_cache_dtype, platform)
+            kv = QuantizedKV(values if values.dtype == dtype else jax.lax.bitcast_convert_type(values, dtype),
+                             jnp.asarray(kv.scales))
+        return (self.q, kv, a["kv_lens"], a["page_indices"], a["cu_q_lens"], a["num_seqs"])
 
 
 def make_case(rng: np.random.Generator, seqs: Sequence[tuple[int, int]], *, num_q_heads: int, num_kv_heads: int,
               head_dim: int, page_size: int, num_tokens: int | None = None, num_seq_slots: int | None = None,
-              max_pages: int | None = None, dtype=np.float32, extra_pages: int = 3) -> PagedCase:
-    """A batch of sequences given as (q_len, kv_len), with pages scattered at random over the cache."""
+              max_pages: int | None = None, dtype=np.float32, extra_pages: int = 3,
+              kv_cache_dtype: str = "auto") -> PagedCase:
+    """A batch of sequences given as (q_len, kv_len), with pages scattered at random over the cache; "int8" or
+    "fp8_e4m3": the pages quantised (`kv_quant.quantize`) and the dense K/V the dequantised pages, so that an
+    oracle on them leaves a backend only its own arithmetic's error."""
     total = sum(ql for ql, _ in seqs)
     num_tokens = num_tokens or max(total, 1)
     num_seq_slots = num_seq_slots or max(len(seqs), 1)
@@ -39,13 +54,18 @@ def make_case(rng: np.random.Generator, seqs: Sequence[tuple[int, int]], *, num_
     num_pages = sum(need) + extra_pages
     perm = rng.permutation(num_pages)
     kv_pages = rng.standard_normal((num_pages, page_size, 2 * num_kv_heads, head_dim)).astype(dtype)
+    dense = kv_pages.astype(np.float64)
+    if kv_cache_dtype != "auto":
+        values, scales = kv_quant.quantize(jnp.asarray(kv_pages), kv_quant.values_dtype(kv_cache_dtype, "gpu"))
+        kv_pages = QuantizedKV(np.asarray(values), np.asarray(scales))
+        dense = np.asarray(values.astype(jnp.float32), np.float64) * np.asarray(scales, np.float64)[..., None]
     tables = np.zeros((len(seqs), max_pages), np.int64)
     k_dense, v_dense, off = [], [], 0
     for i, ((ql, kl), n) in enumerate(zip(seqs, need)):
         table = perm[off:off + n]
         off += n
         tables[i, :n] = table
-        flat = kv_pages[table].reshape(n * page_size, num_kv_heads, 2, head_dim)[:kl].astype(np.float64)
+        flat = dense[table].reshape(n * page_size, num_kv_heads, 2, head_dim)[:kl]
         k_dense.append(flat[:, :, 0])
         v_dense.append(flat[:, :, 1])
     q_lens, kv_lens = np.array([ql for ql, _ in seqs], np.int64), np.array([kl for _, kl in seqs], np.int64)
@@ -104,3 +124,57 @@ NAMED_CASES = {
 
 # (atol, rtol) of a backend's output against the float64 oracle (`dense_attention`), per dtype.
 TOLERANCES = {"float32": (2e-5, 2e-5), "bfloat16": (3e-2, 3e-2)}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Quantized-cache granularity: the attention-output error of K/V quantised per token per KV head (`kv_quant`) against
+# per-tensor and per-channel static scales (docs/attention.md has the figures).
+
+
+def _per_tensor(x: np.ndarray, kv_cache_dtype: str, scale: float | None = None) -> np.ndarray:
+    """x through one static scale for the whole tensor (its absmax / qmax unless `scale` is given), float64."""
+    qmax = kv_quant.QMAX[kv_cache_dtype]
+    scale = np.float32(np.abs(x).max() / qmax if scale is None else scale)
+    y = np.clip(np.asarray(x, np.float32) / scale, -qmax, qmax)
+    y = np.round(y) if kv_cache_dtype == "int8" else y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return y.astype(np.float64) * scale
+
+
+def _per_row(x: np.ndarray, kv_cache_dtype: str) -> np.ndarray:
+    """x through `kv_quant.quantize` (one scale per row of D), float64."""
+    values, scales = kv_quant.quantize(jnp.asarray(x, jnp.float32), kv_quant.values_dtype(kv_cache_dtype, "gpu"))
+    return np.asarray(values.astype(jnp.float32), np.float64) * np.asarray(scales, np.float64)[..., None]
+
+
+def _per_channel_int8(x: np.ndarray) -> np.ndarray:
+    """x [T, Hkv, D] through int8 with one static scale per head and channel (absmax over the tokens), float64."""
+    scale = np.abs(x).max(axis=0, keepdims=True) / 127
+    return np.round(x / np.where(scale > 0, scale, 1)) * scale
+
+
+KV_GRANULARITIES = {
+    "int8, per token and head (kv_quant)": lambda x: _per_row(x, "int8"),
+    "fp8_e4m3, per token and head (kv_quant)": lambda x: _per_row(x, "fp8_e4m3"),
+    "int8, per tensor (absmax)": lambda x: _per_tensor(x, "int8"),
+    "fp8_e4m3, per tensor (absmax)": lambda x: _per_tensor(x, "fp8_e4m3"),
+    "fp8_e4m3, per tensor, scale 1.0": lambda x: _per_tensor(x, "fp8_e4m3", 1.0),
+    "int8, per channel (absmax over tokens)": _per_channel_int8,
+}
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """One sequence's causal attention in float64: q [T, Hkv, G, D], k/v [T, Hkv, D] -> [T, Hkv, G, D]."""
+    t, _, _, d = q.shape
+    s = np.einsum("thgd,lhd->thgl", q, k) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((t, t), bool))[:, None, None, :], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("thgl,lhd->thgd", p / p.sum(-1, keepdims=True), v)
+
+
+def kv_granularity_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> dict[str, float]:
+    """For each of KV_GRANULARITIES: ||attention(q, K~, V~) - attention(q, K, V)|| / ||attention(q, K, V)||, with
+    K~, V~ the cache's K/V quantised that way (q [T, Hkv, G, D], k/v [T, Hkv, D], one causal sequence)."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    want = causal_attention(q, k, v)
+    return {name: float(np.linalg.norm(causal_attention(q, f(k), f(v)) - want) / np.linalg.norm(want))
+            for name, f in KV_GRANULARITIES.items()}

@@ -11,14 +11,9 @@ from jax import lax
 
 from pallas_kernels import plan as plan_lib
 from pallas_kernels import reference
+from pallas_kernels.kv_quant import QuantizedKV
 
 _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - inf
-
-
-def take_pages(kv_pages: jax.Array, pages: jax.Array, dtype) -> jax.Array:
-    """Pure. `kv_pages[pages]` in `dtype`. A 16-bit float cache should be stored as uint16 bits
-    (`reference.kv_storage_dtype`); then only the gathered pages are bitcast."""
-    return reference.kv_values(kv_pages[pages], dtype)
 
 
 def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dtype, rows_per_token,
@@ -27,7 +22,7 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dt
     hkv, r, d = q_blk.shape
     _, page_size, _, _ = kv_pages.shape
     chunk = chunk_pages * page_size
-    q_blk = q_blk.astype(kv_dtype)  # dots in the cache's dtype, accumulated in f32
+    q_blk = q_blk.astype(kv_dtype)  # dots in the cache's dtype (q's for a quantized cache), accumulated in f32
     row_pos = first_pos + jnp.arange(r, dtype=jnp.int32) // rows_per_token  # [R]
     row_ok = jnp.arange(r, dtype=jnp.int32) // rows_per_token < q_len
     hi = jnp.minimum(first_pos + q_len, kv_len)  # one past the last KV position any row may see
@@ -38,7 +33,9 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dt
     def body(c, carry):
         m, l, acc = carry
         pages = lax.dynamic_slice_in_dim(pages_row, c * chunk_pages, chunk_pages)
-        kv = take_pages(kv_pages, pages, kv_dtype).reshape(chunk, hkv, 2, d)
+        # a 16-bit float cache stored as uint16 bits (`reference.kv_storage_dtype`) is bitcast, a QuantizedKV
+        # dequantised, only in the pages gathered here
+        kv = reference.read_pages(kv_pages, pages, kv_dtype).reshape(chunk, hkv, 2, d)
         k, v = kv[:, :, 0], kv[:, :, 1]
         s = jnp.einsum("hrd,chd->hrc", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
         if logit_soft_cap is not None:
@@ -64,7 +61,8 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dt
 
 def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_tokens=64, chunk_tokens=128):
-    """Pure. Same contract as `ragged_paged_attention_reference`; fast and memory-sane on XLA:CPU."""
+    """Pure. Same contract as `ragged_paged_attention_reference` (a `QuantizedKV` is dequantised to q's dtype a chunk
+    of pages at a time); fast and memory-sane on XLA:CPU."""
     t, hq, d = q.shape
     _, page_size, h2, _ = kv_pages.shape
     hkv = h2 // 2
@@ -73,7 +71,7 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     chunk_pages = max(1, min(chunk_tokens // page_size, page_indices.shape[1]))
     plan = plan_lib.make_plan(cu_q_lens, kv_lens, num_seqs, t, bt)
     pages = plan_lib.pad_page_indices(page_indices, chunk_pages)
-    kv_dtype = q.dtype if kv_pages.dtype == jnp.uint16 else kv_pages.dtype
+    kv_dtype = q.dtype if isinstance(kv_pages, QuantizedKV) or kv_pages.dtype == jnp.uint16 else kv_pages.dtype
     attend = functools.partial(_attend_block, kv_dtype=kv_dtype, rows_per_token=g, chunk_pages=chunk_pages,
                                sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
     q_pad = jnp.pad(q, ((0, bt), (0, 0), (0, 0)))  # so a block-sized window never runs off the end

@@ -1,6 +1,6 @@
 """GPU backend: ragged paged attention as a Pallas kernel on the Triton lowering, flash-decoding style
-(`ragged_paged_attention_gpu`): one program per (query block, KV head, KV split), the splits merged by a JAX epilogue.
-Details: docs/attention.md."""
+(`ragged_paged_attention_gpu`): one program per (query block, KV head, KV split), the splits merged by a JAX epilogue;
+a quantized cache is dequantised tile by tile as it is loaded. Details: docs/attention.md."""
 from __future__ import annotations
 
 import functools
@@ -10,15 +10,20 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels import kv_quant
 from pallas_kernels import plan as plan_lib
+from pallas_kernels.kv_quant import QuantizedKV
 
 _NEG = -1e30
 _MIN_DOT = 16  # Triton's smallest dot dimension
 
 
-def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_indices_ref, q_ref, kv_ref,
-            o_ref, lse_ref, *, rows_per_token, block_k, num_splits, min_split_steps, page_size, sm_scale,
+def _kernel(*refs, quantized, rows_per_token, block_k, num_splits, min_split_steps, page_size, sm_scale,
             sliding_window, logit_soft_cap, precision):
+    # refs: the plan's arrays, q and the cache (plus its scales [P, page_size, 2Hkv] when quantized), then outputs
+    item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_indices_ref, q_ref, kv_ref = refs[:7]
+    scales_ref = refs[7] if quantized else None
+    o_ref, lse_ref = refs[-2:]
     i, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = item_seq_ref[i]
     first_pos = item_first_pos_ref[i]
@@ -47,20 +52,23 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
         return jnp.sum(p[:, :, None] * v.astype(jnp.float32)[None, :, :], axis=1)
 
     def load_kv(step):
+        """K and V `[block_k, D]` of this step's tokens, a quantized cache's dequantised to q's dtype."""
         if block_k < page_size:  # part of a page per step (head_dim 256 with 128-token pages)
             sub = page_size // block_k
-            page = page_indices_ref[seq, step // sub]
-            tokens = pl.ds((step % sub) * block_k, block_k)
-            return kv_ref[page, tokens, 2 * h, :], kv_ref[page, tokens, 2 * h + 1, :]  # [block_k, D]
-        if pages_per_step == 1:
-            page = page_indices_ref[seq, step]
-            return kv_ref[page, :, 2 * h, :], kv_ref[page, :, 2 * h + 1, :]  # [page_size, D]
-        # several pages per step, gathered by their block-table entries (as JAX's paged_attention does); entries
-        # past the sequence's pages are valid page ids (0) whose tokens the mask drops
-        pages = page_indices_ref[seq, pl.ds(step * pages_per_step, pages_per_step)]
-        k = kv_ref[pages, :, 2 * h, :].reshape(block_k, d)
-        v = kv_ref[pages, :, 2 * h + 1, :].reshape(block_k, d)
-        return k, v
+            where = (page_indices_ref[seq, step // sub], pl.ds((step % sub) * block_k, block_k))
+        elif pages_per_step == 1:
+            where = (page_indices_ref[seq, step], slice(None))
+        else:
+            # several pages per step, gathered by their block-table entries (as JAX's paged_attention does); entries
+            # past the sequence's pages are valid page ids (0) whose tokens the mask drops
+            where = (page_indices_ref[seq, pl.ds(step * pages_per_step, pages_per_step)], slice(None))
+        k = kv_ref[(*where, 2 * h, slice(None))].reshape(block_k, d)
+        v = kv_ref[(*where, 2 * h + 1, slice(None))].reshape(block_k, d)
+        if scales_ref is None:
+            return k, v
+        k_scale = scales_ref[(*where, 2 * h)].reshape(block_k, 1)
+        v_scale = scales_ref[(*where, 2 * h + 1)].reshape(block_k, 1)
+        return ((kv_quant.widen(k) * k_scale).astype(q.dtype), (kv_quant.widen(v) * v_scale).astype(q.dtype))
 
     def body(step, carry):
         m, l, acc = carry
@@ -134,8 +142,9 @@ def default_num_warps(head_dim: int) -> int:
 def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_rows=64, num_splits=None,
                                step_tokens=None, num_warps=None, num_stages=2, interpret=False, debug=False):
-    """Pure. Same contract as `ragged_paged_attention_reference`, as a Triton Pallas kernel. Raises ValueError
-    (`unsupported_reason`) for shapes Triton cannot tile. `debug` prints the kernel's Triton module as it lowers."""
+    """Pure. Same contract as `ragged_paged_attention_reference`, as a Triton Pallas kernel (a `QuantizedKV` is
+    dequantised to q's dtype as each step's tiles are loaded). Raises ValueError (`unsupported_reason`) for shapes
+    Triton cannot tile. `debug` prints the kernel's Triton module as it lowers."""
     t, hq, d = q.shape
     _, page_size, h2, _ = kv_pages.shape
     if (reason := unsupported_reason(d, page_size)) is not None:
@@ -149,8 +158,11 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     rows = _pow2_at_least(bt * g, _MIN_DOT)
     q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, rows - bt * g), (0, 0)))
     n_items = plan.max_items
+    quantized = isinstance(kv_pages, QuantizedKV)
     if step_tokens is None:  # no more pages than the block table has (rounded up to a power of two)
-        step_tokens = min(default_step_tokens(d, kv_pages.dtype.itemsize),
+        # a quantized cache's tiles are dequantised to q's dtype: size the step by that
+        tile_itemsize = (q if quantized else kv_pages).dtype.itemsize
+        step_tokens = min(default_step_tokens(d, tile_itemsize),
                           _pow2_at_least(max_pages, 1) * page_size)
     if not _is_pow2(step_tokens):
         raise ValueError(f"step_tokens must be a power of two, got {step_tokens}")
@@ -163,16 +175,15 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         num_splits = max(1, min(-(-512 // (n_items * hkv)), -(-max_steps // min_split_steps)))
     num_warps = default_num_warps(d) if num_warps is None else num_warps
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, rows_per_token=g, block_k=block_k, num_splits=num_splits,
+    cache = (kv_pages.values, kv_pages.scales) if quantized else (kv_pages,)
+    kernel = functools.partial(_kernel, quantized=quantized, rows_per_token=g, block_k=block_k, num_splits=num_splits,
                                min_split_steps=min_split_steps, page_size=page_size, sm_scale=sm_scale,
                                sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, precision=precision)
     out_o, out_lse = pl.pallas_call(
         kernel,
         grid=(n_items, hkv, num_splits),
-        in_specs=[pl.no_block_spec] * 5 + [
-            pl.BlockSpec((1, 1, rows, d), lambda i, h, k: (i, h, 0, 0)),
-            pl.no_block_spec,
-        ],
+        in_specs=[pl.no_block_spec] * 5 + [pl.BlockSpec((1, 1, rows, d), lambda i, h, k: (i, h, 0, 0))]
+        + [pl.no_block_spec] * len(cache),
         out_specs=[pl.BlockSpec((1, 1, 1, rows, d), lambda i, h, k: (i, h, k, 0, 0)),
                    pl.BlockSpec((1, 1, 1, rows), lambda i, h, k: (i, h, k, 0))],
         # one split: the kernel's output is final (no merge), so it is written in q's dtype
@@ -183,7 +194,7 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         interpret=interpret,
         debug=debug,
         name="ragged_paged_attention_triton",
-    )(plan.item_seq, plan.item_first_pos, plan.item_q_len, kv_lens.astype(jnp.int32), pages, q_items, kv_pages)
+    )(plan.item_seq, plan.item_first_pos, plan.item_q_len, kv_lens.astype(jnp.int32), pages, q_items, *cache)
     if num_splits == 1:
         return plan_lib.scatter_outputs(out_o[:, :, 0, :bt * g], plan, hq)
     # Merge the splits' partial softmaxes (flash-decoding epilogue).

@@ -39,19 +39,30 @@ def moe_backend(x, gate, up, down, pairs: int | None = None) -> str:
     return "ragged_dot"
 
 
-def grouped_expert_mlp(x, slots, weights, gate, up, down):
+def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     """Pure. [T, E] in x's dtype: sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), SwiGLU_s(v) =
     (silu(v @ gate[s]) * (v @ up[s])) @ down[s]; x [T, E], slots [T, k] int (< 0: padding, no work; >= S: no work),
-    weights [T, k], gate/up [S, E, I], down [S, I, E]. Runs on whole local arrays (under a mesh: inside shard_map)."""
-    backend = moe_backend(x, gate, up, down, slots.size)
-    if backend == "native":
+    weights [T, k], gate/up [S, E, I], down [S, I, E]. Runs on whole local arrays (under a mesh: inside shard_map).
+    Quantized weights (models.quant) come with `scales` (gate, up, down): per channel [S, I], [S, I], [S, E], or per
+    `group` K rows [S, G, I], [S, G, I], [S, G, E]."""
+    backend = "gather" if scales is not None and slots.size <= GATHER_MAX_PAIRS else \
+        moe_backend(x, gate, up, down, slots.size)
+    if backend == "native" and scales is None:
         return native.expert_mlp(x, slots, weights, gate, up, down)
     if backend == "gather":
-        return gathered_expert_mlp(x, slots, weights, gate, up, down)
-    return ragged_expert_mlp(x, slots, weights, gate, up, down)
+        return gathered_expert_mlp(x, slots, weights, gate, up, down, scales, group)
+    return ragged_expert_mlp(x, slots, weights, gate, up, down, scales, group)
 
 
-def gathered_expert_mlp(x, slots, weights, gate, up, down):
+def _dequantized(w, scale, group: int, dtype):
+    """Pure. Expert weights [..., K, N] (gathered or all) times their scales ([..., N] or [..., G, N]), in `dtype`."""
+    if scale is None:
+        return w
+    s = scale[..., None, :] if not group else jnp.repeat(scale, group, axis=-2)[..., :w.shape[-2], :]
+    return (w.astype(jnp.float32) * s).astype(dtype)
+
+
+def gathered_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     """Pure. `grouped_expert_mlp` for a few pairs: each (token, k) pair's expert weights gathered and applied with
     batched matmuls; slots outside [0, S) weigh 0."""
     t, k = slots.shape
@@ -60,15 +71,19 @@ def gathered_expert_mlp(x, slots, weights, gate, up, down):
     mine = (flat >= 0) & (flat < n)
     idx = jnp.where(mine, flat, 0)
     xs = jnp.repeat(x, k, axis=0)  # pair p = token p // k
-    h = jax.nn.silu(jnp.einsum("pe,pei->pi", xs, gate[idx])) * jnp.einsum("pe,pei->pi", xs, up[idx])
-    out = jnp.einsum("pi,pie->pe", h, down[idx])
+    gs, us, ds = (None,) * 3 if scales is None else (s[idx] for s in scales)
+    gw, uw, dw = (_dequantized(w[idx], s, group, x.dtype) for w, s in ((gate, gs), (up, us), (down, ds)))
+    h = jax.nn.silu(jnp.einsum("pe,pei->pi", xs, gw)) * jnp.einsum("pe,pei->pi", xs, uw)
+    out = jnp.einsum("pi,pie->pe", h, dw)
     w = jnp.where(mine, weights.reshape(-1), 0).astype(out.dtype)
     return (out * w[:, None]).reshape(t, k, -1).sum(axis=1)
 
 
-def ragged_expert_mlp(x, slots, weights, gate, up, down):
+def ragged_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     """Pure. `grouped_expert_mlp` with XLA's ops: the (token, k) pairs sorted by slot (those of no slot last, not
-    computed) through `ragged_dot`, then scattered back with their weights."""
+    computed) through `ragged_dot`, then scattered back with their weights. Quantized weights: per-channel scales
+    multiply each row's output by its expert's scales; group-wise ones dequantize the weights first (a copy per
+    call: the slow path)."""
     t, k = slots.shape
     n = gate.shape[0]
     flat = slots.reshape(-1)
@@ -78,7 +93,20 @@ def ragged_expert_mlp(x, slots, weights, gate, up, down):
     group_sizes = jnp.zeros((n + 1,), jnp.int32).at[key].add(1)[:n]
     token = order // k
     xs = x[token]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
-    out = jax.lax.ragged_dot(h, down, group_sizes)
+    row_scale = [None] * 3
+    if scales is not None and group:
+        gate, up, down = (_dequantized(w, s, group, x.dtype) for w, s in zip((gate, up, down), scales))
+    elif scales is not None:
+        gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
+        expert = jnp.minimum(key[order], n - 1)
+        row_scale = [s[expert] for s in scales]
+
+    def dot(a, w, s):
+        if s is None:
+            return jax.lax.ragged_dot(a, w, group_sizes)
+        return (jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32) * s).astype(a.dtype)
+
+    h = jax.nn.silu(dot(xs, gate, row_scale[0])) * dot(xs, up, row_scale[1])
+    out = dot(h, down, row_scale[2])
     w = jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(out.dtype)
     return jnp.zeros_like(x).at[token].add(out * w[:, None])

@@ -1,36 +1,50 @@
 """Pure-JAX reference ragged paged attention (`ragged_paged_attention_reference`: the test oracle), the KV-cache write
-of every backend but tpu (`write_kv`), and the KV page layout and storage dtype (`kv_storage_dtype`, `kv_values`).
-Details: docs/attention.md."""
+of every backend but tpu (`write_kv`), and the KV page layout and storage dtype (`kv_storage_dtype`, `kv_values`,
+`read_pages`). Details: docs/attention.md."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import kv_quant
+from pallas_kernels.kv_quant import QuantizedKV
 
-def write_kv(kv_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+
+def write_kv(kv_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     """Pure. Writes k/v `[T, kv_heads, D]` into flat slots `slot_mapping[T]`; slots < 0 are dropped.
 
     A cache stored as uint16 bits (`kv_storage_dtype`: 16-bit floats on CPU) receives k/v's bits; k/v must then
-    be in the cache's logical 16-bit float dtype."""
+    be in the cache's logical 16-bit float dtype. A `QuantizedKV` receives each row quantised (`kv_quant.quantize`)
+    and its scale."""
     num_pages, page_size, h2, d = kv_pages.shape
     t = k.shape[0]
     kv = jnp.stack([k, v], axis=2).reshape(t, h2, d)
+    idx = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
+    if isinstance(kv_pages, QuantizedKV):
+        values, scales = kv_quant.quantize(kv, kv_pages.values.dtype)
+        return QuantizedKV(_scatter_rows(kv_pages.values, idx, values), _scatter_rows(kv_pages.scales, idx, scales))
     if kv_pages.dtype == jnp.uint16:
         if kv.dtype.itemsize != 2 or not jnp.issubdtype(kv.dtype, jnp.floating):
             raise TypeError(f"write_kv: a uint16-stored cache takes 16-bit float K/V, got {kv.dtype}")
         kv = jax.lax.bitcast_convert_type(kv, jnp.uint16)
     else:
         kv = kv.astype(kv_pages.dtype)
-    flat = kv_pages.reshape(num_pages * page_size, h2, d)
-    idx = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
-    flat = flat.at[idx].set(kv, mode="drop", unique_indices=False)
-    return flat.reshape(num_pages, page_size, h2, d)
+    return _scatter_rows(kv_pages, idx, kv)
 
 
-def kv_storage_dtype(dtype, backend: str):
-    """The dtype a KV cache of logical `dtype` is stored in for `backend`. XLA:CPU has no in-place 16-bit float
-    gather/scatter: on a bf16/f16 array it converts (or, bitcast, copies) the whole cache on every call, so the
-    CPU backend stores 16-bit float caches as uint16 bits and the kernels bitcast only the pages they touch."""
+def _scatter_rows(pages: jax.Array, idx: jax.Array, rows: jax.Array) -> jax.Array:
+    """Pure. `pages [P, page_size, ...]` with flat slot idx[t] set to rows[t] (idx past the end: dropped)."""
+    flat = pages.reshape(pages.shape[0] * pages.shape[1], *pages.shape[2:])
+    return flat.at[idx].set(rows, mode="drop", unique_indices=False).reshape(pages.shape)
+
+
+def kv_storage_dtype(dtype, backend: str, kv_cache_dtype: str = "auto"):
+    """The dtype the pages of a KV cache of logical `dtype` are stored in for `backend`. XLA:CPU has no in-place
+    16-bit float gather/scatter: on a bf16/f16 array it converts (or, bitcast, copies) the whole cache on every
+    call, so the CPU backend stores 16-bit float caches as uint16 bits and the kernels bitcast only the pages they
+    touch. A quantized cache ("int8", "fp8_e4m3") stores its values as `kv_quant.values_dtype` says."""
+    if kv_quant.check_kv_cache_dtype(kv_cache_dtype) != "auto":
+        return kv_quant.values_dtype(kv_cache_dtype, backend)
     dtype = jnp.dtype(dtype)
     if backend == "cpu" and jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2:
         return jnp.dtype(jnp.uint16)
@@ -40,6 +54,14 @@ def kv_storage_dtype(dtype, backend: str):
 def kv_values(kv: jax.Array, dtype) -> jax.Array:
     """Pure. KV data read from a cache, in the logical `dtype` (bitcast when the cache stores uint16 bits)."""
     return jax.lax.bitcast_convert_type(kv, dtype) if kv.dtype == jnp.uint16 else kv
+
+
+def read_pages(kv_pages, pages: jax.Array, dtype) -> jax.Array:
+    """Pure. `kv_pages[pages]` in `dtype`: the logical dtype of a 16-bit cache stored as uint16 bits (only the
+    gathered pages are bitcast), any float dtype for a `QuantizedKV` (only the gathered pages are dequantised)."""
+    if isinstance(kv_pages, QuantizedKV):
+        return kv_quant.dequantize(kv_pages.values[pages], kv_pages.scales[pages], dtype)
+    return kv_values(kv_pages[pages], dtype)
 
 
 def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Array, num_tokens: int):
@@ -56,7 +78,7 @@ def token_positions(cu_q_lens: jax.Array, kv_lens: jax.Array, num_seqs: jax.Arra
 
 def ragged_paged_attention_reference(
     q: jax.Array,
-    kv_pages: jax.Array,
+    kv_pages,
     kv_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
@@ -66,7 +88,8 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
 ) -> jax.Array:
-    """Pure. Causal attention of `q[T, Hq, D]` over each token's own sequence's KV pages -> `[T, Hq, D]`.
+    """Pure. Causal attention of `q[T, Hq, D]` over each token's own sequence's KV pages (an array, or a
+    `QuantizedKV`) -> `[T, Hq, D]`.
 
     Simple and memory-hungry (gathers each token's whole KV range); rows of padding tokens are zero.
     """
@@ -75,7 +98,8 @@ def ragged_paged_attention_reference(
     hkv = h2 // 2
     s, max_pages = page_indices.shape
     seq, pos, valid = token_positions(cu_q_lens, kv_lens, num_seqs, t)
-    kv = kv_values(kv_pages[page_indices], q.dtype).reshape(s, max_pages * page_size, hkv, 2, d)
+    kv_dtype = jnp.float32 if isinstance(kv_pages, QuantizedKV) else q.dtype
+    kv = read_pages(kv_pages, page_indices, kv_dtype).reshape(s, max_pages * page_size, hkv, 2, d)
     k = kv[seq, :, :, 0].astype(jnp.float32)  # [T, L, Hkv, D]
     v = kv[seq, :, :, 1].astype(jnp.float32)
     qg = q.astype(jnp.float32).reshape(t, hkv, hq // hkv, d)

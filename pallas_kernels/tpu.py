@@ -1,6 +1,6 @@
 """TPU backend: ragged paged attention as a Pallas Mosaic kernel (`ragged_paged_attention_tpu`: KV pages streamed from
-HBM into VMEM by double-buffered DMA, one grid step per query block) and the in-place KV write as an aliased DMA
-kernel (`write_kv_tpu`). Details: docs/attention.md."""
+HBM into VMEM by double-buffered DMA, one grid step per query block; a quantized cache dequantised a chunk at a time in
+VMEM) and the in-place KV write as an aliased DMA kernel (`write_kv_tpu`). Details: docs/attention.md."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +11,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels import kv_quant
 from pallas_kernels import plan as plan_lib
+from pallas_kernels.kv_quant import QuantizedKV
 
 _NEG = -1e30
 
@@ -44,12 +46,24 @@ def _head_kv(buf, h, hkv, chunk, *, ref_bitcast=True):
             pltpu.bitcast((pair >> 16).astype(jnp.uint16), dtype))
 
 
-def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_indices_ref,  # SMEM
-            q_ref, kv_hbm_ref,  # inputs: VMEM block [1, Hkv, R, D]; HBM [P, page_size * 2Hkv, D]
-            o_ref,  # output: VMEM block [1, Hkv, R, D]
-            kv_buf, sems,  # scratch: VMEM [2, chunk * 2Hkv, D]; DMA semaphores [2]
-            *, rows_per_token, chunk_pages, page_size, max_pages, sm_scale, sliding_window, logit_soft_cap,
-            ref_bitcast):
+def _head_scales(scales, h):
+    """The K and V scales `[chunk, 1]` of KV head `h` from a chunk's scales `[chunk, 2Hkv]` (lanes 2h and 2h+1),
+    picked by a masked lane sum rather than a one-lane slice."""
+    lane = lax.broadcasted_iota(jnp.int32, scales.shape, 1)
+    return tuple(jnp.sum(jnp.where(lane == j, scales, 0.0), axis=1, keepdims=True) for j in (2 * h, 2 * h + 1))
+
+
+def _kernel(*refs, quantized, rows_per_token, chunk_pages, page_size, max_pages, sm_scale, sliding_window,
+            logit_soft_cap, ref_bitcast):
+    # SMEM scalar prefetch: the plan's arrays and the block table; inputs: q, a VMEM block [1, Hkv, R, D], and the
+    # cache in HBM [P, page_size * 2Hkv, D] (+ its scales [P, page_size, 2Hkv] when quantized); output: a VMEM block
+    # [1, Hkv, R, D]; scratch: the chunk buffers [2, chunk * 2Hkv, D] (+ scales [2, chunk, 2Hkv] and the chunk
+    # dequantised [chunk * 2Hkv, D] float32 when quantized) and DMA semaphores [2].
+    item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref = refs[:7]
+    if quantized:
+        scales_hbm_ref, o_ref, kv_buf, scales_buf, dequantized, sems = refs[7:]
+    else:
+        o_ref, kv_buf, sems = refs[7:]
     i = pl.program_id(0)
     seq = item_seq_ref[i]
     first_pos = item_first_pos_ref[i]
@@ -71,6 +85,10 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
             copies.append(pltpu.make_async_copy(kv_hbm_ref.at[page],
                                                 kv_buf.at[slot, pl.ds(j * page_rows, page_rows)],
                                                 sems.at[slot]))
+            if quantized:
+                copies.append(pltpu.make_async_copy(scales_hbm_ref.at[page],
+                                                    scales_buf.at[slot, pl.ds(j * page_size, page_size)],
+                                                    sems.at[slot]))
         return copies
 
     @pl.when(c_hi > c_lo)
@@ -95,11 +113,19 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
         mask = (kv_pos <= row_pos) & (kv_pos < kv_len) & (row_tok < q_len)
         if sliding_window is not None:
             mask &= kv_pos > row_pos - sliding_window
+        if quantized:  # 8-bit rows widened once per chunk, so each head's K and V are 32-bit strided loads
+            dequantized[...] = kv_quant.widen(kv_buf[slot])
+            chunk_scales = scales_buf[slot]  # [chunk, 2Hkv]
         new = []
         for h in range(hkv):
             m, l, acc = carry[h]
             q = q_ref[0, h]  # [R, D]
-            k, v = _head_kv(kv_buf.at[slot], h, hkv, chunk, ref_bitcast=ref_bitcast)  # [chunk, D] each
+            if quantized:
+                k, v = _head_kv(dequantized, h, hkv, chunk)
+                k_scale, v_scale = _head_scales(chunk_scales, h)
+                k, v = (k * k_scale).astype(q.dtype), (v * v_scale).astype(q.dtype)
+            else:
+                k, v = _head_kv(kv_buf.at[slot], h, hkv, chunk, ref_bitcast=ref_bitcast)  # [chunk, D] each
             # float32 operands: full-precision passes (the MXU would otherwise round them to bf16, as gpu.py avoids)
             precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -127,7 +153,8 @@ def _kernel(item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_
 def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_rows=128, chunk_tokens=128,
                                interpret=False, debug=False):
-    """Pure. Same contract as `ragged_paged_attention_reference`, as a Mosaic TPU Pallas kernel.
+    """Pure. Same contract as `ragged_paged_attention_reference`, as a Mosaic TPU Pallas kernel. A `QuantizedKV`'s
+    pages and scales are DMA'd as they are and dequantised in VMEM, a chunk at a time.
 
     `interpret`: False compiles for TPU; True runs Pallas's Mosaic interpreter (DMAs land at their wait, scratch
     starts as NaN; 16-bit K/V are read as `_head_kv(ref_bitcast=False)`); "generic" runs JAX's generic
@@ -138,28 +165,37 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     num_pages, page_size, h2, _ = kv_pages.shape
     hkv = h2 // 2
     g = hq // hkv
+    quantized = isinstance(kv_pages, QuantizedKV)
+    values = kv_pages.values if quantized else kv_pages
     bt = plan_lib.choose_block_tokens(t, kv_lens.shape[0], g, block_rows)
     sublanes = 8 * (4 // jnp.dtype(q.dtype).itemsize)  # the sublane tile: 8 rows of f32, 16 of bf16
     plan = plan_lib.make_plan(cu_q_lens, kv_lens, num_seqs, t, bt)
-    q_items = plan_lib.gather_queries(q, plan, hkv).astype(kv_pages.dtype)
+    q_items = plan_lib.gather_queries(q, plan, hkv)
+    if not quantized:  # dots in the cache's dtype (a quantized cache is dequantised to q's)
+        q_items = q_items.astype(values.dtype)
     rows = -(-bt * g // sublanes) * sublanes
     q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, rows - bt * g), (0, 0)))
     chunk_pages = max(1, min(chunk_tokens // page_size, page_indices.shape[1]))
     pages = plan_lib.pad_page_indices(page_indices.astype(jnp.int32), chunk_pages)
     max_pages = pages.shape[1]
-    kv_flat = kv_pages.reshape(num_pages, page_size * h2, d)  # free: merges two leading dims
-    kernel = functools.partial(_kernel, rows_per_token=g, chunk_pages=chunk_pages, page_size=page_size,
-                               max_pages=max_pages, sm_scale=sm_scale, sliding_window=sliding_window,
-                               logit_soft_cap=logit_soft_cap, ref_bitcast=interpret is not True)
+    cache = [values.reshape(num_pages, page_size * h2, d)]  # free: merges two leading dims
+    scratch = [pltpu.VMEM((2, chunk_pages * page_size * h2, d), values.dtype)]
+    if quantized:
+        cache.append(kv_pages.scales)
+        scratch += [pltpu.VMEM((2, chunk_pages * page_size, h2), jnp.float32),
+                    pltpu.VMEM((chunk_pages * page_size * h2, d), jnp.float32)]
+    kernel = functools.partial(_kernel, quantized=quantized, rows_per_token=g, chunk_pages=chunk_pages,
+                               page_size=page_size, max_pages=max_pages, sm_scale=sm_scale,
+                               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                               ref_bitcast=interpret is not True)
     n_items = plan.max_items
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(n_items,),
-        in_specs=[pl.BlockSpec((1, hkv, rows, d), lambda i, *_: (i, 0, 0, 0)),
-                  pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[pl.BlockSpec((1, hkv, rows, d), lambda i, *_: (i, 0, 0, 0))]
+        + [pl.BlockSpec(memory_space=pl.ANY)] * len(cache),
         out_specs=pl.BlockSpec((1, hkv, rows, d), lambda i, *_: (i, 0, 0, 0)),
-        scratch_shapes=[pltpu.VMEM((2, chunk_pages * page_size * h2, d), kv_pages.dtype),
-                        pltpu.SemaphoreType.DMA((2,))],
+        scratch_shapes=scratch + [pltpu.SemaphoreType.DMA((2,))],
     )
     out = pl.pallas_call(
         kernel,
@@ -170,49 +206,63 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         debug=debug,  # True: print the kernel's jaxpr and Mosaic module when it lowers
         name="ragged_paged_attention_mosaic",
     )(plan.item_seq, plan.item_first_pos, plan.item_q_len, kv_lens.astype(jnp.int32), pages.reshape(-1),
-      q_items, kv_flat)
+      q_items, *cache)
     return plan_lib.scatter_outputs(out[:, :, :bt * g], plan, hq)
 
 
-def _write_kernel(slot_ref, new_kv_ref, cache_in_ref, cache_ref, sem, *, page_size):
-    del cache_in_ref  # aliased to cache_ref: the cache is updated in place
-    num_tokens = new_kv_ref.shape[0]
+def _write_kernel(slot_ref, *refs, page_size, parts):
+    # refs: the new rows of each part (the pages, + the scales of a quantized cache), the cache's parts as inputs
+    # (aliased to the outputs: updated in place), the outputs, a DMA semaphore
+    new, caches, sem = refs[:parts], refs[2 * parts:3 * parts], refs[3 * parts]
+    num_tokens = new[0].shape[0]
 
-    def copy(t):
+    def copies(t):
         slot = jnp.maximum(slot_ref[t], 0)
         page, offset = lax.div(slot, page_size), lax.rem(slot, page_size)
-        return pltpu.make_async_copy(new_kv_ref.at[t], cache_ref.at[page, offset], sem.at[0])
+        return [pltpu.make_async_copy(n.at[t], c.at[page, offset], sem.at[0]) for n, c in zip(new, caches)]
 
     def start(t, _):
         @pl.when(slot_ref[t] >= 0)
         def _():
-            copy(t).start()
+            for cp in copies(t):
+                cp.start()
 
     def wait(t, _):
         @pl.when(slot_ref[t] >= 0)
         def _():
-            copy(t).wait()
+            for cp in copies(t):
+                cp.wait()
 
     lax.fori_loop(0, num_tokens, start, None)  # all copies in flight at once, then drain
     lax.fori_loop(0, num_tokens, wait, None)
 
 
 def write_kv_tpu(kv_pages, k, v, slot_mapping, *, interpret=False):
-    """Pure. `write_kv` as one Mosaic kernel: a DMA per token straight into its slot, the cache aliased."""
-    num_pages, page_size, h2, d = kv_pages.shape
+    """Pure. `write_kv` as one Mosaic kernel: a DMA per token straight into its slot, the cache aliased. A
+    `QuantizedKV` gets the rows quantised (`kv_quant.quantize`, in XLA) and a second DMA per token for the scales."""
+    _, page_size, h2, d = kv_pages.shape
     t = k.shape[0]
-    new_kv = jnp.stack([k, v], axis=2).reshape(t, h2, d).astype(kv_pages.dtype)
+    new_kv = jnp.stack([k, v], axis=2).reshape(t, h2, d)
+    quantized = isinstance(kv_pages, QuantizedKV)
+    if quantized:
+        new = list(kv_quant.quantize(new_kv, kv_pages.values.dtype))
+        caches = [kv_pages.values, kv_pages.scales]
+    else:
+        new, caches = [new_kv.astype(kv_pages.dtype)], [kv_pages]
+    parts = len(caches)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=1, grid=(1,),
-        in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
-        out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * (2 * parts),
+        out_specs=[pl.BlockSpec(memory_space=pl.ANY)] * parts,
         scratch_shapes=[pltpu.SemaphoreType.DMA((1,))])
-    return pl.pallas_call(
-        functools.partial(_write_kernel, page_size=page_size),
+    out = pl.pallas_call(
+        functools.partial(_write_kernel, page_size=page_size, parts=parts),
         grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype),
-        input_output_aliases={2: 0},  # operand 2 (after the prefetched slots and new_kv) is the cache
+        out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+        # operand 1 + parts + j (after the prefetched slots and the new rows) is the cache's part j
+        input_output_aliases={1 + parts + j: j for j in range(parts)},
         compiler_params=pltpu.CompilerParams(has_side_effects=True),
         interpret=pltpu.InterpretParams() if interpret else False,
         name="write_kv_mosaic",
-    )(slot_mapping.astype(jnp.int32), new_kv, kv_pages)
+    )(slot_mapping.astype(jnp.int32), *new, *caches)
+    return QuantizedKV(*out) if quantized else out[0]

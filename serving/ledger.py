@@ -16,6 +16,7 @@ import re
 from typing import Sequence
 
 from models.config import ModelConfig
+from pallas_kernels import kv_quant
 from sharding.pipeline import stage_layers as _stage_layers, stage_slots as _stage_slots
 from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, kv_cache_partition_spec, \
     partition_spec_for_sizes, shard_shape
@@ -29,6 +30,12 @@ LINK_PRESETS = {
     "ici": (90.0, 5.0),       # TPU v5p/v4 inter-chip interconnect, per link direction
     "pcie": (32.0, 15.0),     # PCIe Gen5 x16 without NVLink, through the host
 }
+
+
+def kv_dtype_of(kv_cache_dtype: str) -> str | None:
+    """The ledger's KV dtype for a --kv_cache_dtype value (pallas_kernels.kv_quant: "auto" -> None, the model's
+    dtype; a quantized cache -> its values' dtype, each row with a float32 scale beside)."""
+    return kv_quant.VALUE_DTYPE_NAMES.get(kv_quant.check_kv_cache_dtype(kv_cache_dtype))
 
 
 def itemsize(dtype: str) -> int:
@@ -137,16 +144,23 @@ class ModelMemory:
                  rules: ShardingRules = DEFAULT_RULES):
         self.cfg, self.dtype, self.kv_dtype, self.rules = cfg, dtype, kv_dtype or dtype, rules
         self.act_itemsize, self.kv_itemsize = itemsize(dtype), itemsize(self.kv_dtype)
+        # a quantized cache's per-row scale (pallas_kernels.kv_quant)
+        self.kv_scale_bytes = kv_quant.SCALE_BYTES if self.kv_dtype in kv_quant.VALUE_DTYPE_NAMES.values() else 0
         self.top, self.layer_kinds = _abstract_params(cfg, dtype)
-        self.num_params = sum(math.prod(p.shape) for p in self.top.values()) + sum(
-            math.prod(p.shape) for i in range(cfg.num_layers) for p in self.layer_kinds[cfg.moe_layers[i]])
-        self.weight_bytes = self.num_params * self.act_itemsize
+        params = list(self.top.values()) + [p for i in range(cfg.num_layers) for p in self.layer_kinds[cfg.moe_layers[i]]]
+        self.num_params = sum(math.prod(p.shape) for p in params)
+        self.weight_bytes = sum(math.prod(p.shape) * p.itemsize for p in params)  # quantized weights at their size
+
+    @property
+    def kv_row_bytes(self) -> int:
+        """Bytes of one token's K (or V) of one KV head: head_dim values, plus a quantized cache's scale."""
+        return self.cfg.head_dim * self.kv_itemsize + self.kv_scale_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs over all layers, unsharded: 2 (K and V) x layers x kv_heads x head_dim x size."""
+        """KV bytes one token costs over all layers, unsharded: 2 (K and V) x layers x kv_heads x row bytes."""
         c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * c.head_dim * self.kv_itemsize
+        return 2 * c.num_layers * c.num_kv_heads * self.kv_row_bytes
 
     def _bytes(self, p: _Param, layout: Layout) -> int:
         spec = partition_spec_for_sizes(self.rules, p.axes, p.shape, layout.axis_sizes)
@@ -191,7 +205,7 @@ class ModelMemory:
         """KV bytes per cached token on one device of `stage` (its slots, padding ones included, and its share of
         the heads)."""
         slots = self.stage_slots(layout)
-        return 2 * slots * self.kv_heads_per_device(layout) * self.cfg.head_dim * self.kv_itemsize
+        return 2 * slots * self.kv_heads_per_device(layout) * self.kv_row_bytes
 
 
 @functools.lru_cache(maxsize=32)
@@ -501,9 +515,12 @@ def render_report(name: str, mm: ModelMemory, work: Workload, hw: Hardware, link
         "units: GB = 1e9 bytes, GiB = 2^30 bytes",
         "",
         "Whole model (summed, before any layout):",
-        f"  weights   {fmt_bytes(mm.weight_bytes)}  = {mm.num_params:,} params x {mm.act_itemsize} B",
+        f"  weights   {fmt_bytes(mm.weight_bytes)}  = {mm.num_params:,} params"
+        + (f" ({c.quantization} matmul weights with their scales, the rest {mm.dtype})" if c.quantization
+           else f" x {mm.act_itemsize} B"),
         f"  KV cache  {fmt_bytes(per_req * work.concurrency)}  = {mm.kv_bytes_per_token / KiB:g} KiB/token "
-        f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x {c.head_dim} x {mm.kv_itemsize} B) x "
+        f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x ({c.head_dim} x {mm.kv_itemsize} B"
+        f"{f' + {mm.kv_scale_bytes} B scale' if mm.kv_scale_bytes else ''})) x "
         f"{work.pages_per_request * work.page_size} tokens = {per_req / GiB:.3f} GiB/request, x {work.concurrency}",
     ]
     naive = mm.weight_bytes + per_req * work.concurrency
@@ -608,16 +625,16 @@ def plan_kv_pages(cfg: ModelConfig, *, dtype: str, page_size: int, free_bytes: i
 def kv_cache_pages(cfg: ModelConfig, *, dtype: str, page_size: int, mesh_shape=None,
                    kv_cache_bytes: float | None = None, memory_fraction: float | None = None,
                    draft: ModelConfig | None = None, head_screen_bytes: int = 0, max_batched_tokens: int = 2048,
-                   max_seqs: int = 256) -> int:
+                   max_seqs: int = 256, kv_dtype: str | None = None) -> int:
     """An engine's KV pages, the one place they are sized (the engine and the server both call it). Either
     `kv_cache_bytes` for the whole cache (every layer, every device, the draft's pages too: a draft's cache uses the
     same page ids), or `memory_fraction` of each device's memory (vLLM's gpu_memory_utilization; at most what is
     free now) after the weights, the largest step's activations and buffers, the draft's weights and
     `head_screen_bytes` (the LM head's int8 screen), each page then paying for both caches. Raises ValueError if
-    not one page fits."""
-    mm = ModelMemory(cfg, dtype)
+    not one page fits. `kv_dtype`: a quantized cache's (`kv_dtype_of`), the draft's too; None: `dtype`."""
+    mm = ModelMemory(cfg, dtype, kv_dtype)
     if kv_cache_bytes is not None:
-        per_token = mm.kv_bytes_per_token + (ModelMemory(draft, dtype).kv_bytes_per_token if draft else 0)
+        per_token = mm.kv_bytes_per_token + (ModelMemory(draft, dtype, kv_dtype).kv_bytes_per_token if draft else 0)
         return max(1, int(kv_cache_bytes // (page_size * per_token)))
     if memory_fraction is None:
         raise ValueError("kv_cache_pages: give kv_cache_bytes or memory_fraction")
@@ -626,18 +643,20 @@ def kv_cache_pages(cfg: ModelConfig, *, dtype: str, page_size: int, mesh_shape=N
     layout = Layout.of(mesh_shape or {})
     share = 1.0
     if draft is not None:
-        one_page = draft_memory(draft, dtype=dtype, page_size=page_size, num_pages=layout.dp, mesh_shape=mesh_shape)
+        one_page = draft_memory(draft, dtype=dtype, page_size=page_size, num_pages=layout.dp, mesh_shape=mesh_shape,
+                                kv_dtype=kv_dtype)
         budget -= one_page["weights"]
         target_kv = mm.stage_kv_bytes_per_token(layout, 0)
         share = target_kv / (target_kv + one_page["kv_cache"] / page_size)
     return int(share * plan_kv_pages(cfg, dtype=dtype, page_size=page_size, free_bytes=budget,
                                      mesh_shape=mesh_shape or {}, weights_loaded=False, reserve_fraction=0.0,
-                                     max_batched_tokens=max_batched_tokens, max_seqs=max_seqs))
+                                     max_batched_tokens=max_batched_tokens, max_seqs=max_seqs, kv_dtype=kv_dtype))
 
 
-def draft_memory(draft: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None) -> dict:
+def draft_memory(draft: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None,
+                 kv_dtype: str | None = None) -> dict:
     """A speculative draft model's memory per device: weights and its KV buffers for `num_pages` pages, bytes."""
-    mm = ModelMemory(draft, dtype)
+    mm = ModelMemory(draft, dtype, kv_dtype)
     layout = Layout.of(mesh_shape or {})
     weights = mm.stage_weight_bytes(layout, 0)
     kv = num_pages // layout.dp * page_size * mm.stage_kv_bytes_per_token(layout, 0)
@@ -702,7 +721,10 @@ def _report_from_flags(f) -> str:
                   link_latency=(f.link_latency_us or latency) * 1e-6, reserve_fraction=f.reserve_fraction,
                   moe_capacity_factor=f.moe_capacity_factor)
     work = Workload(f.concurrency, f.avg_seq_len, f.page_size, f.max_batched_tokens, f.max_seqs)
-    mm = ModelMemory(cfg, dtype, f.kv_dtype or dtype)
+    if f.quantization != "none":
+        cfg = dataclasses.replace(cfg, quantization=f.quantization)
+    kv_dtype = f.kv_dtype or kv_dtype_of(f.kv_cache_dtype) or dtype
+    mm = ModelMemory(cfg, dtype, kv_dtype)
     return render_report(name, mm, work, hw, f.link, f.micro_batches, f.show)
 
 
@@ -712,7 +734,12 @@ def _define_flags() -> None:
                         "source's worked 70B example).")
     flags.DEFINE_string("model", "", "HF model directory or config.json path (instead of --preset).")
     flags.DEFINE_string("dtype", "", "Weight/activation dtype (default: the checkpoint's, float32 -> bfloat16).")
-    flags.DEFINE_string("kv_dtype", "", f"KV-cache dtype (default: --dtype); one of {sorted(_ITEMSIZE)}.")
+    flags.DEFINE_enum("kv_cache_dtype", "auto", list(kv_quant.KV_CACHE_DTYPES), "KV-cache dtype, as the server's flag: "
+                      "auto (--dtype) or a quantized cache (int8, fp8_e4m3: 1 B per value + a 4 B scale per row).")
+    flags.DEFINE_string("kv_dtype", "", f"KV-cache dtype by name (overrides --kv_cache_dtype); one of "
+                        f"{sorted(_ITEMSIZE)}.")
+    flags.DEFINE_enum("quantization", "none", ["none", "int8", "fp8"], "Matmul weights quantized (1 B per value "
+                      "+ a float32 scale per output channel).")
     flags.DEFINE_integer("concurrency", 256, "Requests holding KV at once, over all replicas.")
     flags.DEFINE_integer("avg_seq_len", 2048, "Average tokens per request (prompt + output).")
     flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")

@@ -54,7 +54,7 @@ def pipelined(stage_fn: Callable, stages: Sequence[Sequence[int]], num_micro: in
     def body(slot_params, slot_caches, x_all, micro_md):
         stage = jax.lax.axis_index(STAGE_AXIS)
         params = jax.tree.map(lambda a: a[0], slot_params)
-        caches = [c[0] for c in slot_caches]
+        caches = [jax.tree.map(lambda a: a[0], c) for c in slot_caches]  # an array, or a quantized cache's pair
         active = jnp.asarray(active_table)[stage]
         act = jnp.zeros_like(x_all[0])
         outs = jnp.zeros_like(x_all)
@@ -68,7 +68,7 @@ def pipelined(stage_fn: Callable, stages: Sequence[Sequence[int]], num_micro: in
             outs = jnp.where((stage == num_stages - 1) & valid, outs.at[mbc].set(y), outs)
             act = jax.lax.ppermute(y, STAGE_AXIS, perm)
         outs = jax.lax.psum(outs, STAGE_AXIS)  # only the last stage holds them: share with every stage
-        return outs, [c[None] for c in caches]
+        return outs, [jax.tree.map(lambda a: a[None], c) for c in caches]
 
     def run(slot_params, slot_caches, x_all, micro_md):
         stage_spec = jax.tree.map(lambda _: P(STAGE_AXIS), slot_params)

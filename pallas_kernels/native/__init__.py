@@ -1,6 +1,7 @@
 """Native CPU kernels (C++ in this directory) called from XLA:CPU programs through the XLA FFI: their build into a
 cache, load and per-CPU instruction-set choice (`build`, `enabled`, `isa`), and the calls `matmul`, `matmul_packed`
-(with `pack_weights`), `greedy_head`, `ragged_paged_attention` and `expert_mlp`. Details: docs/native-kernels.md."""
+(with `pack_weights`), `matmul_int8`, `greedy_head`, `ragged_paged_attention` and `expert_mlp`. Details:
+docs/native-kernels.md."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -22,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.target import target_platform
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,16 @@ _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
 _GREEDY_HEAD = "meshserve_cpu_greedy_head"
 _EXPERT_MLP = "meshserve_cpu_expert_mlp"
-FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP)  # CPU only: never in a GPU/TPU program
-PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed weight panel
+_MATMUL_INT8 = "meshserve_cpu_matmul_int8"
+# CPU only: never in a GPU/TPU program
+FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8)
+PANELS = {jnp.dtype(jnp.float32): 32, jnp.dtype(jnp.bfloat16): 64}  # columns per packed float weight panel
 BF16_K_ALIGN = 32  # packed bfloat16 weights pad K to a multiple of this (one AMX tile step)
+# Packed layouts per weight dtype: (columns per panel, K rows side by side per column, K padded to a multiple of).
+_PACKED = {jnp.dtype(jnp.float32): (32, 1, 1), jnp.dtype(jnp.bfloat16): (64, 2, BF16_K_ALIGN),
+           jnp.dtype(jnp.int8): (64, 4, 4)}
+INT8_ENV_VAR = "MESHSERVE_INT8_KERNEL"  # auto (default) | widen | dot: how the int8 matmul multiplies (INT8_METHODS)
+INT8_METHODS = ("auto", "widen", "dot")  # the index is the kernel's `method` (native/api.h Int8Method)
 
 # Instruction-set paths; the index is the id the library knows them by (native/api.h `Isa`).
 ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx", "neon", "neon_bf16")
@@ -190,6 +199,7 @@ def build_selftest(cxx: str, arch: str, out: Path, static: bool = False, objects
 
 _registered = False
 _runnable: tuple[str, ...] = ()
+_int8_dot: tuple[str, ...] = ()  # the paths whose int8 matmul has int8 dot products on this CPU
 
 
 @functools.cache
@@ -200,7 +210,7 @@ def _load() -> str | None:
     if reason:
         log.warning("native CPU kernels unavailable (%s): using XLA's kernels", reason)
         return reason
-    global _registered, _runnable
+    global _registered, _runnable, _int8_dot
     if _registered:  # FFI targets are registered once per process (a second library could not replace them)
         return None
     try:
@@ -210,11 +220,13 @@ def _load() -> str | None:
         return str(exc)
     bits = lib.MeshserveCpuIsas()
     _runnable = tuple(name for i, name in enumerate(ISAS) if bits >> i & 1)
+    _int8_dot = tuple(name for i, name in enumerate(ISAS) if bits >> i & 1 and lib.MeshserveInt8Dot(i))
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(lib.MeshserveMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_PACKED, jax.ffi.pycapsule(lib.MeshserveMatmulPacked), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
     jax.ffi.register_ffi_target(_GREEDY_HEAD, jax.ffi.pycapsule(lib.MeshserveGreedyHead), platform="cpu")
     jax.ffi.register_ffi_target(_EXPERT_MLP, jax.ffi.pycapsule(lib.MeshserveExpertMlp), platform="cpu")
+    jax.ffi.register_ffi_target(_MATMUL_INT8, jax.ffi.pycapsule(lib.MeshserveMatmulInt8), platform="cpu")
     _registered = True
     return None
 
@@ -327,26 +339,30 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 # every panel front to back (the row-major weight is read as K separate row streams, which the hardware
 # prefetchers follow poorly: ~8-15 GB/s against ~20-24 GB/s here). float32: [N/32, K, 32, 1] (32 columns: a
 # register tile then holds 14 rows); bfloat16: [N/64, Kp/2, 64, 2] with K zero-padded to Kp (a multiple of 32)
-# and rows k, k+1 of each column side by side (the pair layout vdpbf16ps and AMX B tiles read). Same bytes as
-# the weight (plus the K padding).
+# and rows k, k+1 of each column side by side (the pair layout vdpbf16ps and AMX B tiles read); int8: [N/64, Kp/4,
+# 64, 4], K zero-padded to a multiple of 4 and rows k..k+3 side by side (the quads vpdpbusd and sdot read). Same
+# bytes as the weight (plus the K padding).
+
+
+def _padded_k(k: int, dtype) -> int:
+    align = _PACKED[jnp.dtype(dtype)][2]
+    return -(-k // align) * align
 
 
 def can_pack(w) -> bool:
     """Whether `pack_weight` takes this [K, N] weight."""
-    panel = PANELS.get(jnp.dtype(w.dtype))
-    return panel is not None and w.ndim == 2 and w.shape[0] > 0 and w.shape[1] > 0 and w.shape[1] % panel == 0
+    layout = _PACKED.get(jnp.dtype(w.dtype))
+    return layout is not None and w.ndim == 2 and w.shape[0] > 0 and w.shape[1] > 0 and w.shape[1] % layout[0] == 0
 
 
 def _panels(w, xp):
     """The packed layout of [K, N] `w` with array module `xp` (jax.numpy on device, NumPy on the host)."""
     k, n = w.shape
-    panel = PANELS[jnp.dtype(w.dtype)]
-    if jnp.dtype(w.dtype) == jnp.float32:
-        return w.reshape(k, n // panel, panel).transpose(1, 0, 2)[..., None]
-    kp = -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
+    panel, step, _ = _PACKED[jnp.dtype(w.dtype)]
+    kp = _padded_k(k, w.dtype)
     if kp != k:
         w = xp.pad(w, ((0, kp - k), (0, 0)))
-    return w.reshape(kp // 2, 2, n // panel, panel).transpose(2, 0, 3, 1)
+    return w.reshape(kp // step, step, n // panel, panel).transpose(2, 0, 3, 1)
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
@@ -393,9 +409,8 @@ def pack_weights(weights: list) -> list[jax.Array]:
         if any(b.shape[0] != k or jnp.dtype(b.dtype) != dt for b in blocks) or not can_pack(
                 jax.ShapeDtypeStruct((k, n), dt)):
             raise ValueError(f"cannot pack blocks of shapes {[b.shape for b in blocks]} ({dt})")
-        r = 1 if dt == jnp.float32 else 2  # K rows per packed row
-        kp = k if r == 1 else -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
-        shapes.append((n // PANELS[dt], kp // r, PANELS[dt], r, dt))
+        panel, step, _ = _PACKED[dt]
+        shapes.append((n // panel, _padded_k(k, dt) // step, panel, step, dt))
     offsets, total = [], 0
     for *shape, dt in shapes:
         offsets.append(total)
@@ -416,16 +431,17 @@ def pack_weights(weights: list) -> list[jax.Array]:
 
 
 def is_packed(w) -> bool:
+    """Whether `w` is a weight in the packed layout of its dtype (a 4-D array of another layout or dtype is not)."""
     if getattr(w, "ndim", 0) != 4:
         return False
-    dt = jnp.dtype(w.dtype)
-    return dt in PANELS and w.shape[2] == PANELS[dt] and w.shape[3] == (1 if dt == jnp.float32 else 2)
+    layout = _PACKED.get(jnp.dtype(w.dtype))
+    return layout is not None and tuple(w.shape[2:]) == layout[:2]
 
 
 def packed_shape(w, k: int) -> tuple[int, int]:
     """The logical [K, N] of packed `w` for inputs with `k` columns (checked against its padded K)."""
     kw = w.shape[1] * w.shape[3]
-    expected = k if w.shape[3] == 1 else -(-k // BF16_K_ALIGN) * BF16_K_ALIGN
+    expected = _padded_k(k, w.dtype)
     if kw != expected:
         raise ValueError(f"packed weight holds {kw} rows of K, inputs have {k} columns")
     return k, w.shape[0] * w.shape[2]
@@ -455,6 +471,87 @@ def matmul_packed(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
     _, n = packed_shape(w, x.shape[-1])
     out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
     return jax.ffi.ffi_call(_MATMUL_PACKED, out)(x, w, isa=_isa_attr())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# int8 weights with float32 scales (native/matmul_int8.h): x @ (w * scale) with w int8, row-major [K, N] or packed,
+# scale [N] (per column) or [G, N] (per group of K/G rows and column), accumulated in float32. Two methods: "widen"
+# (the weights widened to float32 in registers, exact products) and "dot" (x quantised per row to two int8 digits,
+# ~15 bits, and int8 dot products: vpdpbusd on AVX512_VNNI, sdot on aarch64's dotprod); "auto" takes the dot
+# method wherever the path has it (measured: it won or tied at every row count, docs/native-kernels.md).
+
+# Most rows the int8 matmul on row-major weights takes; above, XLA's (the weight converted, then its dot). Row-major
+# int8 streams poorly (short row segments): on the AMD EPYC both ran even at 4-16 rows (768 x 2304, weights from
+# memory), XLA ahead from 32. Packed int8 weights take the kernel at any rows (at 256 rows even with XLA's unpack
+# and dot, faster below).
+MAX_INT8_ROWS = 16
+
+
+def int8_dot_runs(path: str) -> bool:
+    """Whether path `path`'s int8 matmul has the dot method on this CPU (AVX512_VNNI on the AVX-512 paths, dotprod
+    on aarch64's)."""
+    return _load() is None and path in _int8_dot
+
+
+def int8_method() -> str:
+    """Trace-time. The int8 matmul's method for programs traced now: MESHSERVE_INT8_KERNEL where set ("dot" must be
+    one the path runs), else "auto"."""
+    method = os.environ.get(INT8_ENV_VAR, "").strip().lower() or "auto"
+    if method not in INT8_METHODS:
+        raise ValueError(f"{INT8_ENV_VAR}={method!r}: expected one of {', '.join(INT8_METHODS)}")
+    if method == "dot" and not int8_dot_runs(isa()):
+        raise RuntimeError(f"{INT8_ENV_VAR}=dot: the {isa()} path has no int8 dot products on this CPU (paths that "
+                           f"do: {', '.join(_int8_dot) or 'none'})")
+    return method
+
+
+def scale_groups(scale, n: int) -> int:
+    """G of a weight scale for N columns: 1 where it holds one per column ([N], or the output dims), else its
+    leading dimension ([G, N] or G + the output dims); raises where its size is not a multiple of N."""
+    size = math.prod(scale.shape)
+    if size == 0 or size % n:
+        raise ValueError(f"scale of shape {scale.shape} does not hold per-column or per-group scales of {n} columns")
+    return size // n
+
+
+def matmul_int8_supported(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype) -> bool:
+    """Trace-time. Whether `matmul_int8` can run here: x float32 or bfloat16, w int8 row-major [K, N] (at most
+    MAX_INT8_ROWS rows of x) or packed, scale float32 per column or per group (packed: groups of a multiple of 4
+    rows), out float32 or bfloat16."""
+    if jnp.dtype(w.dtype) != jnp.int8 or not enabled() or not _single_device_context():
+        return False
+    floats = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    if jnp.dtype(x.dtype) not in floats or jnp.dtype(out_dtype) not in floats or jnp.dtype(scale.dtype) != jnp.float32:
+        return False
+    k = x.shape[-1]
+    packed = is_packed(w)
+    if packed:
+        if w.shape[1] * 4 != _padded_k(k, jnp.int8):
+            return False
+        n = w.shape[0] * w.shape[2]
+    elif w.ndim != 2 or w.shape[0] != k or math.prod(x.shape[:-1]) > MAX_INT8_ROWS:
+        return False
+    else:
+        n = w.shape[1]
+    size = math.prod(scale.shape)
+    if n == 0 or size == 0 or size % n:
+        return False
+    groups = size // n
+    return k % groups == 0 and (not packed or groups == 1 or (k // groups) % 4 == 0)
+
+
+def matmul_int8(x: jax.Array, w: jax.Array, scale: jax.Array, out_dtype=None) -> jax.Array:
+    """Pure. `x[..., K] @ (w * scale)` accumulated in float32, returned in `out_dtype` (default x's), for int8 `w`
+    row-major [K, N] or packed (`pack_weight`) and float32 `scale` per column (N values) or per group of K/G rows
+    (G x N values, G leading); `matmul_int8_supported` must hold."""
+    _require()
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    n = packed_shape(w, x.shape[-1])[1] if is_packed(w) else w.shape[1]
+    groups = scale_groups(scale, n)
+    scale = scale.reshape((n,) if groups == 1 else (groups, n))
+    out = jax.ShapeDtypeStruct(x.shape[:-1] + (n,), out_dtype)
+    return jax.ffi.ffi_call(_MATMUL_INT8, out)(x, w, scale, isa=_isa_attr(),
+                                               method=np.int32(INT8_METHODS.index(int8_method())))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -540,10 +637,15 @@ def expert_mlp(x: jax.Array, slots: jax.Array, weights: jax.Array, gate: jax.Arr
                 isa=_isa_attr())
 
 
-def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:
-    """Trace-time. Whether `ragged_paged_attention` can take these operands here."""
+def attention_supported(q: jax.Array, kv_pages) -> bool:
+    """Trace-time. Whether `ragged_paged_attention` can take these operands here: f32 q over an f32 cache, bf16 q
+    over a bf16 (or uint16-bits) cache, or f32 / bf16 q over a `QuantizedKV` (int8, float8_e4m3fn or its uint8
+    bits)."""
     if not enabled() or q.shape[-1] % 16 or kv_pages.shape[-1] != q.shape[-1]:
         return False
+    if isinstance(kv_pages, QuantizedKV):
+        return (q.dtype in (jnp.float32, jnp.bfloat16) and kv_pages.scales.dtype == jnp.float32
+                and kv_pages.values.dtype in (jnp.int8, jnp.uint8, jnp.float8_e4m3fn))
     if q.dtype == jnp.float32:
         return kv_pages.dtype == jnp.float32
     return q.dtype == jnp.bfloat16 and kv_pages.dtype in (jnp.bfloat16, jnp.uint16)
@@ -551,13 +653,18 @@ def attention_supported(q: jax.Array, kv_pages: jax.Array) -> bool:
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                            sliding_window=None, logit_soft_cap=None):
-    """Pure. Same contract as `reference.ragged_paged_attention_reference`."""
+    """Pure. Same contract as `reference.ragged_paged_attention_reference`; a `QuantizedKV` is dequantised row by
+    row inside the kernel (native/attention.h)."""
     _require()
     i32 = lambda a: jnp.asarray(a, jnp.int32)
+    if isinstance(kv_pages, QuantizedKV):
+        values, scales = kv_pages.values, kv_pages.scales
+    else:  # an unquantized cache has no scales: an empty operand
+        values, scales = kv_pages, jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    return call(q, kv_pages, i32(kv_lens), i32(page_indices), i32(cu_q_lens), jnp.reshape(i32(num_seqs), (1,)),
-                sm_scale=np.float32(sm_scale), soft_cap=np.float32(logit_soft_cap or 0.0),
-                window=np.int64(sliding_window or 0), isa=_isa_attr())
+    return call(q, values, scales, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+                jnp.reshape(i32(num_seqs), (1,)), sm_scale=np.float32(sm_scale),
+                soft_cap=np.float32(logit_soft_cap or 0.0), window=np.int64(sliding_window or 0), isa=_isa_attr())
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,11 @@ struct Runner {
 
 enum class Dt : int32_t { kF32 = 0, kBf16 = 1 };
 
+// A KV cache's elements: q's dtype, or quantized (int8 / float8_e4m3fn bits) with a float32 scale per row.
+enum class KvFormat : int32_t { kAsQuery = 0, kInt8 = 1, kE4m3 = 2 };
+// How the int8 matmul multiplies (matmul_int8.h; pallas_kernels/native.py INT8_METHODS): auto picks by rows.
+enum Int8Method : int32_t { kInt8Auto = 0, kInt8Widen = 1, kInt8Dot = 2 };
+
 struct AttnShape {
   int64_t hq, hkv, d, page_size, max_pages;
   float sm_scale, soft_cap;
@@ -54,9 +59,11 @@ struct Kernels {
   // The same on w packed into panels (pallas_kernels/native.py `pack_weight`); kw: K rows held (bf16: padded).
   void (*matmul_packed)(const Runner&, Dt in, Dt out, const void* x, int64_t M, int64_t K, const void* w,
                         int64_t panels, int64_t kw, void* o);
-  // Ragged paged attention (pallas_kernels/reference.py); q, kv and out in `dt`.
-  void (*attention)(const Runner&, Dt dt, const AttnShape& a, int64_t t, const void* q, const void* kv,
-                    const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs, void* out);
+  // Ragged paged attention (pallas_kernels/reference.py); q and out in `dt`, kv in `dt` (kAsQuery) or quantized
+  // with kv_scales [P, page, 2Hkv] (one per row of kv; null for kAsQuery).
+  void (*attention)(const Runner&, Dt dt, KvFormat kv_format, const AttnShape& a, int64_t t, const void* q,
+                    const void* kv, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
+                    const int32_t* cu, int64_t num_seqs, void* out);
   // Greedy LM head by screening: tokens/candidates for the first `rows` rows of x[., K] (x in `dt`).
   void (*greedy_head)(const Runner&, Dt dt, const void* x, int64_t rows, int64_t K, int64_t Kq, const int8_t* q,
                       const float* scale, const float* bound, const HeadWeight& w, int32_t* tokens,
@@ -66,6 +73,13 @@ struct Kernels {
   void (*expert_mlp)(const Runner&, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
                      const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
                      int64_t S, int64_t I, void* out);
+  // out[M, N] = (x[M, K] @ w) * scale accumulated in float32 (matmul_int8.h): w int8, packed (`packed`: [N/64,
+  // Kp/4, 64, 4], Kp = K rounded up to 4) or row-major [K, N]; scale float32 [G, N], G groups of K/G rows (packed
+  // with G > 1: K/G a multiple of 4); x in `in`, out in `out`. kInt8Dot needs int8_dot() (row-major w: widened).
+  void (*matmul_int8)(const Runner&, Dt in, Dt out, const void* x, int64_t M, int64_t K, const int8_t* w, int64_t N,
+                      bool packed, const float* scale, int64_t groups, int32_t method, void* o);
+  // Whether this path's int8 matmul has the int8 dot-product method on this CPU (AVX512_VNNI; aarch64 dotprod).
+  bool (*int8_dot)();
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could
@@ -80,8 +94,10 @@ MESHSERVE_WEAK const Kernels* KernelsNeon();
 MESHSERVE_WEAK const Kernels* KernelsNeonBf16();
 
 // cpu.cc: whether this CPU and OS can run `isa`'s code, its name, and its kernels (null if this CPU cannot run
-// them or this build has none).
+// them or this build has none); whether it has int8 dot products (x86-64: AVX512_VNNI with the AVX-512 state
+// saved; aarch64: the dotprod extension), which the kernels built for AVX-512 or NEON check before using them.
 bool CpuRuns(int32_t isa);
+bool CpuHasInt8Dot();
 const char* IsaName(int32_t isa);
 const Kernels* KernelsFor(int32_t isa);
 

@@ -1,16 +1,51 @@
 // Ragged paged attention (same contract as pallas_kernels/reference.py), written in V. A unit of work is one
 // sequence's block of up to kQueryBlock query tokens against one KV head: rows = tokens x the q heads sharing that
-// KV head. Keys stream in chunks of kKeys through an online softmax; memory per unit is O(rows x head_dim).
+// KV head. Keys stream in chunks of kKeys through an online softmax; memory per unit is O(rows x head_dim). A
+// quantized cache (int8, float8_e4m3) is widened and scaled row by row as its keys and values enter the chunk.
 constexpr int64_t kQueryBlock = 64;
 constexpr int kKeys = 64;
+
+// A float8_e4m3fn element (its bits), as a quantized KV cache stores it.
+struct E4m3 {
+  uint8_t bits;
+};
+
+template <typename KT>
+constexpr bool kQuantizedKv = std::is_same_v<KT, int8_t> || std::is_same_v<KT, E4m3>;
+
+// A cache row of n elements (n % 16 == 0) as float32: float32 and bfloat16 as they are, quantized values times the
+// row's scale.
+inline void KvRowToF32(const float* src, float, float* dst, int64_t n) { ToF32(src, dst, n); }
+inline void KvRowToF32(const uint16_t* src, float, float* dst, int64_t n) { ToF32(src, dst, n); }
+inline void KvRowToF32(const int8_t* src, float scale, float* dst, int64_t n) {
+  const V::F s = V::Set1(scale);
+  for (int64_t i = 0; i < n; i += V::kLanes) V::Store(dst + i, V::Mul(V::LoadI8(src + i), s));
+}
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (m * 2^-9). A normal
+// magnitude's 7 bits shifted into float32's exponent and mantissa fields and rebiased (+120) are its float32 bits.
+// The NaN encodings (0x7F, 0xFF) are never written (quantisation saturates at 448). Plain C++ the compiler vectorises
+// for each instruction set: both cases computed, picked by a bit mask (a conditional would keep it scalar).
+inline void KvRowToF32(const E4m3* src, float scale, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t b = src[i].bits, mag = b & 0x7F;
+    const float subnormal = static_cast<float>(mag) * 0x1p-9f;
+    int32_t subnormal_bits;
+    std::memcpy(&subnormal_bits, &subnormal, sizeof subnormal_bits);
+    const int32_t normal = -static_cast<int32_t>(mag >= 8);  // all ones where normal
+    const int32_t bits = ((((mag << 20) + (120 << 23)) & normal) | (subnormal_bits & ~normal)) | ((b & 0x80) << 24);
+    float v;
+    std::memcpy(&v, &bits, sizeof v);
+    dst[i] = v * scale;
+  }
+}
 
 struct Unit {
   int32_t seq, head, t0, nt;
 };
 
 template <typename QT, typename KT>
-void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, const int32_t* kv_lens,
-                const int32_t* pages, const int32_t* cu, QT* out) {
+void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, const float* scales,
+                const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, QT* out) {
   constexpr int L = V::kLanes, kVecs = kKeys / L;
   const int64_t g = a.hq / a.hkv, d = a.d, dv = d / L, rows = u.nt * g;
   thread_local Scratch scratch;
@@ -43,11 +78,12 @@ void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, co
     const int n = static_cast<int>(Min<int64_t>(kKeys, hi - j0));
     for (int c = 0; c < n; ++c) {
       const int64_t pos = j0 + c;
-      const KT* base =
-          kv + ((static_cast<int64_t>(seq_pages[pos / a.page_size]) * a.page_size + pos % a.page_size) * h2 +
-                2 * u.head) * d;
-      ToF32(base, kc + c * d, d);
-      ToF32(base + d, vc + c * d, d);
+      const int64_t row =  // of this key's K; its V is the next row
+          (static_cast<int64_t>(seq_pages[pos / a.page_size]) * a.page_size + pos % a.page_size) * h2 + 2 * u.head;
+      const float k_scale = kQuantizedKv<KT> ? scales[row] : 0.0f;
+      const float v_scale = kQuantizedKv<KT> ? scales[row + 1] : 0.0f;
+      KvRowToF32(kv + row * d, k_scale, kc + c * d, d);
+      KvRowToF32(kv + (row + 1) * d, v_scale, vc + c * d, d);
     }
     if (n < kKeys) std::memset(kc + n * d, 0, (kKeys - n) * d * sizeof(float));
     if (transposed)
@@ -128,9 +164,9 @@ void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, co
 }
 
 template <typename QT, typename KT>
-void RaggedPagedAttention(const Runner& run, const AttnShape& a, int64_t t, const QT* q, const KT* kv,
-                          const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs,
-                          QT* out) {
+void RaggedPagedAttention(const Runner& run, const AttnShape& a, int64_t t, const QT* q, const void* kv,
+                          const float* scales, const int32_t* kv_lens, const int32_t* pages, const int32_t* cu,
+                          int64_t num_seqs, void* out) {
   int64_t count = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t start = cu[s], end = Min<int64_t>(cu[s + 1], t);
@@ -147,16 +183,29 @@ void RaggedPagedAttention(const Runner& run, const AttnShape& a, int64_t t, cons
   }
   // Rows of padding tokens are zero.
   const int64_t used = num_seqs > 0 ? Min<int64_t>(Max<int64_t>(cu[num_seqs], 0), t) : 0;
-  std::memset(out + used * a.hq * a.d, 0, (t - used) * a.hq * a.d * sizeof(QT));
-  ParallelFor(run, count, [&](int64_t k) { AttendUnit<QT, KT>(a, units.get()[k], q, kv, kv_lens, pages, cu, out); });
+  QT* o = static_cast<QT*>(out);
+  std::memset(o + used * a.hq * a.d, 0, (t - used) * a.hq * a.d * sizeof(QT));
+  const KT* cache = static_cast<const KT*>(kv);
+  ParallelFor(run, count,
+              [&](int64_t k) { AttendUnit<QT, KT>(a, units.get()[k], q, cache, scales, kv_lens, pages, cu, o); });
 }
 
-void AttentionEntry(const Runner& run, Dt dt, const AttnShape& a, int64_t t, const void* q, const void* kv,
-                    const int32_t* kv_lens, const int32_t* pages, const int32_t* cu, int64_t num_seqs, void* out) {
+template <typename QT>
+void AttentionOf(const Runner& run, KvFormat kv_format, const AttnShape& a, int64_t t, const void* q, const void* kv,
+                 const float* scales, const int32_t* kv_lens, const int32_t* pages, const int32_t* cu,
+                 int64_t num_seqs, void* out) {
+  const QT* qt = static_cast<const QT*>(q);
+  if (kv_format == KvFormat::kInt8)
+    return RaggedPagedAttention<QT, int8_t>(run, a, t, qt, kv, scales, kv_lens, pages, cu, num_seqs, out);
+  if (kv_format == KvFormat::kE4m3)
+    return RaggedPagedAttention<QT, E4m3>(run, a, t, qt, kv, scales, kv_lens, pages, cu, num_seqs, out);
+  RaggedPagedAttention<QT, QT>(run, a, t, qt, kv, nullptr, kv_lens, pages, cu, num_seqs, out);
+}
+
+void AttentionEntry(const Runner& run, Dt dt, KvFormat kv_format, const AttnShape& a, int64_t t, const void* q,
+                    const void* kv, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
+                    const int32_t* cu, int64_t num_seqs, void* out) {
   if (dt == Dt::kF32)
-    return RaggedPagedAttention<float, float>(run, a, t, static_cast<const float*>(q), static_cast<const float*>(kv),
-                                              kv_lens, pages, cu, num_seqs, static_cast<float*>(out));
-  RaggedPagedAttention<uint16_t, uint16_t>(run, a, t, static_cast<const uint16_t*>(q),
-                                           static_cast<const uint16_t*>(kv), kv_lens, pages, cu, num_seqs,
-                                           static_cast<uint16_t*>(out));
+    return AttentionOf<float>(run, kv_format, a, t, q, kv, kv_scales, kv_lens, pages, cu, num_seqs, out);
+  AttentionOf<uint16_t>(run, kv_format, a, t, q, kv, kv_scales, kv_lens, pages, cu, num_seqs, out);
 }

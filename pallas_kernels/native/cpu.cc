@@ -15,7 +15,7 @@ namespace {
 
 #if defined(__x86_64__)
 struct X86Features {
-  bool avx2 = false, avx512 = false, avx512_bf16 = false, amx = false;
+  bool avx2 = false, avx512 = false, avx512_bf16 = false, amx = false, avx512_vnni = false;
 };
 
 uint64_t Xcr0() {
@@ -40,6 +40,7 @@ X86Features ReadX86() {
   const bool zmm_state = (xcr0 & 0xE0) == 0xE0;  // opmask, ZMM0-15 upper halves, ZMM16-31
   // F (16), DQ (17), BW (30), VL (31)
   f.avx512 = f.avx2 && zmm_state && (b7 & (1u << 16)) && (b7 & (1u << 17)) && (b7 & (1u << 30)) && (b7 & (1u << 31));
+  f.avx512_vnni = f.avx512 && (c & (1u << 11));  // leaf 7 ECX bit 11
   __cpuid_count(7, 1, a, b, c, d);
   f.avx512_bf16 = f.avx512 && (a & (1u << 5));
   const bool tile_state = (xcr0 & (3ull << 17)) == (3ull << 17);  // XTILECFG, XTILEDATA
@@ -64,6 +65,9 @@ const X86Features& X86() {
 #ifndef HWCAP2_BF16
 #define HWCAP2_BF16 (1 << 14)
 #endif
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
 #endif
 
 }  // namespace
@@ -84,6 +88,16 @@ bool CpuRuns(int32_t isa) {
     default:
       return false;
   }
+}
+
+bool CpuHasInt8Dot() {
+#if defined(__x86_64__)
+  return X86().avx512_vnni;
+#elif defined(__aarch64__)
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMD) && (getauxval(AT_HWCAP) & HWCAP_ASIMDDP);
+#else
+  return false;
+#endif
 }
 
 const char* IsaName(int32_t isa) {

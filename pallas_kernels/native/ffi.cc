@@ -8,8 +8,9 @@
 // weights that are not packed. attention: the ragged paged attention of pallas_kernels/reference.py with an
 // online softmax. greedy head: the argmax of the exact logits of a few rows from an int8 screen of the LM head plus
 // a recheck of the rows its error bounds leave open. expert mlp: a mixture-of-experts layer's routed experts
-// (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once. Work is split between the XLA
-// intra-op thread pool's threads and the calling thread.
+// (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once. int8 matmul: x @ w for int8
+// weights (packed or row-major) times float32 scales per column or per group of rows. Work is split between the
+// XLA intra-op thread pool's threads and the calling thread.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -112,10 +113,55 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> kv_lens,
-                         ffi::Buffer<ffi::S32> page_indices, ffi::Buffer<ffi::S32> cu_q_lens,
-                         ffi::Buffer<ffi::S32> num_seqs, ffi::Result<ffi::AnyBuffer> out, float sm_scale,
-                         float soft_cap, int64_t window, int32_t isa) {
+constexpr int64_t kI8Panel = 64, kI8MaxDotGroup = 65536;
+
+ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t isa, int32_t method) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions();
+  if (xd.size() < 1) return ffi::Error::InvalidArgument("int8 matmul: x must have a last dimension K");
+  const int64_t K = xd.back(), kp = (K + 3) / 4 * 4;
+  const bool packed = wd.size() == 4;
+  if (packed ? wd[2] != kI8Panel || wd[3] != 4 || wd[1] * 4 != kp : wd.size() != 2 || wd[0] != K)
+    return ffi::Error::InvalidArgument(
+        "int8 matmul: w must be [K, N] or packed [N/64, Kp/4, 64, 4] (Kp: K rounded up to 4) for x's K");
+  const int64_t N = packed ? wd[0] * kI8Panel : wd[1];
+  const int64_t groups = sd.size() == 2 ? sd[0] : 1;
+  if (sd.size() < 1 || sd.size() > 2 || sd.back() != N || groups < 1 || K % groups)
+    return ffi::Error::InvalidArgument("int8 matmul: scale must be [N] or [G, N] with G dividing K");
+  if (packed && groups > 1 && (K / groups) % 4)
+    return ffi::Error::InvalidArgument("int8 matmul: packed w takes groups of a multiple of 4 rows");
+  const int64_t M = K ? static_cast<int64_t>(x.element_count()) / K : 0;
+  if (static_cast<int64_t>(out->element_count()) != M * N)
+    return ffi::Error::InvalidArgument("int8 matmul: output must hold M x N elements");
+  auto xt = x.element_type(), ot = out->element_type();
+  const bool f32_or_bf16 = (xt == ffi::DataType::F32 || xt == ffi::DataType::BF16) &&
+                           (ot == ffi::DataType::F32 || ot == ffi::DataType::BF16);
+  if (!f32_or_bf16) return ffi::Error::InvalidArgument("int8 matmul: x and out must be f32 or bf16");
+  if (method < kInt8Auto || method > kInt8Dot)
+    return ffi::Error::InvalidArgument("int8 matmul: unknown method " + std::to_string(method));
+  if (method == kInt8Dot && (!kernels->int8_dot() || kp / groups > kI8MaxDotGroup))
+    return ffi::Error::InvalidArgument(std::string("int8 matmul: the dot method needs at most 65536 rows per group "
+                                                   "and int8 dot products on the ") + IsaName(isa) +
+                                       " path of this CPU");
+  if (!M || !N) return ffi::Error::Success();
+  if (!K) {
+    std::memset(out->untyped_data(), 0, out->size_bytes());
+    return ffi::Error::Success();
+  }
+  const Dt in = xt == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, o = ot == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16;
+  kernels->matmul_int8(RunnerFor(pool), in, o, x.untyped_data(), M, K, w.typed_data(), N, packed,
+                       scale.typed_data(), groups, method, out->untyped_data());
+  return ffi::Error::Success();
+}
+
+// q [T, Hq, D] (f32 or bf16) over kv [P, page, 2Hkv, D] in q's dtype (bf16 also as uint16 bits) with an empty
+// scales operand, or quantized: int8 or float8_e4m3fn (also as uint8 bits) values with float32 scales [P, page, 2Hkv].
+ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer kv_scales,
+                         ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                         ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                         ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, int64_t window, int32_t isa) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
   auto qd = q.dimensions(), kd = kv.dimensions(), pd = page_indices.dimensions();
@@ -130,16 +176,27 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument("attention: kv_lens[S] and cu_q_lens[S+1] must match page_indices[S, M]");
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, seqs);
   auto qt = q.element_type(), kt = kv.element_type();
-  Dt dt;
-  if (qt == ffi::DataType::F32 && kt == ffi::DataType::F32)
-    dt = Dt::kF32;
-  else if (qt == ffi::DataType::BF16 && (kt == ffi::DataType::BF16 || kt == ffi::DataType::U16))
-    dt = Dt::kBf16;
-  else
+  if (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("attention: q must be f32 or bf16");
+  const Dt dt = qt == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16;
+  KvFormat format = KvFormat::kAsQuery;
+  if (kt == ffi::DataType::S8)
+    format = KvFormat::kInt8;
+  else if (kt == ffi::DataType::F8E4M3FN || kt == ffi::DataType::U8)
+    format = KvFormat::kE4m3;
+  else if (!(kt == qt || (dt == Dt::kBf16 && kt == ffi::DataType::U16)))
     return ffi::Error::InvalidArgument(
-        "attention: supported are f32 q with an f32 cache, bf16 q with a bf16 (or uint16-bits) cache");
-  kernels->attention(RunnerFor(pool), dt, a, t, q.untyped_data(), kv.untyped_data(), kv_lens.typed_data(),
-                        page_indices.typed_data(), cu_q_lens.typed_data(), n, out->untyped_data());
+        "attention: the cache must be in q's dtype (bf16 also as uint16 bits), int8 or float8_e4m3fn (or uint8 bits)");
+  const float* scales = nullptr;
+  if (format != KvFormat::kAsQuery) {
+    auto sd = kv_scales.dimensions();
+    if (kv_scales.element_type() != ffi::DataType::F32 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] ||
+        sd[2] != kd[2])
+      return ffi::Error::InvalidArgument("attention: a quantized cache needs float32 scales [P, page, 2Hkv]");
+    scales = static_cast<const float*>(kv_scales.untyped_data());
+  }
+  kernels->attention(RunnerFor(pool), dt, format, a, t, q.untyped_data(), kv.untyped_data(), scales,
+                     kv_lens.typed_data(), page_indices.typed_data(), cu_q_lens.typed_data(), n, out->untyped_data());
   return ffi::Error::Success();
 }
 
@@ -228,6 +285,12 @@ extern "C" __attribute__((visibility("default"))) const char* MeshserveIsaName(i
   return meshserve::IsaName(isa);
 }
 
+// Whether path `isa`'s int8 matmul has the dot-product method on this CPU.
+extern "C" __attribute__((visibility("default"))) int32_t MeshserveInt8Dot(int32_t isa) {
+  const meshserve::Kernels* k = isa >= 0 && isa < meshserve::kNumIsas ? meshserve::KernelsFor(isa) : nullptr;
+  return k && k->int8_dot();
+}
+
 // Both matmuls: (pool, x, w) -> out, with the instruction-set path as an attribute.
 static auto MatmulBinding() {
   return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()
@@ -239,6 +302,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmul, meshserve::MatmulImpl, MatmulBind
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::AttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -265,6 +329,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveGreedyHead, meshserve::GreedyHeadImpl,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("layout")
                                   .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulInt8, meshserve::MatmulInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa")
+                                  .Attr<int32_t>("method"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveExpertMlp, meshserve::ExpertMlpImpl,
                               ffi::Ffi::Bind()

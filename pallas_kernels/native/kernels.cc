@@ -5,6 +5,7 @@
 // CPU reports.
 //
 //   matmul.h       packed matmul (any rows) and small-M matmul on row-major weights, AMX where built for it
+//   matmul_int8.h  int8 weights with float32 scales: widened to float32, or int8 dot products where the CPU has them
 //   attention.h    ragged paged attention with an online softmax
 //   greedy_head.h  greedy LM head: argmax of the exact logits from an int8 screen plus an exact recheck
 //   moe.h          grouped expert MLP (mixture of experts): each selected expert's weights read once per call
@@ -78,6 +79,7 @@ namespace {
 #include "simd.h"
 #include "parallel.h"
 #include "matmul.h"
+#include "matmul_int8.h"
 #include "attention.h"
 #include "greedy_head.h"
 #include "moe.h"
@@ -85,7 +87,7 @@ namespace {
 #define MESHSERVE_STR2(x) #x
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
 const Kernels kTable = {MESHSERVE_STR(MESHSERVE_NS), MatmulEntry, MatmulPackedEntry, AttentionEntry,
-                        GreedyHeadEntry, ExpertMlpEntry};
+                        GreedyHeadEntry, ExpertMlpEntry, MatmulInt8Entry, Int8Dot};
 
 }  // namespace
 }  // namespace MESHSERVE_NS

@@ -41,6 +41,7 @@ inline void StoreAcc(const V::F (&acc)[RT][CB], float* mem, int64_t lda, const V
 
 inline V::F LoadW(const float* p, V::M m) { return V::LoadM(p, m); }
 inline V::F LoadW(const uint16_t* p, V::M m) { return V::LoadBf16M(p, m); }
+inline V::F LoadW(const int8_t* p, V::M m) { return V::LoadI8M(p, m); }
 
 // acc[RT][CB vectors] (+)= x[RT, k0:k0+kb] @ w[k0:k0+kb, columns], x as float32 and w float32 or bfloat16 (widened
 // in registers). `xt` is the x block packed k-major, [kb][RT], so every broadcast is a constant offset from one

@@ -208,6 +208,74 @@ Worst CheckPacked(const Kernels& k) {
   return worst;
 }
 
+// pallas_kernels/native.py `_panels` of int8 w[K, N]: [N/64, Kp/4, 64, 4], K zero-padded to Kp (a multiple of 4) and
+// rows k..k+3 of a column side by side.
+std::vector<int8_t> PackInt8(const std::vector<int8_t>& w, int64_t K, int64_t N) {
+  const int64_t kp = (K + 3) / 4 * 4;
+  std::vector<int8_t> p(kp * N, 0);
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t n = 0; n < N; ++n) p[((n / 64 * (kp / 4) + k / 4) * 64 + n % 64) * 4 + k % 4] = w[k * N + n];
+  return p;
+}
+
+// x @ (w * scale), scale [G, N] per group of K/G rows: float32 accumulation error (1e-5 of sum |x| |w| s), plus for
+// the dot method x's two-digit rounding, |x - x~| <= max|x_row| / 127 / 508 per element, times sum |w| s; bfloat16
+// out: one rounding more.
+Worst CheckInt8(const Kernels& k) {
+  Worst worst;
+  struct Shape {
+    int64_t K, N, G;
+    bool packed;
+  };
+  // Odd K (padded to quads when packed), N not whole vectors (row-major), groups of 64, 32 and 10 rows.
+  const Shape shapes[] = {{33, 64, 1, true}, {256, 128, 4, true}, {96, 192, 3, true}, {1, 64, 1, true},
+                          {33, 130, 1, false}, {30, 70, 3, false}, {128, 48, 2, false}};
+  for (const auto& dts : kDtypes)
+    for (const Shape& sh : shapes)
+      for (int64_t M : {1, 3, 8, 13, 17}) {
+        const int64_t K = sh.K, N = sh.N, G = sh.G;
+        Rng rng{static_cast<uint64_t>(11 + M * 100003 + K * 1009 + N * 7 + G)};
+        const Buf x = Random(dts[0], M * K, rng);
+        std::vector<int8_t> w(K * N);
+        for (auto& v : w) v = static_cast<int8_t>(static_cast<int>(rng.Next() % 255) - 127);
+        std::vector<float> scale(G * N);
+        for (auto& v : scale) v = rng.Uniform(0.5f, 1.5f) / 127;
+        std::vector<double> want(M * N, 0.0), mag(M * N, 0.0), digits(M * N, 0.0);
+        for (int64_t m = 0; m < M; ++m) {
+          double amax = 0;
+          for (int64_t i = 0; i < K; ++i) amax = std::max(amax, std::fabs(x.At(m * K + i)));
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t n = 0; n < N; ++n) {
+              const double s = scale[i / (K / G) * N + n], ws = w[i * N + n] * s, xv = x.At(m * K + i);
+              want[m * N + n] += xv * ws;
+              mag[m * N + n] += std::fabs(xv * ws);
+              digits[m * N + n] += amax / 127 / 508 * std::fabs(ws);
+            }
+        }
+        const std::vector<int8_t> wk = sh.packed ? PackInt8(w, K, N) : w;
+        for (int32_t method : {kInt8Widen, kInt8Dot}) {
+          if (method == kInt8Dot && !(sh.packed && k.int8_dot())) continue;
+          for (int threads : kThreadCounts) {
+            Buf o(dts[1], M * N);
+            Call(threads, [&](const Runner& run) {
+              k.matmul_int8(run, dts[0], dts[1], x.data(), M, K, wk.data(), N, sh.packed, scale.data(), G, method,
+                            o.data());
+            });
+            for (int64_t i = 0; i < M * N; ++i) {
+              double tol = 1e-5 * mag[i] + 1e-6 + (method == kInt8Dot ? digits[i] : 0);
+              if (dts[1] == Dt::kBf16) tol += 0x1p-8 * std::fabs(want[i]);
+              worst.Near(o.At(i), want[i], 0, tol,
+                         Case("%s->%s %s M=%lld K=%lld N=%lld G=%lld %s threads=%d", DtName(dts[0]), DtName(dts[1]),
+                              sh.packed ? "packed" : "row-major", (long long)M, (long long)K, (long long)N,
+                              (long long)G, method == kInt8Dot ? "dot" : "widen", threads),
+                         i);
+            }
+          }
+        }
+      }
+  return worst;
+}
+
 // pallas_kernels/reference.py: token i of sequence s sits at kv_lens[s] - q_len + i and sees the keys at or before
 // it (and after it minus the window); kv pages [P, page_size, 2 Hkv, D], K of head h at 2h, V at 2h + 1; rows of
 // tokens past cu[num_seqs] are zero.
@@ -282,7 +350,7 @@ Worst CheckAttention(const Kernels& k) {
         for (int threads : kThreadCounts) {
           Buf o(dt, c.t * c.a.hq * c.a.d);
           Call(threads, [&](const Runner& run) {
-            k.attention(run, dt, c.a, c.t, q.data(), kv.data(),
+            k.attention(run, dt, KvFormat::kAsQuery, c.a, c.t, q.data(), kv.data(), nullptr,
                         c.kv_lens.data(), c.pages.data(), c.cu.data(), c.num_seqs, o.data());
           });
           Compare(worst, o, want,
@@ -416,14 +484,16 @@ int main(int argc, char** argv) {
       std::printf("%s: FAIL (table is %s's)\n", name, k->name);
       continue;
     }
-    const char* kernels[] = {"matmul", "matmul_packed", "attention", "greedy_head"};
-    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k), CheckAttention(*k), CheckGreedyHead(*k)};
+    const char* kernels[] = {"matmul", "matmul_packed", "attention", "greedy_head", "matmul_int8"};
+    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k), CheckAttention(*k), CheckGreedyHead(*k),
+                             CheckInt8(*k)};
     std::string line = std::string(name) + ":";
     bool ok = true;
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 5; ++i) {
       line += std::string(i ? ", " : " ") + kernels[i] + (results[i].ok() ? " ok" : " FAIL (" + results[i].where + ")");
       ok = ok && results[i].ok();
     }
+    if (k->int8_dot()) line += " (int8 dot products)";
     std::printf("%s\n", line.c_str());
     passed += ok;
   }

@@ -4,7 +4,9 @@
 //
 //   F                     a vector of kLanes float32
 //   M, Mask(n)            the first n lanes (tails of rows)
-//   Load/Store[M]         float32; LoadBf16[M]/StoreBf16M bfloat16 widened / rounded to nearest even; LoadI8 int8
+//   Load/Store[M]         float32; LoadBf16[M]/StoreBf16M bfloat16 widened / rounded to nearest even; LoadI8[M] int8
+//   I8Quads(p, q)         kLanes columns of packed int8 quads (4 bytes per column: K rows k..k+3) as 4 float32
+//                         vectors, q[j] holding row k+j
 //   Fma(a, b, c)          a * b + c; Div(a, b) a / b
 //   Exp                   e^x for x <= 0 (softmax), ~1 ulp
 //   Pair*                 the bfloat16 pair layout of packed weights (rows k, k+1 of a column side by side):
@@ -14,7 +16,8 @@
 //   kAccRegs              vector registers a tile's accumulators may take
 //   kWidenPanelMinRows    bfloat16 steps of this many rows widen each panel to float32 once (matmul.h)
 //   kF32Rows, kBf16Rows   rows per packed-matmul tile; kBf16SubCols: vectors of columns per bfloat16 tile of
-//                         more than one row; kScreenStreams: vocabulary rows per greedy-screen pass
+//                         more than one row; kScreenStreams: vocabulary rows per greedy-screen pass; kI8Rows: rows
+//                         per int8 tile (matmul_int8.h)
 //
 // Tails (M) on x86 are masked loads; elsewhere a partial copy through a small buffer.
 
@@ -34,6 +37,7 @@ struct VOps {
   static constexpr int kBf16SubCols = 4;  // the whole 64-column panel
   static constexpr int64_t kWidenPanelMinRows = INT64_MAX;  // (measured: the pair tiles win at every height)
   static constexpr int kScreenStreams = 4;
+  static constexpr int kI8Rows = 4;
 
   static F Zero() { return _mm512_setzero_ps(); }
   static F Set1(float a) { return _mm512_set1_ps(a); }
@@ -87,6 +91,16 @@ struct VOps {
   static F LoadI8(const int8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
+  static F LoadI8M(const int8_t* p, M m) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+  }
+  static void I8Quads(const int8_t* p, F (&q)[4]) {  // byte j of each 32-bit lane, sign-extended
+    const __m512i v = _mm512_loadu_si512(p);
+    q[0] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24), 24));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 16), 24));
+    q[2] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 8), 24));
+    q[3] = _mm512_cvtepi32_ps(_mm512_srai_epi32(v, 24));
+  }
 
 #if MESHSERVE_BF16_PAIRS
   static constexpr bool kNativePairs = true;
@@ -131,6 +145,7 @@ struct VOps {
   static constexpr int kBf16SubCols = 4;  // half a panel: 12 accumulators for 3 rows
   static constexpr int64_t kWidenPanelMinRows = 24;
   static constexpr int kScreenStreams = 2;
+  static constexpr int kI8Rows = 3;
 
   static F Zero() { return _mm256_setzero_ps(); }
   static F Set1(float a) { return _mm256_set1_ps(a); }
@@ -209,6 +224,19 @@ struct VOps {
   static F LoadI8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
+  static F LoadI8M(const int8_t* p, M n) {
+    if (n == 8) return LoadI8(p);
+    alignas(8) int8_t b[8] = {};
+    std::memcpy(b, p, n);
+    return LoadI8(b);
+  }
+  static void I8Quads(const int8_t* p, F (&q)[4]) {  // byte j of each 32-bit lane, sign-extended
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    q[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24));
+    q[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 24));
+  }
 
   static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -229,6 +257,7 @@ struct VOps {
   static constexpr int kBf16SubCols = 4;  // a quarter panel: 16 accumulators for 4 rows
   static constexpr int64_t kWidenPanelMinRows = 24;
   static constexpr int kScreenStreams = 4;
+  static constexpr int kI8Rows = 4;
 
   static F Zero() { return vdupq_n_f32(0.0f); }
   static F Set1(float a) { return vdupq_n_f32(a); }
@@ -298,6 +327,19 @@ struct VOps {
     const int8x8_t b = vreinterpret_s8_s32(vdup_n_s32(word));
     return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(b))));
   }
+  static F LoadI8M(const int8_t* p, M n) {
+    if (n == 4) return LoadI8(p);
+    int8_t b[4] = {};
+    std::memcpy(b, p, n);
+    return LoadI8(b);
+  }
+  static void I8Quads(const int8_t* p, F (&q)[4]) {  // byte j of each 32-bit lane, sign-extended
+    const int32x4_t v = vreinterpretq_s32_s8(vld1q_s8(p));
+    q[0] = vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(v, 24), 24));
+    q[1] = vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(v, 16), 24));
+    q[2] = vcvtq_f32_s32(vshrq_n_s32(vshlq_n_s32(v, 8), 24));
+    q[3] = vcvtq_f32_s32(vshrq_n_s32(v, 24));
+  }
 
 #if MESHSERVE_BF16_PAIRS
   static constexpr bool kNativePairs = true;
@@ -347,6 +389,7 @@ struct VOps {
   static constexpr int kBf16SubCols = 4;
   static constexpr int64_t kWidenPanelMinRows = 24;
   static constexpr int kScreenStreams = 2;
+  static constexpr int kI8Rows = 2;
 
   static F Zero() { return F{0, 0, 0, 0}; }
   static F Set1(float a) { return F{a, a, a, a}; }
@@ -420,6 +463,14 @@ struct VOps {
     }
   }
   static F LoadI8(const int8_t* p) { return F{float(p[0]), float(p[1]), float(p[2]), float(p[3])}; }
+  static F LoadI8M(const int8_t* p, M n) {
+    F v = Zero();
+    for (int i = 0; i < n; ++i) v[i] = p[i];
+    return v;
+  }
+  static void I8Quads(const int8_t* p, F (&q)[4]) {
+    for (int j = 0; j < 4; ++j) q[j] = F{float(p[j]), float(p[4 + j]), float(p[8 + j]), float(p[12 + j])};
+  }
 
   static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     U u;

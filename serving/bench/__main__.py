@@ -13,6 +13,7 @@ BENCHMARKS = {
     "gateway": "the gateway's routing policies in front of N instances, one of them slow or stuck",
     "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",
     "moe": "mixture of experts on CPU: grouped expert kernel vs ragged_dot, Mixtral/Qwen3-MoE-shaped, vs llama.cpp",
+    "quant_kernels": "int8 weight matmuls on CPU: per call, each int8 method vs packed f32 and bf16, at 1-16 rows",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",
@@ -20,6 +21,7 @@ BENCHMARKS = {
     "chaos": "faults injected into a gateway + instances under load: overload, kill -9, hang, cancels, restarts",
     "grammar": "grammar engines (llguidance, xgrammar, outlines-core) on our tokenizers: compile, masks, validity",
     "structured": "structured outputs: tok/s with 0/50/100% of sequences JSON-schema constrained, mask time, compile",
+    "quant": "quantized serving: bf16 vs int8 weights (+ int8 KV) vs llama.cpp Q8_0, KV capacity, int8 kernels",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
 }
 

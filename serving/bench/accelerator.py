@@ -466,8 +466,8 @@ def stage_decode_roofline(ctx: Context) -> str:
               max_num_seqs=max_batch, max_num_batched_tokens=TOKEN_BUDGET, max_model_len=max_len)
     eng = llm.engine
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state))
-    caches = eng.runner.kv_caches
-    kv_token_bytes = len(caches) * caches[0].shape[2] * caches[0].shape[3] * caches[0].dtype.itemsize
+    caches = eng.runner.kv_caches  # bytes per cached token, every layer (a quantized cache's scales too)
+    kv_token_bytes = sum(x.nbytes for x in jax.tree.leaves(caches)) / (eng.num_pages * ps)
     rng = np.random.default_rng(0)
     parts = []
     for batch in s.decode_batches:

@@ -3,6 +3,7 @@ of timed calls, the read-bandwidth roofline and the ~125M Llama (random weights)
 Imports neither jax nor the serving core at import (the routing benchmark, gateway.py, runs without them)."""
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -95,3 +96,38 @@ def table(title: str, header: list[str], rows: Iterable[list]) -> None:
     print("|" + "---|" * len(header), flush=True)
     for r in rows:
         print("| " + " | ".join(_cell(c) for c in r) + " |", flush=True)
+
+
+_REQUEST_IDS = itertools.count()
+
+
+def decode_step_bytes(engine, batch: int) -> int:
+    """Bytes of weights a decode step of `batch` sequences reads: every parameter as held (quantized weights with
+    their scales) but the embedding table, of which it gathers a row per token; a greedy step the LM head's int8
+    screen takes reads the screen instead of the head."""
+    import jax
+    from flax import nnx
+    runner = engine.runner
+    model = nnx.merge(runner.graphdef, runner.state)
+    tied = engine.model_config.tie_word_embeddings
+    embed = model.embed_tokens[...]
+    head = embed if tied else model.lm_head[...]
+    screen = 0 if model.head_screen is None else model.head_screen[...].nbytes + model.head_screen_bounds[...].nbytes
+    total = sum(x.nbytes for x in jax.tree.leaves(runner.state)) - (0 if tied else embed.nbytes) - screen
+    return total - head.nbytes + screen if runner.screens(runner.seq_bucket(batch)) else total
+
+
+def decode_step_times(engine, prompts: list[list[int]], params, warm_tokens: int = 8) -> tuple[list[float], float]:
+    """Runs `prompts` to the end with sampling `params` on `engine`; returns the step times once every request has
+    `warm_tokens` outputs (decode steps of the whole batch), and the device's mean idle time per step waiting on the
+    host."""
+    reqs = [engine.make_request(f"decode-{next(_REQUEST_IDS)}", p, params) for p in prompts]
+    for r in reqs:
+        engine.add_request(r)
+    times, gap0, steps0 = [], engine.host_gap_s, engine.host_gap_steps
+    while engine.has_unfinished():
+        engine.step()
+        if all(r.num_output_tokens >= warm_tokens for r in reqs) and engine.last_step_time_s:
+            times.append(engine.last_step_time_s)
+    return times, (engine.host_gap_s - gap0) / max(1, engine.host_gap_steps - steps0)
+

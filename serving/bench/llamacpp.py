@@ -54,11 +54,13 @@ def _router(tensors: SafetensorsCheckpoint, layer: int) -> np.ndarray:
     return tensors.get(mixtral if mixtral in tensors else f"model.layers.{layer}.mlp.gate.weight")
 
 
-def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
+def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False) -> Path:
     """Writes `model_dir` (a LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM in safetensors) as GGUF at
     `path`: Llama and Mixtral as llama.cpp's "llama" architecture (q/k rows reordered for its interleaved RoPE),
     Qwen3-MoE as "qwen3moe" (NEOX RoPE as HF's: rows as stored; q/k norms as attn_{q,k}_norm); experts stacked as
-    ffn_{gate,up,down}_exps [n_expert, out, in] and the router as ffn_gate_inp. Returns the path."""
+    ffn_{gate,up,down}_exps [n_expert, out, in] and the router as ffn_gate_inp. Returns the path. `q8_0`: every
+    matrix in llama.cpp's Q8_0 (int8 in blocks of 32 with an f16 scale each, what `llama-quantize ... Q8_0` writes),
+    the norms float32."""
     import gguf
     model_dir, path = Path(model_dir), Path(path)
     cfg = ModelConfig.from_pretrained(str(model_dir))
@@ -94,7 +96,8 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
     w.add_rope_dimension_count(cfg.head_dim)
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == ml_dtypes.bfloat16 else gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else
+                    gguf.LlamaFileType.MOSTLY_BF16 if dtype == ml_dtypes.bfloat16 else gguf.LlamaFileType.ALL_F32)
     vocab = cfg.vocab_size
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
@@ -108,7 +111,10 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike) -> Path:
     w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
 
     def add(name: str, a: np.ndarray) -> None:
-        if a.ndim == 1 or a.dtype == np.float32:
+        if q8_0 and a.ndim > 1:
+            w.add_tensor(name, gguf.quants.quantize(np.asarray(a, np.float32), gguf.GGMLQuantizationType.Q8_0),
+                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # the shape from the blocks' bytes
+        elif a.ndim == 1 or a.dtype == np.float32:
             w.add_tensor(name, np.ascontiguousarray(a, np.float32))
         else:  # bfloat16 bits as stored
             w.add_tensor(name, np.ascontiguousarray(a).view(np.uint16), raw_shape=a.shape,

@@ -19,7 +19,8 @@ import time
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, LLAMA_125M, llama_125m, median_time, read_bandwidth, table
+from serving.bench.harness import BENCH_WORKDIR, LLAMA_125M, decode_step_bytes, decode_step_times, llama_125m, \
+    median_time, read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["throughput", "llamacpp", "startup", "batching", "prefix", "chunked", "host",
                                    "roofline", "floor"],
@@ -328,42 +329,19 @@ def bench_host():
 def bench_roofline():
     """Decode step time at batch 1 and 32 vs the memory-bandwidth roofline (bytes of weights a step reads / read
     bandwidth measured now on a buffer backed like the weights)."""
-    import jax
-    from flax import nnx
     rows = []
     bw = read_bandwidth()
     for dtype in _DTYPES.value:
         llm = _llm(dtype, max_num_seqs=32, max_num_batched_tokens=256)
         eng = llm.engine
-        # Bytes a decode step reads: every weight but the embedding table, of which it gathers a row per token;
-        # a greedy step of few sequences reads the LM head's int8 screen instead of the head.
-        model = nnx.merge(eng.runner.graphdef, eng.runner.state)
-        tied = eng.model_config.tie_word_embeddings
-        embed = model.embed_tokens[...]
-        head = embed if tied else model.lm_head[...]
-        screen = 0 if model.head_screen is None else model.head_screen[...].nbytes + model.head_screen_bounds[...].nbytes
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state)) - (0 if tied else embed.nbytes) - screen
-
-        def step_bytes(batch):
-            return weight_bytes - head.nbytes + screen if eng.runner.screens(eng.runner.seq_bucket(batch)) else weight_bytes
         for batch in (1, 32):
             idle = {}
             for look_ahead in (False, True):  # async scheduling off, then on: the device's idle time between steps
                 eng.look_ahead = look_ahead
-                reqs = [eng.make_request(f"r{batch}-{look_ahead}-{i}", p, _greedy(40))
-                        for i, p in enumerate(_prompts(batch, 64))]
-                for r in reqs:
-                    eng.add_request(r)
-                times, gap0, steps0 = [], eng.host_gap_s, eng.host_gap_steps
-                while eng.has_unfinished():
-                    eng.step()
-                    if all(r.num_output_tokens >= 8 for r in reqs) and eng.last_step_time_s:
-                        times.append(eng.last_step_time_s)
-                idle[look_ahead] = (eng.host_gap_s - gap0) / (eng.host_gap_steps - steps0)
-            step = statistics.median(times)
-            roof = step_bytes(batch) / bw
-            rows.append([dtype, batch, step_bytes(batch) / 1e6, step * 1e3, roof * 1e3, roof / step, batch / step, idle[False] * 1e3,
-                         idle[True] * 1e3])
+                times, idle[look_ahead] = decode_step_times(eng, _prompts(batch, 64), _greedy(40))
+            step, nbytes = statistics.median(times), decode_step_bytes(eng, batch)
+            rows.append([dtype, batch, nbytes / 1e6, step * 1e3, nbytes / bw * 1e3, nbytes / bw / step, batch / step,
+                         idle[False] * 1e3, idle[True] * 1e3])
         del llm, eng
     table(f"Decode step vs roofline (weight bytes a step reads / read bandwidth, {bw / 1e9:.1f} GB/s measured now;"
           " batch 1: the LM head's int8 screen instead of the head); device idle per step waiting on the host, "

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from models.quant import WEIGHT_QUANTIZATIONS
 from pallas_kernels.target import canonical_platform
+from pallas_kernels.kv_quant import check_kv_cache_dtype
 from serving.core.platform import DTYPES, PlatformChoices, platform_choices
 
 SPECULATIVE_METHODS = ("draft", "ngram")
+QUANTIZATIONS = ("none",) + WEIGHT_QUANTIZATIONS
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,7 +43,11 @@ class SpeculativeConfig:
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
     model: str  # HF directory or Orbax checkpoint (models.convert)
-    dtype: str = "float32"  # parameter and KV-cache dtype
+    dtype: str = "float32"  # parameter and activation dtype (and the KV cache's, when kv_cache_dtype is "auto")
+    # Matmul weights quantized at load: "none" (as the checkpoint holds them: a pre-quantized checkpoint keeps its
+    # scheme), "int8" or "fp8" (per-channel scales; models.quant)
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"  # "auto" (dtype), or a quantized cache: "int8", "fp8_e4m3" (pallas_kernels.kv_quant)
     page_size: int = 16
     num_pages: int = 0  # 0: sized from kv_cache_memory_gb
     kv_cache_memory_gb: float = 1.0
@@ -89,6 +96,9 @@ class EngineConfig:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.min_token_bucket < 0:
             raise ValueError(f"EngineConfig.min_token_bucket must be >= 0 (0 = auto), got {self.min_token_bucket}")
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "pp"):
@@ -100,6 +110,11 @@ class EngineConfig:
             self.speculative_config()  # validates
         if self.platform is not None:
             canonical_platform(self.platform)  # validates
+
+    @property
+    def kv_cache_dtype_name(self) -> str:
+        """What the KV cache holds: the model's dtype ("auto"), else the quantized cache's format."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def speculative_config(self):
         """The SpeculativeConfig of these settings, or None when speculation is off."""

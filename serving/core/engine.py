@@ -127,7 +127,7 @@ class Engine:
 
     @property
     def devices(self) -> list:
-        return sorted(self.runner.kv_caches[0].sharding.device_set, key=lambda d: d.id)
+        return sorted(jax.tree.leaves(self.runner.kv_caches[0])[0].sharding.device_set, key=lambda d: d.id)
 
     @property
     def bubble_fraction(self) -> float:
@@ -359,7 +359,7 @@ class Engine:
         self._current = None
         if self.spec is not None:
             self.spec.on_failure()
-        if any(kv.is_deleted() for kv in self.runner.kv_caches):
+        if any(kv.is_deleted() for kv in jax.tree.leaves(self.runner.kv_caches)):
             victims.update(self.scheduler.requests)
             lost = True
             self.runner.reset_kv_caches()

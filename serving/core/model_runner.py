@@ -74,6 +74,7 @@ def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_scre
     gb = None if memory_fraction is not None else config.kv_cache_memory_gb * (1 << 30)
     screen = head_screen_bytes(model_config.vocab_size, model_config.hidden_size) if head_screen else 0
     return ledger.kv_cache_pages(model_config, dtype=config.dtype, page_size=config.page_size,
+                                 kv_dtype=ledger.kv_dtype_of(config.kv_cache_dtype),
                                  mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
                                  kv_cache_bytes=gb,
                                  memory_fraction=memory_fraction, draft=draft, head_screen_bytes=screen,
@@ -84,10 +85,10 @@ def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
     if config.spare_expert_slots and not is_orbax_dir(config.model):
         cfg = ModelConfig.from_pretrained(config.model)
         cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
-        return load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg)
+        return load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
     if config.spare_expert_slots:
         raise ValueError("spare_expert_slots needs an HF checkpoint (Orbax stores the slots it was saved with)")
-    return load_model(config.model, dtype=dtype, mesh=mesh)
+    return load_model(config.model, dtype=dtype, mesh=mesh, quantization=config.quantization)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +159,7 @@ class ModelRunner:
         try:
             log.info("%s", ledger.ledger_summary(
                 mc, dtype=config.dtype, page_size=config.page_size, num_pages=self.num_pages,
+                kv_dtype=ledger.kv_dtype_of(config.kv_cache_dtype),
                 mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
         except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
@@ -177,7 +179,8 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
         with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding)
+            self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding,
+                                            kv_cache_dtype=config.kv_cache_dtype)
         donate = (1, 5) if self.choices.donate_kv_cache else ()
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=donate, static_argnames=("greedy_only",))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
@@ -347,7 +350,8 @@ class ModelRunner:
         """Fresh zeroed caches (after a failed step lost the donated ones)."""
         with tracing_for(self.platform):
             self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
-                                        DTYPES[self.config.dtype], self.kv_sharding)
+                                            DTYPES[self.config.dtype], self.kv_sharding,
+                                            kv_cache_dtype=self.config.kv_cache_dtype)
 
     # ------------------------------------------------------------------ buckets and warm-up
     def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> RaggedBatch:

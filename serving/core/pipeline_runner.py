@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models.batch import RaggedBatch
 from models.layers import embed_lookup
+from pallas_kernels import kv_quant
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core.batch import build_layout, micro_batch_tokens, split_micro_batches
 from serving.core.config import EngineConfig
@@ -49,14 +51,18 @@ class PipelineModelRunner(ModelRunner):
         # One KV buffer per slot: [pp, pages, page_size, 2*kv_heads, head_dim], the stage axis over the pipeline's
         # (a short stage's padding slots too: the stacked buffer is even; serving.ledger counts them).
         self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh, stacked=True)
-        self._cache_shape, self._cache_dtype = (pp,) + self.kv_caches[0].shape, self.kv_caches[0].dtype
+        # the template of one slot's stacked cache: (shape, dtype, sharding) per array (a quantized cache: two)
+        self._cache_template = jax.tree.map(
+            lambda a: ((pp,) + a.shape, a.dtype, self.kv_sharding if a.ndim == 4 else
+                       kv_quant.scales_sharding(self.kv_sharding, 5)), self.kv_caches[0])
         self.reset_kv_caches()
         self.bubble_fraction = pipeline.bubble_fraction(pp, self.num_micro)
         self._run = pipeline.pipelined(self._stage, self.stages, self.num_micro)
         del model
 
     def reset_kv_caches(self) -> None:
-        self.kv_caches = [jnp.zeros(self._cache_shape, self._cache_dtype, device=self.kv_sharding)
+        self.kv_caches = [jax.tree.map(lambda t: jnp.zeros(t[0], t[1], device=t[2]), self._cache_template,
+                                       is_leaf=lambda t: isinstance(t, tuple))
                           for _ in range(pipeline.stage_slots(self.stages))]
 
     def _stage(self, params, caches, x, md, valid, active):

@@ -244,11 +244,12 @@ class SpeculativeDecoder:
         e = self.runner
         with tracing_for(e.platform):
             self.draft_kv = init_kv_caches(self.draft_config, e.num_pages, e.config.page_size,
-                                           DTYPES[e.config.dtype], self._draft_kv_sharding)
+                                           DTYPES[e.config.dtype], self._draft_kv_sharding,
+                                           kv_cache_dtype=e.config.kv_cache_dtype)
 
     @property
     def draft_kv_bytes(self) -> int:
-        return 0 if self.draft_kv is None else sum(x.nbytes for x in self.draft_kv)
+        return 0 if self.draft_kv is None else sum(x.nbytes for x in jax.tree.leaves(self.draft_kv))
 
     @property
     def draft_weight_bytes(self) -> int:

@@ -23,7 +23,14 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
         define(*args, flag_values=fv)
     d(flags.DEFINE_string, "model", None, "HF model directory or Orbax checkpoint (models.convert).")
     d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory (default: the model directory).")
-    d(flags.DEFINE_enum, "dtype", "float32", ["float32", "bfloat16", "float16"], "Parameter and KV-cache dtype.")
+    d(flags.DEFINE_enum, "dtype", "float32", ["float32", "bfloat16", "float16"],
+      "Parameter and activation dtype (and the KV cache's with --kv_cache_dtype=auto).")
+    d(flags.DEFINE_enum, "quantization", "none", ["none", "int8", "fp8"],
+      "Matmul weights quantized at load, per-channel scales (int8 symmetric, fp8 e4m3); 'none': as the "
+      "checkpoint holds them (a compressed-tensors or block-wise fp8 checkpoint loads quantized as it is).")
+    d(flags.DEFINE_enum, "kv_cache_dtype", "auto", ["auto", "int8", "fp8_e4m3"],
+      "KV-cache dtype: 'auto' (--dtype), or quantized with a scale per token and KV head (about twice the pages "
+      "of bfloat16 in the same memory).")
     d(flags.DEFINE_integer, "tp", 1, "Tensor-parallel degree (devices on the mesh's 'tensor' axis).")
     d(flags.DEFINE_integer, "ep", 1, "Expert-parallel degree (MoE models; devices on the 'expert' axis).")
     d(flags.DEFINE_integer, "pp", 1, "Pipeline stages (devices on the mesh's 'pipeline' axis; dense models).")
@@ -139,12 +146,14 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         # Sized before the engine loads anything, by the engine's own sizing, on each replica's own devices.
         from serving import ledger
         from serving.core.model_runner import kv_cache_pages
-        sizing = EngineConfig(model=f.model, dtype=f.dtype, page_size=f.page_size,
+        from models.weights import with_quantization
+        sizing = EngineConfig(model=f.model, dtype=f.dtype, page_size=f.page_size, kv_cache_dtype=f.kv_cache_dtype,
                               max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs,
                               tp=f.tp, ep=f.ep, speculative_method=f.speculative_method,
                               speculative_model=f.speculative_model)
         try:
-            num_pages = f.dp * kv_cache_pages(sizing, ledger.load_config(model=f.model)[1],
+            model_config = with_quantization(ledger.load_config(model=f.model)[1], f.quantization)
+            num_pages = f.dp * kv_cache_pages(sizing, model_config,
                                               head_screen=screens_head(f),
                                               memory_fraction=f.kv_cache_memory_fraction)
         except ValueError as e:
@@ -152,8 +161,8 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         logging.getLogger("serving.server").info("--kv_cache_memory_fraction=%g: %d KV pages",
                                                  f.kv_cache_memory_fraction, num_pages)
     engine_config = EngineConfig(
-        model=f.model, dtype=f.dtype, page_size=f.page_size, num_pages=num_pages,
-        kv_cache_memory_gb=f.kv_cache_memory_gb, max_model_len=f.max_model_len or None,
+        model=f.model, dtype=f.dtype, quantization=f.quantization, kv_cache_dtype=f.kv_cache_dtype,
+        page_size=f.page_size, num_pages=num_pages, kv_cache_memory_gb=f.kv_cache_memory_gb, max_model_len=f.max_model_len or None,
         max_num_seqs=f.max_num_seqs, max_num_batched_tokens=f.max_num_batched_tokens,
         min_token_bucket=f.min_token_bucket, max_prefill_chunk=f.max_prefill_chunk or None,
         enable_prefix_caching=f.enable_prefix_caching, max_waiting_requests=f.max_waiting_requests,

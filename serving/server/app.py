@@ -93,7 +93,9 @@ class InstanceServer:
         self.model_name = (config.served_model_name or os.path.basename(os.path.normpath(engine.config.model))
                            or "model")
         self.metrics = ServerMetrics(self.model_name, stats, num_speculative_tokens=spec.k if spec is not None else 0,
-                                     page_size=engine.config.page_size, num_pages=engine.num_pages)
+                                     page_size=engine.config.page_size, num_pages=engine.num_pages,
+                                     cache_dtype=engine.config.kv_cache_dtype_name, dtype=engine.config.dtype,
+                                     quantization=engine.model_config.quantization or "none")
         self.load_tracker = LoadTracker(self.metrics, self.tracer)
         self.aengine.step_listeners.append(self.load_tracker)
         self.health = health.aio.HealthServicer()

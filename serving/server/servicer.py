@@ -374,7 +374,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             devices=[str(d) for d in e.devices], instance_id=self.options.instance_id,
             max_waiting_requests=c.max_waiting_requests * c.dp, max_waiting_tokens=c.max_waiting_tokens * c.dp,
             max_request_bytes=self.options.max_request_bytes, served_model_name=self.model_name,
-            http_port=self.http_port, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser)
+            http_port=self.http_port, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser,
+            quantization=e.model_config.quantization or "none", kv_cache_dtype=c.kv_cache_dtype_name)
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
         def snapshot(engine):

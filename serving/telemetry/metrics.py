@@ -36,11 +36,13 @@ STRUCTURED_COUNTERS = {
 
 class ServerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None,
-                 num_speculative_tokens: int = 0, page_size: int = 0, num_pages: int = 0):
+                 num_speculative_tokens: int = 0, page_size: int = 0, num_pages: int = 0, cache_dtype: str = "",
+                 dtype: str = "", quantization: str = ""):
         """engine_stats() returns the scheduler's stats() (read at scrape time; plain integer reads), plus the
         speculative decoder's stats() when num_speculative_tokens > 0 (then the spec_decode_* series exist).
-        page_size (tokens per KV page) and num_pages (the instance's KV pages), when given, label the
-        cache_config_info gauge."""
+        page_size (tokens per KV page), num_pages (the instance's KV pages) and cache_dtype (what the cache
+        holds), when given, label the cache_config_info gauge; dtype and quantization (the weights') the
+        model_config_info gauge."""
         self.registry = registry or CollectorRegistry()
         self._engine_stats = engine_stats
         self._lock = threading.Lock()
@@ -64,9 +66,15 @@ class ServerMetrics:
             raise ValueError(f"ServerMetrics: page_size and num_pages go together, got {page_size}, {num_pages}")
         if page_size > 0:  # vLLM's label names, so routers (GIE / llm-d EPP) read the KV geometry unchanged
             self.cache_config_info = Gauge(PREFIX + "cache_config_info", "KV-cache configuration (value 1): "
-                                           "block_size = tokens per page, num_gpu_blocks = KV pages.",
-                                           labels + ["block_size", "num_gpu_blocks"], registry=r)
-            self.cache_config_info.labels(model_name, str(page_size), str(num_pages)).set(1)
+                                           "block_size = tokens per page, num_gpu_blocks = KV pages, cache_dtype = "
+                                           "what the cache holds.",
+                                           labels + ["block_size", "num_gpu_blocks", "cache_dtype"], registry=r)
+            self.cache_config_info.labels(model_name, str(page_size), str(num_pages), cache_dtype).set(1)
+        if dtype:
+            self.model_config_info = Gauge(PREFIX + "model_config_info", "Model configuration (value 1): dtype = "
+                                           "parameters and activations, quantization = the matmul weights' "
+                                           "(none, int8, fp8).", labels + ["dtype", "quantization"], registry=r)
+            self.model_config_info.labels(model_name, dtype, quantization or "none").set(1)
         self.draining = Gauge(PREFIX + "draining", "1 while the server is draining (admitting nothing).", labels,
                               registry=r)
         self.compile_count = Gauge(PREFIX + "compile_count", "XLA programs compiled (at start-up, by warm-up).",

@@ -7,7 +7,6 @@ import math
 import os
 import platform
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,26 +17,10 @@ from serving.core.batch import SeqChunk
 from models.training.tiny_llama import TinyLlamaConfig, forward
 from models.tokenizer import Tokenizer
 from models.weights import load_hf_model
-from serving.process import REPO_ROOT
 from tests.support.paged_runner import PagedRunner
+from tests.support.tiny import MODELS, heldout_ids, heldout_perplexity, heldout_windows, model_dir, report
 
-TINY_DIR = os.path.join(REPO_ROOT, "models", "tiny")
-MODELS = ("target", "draft")
 PARAMETER_RANGES = {"target": (10e6, 20e6), "draft": (1e6, 3e6)}
-
-
-def model_dir(which: str) -> str:
-    return os.path.join(TINY_DIR, which)
-
-
-def report(which: str) -> dict:
-    with open(os.path.join(model_dir(which), "training_report.json"), encoding="utf-8") as f:
-        return json.load(f)
-
-
-def heldout_ids(which: str) -> list[int]:
-    with open(os.path.join(model_dir(which), "heldout.txt"), encoding="utf-8", newline="") as f:
-        return Tokenizer.from_pretrained(model_dir(which)).encode(f.read())
 
 
 @pytest.mark.parametrize("which", MODELS)
@@ -98,18 +81,10 @@ def test_logits_match_transformers_and_training_forward(which):
 def test_heldout_perplexity_matches_report(which):
     """The serving model's perplexity on the fixed slice of the shipped heldout.txt is the reported one."""
     reported = report(which)["results"]["heldout_slice"]
-    windows = train_tiny.make_windows(heldout_ids(which), reported["seq_len"])[:reported["windows"]]
-    assert len(windows) == reported["windows"]
-    seq_len = reported["seq_len"]
+    windows, seq_len = heldout_windows(which)
     runner = PagedRunner(load_hf_model(model_dir(which)), page_size=16, num_pages=seq_len // 16,
                          max_pages=seq_len // 16)
-    nll = 0.0
-    for window in windows:
-        runner.next_free = 0  # every window starts at position 0 and rewrites the same pages
-        logits = runner.token_logits([SeqChunk(window[:-1].tolist(), 0, runner.alloc(seq_len))])
-        logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
-        nll -= float(jnp.sum(jnp.take_along_axis(logp, jnp.asarray(window[1:, None]), axis=-1)))
-    ppl = math.exp(nll / windows[:, 1:].size)
+    ppl = heldout_perplexity(runner, windows)
     print(f"TINY {which}: held-out slice ppl {ppl:.3f}, reported {reported['ppl']:.3f}, "
           f"full held-out reported {report(which)['results']['val_ppl']:.3f}")
     assert abs(ppl / reported["ppl"] - 1) < 0.05

@@ -2,8 +2,10 @@
 
 Backends: the pure-JAX reference, the CPU fast path, the native C++ kernel on every instruction-set path this CPU
 runs ("native-avx2", ...), and the GPU (Triton) and TPU (Mosaic) kernels in interpret mode. Named cases cover the
-issue's list; hypothesis adds random ragged batches.
+issue's list; hypothesis adds random ragged batches. Quantized caches (int8, fp8_e4m3) are checked against the
+oracle on their dequantised pages, so the only error left is the backend's arithmetic.
 """
+import contextlib
 import functools
 import re
 import zlib
@@ -17,6 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import pallas_kernels
 from pallas_kernels import cpu, gpu, native, reference, tpu
 from pallas_kernels.cases import NAMED_CASES as CASES, dense_attention, make_case
+from pallas_kernels.kv_quant import QuantizedKV
 
 NATIVE = [f"native-{isa}" for isa in native.runnable_isas()]  # none where the kernels cannot be built
 BACKENDS = {
@@ -28,10 +31,13 @@ BACKENDS = {
 }
 
 
-def _run(backend, case, options, dtype=None):
+PLATFORMS = {"gpu_interpret": "gpu", "tpu_interpret": "tpu"}  # whose cache storage a backend takes (else cpu's)
+
+
+def _run(backend, case, options):
     # a fresh partial: a fresh trace, so a native path forced here is the one compiled in
     fn = jax.jit(functools.partial(BACKENDS[backend], sm_scale=case.q.shape[-1] ** -0.5, **options))
-    args = [jnp.asarray(a) for a in case.attention_args()]
+    args = jax.tree.map(jnp.asarray, case.attention_args(PLATFORMS.get(backend, "cpu")))
     if backend.startswith("native-"):
         with native.use_isa(backend.removeprefix("native-")):
             lowered = fn.lower(*args)
@@ -46,14 +52,49 @@ def _check(out, case, options, *, atol, rtol):
     np.testing.assert_allclose(out, want, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", CASES)
-def test_named_case(backend, name):
+def _named_case(name, **kw):
     seqs, shape, options = CASES[name]
     case = make_case(np.random.default_rng(zlib.crc32(name.encode())), seqs, num_q_heads=shape["hq"],
                      num_kv_heads=shape["hkv"], head_dim=shape["d"], page_size=shape["ps"],
-                     num_tokens=shape.get("t"), num_seq_slots=shape.get("s"))
+                     num_tokens=shape.get("t"), num_seq_slots=shape.get("s"), **kw)
+    return case, options
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", CASES)
+def test_named_case(backend, name):
+    case, options = _named_case(name)
     _check(_run(backend, case, options), case, options, atol=2e-5, rtol=2e-5)
+
+
+# Quantized caches: every named case on the best native path; on the lower native paths and the JAX backends
+# (seconds per compile) cases that together cover decodes on and past page boundaries, mixed prefill/decode, GQA 2, 4
+# and 8, and a sliding window with a soft cap.
+JAX_BACKENDS = ("reference", "cpu", "gpu_interpret", "tpu_interpret")
+QUANTIZED_RUNS = [(b, n) for b in NATIVE[-1:] for n in CASES] + \
+    [(b, n) for b in NATIVE[:-1] for n in ("decode_only", "mixed_gqa8", "sliding_window_soft_cap")] + \
+    [(b, n) for b in JAX_BACKENDS for n in ("mixed_gqa8", "sliding_window_soft_cap")]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend,name", QUANTIZED_RUNS)
+def test_named_case_quantized_cache(backend, name, kv_cache_dtype):
+    case, options = _named_case(name, kv_cache_dtype=kv_cache_dtype)
+    _check(_run(backend, case, options), case, options, atol=2e-5, rtol=2e-5)
+
+
+# bf16 q over a quantized cache: both formats on the native paths, one each (alternating) on the JAX backends.
+BF16_QUANTIZED_RUNS = [(b, f) for b in NATIVE for f in ("int8", "fp8_e4m3")] + \
+    [(b, ("int8", "fp8_e4m3")[i % 2]) for i, b in enumerate(JAX_BACKENDS)]
+
+
+@pytest.mark.parametrize("backend,kv_cache_dtype", BF16_QUANTIZED_RUNS)
+def test_bf16_queries_over_a_quantized_cache(backend, kv_cache_dtype):
+    """bf16 q over int8 / fp8 pages: the pages dequantised to q's dtype, within bf16 tolerance."""
+    case = make_case(np.random.default_rng(8), [(1, 25), (9, 9), (4, 20)], num_q_heads=8, num_kv_heads=2,
+                     head_dim=128, page_size=16, dtype=jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
+    options = dict(sliding_window=12, logit_soft_cap=30.0)
+    _check(_run(backend, case, options), case, options, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -123,6 +164,22 @@ def test_native_attention_is_tested_here():
     assert NATIVE[-1] == f"native-{native.runnable_isas()[-1]}" and f"native-{native.isa()}" in NATIVE
 
 
+def test_native_attention_takes_quantized_caches():
+    if not NATIVE:
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
+    S = jax.ShapeDtypeStruct
+
+    def cache(values, scales=jnp.float32, d=64):
+        return QuantizedKV(S((3, 8, 4, d), values), S((3, 8, 4), scales))
+
+    for q in (S((5, 8, 64), jnp.float32), S((5, 8, 64), jnp.bfloat16)):
+        for values in (jnp.int8, jnp.uint8, jnp.float8_e4m3fn):
+            assert native.attention_supported(q, cache(values))
+        assert not native.attention_supported(q, cache(jnp.int8, jnp.bfloat16))  # scales are float32
+        assert not native.attention_supported(q, cache(jnp.int8, d=128))
+    assert not native.attention_supported(S((5, 8, 64), jnp.float16), cache(jnp.int8))
+
+
 @settings(max_examples=6, **_SETTINGS)
 @given(batch=ragged_batches())
 def test_random_batches_reference(batch):
@@ -170,6 +227,14 @@ def test_bf16_cache_is_stored_as_uint16_bits_on_cpu():
     assert reference.kv_storage_dtype(jnp.bfloat16, "tpu") == jnp.bfloat16
 
 
+def _whole_cache_instructions(step, args, num_pages):
+    """(dtype, opcode, name) of each instruction of `step`'s optimised XLA:CPU program (cache donated) whose array
+    is as big as a cache of `num_pages` pages of 16 tokens ([num_pages, ...] or flattened to [num_pages * 16, ...])."""
+    hlo = jax.jit(step, donate_argnums=0).trace(*args).lower(lowering_platforms=("cpu",)).compile().as_text()
+    return [(dtype, op, name) for name, dtype, op in re.findall(
+        rf"^\s*(?:ROOT )?%(\S+) = (\w+)\[(?:{num_pages}|{num_pages * 16}),[^=]*?\s([\w-]+)\(", hlo, re.M)]
+
+
 def test_bf16_cache_is_never_copied_whole_on_cpu():
     """XLA:CPU upcasts 16-bit float gathers/scatters (and materialises a whole-array bitcast-convert), i.e. it
     converted or copied each layer's whole cache on every call (the bf16 step ran ~10x slower than f32). Stored
@@ -186,18 +251,46 @@ def test_bf16_cache_is_never_copied_whole_on_cpu():
     args = (S((num_pages, 16, 4, 64), jnp.uint16), S((16, 2, 64), jnp.bfloat16), S((16, 2, 64), jnp.bfloat16),
             S((16,), jnp.int32), S((16, 4, 64), jnp.bfloat16), S((4,), jnp.int32), S((4, 8), jnp.int32),
             S((5,), jnp.int32), S((1,), jnp.int32))
-    hlo = jax.jit(step, donate_argnums=0).trace(*args).lower(lowering_platforms=("cpu",)).compile().as_text()
-    made = re.findall(rf"^\s*(?:ROOT )?%\S+ = (\w+)\[({num_pages}|{num_pages * 16}),[^=]*?\s([\w-]+)\(", hlo, re.M)
+    made = _whole_cache_instructions(step, args, num_pages)
     assert made, "the cache should appear in the program"
-    for dtype, _, op in made:
+    for dtype, op, _ in made:
         assert dtype == "u16", f"the cache was converted to {dtype}"
         assert op in ("parameter", "bitcast", "get-tuple-element", "fusion", "scatter"), f"whole-cache {op}"
-    fusions = re.findall(rf"^\s*%(\S+) = u16\[({num_pages}|{num_pages * 16}),[^=]*?\sfusion\(", hlo, re.M)
-    assert fusions and all("scatter" in name for name, _ in fusions), fusions
+    fusions = [name for _, op, name in made if op == "fusion"]
+    assert fusions and all("scatter" in name for name in fusions), fusions
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("backend", ["cpu", *NATIVE[-1:]])
+def test_quantized_cache_is_never_converted_whole_on_cpu(kv_cache_dtype, backend):
+    """XLA:CPU converts a whole float8 array to f16 and back around each gather and scatter, so float8 values are
+    stored as uint8 bits on cpu (int8 as int8). A step that writes and then reads a donated quantized cache (pure-JAX
+    path or native kernel) touches its values and scales only through in-place scatters, page gathers and the
+    kernel's operands: every whole-cache-sized array is the stored dtype, never a conversion."""
+    num_pages = 1000
+    storage = pallas_kernels.kv_storage_dtype(jnp.bfloat16, kv_cache_dtype)
+    assert storage == (jnp.int8 if kv_cache_dtype == "int8" else jnp.uint8)
+
+    def step(kv, k, v, slots, q, kv_lens, page_indices, cu_q_lens, num_seqs):
+        kv = reference.write_kv(kv, k, v, slots)
+        out = BACKENDS[backend](q, kv, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=0.125)
+        return out, kv
+
+    S = jax.ShapeDtypeStruct
+    cache = QuantizedKV(S((num_pages, 16, 4, 64), storage), S((num_pages, 16, 4), jnp.float32))
+    args = (cache, S((16, 2, 64), jnp.bfloat16), S((16, 2, 64), jnp.bfloat16), S((16,), jnp.int32),
+            S((16, 4, 64), jnp.bfloat16), S((4,), jnp.int32), S((4, 8), jnp.int32), S((5,), jnp.int32),
+            S((1,), jnp.int32))
+    with native.use_isa(backend.removeprefix("native-")) if backend in NATIVE else contextlib.nullcontext():
+        made = _whole_cache_instructions(step, args, num_pages)
+    assert {dtype for dtype, _, _ in made} == {{"int8": "s8", "fp8_e4m3": "u8"}[kv_cache_dtype], "f32"}
+    for _, op, name in made:
+        assert op in ("parameter", "bitcast", "get-tuple-element", "scatter", "custom-call") or \
+            (op == "fusion" and "scatter" in name), f"whole-cache {op} {name}"
 
 
 def _kernel_out(fn, case, **kw):
-    args = [jnp.asarray(a) for a in case.attention_args()]
+    args = jax.tree.map(jnp.asarray, case.attention_args())
     return np.asarray(jax.jit(functools.partial(fn, sm_scale=case.q.shape[-1] ** -0.5, **kw))(*args)
                       .astype(jnp.float32))
 

@@ -11,11 +11,16 @@ import jax.numpy as jnp
 import pytest
 
 import pallas_kernels
-from pallas_kernels import gpu, tpu
+from pallas_kernels import gpu, kv_quant, tpu
+from pallas_kernels.kv_quant import QuantizedKV
 
 
-def _abstract_args(*, t=32, s=4, hq=8, hkv=2, d=128, ps=16, max_pages=8, dtype=jnp.bfloat16):
-    return (jax.ShapeDtypeStruct((t, hq, d), dtype), jax.ShapeDtypeStruct((24, ps, 2 * hkv, d), dtype),
+def _abstract_args(*, t=32, s=4, hq=8, hkv=2, d=128, ps=16, max_pages=8, dtype=jnp.bfloat16, kv_values=None):
+    """Abstract attention operands; `kv_values`: a QuantizedKV cache with values of that dtype."""
+    kv = jax.ShapeDtypeStruct((24, ps, 2 * hkv, d), dtype)
+    if kv_values is not None:
+        kv = QuantizedKV(jax.ShapeDtypeStruct(kv.shape, kv_values), jax.ShapeDtypeStruct(kv.shape[:-1], jnp.float32))
+    return (jax.ShapeDtypeStruct((t, hq, d), dtype), kv,
             jax.ShapeDtypeStruct((s,), jnp.int32), jax.ShapeDtypeStruct((s, max_pages), jnp.int32),
             jax.ShapeDtypeStruct((s + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
 
@@ -50,6 +55,46 @@ def test_entry_point_lowers_for_platform(monkeypatch, platform, forced):
     monkeypatch.setenv("MESHSERVE_ATTENTION", forced)
     fn = functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.1)
     _lower(fn, _abstract_args(), platform)
+
+
+# What a quantized cache's 8-bit tiles are read as: Triton loads them, Mosaic DMAs them from HBM to VMEM.
+EIGHT_BIT_READS = {"cuda": r"tt\.load %\S+ : tensor<[0-9x]+x!tt\.ptr<({})>>",
+                   "tpu": r"tpu\.enqueue_dma source\(%\S+ : memref<[0-9x]+x({})"}
+MLIR_TYPES = {"int8": "i8", "fp8_e4m3": "f8E4M3FN"}
+
+
+@pytest.mark.parametrize("platform", KERNELS)
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("config", ["bf16_d128_ps16", "f32_d64_ps8_gqa1", "bf16_d256_ps128_gqa8"])
+def test_attention_kernel_lowers_with_a_quantized_cache(capsys, platform, kv_cache_dtype, config):
+    """int8 / float8_e4m3 caches (the storage of each platform: `kv_quant.values_dtype`) lower on both kernels, the
+    kernel reading the 8-bit pages themselves: no XLA op converts the cache before the kernel."""
+    values = kv_quant.values_dtype(kv_cache_dtype, "gpu" if platform == "cuda" else platform)
+    assert values == (jnp.int8 if kv_cache_dtype == "int8" else jnp.float8_e4m3fn)
+    args = _abstract_args(**CONFIGS[config], kv_values=values)
+    fn = functools.partial(KERNELS[platform], sm_scale=0.1, debug=True, **OPTIONS["window_softcap"])
+    text = _lower(fn, args, platform)
+    module = capsys.readouterr().out
+    assert re.search(EIGHT_BIT_READS[platform].format(MLIR_TYPES[kv_cache_dtype]), module)
+    cache_shape = "x".join(map(str, args[1].shape))
+    assert not re.search(rf"stablehlo\.convert [^\n]*tensor<{cache_shape}x", text)
+    if platform == "tpu":  # the chunk is widened to f32 in VMEM and read per head by 32-bit strided loads
+        loads = re.findall(r"tpu\.strided_load [^\n]*: memref<[0-9x]*x(\w+),", module)
+        assert set(loads) <= {"i32", "f32"}, loads
+
+
+@pytest.mark.parametrize("platform,forced", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_entry_points_lower_for_platform_with_a_quantized_cache(monkeypatch, platform, forced):
+    monkeypatch.setenv("MESHSERVE_ATTENTION", forced)
+    q, kv, *rest = _abstract_args(kv_values=jnp.float8_e4m3fn)
+    fn = functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.1)
+    _lower(fn, (q, kv, *rest), platform)
+    k = jax.ShapeDtypeStruct((32, 2, 128), jnp.bfloat16)
+    # a fresh partial: a fresh trace (jit's cache would reuse another platform's trace)
+    text = _lower(functools.partial(pallas_kernels.write_kv), (kv, k, k, jax.ShapeDtypeStruct((32,), jnp.int32)),
+                  platform, donate_argnums=0)
+    if platform == "tpu":  # the aliased DMA kernel, values and scales both in place
+        assert "tpu_custom_call" in text and text.count("tf.aliasing_output") == 2
 
 
 def test_tpu_kv_write_lowers_aliased():

@@ -9,7 +9,8 @@ import pytest
 
 from pallas_kernels import native
 
-_ALL_OK = "matmul ok, matmul_packed ok, attention ok, greedy_head ok"
+_ALL_OK = "matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok"
+_DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
 
 
@@ -18,9 +19,25 @@ def _run(cmd: list, env=None) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+def _lines(output: str):
+    return (line.partition(": ") for line in output.splitlines())
+
+
 def _passed(output: str) -> set[str]:
     """The paths whose line says every kernel passed."""
-    return {name for name, _, rest in (line.partition(": ") for line in output.splitlines()) if rest == _ALL_OK}
+    return {name for name, _, rest in _lines(output) if rest.removesuffix(_DOT) == _ALL_OK}
+
+
+def _dot(output: str) -> set[str]:
+    """The paths whose int8 matmul ran (and passed) with int8 dot products."""
+    return {name for name, _, rest in _lines(output) if rest == _ALL_OK + _DOT}
+
+
+def _cpu_flags() -> set[str]:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
 
 
 def test_selftest_runs_every_path_on_this_cpu(tmp_path):
@@ -35,6 +52,10 @@ def test_selftest_runs_every_path_on_this_cpu(tmp_path):
     assert "generic" in passed, out
     if runnable:  # the library's own detection (cpu.cc too) agrees with the selftest's
         assert passed == runnable, out
+    # int8 dot products: on the AVX-512 paths where the CPU has AVX512_VNNI (aarch64: below, under qemu)
+    if native.machine() == "x86_64":
+        vnni = "avx512_vnni" in _cpu_flags()
+        assert _dot(out) == ({p for p in passed if p.startswith(("avx512", "amx"))} if vnni else set()), out
     assert f"selftest: {len(passed)} paths passed" in out.splitlines(), out
 
 
@@ -54,10 +75,12 @@ def test_aarch64_paths_compile_and_run_under_qemu(tmp_path):
     rc, out = _run([qemu, "-cpu", "max", exe])
     assert rc == 0, out
     assert _passed(out) == {"generic", "neon", "neon_bf16"}, out
+    assert _dot(out) == {"neon", "neon_bf16"}, out  # -cpu max has dotprod: sdot ran
     # A Cortex-A72 has no bf16: the hwcaps check must keep the bfdot path off, the others still run.
     rc, out = _run([qemu, "-cpu", "cortex-a72", exe])
     assert rc == 0, out
     assert _passed(out) == {"generic", "neon"}, out
+    assert _dot(out) == set(), out  # nor dotprod: the widened int8 path only
     assert "neon_bf16: not run (this CPU lacks it)" in out.splitlines(), out
 
 

@@ -187,3 +187,38 @@ def test_pipeline_parallel(models, reference, name, layout):
     logits_ref, tokens_ref = reference[name]
     np.testing.assert_allclose(_prompt_logits(engine), logits_ref, atol=1e-4, rtol=1e-4)
     assert _greedy(Engine(cfg)) == tokens_ref
+
+
+QUANT_LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("mixtral", dict(ep=2)), ("llama", dict(pp=2)),
+                 ("qwen2_moe", dict(tp=2, ep=2)), ("llama", dict(tp=2, kv_cache_dtype="fp8_e4m3"))]
+
+
+@pytest.mark.parametrize("name, layout", QUANT_LAYOUTS, ids=[f"{n}-" + "-".join(f"{k}{v}" for k, v in l.items())
+                                                             for n, l in QUANT_LAYOUTS])
+def test_quantized_layout_matches_single_device(models, name, layout, monkeypatch):
+    """int8 weights (scales sharded with them) and an int8 (or fp8) KV cache: every layout gives the single-device
+    quantized engine's logits and greedy tokens. The single device's native int8 kernel widens the weights (exact
+    products, as XLA's dot on the mesh), not its int8 dot method (activations in two int8 digits): a K/V row that
+    differs in the last bits can round to another int8 step."""
+    monkeypatch.setenv("MESHSERVE_INT8_KERNEL", "widen")
+    layout = dict(layout)
+    quant = dict(quantization="int8", kv_cache_dtype=layout.pop("kv_cache_dtype", "int8"))
+    ref_logits, ref_tokens = _prompt_logits(_engine(models[name], **quant)), _greedy(_engine(models[name], **quant))
+    engine = _engine(models[name], **quant, **layout)
+    attn = engine.runner.state["slots" if "pp" in layout else "layers"][0]["self_attn"]
+    if "tp" in layout:
+        q, s = attn["q_proj"].get_value(), attn["q_proj_scale"].get_value()
+        assert q.dtype == np.int8 and q.sharding.spec[1] == "tensor" and s.sharding.spec[0] == "tensor"
+    kv = engine.runner.kv_caches[0]
+    assert kv.kv_cache_dtype == quant["kv_cache_dtype"] and kv.scales.shape == kv.values.shape[:-1]
+    if "tp" in layout:
+        head_axis = kv.values.ndim - 2
+        assert kv.scales.sharding.spec[head_axis] == kv.values.sharding.spec[head_axis]
+    if "pp" in layout:
+        s = attn["q_proj_scale"].get_value()
+        assert attn["q_proj"].get_value().dtype == np.int8 and s.sharding.spec[0] == "pipeline"
+    if "ep" in layout:
+        s = engine.runner.state["layers"][0]["mlp"]["gate_proj_scale"].get_value()
+        assert s.sharding.spec[0] == "expert" and s.addressable_shards[0].data.shape[0] == 8 // layout["ep"]
+    np.testing.assert_allclose(_prompt_logits(engine), ref_logits, atol=1e-4, rtol=1e-4)
+    assert _greedy(_engine(models[name], **quant, **layout)) == ref_tokens

@@ -13,12 +13,12 @@ from models.transformer import init_kv_caches
 
 
 class PagedRunner:
-    def __init__(self, model, *, page_size=8, num_pages=128, max_pages=64, cache_dtype=None):
+    def __init__(self, model, *, page_size=8, num_pages=128, max_pages=64, cache_dtype=None, kv_cache_dtype="auto"):
         self.cfg = model.config
         self.page_size, self.max_pages = page_size, max_pages
         self.graphdef, self.state = nnx.split(model)
         dtype = cache_dtype or jax.tree.leaves(self.state)[0].dtype
-        self.kv = init_kv_caches(self.cfg, num_pages, page_size, dtype)
+        self.kv = init_kv_caches(self.cfg, num_pages, page_size, dtype, kv_cache_dtype=kv_cache_dtype)
         self.next_free = 0
 
         def forward(m, batch, kv):  # MoE layers sow expert counts, which only nnx.capture may collect

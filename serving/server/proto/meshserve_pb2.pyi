@@ -235,7 +235,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port", "reasoning_parser", "tool_call_parser")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port", "reasoning_parser", "tool_call_parser", "quantization", "kv_cache_dtype")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,8 @@ class ModelInfoResponse(_message.Message):
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
     REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -284,7 +286,9 @@ class ModelInfoResponse(_message.Message):
     http_port: int
     reasoning_parser: str
     tool_call_parser: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ...) -> None: ...
+    quantization: str
+    kv_cache_dtype: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("check_invariants",)

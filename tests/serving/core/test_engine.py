@@ -426,3 +426,27 @@ def test_logit_bias_matches_hf_and_leaves_unbiased_neighbours_alone(llama, workl
         llm.engine.make_request("bad", prompts[0], SamplingParams(logit_bias={999: 1.0}))
     with pytest.raises(ValueError, match=r"logit_bias\[3\] must be in"):
         SamplingParams(logit_bias={3: 250.0})
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3"])
+def test_quantized_kv_cache_through_prefix_cache_chunks_and_preemption(llama, workload, kv_cache_dtype):
+    """A quantized KV cache: chunked prefill, prefix-cache hits and preemption give the tokens of a plain run of the
+    same quantized engine (a row's quantisation does not depend on how its pages were written or shared), most of
+    them HF's; no page leaks (`_run`)."""
+    base = {"page_size": 8, "max_num_seqs": 16, "kv_cache_dtype": kv_cache_dtype}
+    plain = [o.token_ids for o in _run(LLM(llama[0], warmup=False, **base, num_pages=256, max_num_batched_tokens=128,
+                                           enable_prefix_caching=False), workload)]
+    for options in (dict(max_num_batched_tokens=64, max_prefill_chunk=16, num_pages=256, enable_prefix_caching=False),
+                    dict(max_num_batched_tokens=128, num_pages=256, enable_prefix_caching=True),
+                    dict(max_num_batched_tokens=64, num_pages=24, enable_prefix_caching=True)):
+        llm = LLM(llama[0], warmup=False, **base, **options)
+        assert llm.engine.runner.kv_caches[0].kv_cache_dtype == kv_cache_dtype
+        outs = _run(llm, workload)
+        assert [o.token_ids for o in outs] == plain, options
+        if options["num_pages"] == 24:
+            assert sum(o.metrics.num_preemptions for o in outs) > 0
+        elif options["enable_prefix_caching"]:
+            assert sum(o.metrics.num_cached_prompt_tokens for o in outs) >= 16 * 24 // 2
+    same = sum(p == e for p, e in zip(plain, workload[2]))
+    print(f"KV {kv_cache_dtype}: {same} of {len(plain)} greedy continuations equal to HF's float ones")
+    assert same >= len(plain) * (3 if kv_cache_dtype == "int8" else 2) // 4  # e4m3 keeps 3 mantissa bits

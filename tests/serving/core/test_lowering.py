@@ -27,7 +27,14 @@ LAYOUTS = {  # (model, EngineConfig options)
     "llama-draft": ("llama", {"speculative_method": "draft", "speculative_model": "llama"}),  # itself as the draft
     "mixtral": ("mixtral", {}),
     "mixtral-ep2-tp2": ("mixtral", {"ep": 2, "tp": 2}),
+    # quantized weights and KV cache (docs/quantization.md)
+    "llama-int8-kv-int8": ("llama", {"quantization": "int8", "kv_cache_dtype": "int8"}),
+    "llama-fp8-kv-fp8-tp2": ("llama", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "tp": 2}),
+    "mixtral-int8-kv-fp8-ep2": ("mixtral", {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3", "ep": 2}),
+    "mixtral-ep2": ("mixtral", {"ep": 2}),
 }
+KV_VALUES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # a quantized cache's values on GPU / TPU
+WEIGHT_TYPES = {"int8": "xi8>", "fp8": "xf8E4M3FN>"}  # how the quantized weights enter the lowered programs
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +62,11 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
     engine = _engine(models[model], platform, **options)
     choices = engine.runner.choices
     assert (choices.platform, choices.attention_backend, choices.native_kernels) == (platform, platform, False)
-    assert engine.runner.kv_caches[0].dtype.name == engine.config.dtype  # not XLA:CPU's uint16 bits
+    kv = engine.runner.kv_caches[0]
+    if "kv_cache_dtype" in options:  # not XLA:CPU's uint8 bits
+        assert (kv.values.dtype.name, kv.scales.dtype.name) == (KV_VALUES[options["kv_cache_dtype"]], "float32")
+    else:
+        assert kv.dtype.name == engine.config.dtype  # not XLA:CPU's uint16 bits
     assert all(t % choices.min_token_bucket == 0 for t in engine.runner.buckets), engine.runner.buckets
     plan = engine.warmup_plan()
     kinds = {p.kind for p in plan}
@@ -67,6 +78,8 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
         assert not cpu_only_pieces(text), (program.name, cpu_only_pieces(text))
         if program.kind != "sample":
             assert KERNEL[platform] in text, program.name  # the platform's attention kernel, not XLA's
+            if "quantization" in options:  # the weights stay 8-bit in the program's inputs
+                assert WEIGHT_TYPES[options["quantization"]] in text, program.name
             # the step's token rows are the bucket's (whole tiles), not a CPU height
             assert re.search(rf"tensor<{program.tokens}xi32>", text), program.name
     with pytest.raises(RuntimeError, match="can be lowered"):

@@ -269,8 +269,13 @@ def test_metrics_parse_and_counters_match(server, client, model_dir):
     (cache_config,) = families["meshserve:cache_config_info"].samples
     assert cache_config.value == 1.0
     assert cache_config.labels == {"model_name": os.path.basename(os.path.normpath(model_dir)),
-                                   "block_size": str(info.page_size), "num_gpu_blocks": str(info.num_pages)}
+                                   "block_size": str(info.page_size), "num_gpu_blocks": str(info.num_pages),
+                                   "cache_dtype": info.kv_cache_dtype}
     assert (info.page_size, info.num_pages) == (8, 512)  # serving.process.SMALL_ENGINE_FLAGS
+    assert (info.quantization, info.kv_cache_dtype) == ("none", "float32")
+    (model_config,) = families["meshserve:model_config_info"].samples
+    assert model_config.labels == {"model_name": cache_config.labels["model_name"], "dtype": "float32",
+                                   "quantization": "none"}
     assert after[("meshserve:compile_count", ())] == client.model_info().compile_count > 0
     for name in ("meshserve:num_preemptions_total", "meshserve:prefix_cache_hits_total",
                  "meshserve:request_prefill_time_seconds_count", "meshserve:request_decode_time_seconds_count"):
