@@ -12,7 +12,7 @@ BENCHMARKS = {
     "sweep": "serve at several request rates against a local server on the ~125M Llama, vs the offline engine",
     "gateway": "the gateway's routing policies in front of N instances, one of them slow or stuck",
     "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",
-    "moe": "mixture of experts on CPU: the grouped expert kernel vs ragged_dot, per layer and a Mixtral-shaped model",
+    "moe": "mixture of experts on CPU: grouped expert kernel vs ragged_dot, Mixtral/Qwen3-MoE-shaped, vs llama.cpp",
     "quant_kernels": "int8 weight matmuls on CPU: ms and GB/s per call, int8 vs packed f32 and bf16, 1-256 rows",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",

@@ -1,6 +1,6 @@
-"""llama.cpp side by side with meshserve on the same checkpoint, for `offline --only=llamacpp`: `write_gguf` (an HF
-Llama as a GGUF file of the same weights) and `LlamaCpp` (greedy batched generation through llama-cpp-python,
-the optional `llamacpp` extra). Details: docs/benchmarks.md."""
+"""llama.cpp side by side with meshserve on the same checkpoint, for `offline --only=llamacpp` and `moe`:
+`write_gguf` (an HF Llama, Mixtral or Qwen3-MoE as a GGUF file of the same weights) and `LlamaCpp` (greedy batched
+generation and prompt logits through llama-cpp-python, the optional `llamacpp` extra). Details: docs/benchmarks.md."""
 from __future__ import annotations
 
 import ctypes
@@ -29,30 +29,66 @@ def _rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# meshserve's model family -> llama.cpp's architecture
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
+# HF names of an expert's gate, up and down projections per family (per-expert checkpoints)
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _stacked_experts(tensors: SafetensorsCheckpoint, layer: int, family: str, n: int) -> tuple[np.ndarray, ...]:
+    """Layer `layer`'s experts' gate, up and down weights, each stacked [n, out, in], from per-expert tensors (under
+    `block_sparse_moe.` or `mlp.`) or from transformers 5's fused experts (gate_up_proj [n, 2I, E], gate rows
+    first, and down_proj [n, E, I])."""
+    for module in ("block_sparse_moe", "mlp"):
+        m = f"model.layers.{layer}.{module}.experts."
+        if f"{m}0.{_EXPERT_NAMES[family][0]}.weight" in tensors:
+            return tuple(np.stack([tensors.get(f"{m}{j}.{name}.weight") for j in range(n)])
+                         for name in _EXPERT_NAMES[family])
+    m = f"model.layers.{layer}.mlp.experts."
+    gate, up = np.split(tensors.get(m + "gate_up_proj"), 2, axis=1)
+    return gate, up, tensors.get(m + "down_proj")
+
+
+def _router(tensors: SafetensorsCheckpoint, layer: int) -> np.ndarray:
+    mixtral = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    return tensors.get(mixtral if mixtral in tensors else f"model.layers.{layer}.mlp.gate.weight")
+
+
 def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False) -> Path:
-    """Writes `model_dir` (a LlamaForCausalLM, or a MixtralForCausalLM with per-expert w1/w2/w3, in safetensors) as
-    GGUF at `path` (llama.cpp's "llama" architecture; Mixtral's experts stacked as ffn_{gate,up,down}_exps and its
-    router as ffn_gate_inp); returns the path. `q8_0`: every matrix in llama.cpp's Q8_0 (int8 in blocks of 32 with
-    an f16 scale each, what `llama-quantize ... Q8_0` writes), the norms float32."""
+    """Writes `model_dir` (a LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM in safetensors) as GGUF at
+    `path`: Llama and Mixtral as llama.cpp's "llama" architecture (q/k rows reordered for its interleaved RoPE),
+    Qwen3-MoE as "qwen3moe" (NEOX RoPE as HF's: rows as stored; q/k norms as attn_{q,k}_norm); experts stacked as
+    ffn_{gate,up,down}_exps [n_expert, out, in] and the router as ffn_gate_inp. Returns the path. `q8_0`: every
+    matrix in llama.cpp's Q8_0 (int8 in blocks of 32 with an f16 scale each, what `llama-quantize ... Q8_0` writes),
+    the norms float32."""
     import gguf
     model_dir, path = Path(model_dir), Path(path)
     cfg = ModelConfig.from_pretrained(str(model_dir))
-    if cfg.family not in ("llama", "mixtral"):
-        raise ValueError(f"write_gguf handles Llama and Mixtral checkpoints, not {cfg.family!r}")
+    arch = GGUF_ARCHITECTURES.get(cfg.family)
+    if arch is None:
+        raise ValueError(f"write_gguf handles {', '.join(GGUF_ARCHITECTURES)} checkpoints, not {cfg.family!r}")
     if cfg.rope.rope_type != "default":
         raise ValueError(f"write_gguf writes plain RoPE only, not {cfg.rope.rope_type!r}")
+    if any(cfg.sliding_windows):
+        raise ValueError(f"write_gguf writes full attention only, not sliding windows {cfg.sliding_windows}")
+    if cfg.family == "qwen3_moe" and not (cfg.norm_topk_prob and all(cfg.moe_layers)):
+        # llama.cpp's qwen3moe renormalises the top-k weights and has a sparse MLP in every layer
+        raise ValueError(f"write_gguf writes Qwen3-MoE with norm_topk_prob and every layer sparse, not "
+                         f"norm_topk_prob={cfg.norm_topk_prob}, moe_layers={cfg.moe_layers}")
     tensors = SafetensorsCheckpoint(str(model_dir))
     heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
     dtype = tensors.get("model.embed_tokens.weight").dtype
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
-    moe = cfg.family == "mixtral"
-    w.add_feed_forward_length(cfg.moe_intermediate_size if moe else cfg.intermediate_size)
-    if moe:
+    # llama's MoE (Mixtral) sizes its experts by feed_forward_length, qwen3moe by expert_feed_forward_length
+    w.add_feed_forward_length(cfg.moe_intermediate_size if cfg.family == "mixtral" else cfg.intermediate_size)
+    if cfg.num_experts:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_key_length(cfg.head_dim)
@@ -84,23 +120,25 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
             w.add_tensor(name, np.ascontiguousarray(a).view(np.uint16), raw_shape=a.shape,
                          raw_dtype=gguf.GGMLQuantizationType.BF16)
 
+    rope_rows = _rope_pairs if arch == "llama" else lambda a, _: a
     add("token_embd.weight", tensors.get("model.embed_tokens.weight"))
     add("output_norm.weight", tensors.get("model.norm.weight"))
     add("output.weight", tensors.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"))
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
-        add(f"blk.{i}.attn_q.weight", _rope_pairs(tensors.get(p + "self_attn.q_proj.weight"), heads))
-        add(f"blk.{i}.attn_k.weight", _rope_pairs(tensors.get(p + "self_attn.k_proj.weight"), kv_heads))
+        add(f"blk.{i}.attn_q.weight", rope_rows(tensors.get(p + "self_attn.q_proj.weight"), heads))
+        add(f"blk.{i}.attn_k.weight", rope_rows(tensors.get(p + "self_attn.k_proj.weight"), kv_heads))
         add(f"blk.{i}.attn_v.weight", tensors.get(p + "self_attn.v_proj.weight"))
         add(f"blk.{i}.attn_output.weight", tensors.get(p + "self_attn.o_proj.weight"))
+        if cfg.qk_norm:
+            add(f"blk.{i}.attn_q_norm.weight", tensors.get(p + "self_attn.q_norm.weight"))
+            add(f"blk.{i}.attn_k_norm.weight", tensors.get(p + "self_attn.k_norm.weight"))
         add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
-        if moe:  # [n_expert, out, in] per projection (GGUF lists dimensions innermost first)
-            m = p + "block_sparse_moe."
-            add(f"blk.{i}.ffn_gate_inp.weight", tensors.get(m + "gate.weight"))
-            for name, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-                add(f"blk.{i}.ffn_{name}_exps.weight",
-                    np.stack([tensors.get(f"{m}experts.{j}.{hf}.weight") for j in range(cfg.num_experts)]))
+        if cfg.moe_layers[i]:  # [n_expert, out, in] per projection (GGUF lists dimensions innermost first)
+            add(f"blk.{i}.ffn_gate_inp.weight", _router(tensors, i))
+            for name, a in zip(("gate", "up", "down"), _stacked_experts(tensors, i, cfg.family, cfg.num_experts)):
+                add(f"blk.{i}.ffn_{name}_exps.weight", a)
             continue
         add(f"blk.{i}.ffn_gate.weight", tensors.get(p + "mlp.gate_proj.weight"))
         add(f"blk.{i}.ffn_up.weight", tensors.get(p + "mlp.up_proj.weight"))
@@ -127,9 +165,12 @@ def _quiet(level, text, user_data):  # llama.cpp's log goes nowhere
 
 
 class LlamaCpp:
-    """A llama.cpp context over a GGUF file with room for `max_seqs` sequences of up to `max_len` tokens each."""
+    """A llama.cpp context over a GGUF file with room for `max_seqs` sequences of up to `max_len` tokens each; its KV
+    cache in float16 (llama.cpp's default, the benchmarks') or, with `float32_cache`, float32 and attention without
+    flash attention (for exact checks)."""
 
-    def __init__(self, gguf_path: str | os.PathLike, max_seqs: int, max_len: int, threads: int | None = None):
+    def __init__(self, gguf_path: str | os.PathLike, max_seqs: int, max_len: int, threads: int | None = None,
+                 float32_cache: bool = False):
         import llama_cpp as lc
         self._lc = lc
         lc.llama_log_set(_quiet, None)
@@ -143,6 +184,9 @@ class LlamaCpp:
         p.n_batch = p.n_ubatch = min(p.n_ctx, 512)
         p.n_seq_max = max_seqs
         p.n_threads = p.n_threads_batch = threads
+        if float32_cache:  # and attention without flash attention, whose CPU kernel rounds to float16
+            p.type_k = p.type_v = lc.GGML_TYPE_F32
+            p.flash_attn_type = lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self._ctx = lc.llama_init_from_model(self._model, p)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create a context")
@@ -170,6 +214,19 @@ class LlamaCpp:
     def _argmax(self, i: int) -> int:
         ptr = self._lc.llama_get_logits_ith(self._ctx, i)
         return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.vocab,))))
+
+    def prompt_logits(self, prompt: list[int]) -> np.ndarray:
+        """[len(prompt), vocab] float32: the logits after each token of `prompt` (one sequence, from an empty
+        cache)."""
+        lc = self._lc
+        lc.llama_memory_clear(lc.llama_get_memory(self._ctx), True)
+        rows = []
+        for start in range(0, len(prompt), self._batch_cap):
+            chunk = prompt[start:start + self._batch_cap]
+            self._decode([(t, start + j, 0, True) for j, t in enumerate(chunk)])
+            rows += [np.ctypeslib.as_array(lc.llama_get_logits_ith(self._ctx, j), shape=(self.vocab,)).copy()
+                     for j in range(len(chunk))]
+        return np.stack(rows)
 
     def generate(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         """Greedy, `max_tokens` new tokens per prompt (no stop tokens), all prompts at once."""

@@ -1,8 +1,11 @@
 """Mixture-of-experts on CPU (issue 25): the grouped expert MLP's native kernel against XLA's `ragged_dot` dispatch,
-side by side in one run, on a Mixtral-shaped model built locally with random weights ("mixtral-tiny": 8 layers,
-hidden 512, 8 experts of intermediate 1024, top-2, vocabulary 32000).
+side by side in one run, on two models built locally with random weights, both 8 layers, hidden 512, 8 query / 4 KV
+heads, vocabulary 32000, untied head, and the same expert bytes per layer (~140M parameters in all):
+"mixtral-tiny" (Mixtral-shaped: 8 experts of intermediate 1024, top-2) and "qwen3moe-tiny" (Qwen3-MoE-shaped: 64
+fine-grained experts of intermediate 128, top-8, top-k weights renormalised, q/k RMS norms, head_dim 64).
 
-    python -m serving.bench moe [--only=kernel,throughput] [--dtypes=float32,bfloat16,int8] [--quick]
+    python -m serving.bench moe [--only=kernel,throughput] [--models=mixtral,qwen3moe]
+                                [--dtypes=float32,bfloat16,int8] [--quick]
 
 kernel: MoE layers' routed experts (`pallas_kernels.moe.grouped_expert_mlp`, 8 layers of distinct weights in turn,
 so they come from memory) at 1 and 16 tokens (decode steps) and 256 (a prefill chunk), time per layer against the
@@ -10,12 +13,16 @@ memory roofline of the experts the tokens select (their bytes / read bandwidth m
 (`LLM`), 16 prompts x 128 tokens in -> 128 out greedy at batch 16 (all at once) and batch 1 (one at a time), output
 tok/s, and the batch-1 decode step against the roofline of the weights it reads (attention, the selected experts,
 the LM head or its int8 screen), and llama.cpp on the same checkpoint written as GGUF (`serving.bench.llamacpp`,
-where llama-cpp-python is installed), interleaved round by round. "ragged_dot" is the old path
-(MESHSERVE_MOE_KERNEL=ragged_dot at trace time: every other native kernel stays on), "native" the new. The kernel
-benchmark's dtype "int8" is bfloat16 activations with int8 experts (a float32 scale per slot and output channel).
+where llama-cpp-python is installed), interleaved round by round; "agree": the mean share of the 16 greedy outputs
+a meshserve path and llama.cpp produce identically from the start (random weights leave near-ties that accumulation
+order and llama.cpp's float16 KV cache decide differently after a while). "ragged_dot" is the old path
+(MESHSERVE_MOE_KERNEL=ragged_dot at trace time: every other native kernel stays on), "native" the new. Dtype
+"int8" is the bfloat16 checkpoint quantised at load (a float32 scale per slot and output channel) with bfloat16
+activations; llama.cpp runs its Q8_0 GGUF.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -26,25 +33,64 @@ from absl import flags
 from serving.bench.harness import BENCH_WORKDIR, median_time, read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["kernel", "throughput"], "benchmarks to run")
+_MODELS = flags.DEFINE_list("models", ["mixtral", "qwen3moe"], "models (mixtral, qwen3moe)")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes")
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark model is written")
 _QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (for a smoke run)")
 
-MIXTRAL_TINY = dict(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                    num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
-                    max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 PATHS = ("ragged_dot", "native")
+_SHARED = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+               max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def mixtral_tiny(dtype: str, workdir: str = BENCH_WORKDIR) -> str:
-    """The directory of mixtral-tiny's HF checkpoint in `dtype` under `workdir`: written once (seed 0), then reused."""
-    d = os.path.join(workdir, f"mixtral-tiny-{dtype}")
-    if not os.path.exists(os.path.join(d, "config.json")):
-        import torch
-        import transformers as tf
-        torch.manual_seed(0)
-        tf.MixtralForCausalLM(tf.MixtralConfig(**MIXTRAL_TINY)).to(getattr(torch, dtype)).save_pretrained(d)
-    return d
+@dataclasses.dataclass(frozen=True)
+class TinyMoE:
+    """A benchmark model: transformers' `{hf_class}Config(**config)` / `{hf_class}ForCausalLM`, random weights."""
+    name: str
+    hf_class: str
+    config: dict
+
+    @property
+    def experts(self) -> int:
+        return self.config.get("num_local_experts") or self.config["num_experts"]
+
+    @property
+    def top_k(self) -> int:
+        return self.config["num_experts_per_tok"]
+
+    @property
+    def expert_intermediate(self) -> int:
+        return self.config.get("moe_intermediate_size", self.config["intermediate_size"])
+
+    def checkpoint(self, dtype: str, workdir: str = BENCH_WORKDIR) -> str:
+        """The directory of its HF checkpoint in `dtype` under `workdir`: written once (seed 0), then reused."""
+        d = os.path.join(workdir, f"{self.name}-{dtype}")
+        if not os.path.exists(os.path.join(d, "config.json")):
+            import torch
+            import transformers as tf
+            torch.manual_seed(0)
+            cfg = getattr(tf, f"{self.hf_class}Config")(**self.config)
+            getattr(tf, f"{self.hf_class}ForCausalLM")(cfg).to(getattr(torch, dtype)).save_pretrained(d)
+        return d
+
+
+MODELS = {
+    "mixtral": TinyMoE("mixtral-tiny", "Mixtral", dict(_SHARED, intermediate_size=1024, num_local_experts=8,
+                                                       num_experts_per_tok=2)),
+    # Qwen3-MoE's fine-grained experts (Qwen3-30B-A3B: 128 of 768 at hidden 2048, top-8), sized so a layer's experts
+    # hold as many weights as mixtral-tiny's: 64 x 128 = 8 x 1024 intermediate rows. intermediate_size is the dense
+    # MLP's, which no layer has (every layer sparse).
+    "qwen3moe": TinyMoE("qwen3moe-tiny", "Qwen3Moe", dict(_SHARED, intermediate_size=1024, moe_intermediate_size=128,
+                                                         num_experts=64, num_experts_per_tok=8, norm_topk_prob=True,
+                                                         head_dim=64)),
+}
+
+
+def _models() -> list[TinyMoE]:
+    unknown = set(_MODELS.value) - set(MODELS)
+    if unknown:
+        raise ValueError(f"--models={','.join(_MODELS.value)}: unknown {sorted(unknown)}; expected {', '.join(MODELS)}")
+    return [MODELS[m] for m in _MODELS.value]
 
 
 def moe_path(name: str):
@@ -59,12 +105,12 @@ def _cpu_path() -> str:
     return f"native {native.isa()}" if native.enabled() else "xla"
 
 
-def bench_kernel(bw: float):
+def bench_kernel(model: TinyMoE, bw: float):
     import jax
     import jax.numpy as jnp
 
     from pallas_kernels import moe
-    e, i, n, k = MIXTRAL_TINY["hidden_size"], MIXTRAL_TINY["intermediate_size"], MIXTRAL_TINY["num_local_experts"], 2
+    e, i, n, k = model.config["hidden_size"], model.expert_intermediate, model.experts, model.top_k
     rows = []
     layers = 8  # distinct weights per layer, called in turn: more bytes than the caches hold
     for dtype in _DTYPES.value:
@@ -99,10 +145,9 @@ def bench_kernel(bw: float):
             rows.append([dtype, t, selected, selected * expert_bytes / 1e6, times["ragged_dot"] * 1e3,
                          times["native"] * 1e3, times["ragged_dot"] / times["native"], roof * 1e3,
                          roof / times["native"]])
-    table(f"One MoE layer's routed experts (E={e}, I={i}, {n} experts, top-{k}), ms per layer over {layers} layers "
-          f"of distinct weights: ragged_dot (old) vs "
-          f"native grouped kernel ({_cpu_path()}); roofline: selected experts' bytes / read bandwidth "
-          f"({bw / 1e9:.1f} GB/s measured now)",
+    table(f"{model.name}: one MoE layer's routed experts (E={e}, I={i}, {n} experts, top-{k}), ms per layer over "
+          f"{layers} layers of distinct weights: ragged_dot (old) vs native grouped kernel ({_cpu_path()}); roofline: "
+          f"selected experts' bytes / read bandwidth ({bw / 1e9:.1f} GB/s measured now)",
           ["dtype", "tokens", "experts selected", "MB selected", "ragged_dot (ms)", "native (ms)", "speed-up",
            "roofline (ms)", "roofline/native"], rows)
 
@@ -143,7 +188,12 @@ def _step_bytes(llm, screened: bool) -> tuple[int, int]:
     return total, selected
 
 
-def bench_throughput(bw: float):
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[float]:
+    """Per output: the share of its tokens both produce identically from the start."""
+    return [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) / len(x) for x, y in zip(ours, theirs)]
+
+
+def bench_throughput(model: TinyMoE, bw: float):
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
     n_in, n_out = 128, (32 if _QUICK.value else 128)
@@ -153,7 +203,7 @@ def bench_throughput(bw: float):
 
     def prompts(n):
         rng = np.random.default_rng(next(seeds))
-        return [rng.integers(10, MIXTRAL_TINY["vocab_size"], n_in).tolist() for _ in range(n)]
+        return [rng.integers(10, model.config["vocab_size"], n_in).tolist() for _ in range(n)]
 
     from serving.bench import llamacpp
     have_cpp = llamacpp.available()
@@ -161,10 +211,10 @@ def bench_throughput(bw: float):
     for dtype in _DTYPES.value:
         int8 = dtype == "int8"  # the bfloat16 checkpoint quantised at load (llama.cpp: its Q8_0 GGUF)
         model_dtype = "bfloat16" if int8 else dtype
+        hf_dir = model.checkpoint(model_dtype, _WORKDIR.value)
         cpp = None
         if have_cpp:
-            hf_dir = mixtral_tiny(model_dtype, _WORKDIR.value)
-            gguf_path = os.path.join(_WORKDIR.value, f"mixtral-tiny-{dtype}.gguf")
+            gguf_path = os.path.join(_WORKDIR.value, f"{model.name}-{dtype}.gguf")
             if not os.path.exists(gguf_path) or os.path.getmtime(gguf_path) < os.path.getmtime(
                     os.path.join(hf_dir, "config.json")):
                 llamacpp.write_gguf(hf_dir, gguf_path, q8_0=int8)
@@ -174,14 +224,16 @@ def bench_throughput(bw: float):
         llms = {}
         for path in PATHS:
             with moe_path(path):
-                llms[path] = LLM(mixtral_tiny(model_dtype, _WORKDIR.value), dtype=model_dtype, page_size=16,
-                                 num_pages=4096, max_num_seqs=16, max_num_batched_tokens=256,
-                                 enable_prefix_caching=False, **(dict(quantization="int8") if int8 else {}))
+                llms[path] = LLM(hf_dir, dtype=model_dtype, page_size=16, num_pages=4096, max_num_seqs=16,
+                                 max_num_batched_tokens=256, enable_prefix_caching=False,
+                                 **(dict(quantization="int8") if int8 else {}))
                 llms[path].generate(prompts(16), greedy)  # programs traced now, under this path
                 llms[path].generate(prompts(1), greedy)
         rate16 = {p: [] for p in PATHS}
         rate1 = {p: [] for p in PATHS}
         steps = {p: [] for p in PATHS}
+        outs16 = {p: [] for p in PATHS}
+        cpp_outs16 = []
         for r in range(1 if _QUICK.value else 2):  # interleaved, the order flipped each round
             order = PATHS if r % 2 == 0 else PATHS[::-1]
             batch = prompts(16)
@@ -190,6 +242,7 @@ def bench_throughput(bw: float):
                     t0 = time.perf_counter()
                     outs = llms[path].generate(batch, greedy)
                     rate16[path].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+                    outs16[path] += [list(o.token_ids) for o in outs]
             ones = prompts(singles)
             for path in order:
                 eng = llms[path].engine
@@ -207,7 +260,7 @@ def bench_throughput(bw: float):
                     rate1[path].append(len(ones) * n_out / took)
             if cpp is not None:
                 t0 = time.perf_counter()
-                cpp.generate(batch, n_out)
+                cpp_outs16 += cpp.generate(batch, n_out)
                 cpp_rate16.append(16 * n_out / (time.perf_counter() - t0))
                 t0 = time.perf_counter()
                 for p in ones:
@@ -217,23 +270,29 @@ def bench_throughput(bw: float):
         total, selected = _step_bytes(llms["native"], bool(screened))
         for path in PATHS:
             step = statistics.median(steps[path])
+            agree = f"{statistics.mean(_agreement(outs16[path], cpp_outs16)):.0%}" if cpp is not None else "-"
             rows.append([dtype, path, _cpu_path(), statistics.median(rate16[path]), statistics.median(rate1[path]),
-                         step * 1e3, total / 1e6, selected / 1e6, total / bw * 1e3, total / bw / step])
+                         step * 1e3, total / 1e6, selected / 1e6, total / bw * 1e3, total / bw / step, agree])
         if cpp is not None:
             rows.append([dtype, "llama.cpp", llamacpp.instruction_sets(), statistics.median(cpp_rate16),
-                         statistics.median(cpp_rate1), "-", "-", "-", "-", "-"])
+                         statistics.median(cpp_rate1), "-", "-", "-", "-", "-", "-"])
             cpp.close()
         del llms
-    table(f"mixtral-tiny, output tok/s, 16 x ({n_in} in, {n_out} out) greedy: batch 16 (all at once) and batch 1 "
-          f"(one at a time, {singles} prompts); batch-1 decode step (median) against the roofline of the bytes it "
-          f"reads (attention, selected experts, LM head screen) at {bw / 1e9:.1f} GB/s measured now",
+    table(f"{model.name} ({model.experts} experts of intermediate {model.expert_intermediate}, top-{model.top_k}), "
+          f"output tok/s, 16 x ({n_in} in, {n_out} out) greedy: batch 16 (all at once) and batch 1 (one at a time, "
+          f"{singles} prompts); batch-1 decode step (median) against the roofline of the bytes it reads (attention, "
+          f"selected experts, LM head screen) at {bw / 1e9:.1f} GB/s measured now; agree: batch-16 greedy tokens "
+          f"equal to llama.cpp's from the start",
           ["dtype", "MoE path", "kernels", "tok/s b16", "tok/s b1", "b1 step (ms)", "MB read / step",
-           "of which experts", "roofline (ms)", "roofline/step"], rows)
+           "of which experts", "roofline (ms)", "roofline/step", "agree"], rows)
 
 
 def main() -> None:
+    models = _models()
     bw = read_bandwidth()
     if "kernel" in _ONLY.value:
-        bench_kernel(bw)
+        for model in models:
+            bench_kernel(model, bw)
     if "throughput" in _ONLY.value:
-        bench_throughput(bw)
+        for model in models:
+            bench_throughput(model, bw)

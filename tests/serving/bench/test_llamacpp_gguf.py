@@ -1,6 +1,8 @@
-"""The GGUF writer behind the llama.cpp side-by-side benchmark (serving/bench/llamacpp.py): a local HF Llama
+"""The GGUF writer behind the llama.cpp side-by-side benchmarks (serving/bench/llamacpp.py): a local HF Llama
 checkpoint comes back from the GGUF file with the same weights, the metadata llama.cpp reads, and q/k rows
-reordered so that llama.cpp's interleaved RoPE gives the attention scores HF's rotate-half RoPE gives."""
+reordered so that llama.cpp's interleaved RoPE gives the attention scores HF's rotate-half RoPE gives; a Qwen3-MoE
+checkpoint (per-expert or fused experts) as "qwen3moe" with its rows as stored; and llama.cpp itself, run on the
+Mixtral and Qwen3-MoE files, gives HF's logits and greedy tokens."""
 from __future__ import annotations
 
 import gguf
@@ -122,3 +124,127 @@ def test_gguf_refuses_scaled_rope(tmp_path):
     tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="plain RoPE only, not 'linear'"):
         llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+
+
+def _moe_model(family, dtype=torch.float32):
+    """A small random-weight Mixtral or Qwen3-MoE (vocabulary past the GGUF's 259 special and byte tokens; weights
+    at std 0.2, so logits are peaked and attention matters: a wrong layout moves logits by several units)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
+                  initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if family == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    else:  # fine-grained, head_dim apart from hidden / heads, as Qwen3-MoE has them
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=32, num_experts=16,
+                                num_experts_per_tok=4, norm_topk_prob=True)
+    return tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
+
+
+def _bf16_as_f32(a):
+    return (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen3moe_gguf_holds_the_checkpoint(tmp_path, dtype):
+    model = _moe_model("qwen3_moe", dtype)
+    model.save_pretrained(tmp_path / "hf")
+    path = llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    r = gguf.GGUFReader(str(path))
+    meta = {k: r.fields[k].contents() for k in (
+        "general.architecture", "qwen3moe.block_count", "qwen3moe.embedding_length", "qwen3moe.expert_count",
+        "qwen3moe.expert_used_count", "qwen3moe.expert_feed_forward_length", "qwen3moe.attention.head_count",
+        "qwen3moe.attention.head_count_kv", "qwen3moe.attention.key_length", "qwen3moe.attention.value_length",
+        "qwen3moe.rope.dimension_count")}
+    assert meta == {"general.architecture": "qwen3moe", "qwen3moe.block_count": 2, "qwen3moe.embedding_length": HIDDEN,
+                    "qwen3moe.expert_count": 16, "qwen3moe.expert_used_count": 4,
+                    "qwen3moe.expert_feed_forward_length": 32, "qwen3moe.attention.head_count": HEADS,
+                    "qwen3moe.attention.head_count_kv": KV_HEADS, "qwen3moe.attention.key_length": 32,
+                    "qwen3moe.attention.value_length": 32, "qwen3moe.rope.dimension_count": 32}
+    hf = {k: v.float().numpy() for k, v in model.state_dict().items()}  # experts fused: gate_up [N, 2I, E]
+    names = {"token_embd.weight": hf["model.embed_tokens.weight"], "output.weight": hf["lm_head.weight"],
+             "output_norm.weight": hf["model.norm.weight"]}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        gate, up = np.split(hf[p + "mlp.experts.gate_up_proj"], 2, axis=1)
+        names.update({f"blk.{i}.{ours}.weight": hf[p + theirs] for ours, theirs in (
+            ("attn_norm", "input_layernorm.weight"), ("attn_q", "self_attn.q_proj.weight"),
+            ("attn_k", "self_attn.k_proj.weight"), ("attn_v", "self_attn.v_proj.weight"),
+            ("attn_output", "self_attn.o_proj.weight"), ("attn_q_norm", "self_attn.q_norm.weight"),
+            ("attn_k_norm", "self_attn.k_norm.weight"), ("ffn_norm", "post_attention_layernorm.weight"),
+            ("ffn_gate_inp", "mlp.gate.weight"), ("ffn_down_exps", "mlp.experts.down_proj"))})
+        names[f"blk.{i}.ffn_gate_exps.weight"], names[f"blk.{i}.ffn_up_exps.weight"] = gate, up
+    tensors = {t.name: t for t in r.tensors}
+    assert set(tensors) == set(names)
+    for name, want in names.items():  # q/k rows as stored: qwen3moe rotates HF's halves (NEOX)
+        t = tensors[name]
+        if want.ndim > 1 and dtype == torch.bfloat16:
+            assert t.tensor_type == gguf.GGMLQuantizationType.BF16
+            got = _bf16_as_f32(t.data)
+        else:
+            assert t.tensor_type == gguf.GGMLQuantizationType.F32
+            got = np.asarray(t.data, np.float32)
+        np.testing.assert_array_equal(got.reshape(want.shape), want, err_msg=name)
+
+
+def test_qwen3moe_gguf_from_fused_experts_is_the_same(tmp_path):
+    """transformers 5's in-memory layout (experts fused) written as safetensors gives the same GGUF tensors as
+    save_pretrained's per-expert checkpoint."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    model = _moe_model("qwen3_moe")
+    model.save_pretrained(tmp_path / "per_expert")
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    (fused / "config.json").write_text((tmp_path / "per_expert" / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
+    with safe_open(str(fused / "model.safetensors"), "np") as f:
+        assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
+    a = gguf.GGUFReader(str(llamacpp.write_gguf(tmp_path / "per_expert", tmp_path / "a.gguf")))
+    b = gguf.GGUFReader(str(llamacpp.write_gguf(fused, tmp_path / "b.gguf")))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors):
+        np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data), err_msg=x.name)
+
+
+def test_qwen3moe_gguf_refuses_what_llamacpp_would_compute_otherwise(tmp_path):
+    torch.manual_seed(0)
+    cfg = tf.Qwen3MoeConfig(vocab_size=300, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=HEADS,
+                            num_key_value_heads=KV_HEADS, moe_intermediate_size=32, num_experts=4,
+                            num_experts_per_tok=2, norm_topk_prob=False)
+    tf.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ValueError, match="norm_topk_prob=False"):
+        llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+
+
+@pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_llamacpp_on_the_gguf_gives_hf_logits_and_greedy_tokens(tmp_path, family):
+    model = _moe_model(family)
+    model.save_pretrained(tmp_path / "hf")
+    gguf_path = llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 300, n).tolist() for n in (24, 9)]
+    with torch.no_grad():
+        refs = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+    # float32 K/V: llama.cpp computes what HF does (~1e-5 here); its default float16 cache moves logits by ~0.01;
+    # a wrong layout (q/k rows, expert order, norms) moves them by units (logits spread ~1.5)
+    for float32_cache, tol in ((True, 1e-3), (False, 0.05)):
+        cpp = llamacpp.LlamaCpp(gguf_path, max_seqs=2, max_len=64, threads=1, float32_cache=float32_cache)
+        try:
+            for prompt, ref in zip(prompts, refs):
+                np.testing.assert_allclose(cpp.prompt_logits(prompt), ref, atol=tol, rtol=0)
+            got = cpp.generate(prompts, 8)
+        finally:
+            cpp.close()
+        # Greedy decoding through llama.cpp's KV cache, both prompts at once: HF's tokens, up to the first step
+        # whose top two logits (HF's, on the same prefix) are within the tolerance, where either may be taken.
+        for prompt, tokens in zip(prompts, got):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+            for step, (row, token) in enumerate(zip(logits, tokens)):
+                top2 = np.sort(row)[-2:]
+                if top2[1] - top2[0] < 2 * tol:
+                    break
+                assert token == int(np.argmax(row)), f"step {step}: llama.cpp {token}, HF {int(np.argmax(row))}"
+            assert step >= 4, f"a near-tie at step {step} already: too few tokens checked"
