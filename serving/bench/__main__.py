@@ -14,6 +14,7 @@ BENCHMARKS = {
     "attention": "ragged paged attention: time per call vs the read-bandwidth roofline and a dense baseline",
     "moe": "mixture of experts on CPU: grouped expert kernel vs ragged_dot, Mixtral/Qwen3-MoE-shaped, vs llama.cpp",
     "quant_kernels": "int8 weight matmuls on CPU: ms and GB/s per call, int8 vs packed f32 and bf16, 1-256 rows",
+    "paths": "batch-1 decode step vs its bytes' roofline on every CPU path (native ISAs, XLA, XLA at AVX2), 2 models",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",

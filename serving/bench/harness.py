@@ -104,7 +104,8 @@ _REQUEST_IDS = itertools.count()
 def decode_step_bytes(engine, batch: int) -> int:
     """Bytes of weights a decode step of `batch` sequences reads: every parameter as held (quantized weights with
     their scales) but the embedding table, of which it gathers a row per token; a greedy step the LM head's int8
-    screen takes reads the screen instead of the head."""
+    screen takes reads the screen instead of the head; of a mixture-of-experts layer's experts, those `batch` tokens
+    can select: top_k of them at batch 1, at most min(slots, batch * top_k) (`decode_step_expert_bytes`)."""
     import jax
     from flax import nnx
     runner = engine.runner
@@ -114,7 +115,26 @@ def decode_step_bytes(engine, batch: int) -> int:
     head = embed if tied else model.lm_head[...]
     screen = 0 if model.head_screen is None else model.head_screen[...].nbytes + model.head_screen_bounds[...].nbytes
     total = sum(x.nbytes for x in jax.tree.leaves(runner.state)) - (0 if tied else embed.nbytes) - screen
+    experts, selected = decode_step_expert_bytes(model, batch)
+    total += selected - experts
     return total - head.nbytes + screen if runner.screens(runner.seq_bucket(batch)) else total
+
+
+def decode_step_expert_bytes(model, batch: int) -> tuple[int, int]:
+    """(bytes of every MoE layer's routed experts, of which a decode step of `batch` tokens reads at most): each
+    layer's gate/up/down and their scales, times min(slots, batch * top_k) / slots."""
+    from models.quant import scale_name
+    experts = selected = 0
+    for layer in model.layers:
+        mlp = layer.mlp
+        if not hasattr(mlp, "replica_slots"):
+            continue
+        names = [n for p in ("gate_proj", "up_proj", "down_proj") for n in (p, scale_name(p)) if hasattr(mlp, n)]
+        per = sum(getattr(mlp, n)[...].nbytes for n in names)
+        slots = mlp.gate_proj.shape[0]
+        experts += per
+        selected += per * min(slots, batch * mlp.top_k) // slots
+    return experts, selected
 
 
 def decode_step_times(engine, prompts: list[list[int]], params, warm_tokens: int = 8) -> tuple[list[float], float]:

@@ -30,7 +30,8 @@ import time
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, median_time, read_bandwidth, table
+from serving.bench.harness import BENCH_WORKDIR, decode_step_bytes, decode_step_expert_bytes, median_time, \
+    read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["kernel", "throughput"], "benchmarks to run")
 _MODELS = flags.DEFINE_list("models", ["mixtral", "qwen3moe"], "models (mixtral, qwen3moe)")
@@ -164,30 +165,6 @@ def _quantized(weights):
     return tuple(values), tuple(scales)
 
 
-def _step_bytes(llm, screened: bool) -> tuple[int, int]:
-    """(bytes a batch-1 decode step reads, of which the selected experts'): every weight but the embedding table
-    (a row gathered) and the experts not selected (top_k of num_experts per layer); the LM head's int8 screen
-    instead of the head where the step is screened."""
-    import jax
-    from flax import nnx
-    eng = llm.engine
-    model = nnx.merge(eng.runner.graphdef, eng.runner.state)
-    embed = model.embed_tokens[...]
-    head = model.lm_head[...]
-    screen = 0 if model.head_screen is None else model.head_screen[...].nbytes + model.head_screen_bounds[...].nbytes
-    experts = selected = 0
-    for layer in model.layers:
-        mlp = layer.mlp
-        if hasattr(mlp, "replica_slots"):
-            per = sum(getattr(mlp, p)[...].nbytes for p in ("gate_proj", "up_proj", "down_proj"))
-            experts += per
-            selected += per * mlp.top_k // mlp.gate_proj.shape[0]
-    total = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state)) - embed.nbytes - screen - experts + selected
-    if screened and screen:
-        total += screen - head.nbytes
-    return total, selected
-
-
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[float]:
     """Per output: the share of its tokens both produce identically from the start."""
     return [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) / len(x) for x, y in zip(ours, theirs)]
@@ -266,8 +243,10 @@ def bench_throughput(model: TinyMoE, bw: float):
                 for p in ones:
                     cpp.generate([p], n_out)
                 cpp_rate1.append(len(ones) * n_out / (time.perf_counter() - t0))
-        screened = llms["native"].engine.runner.screens(llms["native"].engine.runner.seq_bucket(1))
-        total, selected = _step_bytes(llms["native"], bool(screened))
+        from flax import nnx
+        eng = llms["native"].engine
+        total = decode_step_bytes(eng, 1)
+        selected = decode_step_expert_bytes(nnx.merge(eng.runner.graphdef, eng.runner.state), 1)[1]
         for path in PATHS:
             step = statistics.median(steps[path])
             agree = f"{statistics.mean(_agreement(outs16[path], cpp_outs16)):.0%}" if cpp is not None else "-"
