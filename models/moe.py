@@ -29,8 +29,8 @@ class MoE(nnx.Module):
 
     Expert weights are stored per physical slot ([num_slots, ...], num_slots >= num_experts; the extra slots
     hold replicas of hot experts). Tokens are dispatched by slot to grouped matmuls
-    (`pallas_kernels.moe.grouped_expert_mlp`: the native CPU kernel, else `ragged_dot`), so a token costs k experts,
-    not all of them, and an expert no token selected is not read. Under a mesh the slots
+    (`pallas_kernels.moe.grouped_expert_mlp`: the native CPU kernel, megablox on TPU, else `ragged_dot`), so a
+    token costs k experts, not all of them, and an expert no token selected is not read. Under a mesh the slots
     are split over 'expert' (and the expert MLP over 'tensor'); each device computes the pairs routed to its
     slots and the partial outputs are summed across devices.
     """

@@ -2,9 +2,11 @@
 native kernels it is one call of `native.expert_mlp` (each selected expert's weights read once for all its tokens,
 unselected experts not read at all; fused gate|up, SwiGLU, down and the weighted combine; float weights, or int8
 with per-channel scales); on XLA:CPU a step of a few (token, expert) pairs gathers the selected experts' weights
-(`GATHER_MAX_PAIRS`; quantized experts the kernel does not take, on every platform); elsewhere (GPU, TPU, larger
-steps on XLA:CPU) the (token, expert) pairs are sorted by slot and run through `jax.lax.ragged_dot`.
-MESHSERVE_MOE_KERNEL=ragged_dot (or gather) forces that path (for comparisons)."""
+(`GATHER_MAX_PAIRS`; quantized experts the kernel does not take, on every platform); otherwise the (token, expert)
+pairs are sorted by slot and run through a grouped matmul: on TPU megablox's (`jax.experimental.pallas.ops.tpu.
+megablox.gmm`, the Pallas/Mosaic kernel MaxText and tpu-inference use), elsewhere (GPU, larger steps on XLA:CPU)
+`jax.lax.ragged_dot`. MESHSERVE_MOE_KERNEL=ragged_dot (or gather, megablox: interpreted off TPU) forces that path
+(for comparisons and tests)."""
 from __future__ import annotations
 
 import os
@@ -15,30 +17,38 @@ import jax.numpy as jnp
 from pallas_kernels import native
 from pallas_kernels.target import target_platform
 
-MOE_ENV_VAR = "MESHSERVE_MOE_KERNEL"  # auto (default): native where it runs | gather | ragged_dot
-BACKENDS = ("native", "gather", "ragged_dot")
+MOE_ENV_VAR = "MESHSERVE_MOE_KERNEL"  # auto (default): native where it runs | gather | ragged_dot | megablox
+BACKENDS = ("native", "gather", "ragged_dot", "megablox")
 # XLA:CPU without the native kernels: up to this many (token, expert) pairs (a decode step of 1-2 tokens at top-2)
 # gather the selected experts' weights and apply them directly, so the step reads what the tokens selected
 # (mixtral-tiny, one layer, 1 token: 0.54 ms against ragged_dot's 15.5 ms, which walks every group on XLA:CPU); at
 # 8 pairs both took ~16 ms, so more pairs stay on ragged_dot.
 GATHER_MAX_PAIRS = 4
+# megablox gmm: the dtypes it takes (lhs and rhs), its tiles. Rows: at most MEGABLOX_TM per tile, a multiple of 16
+# (bfloat16's sublane packing); K and N: the largest of these that divides the dimension, else the whole dimension
+# (a block equal to the array's extent is always a legal Mosaic block). None of this was tuned on a TPU.
+MEGABLOX_DTYPES = (jnp.float32, jnp.bfloat16)
+MEGABLOX_TM = 128
+MEGABLOX_TILES = (512, 256, 128)
 
 
 def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group: int = 0) -> str:
     """Trace-time. Which backend `grouped_expert_mlp` takes for these operands here (`pairs`: the (token, expert)
     pairs, T * k; None: many; `scales`, `group`: quantized weights' as `grouped_expert_mlp` takes them). The native
     kernel takes int8 experts with per-channel scales; quantized experts it does not take gather their weights
-    for a few pairs on every platform."""
+    for a few pairs on every platform. TPU: megablox for float32 / bfloat16 activations (the kernel's dtypes)."""
     pairs = GATHER_MAX_PAIRS + 1 if pairs is None else pairs
     choice = os.environ.get(MOE_ENV_VAR, "auto").strip().lower()
     if choice not in ("", "auto", *BACKENDS):
         raise ValueError(f"{MOE_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
-    if choice in ("gather", "ragged_dot"):
+    if choice in ("gather", "ragged_dot", "megablox"):
         return choice
     if not (scales is not None and group) and native.expert_mlp_supported(x, gate, up, down, scales):
         return "native"
     if (target_platform() == "cpu" or scales is not None) and pairs <= GATHER_MAX_PAIRS:
         return "gather"
+    if target_platform() == "tpu" and x.dtype in MEGABLOX_DTYPES:
+        return "megablox"
     return "ragged_dot"
 
 
@@ -53,6 +63,8 @@ def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
         return native.expert_mlp(x, slots, weights, gate, up, down, scales)
     if backend == "gather":
         return gathered_expert_mlp(x, slots, weights, gate, up, down, scales, group)
+    if backend == "megablox":
+        return megablox_expert_mlp(x, slots, weights, gate, up, down, scales, group)
     return ragged_expert_mlp(x, slots, weights, gate, up, down, scales, group)
 
 
@@ -82,33 +94,85 @@ def gathered_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0)
 
 
 def ragged_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
-    """Pure. `grouped_expert_mlp` with XLA's ops: the (token, k) pairs sorted by slot (those of no slot last, not
-    computed) through `ragged_dot`, then scattered back with their weights. Quantized weights: per-channel scales
-    multiply each row's output by its expert's scales; group-wise ones dequantize the weights first (a copy per
-    call: the slow path)."""
+    """Pure. `grouped_expert_mlp` with XLA's `ragged_dot` over the pairs sorted by slot (`sorted_expert_mlp`)."""
+    def matmul(a, w, group_sizes, dtype):
+        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=dtype)
+
+    return sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales, group)
+
+
+def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """(tm, tk, tn) for a megablox gmm of lhs [m, k] against rhs [G, k, n], m already padded to whole row tiles
+    (`megablox_rows`): tm = min(MEGABLOX_TM, m); tk, tn: the largest MEGABLOX_TILES dividing k, n, else k, n."""
+    def tile(d):
+        return next((c for c in MEGABLOX_TILES if d % c == 0), d)
+
+    return min(MEGABLOX_TM, m), tile(k), tile(n)
+
+
+def megablox_rows(m: int) -> int:
+    """The row tile of `m` (token, expert) pairs: m rounded up to 16, at most MEGABLOX_TM; m is padded to it."""
+    return min(MEGABLOX_TM, -(-m // 16) * 16)
+
+
+def megablox_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+    """Pure. `grouped_expert_mlp` with megablox's grouped matmul (Pallas; Mosaic on TPU, interpreted elsewhere)
+    over the pairs sorted by slot (`sorted_expert_mlp`, rows padded to whole row tiles). gmm takes float32 / bfloat16
+    operands only: quantized experts are converted to x's dtype (the scales then as `sorted_expert_mlp` applies
+    them)."""
+    from jax.experimental.pallas.ops.tpu import megablox
+
+    interpret = target_platform() != "tpu"
+
+    def matmul(a, w, group_sizes, dtype):
+        tiling = megablox_tiling(a.shape[0], a.shape[1], w.shape[2])
+        return megablox.gmm(a, w, group_sizes, dtype, tiling, None, None, False, interpret)
+
+    return sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales, group,
+                             row_tile=megablox_rows(slots.size))
+
+
+def sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales=None, group=0, row_tile=1):
+    """Pure. `grouped_expert_mlp` through a grouped matmul: the (token, k) pairs sorted by slot (those of no slot
+    last, not computed), padded with pairs of no slot to a multiple of `row_tile` rows, `matmul(a [R, K], w [S, K,
+    N], group_sizes [S], dtype) -> [R, N]` (rows past the groups: any value, not read), then scattered back with
+    their weights. Quantized weights: per-channel scales multiply each row's float32 output by its expert's scales
+    (the weights converted to x's dtype); group-wise ones dequantize the weights first (a copy per call: the slow
+    path)."""
     t, k = slots.shape
+    if t * k == 0:
+        return jnp.zeros_like(x)
     n = gate.shape[0]
     flat = slots.reshape(-1)
     mine = (flat >= 0) & (flat < n)
     key = jnp.where(mine, flat, n)
+    rows = -(-t * k // row_tile) * row_tile
+    wflat = weights.reshape(-1)
+    if rows > t * k:  # pairs of no slot, no token, no weight
+        key = jnp.concatenate([key, jnp.full((rows - t * k,), n, key.dtype)])
+        wflat = jnp.concatenate([wflat, jnp.zeros((rows - t * k,), wflat.dtype)])
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros((n + 1,), jnp.int32).at[key].add(1)[:n]
-    token = order // k
+    sorted_key = key[order]
+    computed = sorted_key < n
+    token = jnp.minimum(order // k, t - 1)
     xs = x[token]
     row_scale = [None] * 3
     if scales is not None and group:
         gate, up, down = (_dequantized(w, s, group, x.dtype) for w, s in zip((gate, up, down), scales))
     elif scales is not None:
         gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
-        expert = jnp.minimum(key[order], n - 1)
+        expert = jnp.minimum(sorted_key, n - 1)
         row_scale = [s[expert] for s in scales]
 
     def dot(a, w, s):
         if s is None:
-            return jax.lax.ragged_dot(a, w, group_sizes)
-        return (jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32) * s).astype(a.dtype)
+            return matmul(a, w, group_sizes, a.dtype)
+        return (matmul(a, w, group_sizes, jnp.float32) * s).astype(a.dtype)
 
     h = jax.nn.silu(dot(xs, gate, row_scale[0])) * dot(xs, up, row_scale[1])
     out = dot(h, down, row_scale[2])
-    w = jnp.where(mine[order], weights.reshape(-1)[order], 0).astype(out.dtype)
-    return jnp.zeros_like(x).at[token].add(out * w[:, None])
+    # where, not a product: rows outside every group may hold anything (megablox leaves them unwritten: NaN in
+    # interpret mode)
+    out = jnp.where(computed[:, None], out * wflat[order].astype(out.dtype)[:, None], 0)
+    return jnp.zeros_like(x).at[token].add(out)

@@ -2,6 +2,8 @@
 instruction-set path this CPU runs (forced in turn, as test_native.py does), float32 and bfloat16 (and int8 experts
 with per-channel scales, against the oracle on the dequantized weights): empty experts, one expert taking every
 token, top-k 1..8, padding and out-of-range slots; and the ragged_dot fallback against the same oracle."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,3 +246,100 @@ def test_int8_experts_dispatch(monkeypatch, group):
         np.testing.assert_array_equal(out, jax.jit(native.expert_mlp)(*args))
     assert not native.expert_mlp_supported(x, gate, up, down, scales[:2] + (scales[1],))  # down's: [S, E]
     assert not native.expert_mlp_supported(x, gate, up, down)  # int8 without scales
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# megablox (TPU's grouped matmul), forced on this CPU: Pallas interpret mode, against the same oracle
+
+
+def _megablox(monkeypatch, args, **kw):
+    monkeypatch.setenv(moe.MOE_ENV_VAR, "megablox")
+    x, gate, up, down = args[0], *args[3:6]
+    assert moe.moe_backend(x, gate, up, down, **kw) == "megablox"
+    return jax.jit(lambda *a: moe.grouped_expert_mlp(*a, **kw))(*args)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,i,s,k", [(7, 48, 40, 8, 1), (7, 48, 40, 8, 8), (37, 33, 17, 4, 3), (40, 256, 128, 8, 2),
+                                       (3, 1, 1, 2, 1)])
+def test_megablox_path_matches_the_oracle(monkeypatch, dtype, t, e, i, s, k):
+    """Top-k 1 and 8, rows past one row tile (37 * 3 = 111 -> 112; 40 * 2 = 80), odd K and N (whole-dimension
+    tiles), 256 / 128 (tiles of 256 and 128)."""
+    args = operands(t, e, i, s, k, dtype, seed=t + k)
+    check(_megablox(monkeypatch, args), args, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_megablox_one_expert_every_token_padding_and_foreign_slots(monkeypatch, dtype):
+    slots = np.full((150, 2), 3)  # 300 pairs: three row tiles of 128, the last part padding
+    slots[:, 1] = -1
+    slots[::7, 1] = 9  # another device's slot
+    slots[5] = [-7, 1]
+    slots[6] = [-1, -1]  # a token with no expert gets zeros
+    args = operands(150, 64, 48, 6, 2, dtype, slots=slots)
+    out = _megablox(monkeypatch, args)
+    check(out, args, dtype)
+    assert not np.asarray(out[6], np.float32).any()
+    args = operands(4, 32, 24, 4, 2, dtype, slots=np.full((4, 2), -1))
+    assert not np.asarray(_megablox(monkeypatch, args), np.float32).any()
+    args = operands(0, 32, 24, 4, 2, dtype, slots=np.zeros((0, 2), np.int32))
+    assert _megablox(monkeypatch, args).shape == (0, 32)
+
+
+@pytest.mark.parametrize("group", [0, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_megablox_int8_experts(monkeypatch, dtype, group):
+    """int8 experts: per-channel scales on the float32 output rows, group-wise ones dequantizing first."""
+    slots = np.array([[0, 7], [3, -1], [5, 2], [2, 2], [-7, 1], [9, 6]])
+    args = int8_operands(6, 64, 32, 8, 2, dtype=dtype, slots=slots)
+    x, slots, weights, gate, up, down, scales = args
+    if group:  # [S, G, N]: 64 / 16 = 4 groups for gate/up, 32 / 16 = 2 for down
+        scales = tuple(jnp.repeat(sc[:, None], n, axis=1) for sc, n in zip(scales, (4, 4, 2)))
+    out = _megablox(monkeypatch, (x, slots, weights, gate, up, down), scales=scales, group=group)
+    check_int8(out, args, dtype)
+
+
+def test_megablox_tiles():
+    """Rows: a multiple of 16 up to 128 rows, padded to it; K / N: 512, 256 or 128 when one divides, else whole."""
+    assert [moe.megablox_rows(m) for m in (1, 16, 17, 111, 128, 300)] == [16, 16, 32, 112, 128, 128]
+    assert moe.megablox_tiling(384, 4096, 14336) == (128, 512, 512)  # Mixtral-8x7B's E and I
+    assert moe.megablox_tiling(32, 2048, 768) == (32, 512, 256)  # Qwen3-30B-A3B's
+    assert moe.megablox_tiling(112, 33, 17) == (112, 33, 17)
+
+
+def _lower_for(platform, args, **kw):
+    from pallas_kernels.target import tracing_for
+    with tracing_for(platform):
+        return jax.jit(lambda *a: moe.grouped_expert_mlp(*a, **kw)).trace(*args).lower(
+            lowering_platforms=(platform,)).as_text()
+
+
+def megablox_calls(text: str) -> int:
+    """How many megablox gmm calls a lowered module makes (gmm is a jit of its own: a function per shape, gate and
+    up sharing one), 0 unless it holds gmm's Mosaic kernel (a tpu_custom_call named after gmm's `kernel`)."""
+    if not re.search(r'stablehlo\.custom_call @tpu_custom_call\([^\n]*kernel_name = "kernel"', text):
+        return 0
+    return len(re.findall(r"call @gmm(?:_\d+)?\(", text))
+
+
+@pytest.mark.parametrize("quant", [None, "per_channel", "group"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_megablox_lowers_for_tpu_and_ragged_dot_for_cuda(dtype, quant):
+    """Traced for TPU from this CPU the entry point takes megablox (three Mosaic kernels: gate, up, down; no
+    ragged_dot), the weights staying 8-bit in the program's inputs; traced for cuda it keeps ragged_dot."""
+    t, e, i, s, k = 32, 256, 512, 8, 2
+    abstract = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+    wdt = dtype if quant is None else jnp.int8
+    args = (abstract((t, e), dtype), abstract((t, k), jnp.int32), abstract((t, k), dtype),
+            abstract((s, e, i), wdt), abstract((s, e, i), wdt), abstract((s, i, e), wdt))
+    kw = {}
+    if quant == "per_channel":
+        kw = dict(scales=tuple(jnp.ones((s, n), jnp.float32) for n in (i, i, e)))
+    elif quant == "group":
+        kw = dict(scales=tuple(jnp.ones((s, g, n), jnp.float32) for g, n in ((2, i), (2, i), (4, e))), group=128)
+    tpu = _lower_for("tpu", args, **kw)
+    assert megablox_calls(tpu) == 3 and "call @gmm" in tpu and "ragged_dot" not in tpu
+    if quant:
+        assert f"tensor<{s}x{e}x{i}xi8>" in tpu
+    cuda = _lower_for("cuda", args, **kw)
+    assert "ragged_dot" in cuda and "tpu_custom_call" not in cuda

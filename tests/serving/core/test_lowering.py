@@ -1,7 +1,8 @@
 """Every program the engine compiles, lowered for GPU and TPU from this CPU host: a Llama-shaped and a MoE model,
 one device and over a mesh (tensor / expert parallel, a pipeline), plus the speculative step. The programs come
 from the engine's own warm-up list, so a new one cannot be missed; none may carry a CPU-only piece (a native CPU
-kernel, uint16 KV storage) or a CPU bucket, and each must hold its platform's attention kernel."""
+kernel, uint16 KV storage) or a CPU bucket, and each must hold its platform's attention kernel (and a MoE model's its
+grouped expert matmul: megablox on TPU, ragged_dot on GPU)."""
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import transformers as tf
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.core.platform import cpu_only_pieces, platform_choices
+from tests.pallas_kernels.test_moe import megablox_calls
 from tests.support import hf_models
 from tests.support.hf_models import COMMON
 
@@ -78,6 +80,9 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
         assert not cpu_only_pieces(text), (program.name, cpu_only_pieces(text))
         if program.kind != "sample":
             assert KERNEL[platform] in text, program.name  # the platform's attention kernel, not XLA's
+            if model == "mixtral":  # the expert MLP's grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
+                assert (megablox_calls(text) > 0) == (platform == "tpu"), program.name
+                assert ("ragged_dot" in text) == (platform == "gpu"), program.name
             if "quantization" in options:  # the weights stay 8-bit in the program's inputs
                 assert WEIGHT_TYPES[options["quantization"]] in text, program.name
             # the step's token rows are the bucket's (whole tiles), not a CPU height
