@@ -250,3 +250,65 @@ class LlamaCpp:
             self._decode([(out[s][-1], len(prompts[s]) + len(out[s]) - 1, s, True) for s in live])
             for i, s in enumerate(live):
                 out[s].append(self._argmax(i))
+
+
+def small_moe_model(family: str, dtype=None):
+    """A small random-weight HF Mixtral or Qwen3-MoE (`family`: mixtral | qwen3_moe; torch `dtype`, default float32;
+    vocabulary past the GGUF's 259 special and byte tokens; weights at std 0.2, so logits are peaked and attention
+    matters: a wrong layout moves logits by several units)."""
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    common = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    if family == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    else:  # fine-grained, head_dim apart from hidden / heads, as Qwen3-MoE has them
+        cfg = tf.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=32, num_experts=16,
+                                num_experts_per_tok=4, norm_topk_prob=True)
+    return tf.AutoModelForCausalLM.from_config(cfg).to(dtype or torch.float32).eval()
+
+
+def check_moe_layouts(workdir: str | os.PathLike) -> str:
+    """llama.cpp on `write_gguf`'s Mixtral and Qwen3-MoE files gives HF's logits (within 1e-3 with a float32 KV
+    cache, 0.05 with its default float16 one) and greedy tokens (up to the first near-tie), on small models whose
+    wrong layouts would move logits by units. Raises AssertionError if not; returns a line saying what was checked.
+    The benchmarks that quote llama.cpp on MoE models run it first (llama-cpp-python is not in the test
+    environment: it builds llama.cpp from source)."""
+    import torch
+    worst = {}
+    for family in ("mixtral", "qwen3_moe"):
+        model = small_moe_model(family)
+        d = Path(workdir) / f"gguf-check-{family}"
+        model.save_pretrained(d / "hf")
+        gguf_path = write_gguf(d / "hf", d / "m.gguf")
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(3, 300, n).tolist() for n in (24, 9)]
+        with torch.no_grad():
+            refs = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
+        for float32_cache, tol in ((True, 1e-3), (False, 0.05)):
+            cpp = LlamaCpp(gguf_path, max_seqs=2, max_len=64, threads=1, float32_cache=float32_cache)
+            try:
+                for prompt, ref in zip(prompts, refs):
+                    err = float(np.abs(cpp.prompt_logits(prompt) - ref).max())
+                    assert err <= tol, f"{family}: llama.cpp's logits {err:.3g} from HF's (tolerance {tol})"
+                    worst[(family, float32_cache)] = max(err, worst.get((family, float32_cache), 0.0))
+                got = cpp.generate(prompts, 8)
+            finally:
+                cpp.close()
+            # Greedy through llama.cpp's KV cache, both prompts at once: HF's tokens up to the first step whose top
+            # two logits (HF's, on the same prefix) are within the tolerance, where either may be taken.
+            for prompt, tokens in zip(prompts, got):
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
+                for step, (row, token) in enumerate(zip(logits, tokens)):
+                    top2 = np.sort(row)[-2:]
+                    if top2[1] - top2[0] < 2 * tol:
+                        break
+                    assert token == int(np.argmax(row)), \
+                        f"{family} step {step}: llama.cpp {token}, HF {int(np.argmax(row))}"
+                assert step >= 4, f"{family}: a near-tie at step {step} already: too few tokens checked"
+    diffs = ", ".join(f"{f} {worst[(f, True)]:.1e} / {worst[(f, False)]:.1e}" for f in ("mixtral", "qwen3_moe"))
+    return (f"llama.cpp on our Mixtral / Qwen3-MoE GGUF layouts vs HF, max |logit diff| (f32 / f16 KV cache): "
+            f"{diffs}; greedy tokens equal")

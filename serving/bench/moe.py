@@ -184,6 +184,8 @@ def bench_throughput(model: TinyMoE, bw: float):
 
     from serving.bench import llamacpp
     have_cpp = llamacpp.available()
+    if have_cpp:  # its figures are quoted only if it computes what HF does on our GGUF layouts
+        print(llamacpp.check_moe_layouts(_WORKDIR.value), flush=True)
     rows = []
     for dtype in _DTYPES.value:
         int8 = dtype == "int8"  # the bfloat16 checkpoint quantised at load (llama.cpp: its Q8_0 GGUF)

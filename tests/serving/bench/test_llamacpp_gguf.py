@@ -1,8 +1,9 @@
 """The GGUF writer behind the llama.cpp side-by-side benchmarks (serving/bench/llamacpp.py): a local HF Llama
 checkpoint comes back from the GGUF file with the same weights, the metadata llama.cpp reads, and q/k rows
 reordered so that llama.cpp's interleaved RoPE gives the attention scores HF's rotate-half RoPE gives; a Qwen3-MoE
-checkpoint (per-expert or fused experts) as "qwen3moe" with its rows as stored; and llama.cpp itself, run on the
-Mixtral and Qwen3-MoE files, gives HF's logits and greedy tokens."""
+checkpoint (per-expert or fused experts) as "qwen3moe" with its rows as stored. llama.cpp itself on the Mixtral and
+Qwen3-MoE files (HF's logits and greedy tokens) is checked where it is installed, by the benchmarks that quote it
+before they time it (`llamacpp.check_moe_layouts`): llama-cpp-python builds llama.cpp from source, too long for CI."""
 from __future__ import annotations
 
 import gguf
@@ -126,28 +127,13 @@ def test_gguf_refuses_scaled_rope(tmp_path):
         llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
 
 
-def _moe_model(family, dtype=torch.float32):
-    """A small random-weight Mixtral or Qwen3-MoE (vocabulary past the GGUF's 259 special and byte tokens; weights
-    at std 0.2, so logits are peaked and attention matters: a wrong layout moves logits by several units)."""
-    torch.manual_seed(0)
-    common = dict(vocab_size=300, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=256,
-                  initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    if family == "mixtral":
-        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
-    else:  # fine-grained, head_dim apart from hidden / heads, as Qwen3-MoE has them
-        cfg = tf.Qwen3MoeConfig(**common, head_dim=32, moe_intermediate_size=32, num_experts=16,
-                                num_experts_per_tok=4, norm_topk_prob=True)
-    return tf.AutoModelForCausalLM.from_config(cfg).to(dtype).eval()
-
-
 def _bf16_as_f32(a):
     return (np.asarray(a).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_qwen3moe_gguf_holds_the_checkpoint(tmp_path, dtype):
-    model = _moe_model("qwen3_moe", dtype)
+    model = llamacpp.small_moe_model("qwen3_moe", dtype)
     model.save_pretrained(tmp_path / "hf")
     path = llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
     r = gguf.GGUFReader(str(path))
@@ -192,7 +178,7 @@ def test_qwen3moe_gguf_from_fused_experts_is_the_same(tmp_path):
     save_pretrained's per-expert checkpoint."""
     from safetensors import safe_open
     from safetensors.torch import save_file
-    model = _moe_model("qwen3_moe")
+    model = llamacpp.small_moe_model("qwen3_moe")
     model.save_pretrained(tmp_path / "per_expert")
     fused = tmp_path / "fused"
     fused.mkdir()
@@ -215,36 +201,3 @@ def test_qwen3moe_gguf_refuses_what_llamacpp_would_compute_otherwise(tmp_path):
     tf.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="norm_topk_prob=False"):
         llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
-
-
-@pytest.mark.skipif(not llamacpp.available(), reason="llama-cpp-python is not installed")
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
-def test_llamacpp_on_the_gguf_gives_hf_logits_and_greedy_tokens(tmp_path, family):
-    model = _moe_model(family)
-    model.save_pretrained(tmp_path / "hf")
-    gguf_path = llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 300, n).tolist() for n in (24, 9)]
-    with torch.no_grad():
-        refs = [model(torch.tensor([p])).logits[0].numpy() for p in prompts]
-    # float32 K/V: llama.cpp computes what HF does (~1e-5 here); its default float16 cache moves logits by ~0.01;
-    # a wrong layout (q/k rows, expert order, norms) moves them by units (logits spread ~1.5)
-    for float32_cache, tol in ((True, 1e-3), (False, 0.05)):
-        cpp = llamacpp.LlamaCpp(gguf_path, max_seqs=2, max_len=64, threads=1, float32_cache=float32_cache)
-        try:
-            for prompt, ref in zip(prompts, refs):
-                np.testing.assert_allclose(cpp.prompt_logits(prompt), ref, atol=tol, rtol=0)
-            got = cpp.generate(prompts, 8)
-        finally:
-            cpp.close()
-        # Greedy decoding through llama.cpp's KV cache, both prompts at once: HF's tokens, up to the first step
-        # whose top two logits (HF's, on the same prefix) are within the tolerance, where either may be taken.
-        for prompt, tokens in zip(prompts, got):
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()
-            for step, (row, token) in enumerate(zip(logits, tokens)):
-                top2 = np.sort(row)[-2:]
-                if top2[1] - top2[0] < 2 * tol:
-                    break
-                assert token == int(np.argmax(row)), f"step {step}: llama.cpp {token}, HF {int(np.argmax(row))}"
-            assert step >= 4, f"a near-tie at step {step} already: too few tokens checked"
