@@ -3,6 +3,7 @@ of timed calls, the read-bandwidth roofline and the ~125M Llama (random weights)
 Imports neither jax nor the serving core at import (the routing benchmark, gateway.py, runs without them)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import platform
@@ -27,6 +28,37 @@ def llama_125m(dtype: str, workdir: str = BENCH_WORKDIR) -> str:
         torch.manual_seed(0)
         tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_125M)).to(getattr(torch, dtype)).save_pretrained(d)
     return d
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyMoE:
+    """A benchmark model: transformers' `{hf_class}Config(**config)` / `{hf_class}ForCausalLM`, random weights."""
+    name: str
+    hf_class: str
+    config: dict
+
+    @property
+    def experts(self) -> int:
+        return self.config.get("num_local_experts") or self.config["num_experts"]
+
+    @property
+    def top_k(self) -> int:
+        return self.config["num_experts_per_tok"]
+
+    @property
+    def expert_intermediate(self) -> int:
+        return self.config.get("moe_intermediate_size", self.config["intermediate_size"])
+
+    def checkpoint(self, dtype: str, workdir: str = BENCH_WORKDIR) -> str:
+        """The directory of its HF checkpoint in `dtype` under `workdir`: written once (seed 0), then reused."""
+        d = os.path.join(workdir, f"{self.name}-{dtype}")
+        if not os.path.exists(os.path.join(d, "config.json")):
+            import torch
+            import transformers as tf
+            torch.manual_seed(0)
+            cfg = getattr(tf, f"{self.hf_class}Config")(**self.config)
+            getattr(tf, f"{self.hf_class}ForCausalLM")(cfg).to(getattr(torch, dtype)).save_pretrained(d)
+        return d
 
 
 def cpu_name() -> str:

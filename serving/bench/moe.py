@@ -22,7 +22,6 @@ activations; llama.cpp runs its Q8_0 GGUF.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import statistics
 import time
@@ -30,7 +29,7 @@ import time
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, decode_step_bytes, decode_step_expert_bytes, median_time, \
+from serving.bench.harness import BENCH_WORKDIR, TinyMoE, decode_step_bytes, decode_step_expert_bytes, median_time, \
     read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["kernel", "throughput"], "benchmarks to run")
@@ -40,39 +39,9 @@ _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark mo
 _QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (for a smoke run)")
 
 PATHS = ("ragged_dot", "native")
+_PATHS = flags.DEFINE_list("paths", list(PATHS), "MoE paths in the throughput benchmark (ragged_dot is slow at batch 1)")
 _SHARED = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
                max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-
-
-@dataclasses.dataclass(frozen=True)
-class TinyMoE:
-    """A benchmark model: transformers' `{hf_class}Config(**config)` / `{hf_class}ForCausalLM`, random weights."""
-    name: str
-    hf_class: str
-    config: dict
-
-    @property
-    def experts(self) -> int:
-        return self.config.get("num_local_experts") or self.config["num_experts"]
-
-    @property
-    def top_k(self) -> int:
-        return self.config["num_experts_per_tok"]
-
-    @property
-    def expert_intermediate(self) -> int:
-        return self.config.get("moe_intermediate_size", self.config["intermediate_size"])
-
-    def checkpoint(self, dtype: str, workdir: str = BENCH_WORKDIR) -> str:
-        """The directory of its HF checkpoint in `dtype` under `workdir`: written once (seed 0), then reused."""
-        d = os.path.join(workdir, f"{self.name}-{dtype}")
-        if not os.path.exists(os.path.join(d, "config.json")):
-            import torch
-            import transformers as tf
-            torch.manual_seed(0)
-            cfg = getattr(tf, f"{self.hf_class}Config")(**self.config)
-            getattr(tf, f"{self.hf_class}ForCausalLM")(cfg).to(getattr(torch, dtype)).save_pretrained(d)
-        return d
 
 
 MODELS = {
@@ -171,6 +140,7 @@ def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[float]:
 
 
 def bench_throughput(model: TinyMoE, bw: float):
+    paths = tuple(p for p in PATHS if p in _PATHS.value)
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
     n_in, n_out = 128, (32 if _QUICK.value else 128)
@@ -201,20 +171,20 @@ def bench_throughput(model: TinyMoE, bw: float):
             cpp.generate(prompts(16), 8)
         cpp_rate16, cpp_rate1 = [], []
         llms = {}
-        for path in PATHS:
+        for path in paths:
             with moe_path(path):
                 llms[path] = LLM(hf_dir, dtype=model_dtype, page_size=16, num_pages=4096, max_num_seqs=16,
                                  max_num_batched_tokens=256, enable_prefix_caching=False,
                                  **(dict(quantization="int8") if int8 else {}))
                 llms[path].generate(prompts(16), greedy)  # programs traced now, under this path
                 llms[path].generate(prompts(1), greedy)
-        rate16 = {p: [] for p in PATHS}
-        rate1 = {p: [] for p in PATHS}
-        steps = {p: [] for p in PATHS}
-        outs16 = {p: [] for p in PATHS}
+        rate16 = {p: [] for p in paths}
+        rate1 = {p: [] for p in paths}
+        steps = {p: [] for p in paths}
+        outs16 = {p: [] for p in paths}
         cpp_outs16 = []
         for r in range(1 if _QUICK.value else 2):  # interleaved, the order flipped each round
-            order = PATHS if r % 2 == 0 else PATHS[::-1]
+            order = paths if r % 2 == 0 else paths[::-1]
             batch = prompts(16)
             for path in order:
                 with moe_path(path):
@@ -249,7 +219,7 @@ def bench_throughput(model: TinyMoE, bw: float):
         eng = llms["native"].engine
         total = decode_step_bytes(eng, 1)
         selected = decode_step_expert_bytes(nnx.merge(eng.runner.graphdef, eng.runner.state), 1)[1]
-        for path in PATHS:
+        for path in paths:
             step = statistics.median(steps[path])
             agree = f"{statistics.mean(_agreement(outs16[path], cpp_outs16)):.0%}" if cpp is not None else "-"
             rows.append([dtype, path, _cpu_path(), statistics.median(rate16[path]), statistics.median(rate1[path]),

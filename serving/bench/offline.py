@@ -352,7 +352,8 @@ def bench_roofline():
 
 def bench_floor():
     """The weight matmuls alone (the 12 layers' q/k/v/o/gate/up/down dots and the LM head, random weights of the
-    benchmark model's shapes, nothing else jitted in but an RMS scaling per layer): a floor under any decode step, side by side for XLA's dot,
+    benchmark model's shapes, nothing else jitted in but an RMS scaling per layer): a floor under any decode step,
+    side by side for XLA's dot,
     the native kernel on the row-major weights, and what the engine runs (`pallas_kernels.matmul.matmul` on weights
     packed at load as `CausalLM.pack_for_cpu_kernels` does: q|k|v and gate|up fused, in the huge-page buffer, when the
     native kernels are on)."""

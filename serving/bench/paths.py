@@ -20,9 +20,8 @@ import sys
 
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, cpu_name, decode_step_bytes, decode_step_times, llama_125m, \
-    read_bandwidth, table
-from serving.bench.moe import TinyMoE
+from serving.bench.harness import BENCH_WORKDIR, TinyMoE, cpu_name, decode_step_bytes, decode_step_times, \
+    llama_125m, read_bandwidth, table
 
 _PATHS = flags.DEFINE_list("paths", [], "CPU paths (default: every native ISA this CPU runs, xla, xla-avx2)")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "dtypes")
