@@ -140,7 +140,7 @@ def test_gather_path_matches_the_oracle(monkeypatch, dtype, slots):
     monkeypatch.setenv(native.ENV_VAR, "xla")
     args = operands(len(slots), 32, 24, 4, 2, dtype, slots=np.array(slots))
     assert moe.moe_backend(*args[:1], *args[3:], pairs=args[1].size) == "gather"
-    assert moe.moe_backend(*args[:1], *args[3:], pairs=moe.GATHER_MAX_PAIRS + 1) == "ragged_dot"
+    assert moe.moe_backend(*args[:1], *args[3:], pairs=moe.GATHER_MAX_PAIRS + 1) == "loop"
     text = jax.jit(moe.grouped_expert_mlp).lower(*args).as_text()
     assert "ragged_dot" not in text
     out = jax.jit(moe.grouped_expert_mlp)(*args)
@@ -148,6 +148,56 @@ def test_gather_path_matches_the_oracle(monkeypatch, dtype, slots):
                     for a in args))
     tol = 1e-5 if dtype == jnp.float32 else 0.05
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=tol * np.abs(want).max(), rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,i,s,k", [(1, 32, 24, 4, 2), (8, 48, 40, 8, 1), (8, 48, 40, 8, 8), (37, 33, 17, 4, 3),
+                                       (64, 64, 32, 16, 2)])
+def test_loop_path_matches_the_oracle(monkeypatch, dtype, t, e, i, s, k):
+    """XLA:CPU steps of up to LOOP_MAX_ROWS tokens loop over the selected experts: no ragged_dot in the program,
+    padding and foreign slots do no work, every row gets each of its experts once."""
+    monkeypatch.setenv(native.ENV_VAR, "xla")
+    args = operands(t, e, i, s, k, dtype, seed=t + k)
+    slots = np.asarray(args[1]).copy()
+    slots[0, 0] = -1  # padding
+    if t > 1:
+        slots[1, -1] = s + 3  # another device's slot
+    args = (args[0], jnp.asarray(slots), *args[2:])
+    if t * k > moe.GATHER_MAX_PAIRS:
+        assert moe.moe_backend(*args[:1], *args[3:], pairs=t * k) == "loop"
+    monkeypatch.setenv(moe.MOE_ENV_VAR, "loop")
+    fn = jax.jit(lambda *a: moe.grouped_expert_mlp(*a))  # a fresh trace: the switches are read then
+    text = fn.lower(*args).as_text()
+    assert "ragged_dot" not in text and "while" in text
+    out = fn(*args)
+    want = oracle(*(np.asarray(jnp.asarray(a, jnp.float32)) if a.dtype == jnp.bfloat16 else np.asarray(a)
+                    for a in args))
+    tol = 1e-5 if dtype == jnp.float32 else 0.02
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=tol * np.abs(want).max(), rtol=tol)
+    assert out.dtype == dtype
+
+
+@pytest.mark.parametrize("group", [0, 16])
+def test_loop_path_int8_experts(monkeypatch, group):
+    monkeypatch.setenv(native.ENV_VAR, "xla")
+    monkeypatch.setenv(moe.MOE_ENV_VAR, "loop")
+    x, slots, weights, *ws = operands(8, 32, 48, 8, 2, jnp.float32, seed=3)
+    if group:  # one scale per 16 K rows and column
+        qs = []
+        for w in ws:
+            w = np.asarray(w)
+            s_, kk, nn = w.shape
+            sc = np.abs(w.reshape(s_, kk // group, group, nn)).max(axis=2) / 127
+            q = np.clip(np.rint(w / np.repeat(sc, group, axis=1)), -127, 127).astype(np.int8)
+            qs.append((q, sc.astype(np.float32)))
+        deq = [q.astype(np.float64) * np.repeat(sc, group, axis=1) for q, sc in qs]
+    else:
+        qs = [quantized(w) for w in ws]
+        deq = [q.astype(np.float64) * sc.astype(np.float64)[:, None, :] for q, sc in qs]
+    scales = tuple(jnp.asarray(sc) for _, sc in qs)
+    out = jax.jit(lambda *a: moe.grouped_expert_mlp(*a, group))(x, slots, weights, *(jnp.asarray(q) for q, _ in qs),
+                                                                 scales)
+    check(out, (x, slots, weights, *deq), jnp.float32)
 
 
 @needs_native
@@ -159,7 +209,7 @@ def test_entry_point_dispatch_and_switches(monkeypatch, dtype):
     assert "meshserve_cpu_expert_mlp" in text and "ragged_dot" not in text
     native_out = jax.jit(fn)(*args)
     monkeypatch.setenv(native.ENV_VAR, "xla")
-    assert moe.moe_backend(*args[:1], *args[3:]) == "ragged_dot"
+    assert moe.moe_backend(*args[:1], *args[3:]) == "loop"
     xla_text = jax.jit(lambda *a: moe.grouped_expert_mlp(*a)).lower(*args).as_text()
     assert "meshserve_cpu_expert_mlp" not in xla_text
     xla_out = jax.jit(lambda *a: moe.grouped_expert_mlp(*a))(*args)
