@@ -105,6 +105,13 @@ def gathered_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0)
     return (out * w[:, None]).reshape(t, k, -1).sum(axis=1)
 
 
+def _slot_keys(slots, n: int):
+    """Pure. The (token, k) pairs' slots, flattened, with n for a pair of no slot here (< 0: padding; >= n: another
+    device's)."""
+    flat = slots.reshape(-1)
+    return jnp.where((flat >= 0) & (flat < n), flat, n)
+
+
 def looped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     """Pure. `grouped_expert_mlp` for a few tokens on XLA:CPU: a loop over the distinct slots the tokens selected
     (min(S, T * k) iterations, those past the selected ones skipped), each slot's expert applied to every row with the
@@ -112,8 +119,7 @@ def looped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     others not at all; 2-D dots of x's dtype accumulated in float32 (XLA:CPU's fast bfloat16 path)."""
     t, k = slots.shape
     n = gate.shape[0]
-    flat = slots.reshape(-1)
-    key = jnp.where((flat >= 0) & (flat < n), flat, n)
+    key = _slot_keys(slots, n)
     chosen = jnp.unique(key, size=min(n, t * k), fill_value=n)  # sorted; n: no slot
     weights = weights.astype(jnp.float32)
 
@@ -185,9 +191,7 @@ def sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales=None, gr
     if t * k == 0:
         return jnp.zeros_like(x)
     n = gate.shape[0]
-    flat = slots.reshape(-1)
-    mine = (flat >= 0) & (flat < n)
-    key = jnp.where(mine, flat, n)
+    key = _slot_keys(slots, n)
     rows = -(-t * k // row_tile) * row_tile
     wflat = weights.reshape(-1)
     if rows > t * k:  # pairs of no slot, no token, no weight

@@ -123,15 +123,13 @@ def bench_kernel(model: TinyMoE, bw: float):
 
 
 def _quantized(weights):
-    """Expert weights [S, K, N] as int8 with a float32 scale per slot and output column: (values, scales)."""
+    """Expert weights [S, K, N] as the engine holds them quantized (models.quant, int8, a float32 scale per slot and
+    output column): (values, scales)."""
     import jax.numpy as jnp
-    values, scales = [], []
-    for w in weights:
-        w = np.asarray(w, np.float32)
-        scale = np.maximum(np.abs(w).max(axis=1), 1e-30) / 127
-        values.append(jnp.asarray(np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)))
-        scales.append(jnp.asarray(scale.astype(np.float32)))
-    return tuple(values), tuple(scales)
+
+    from models.quant import WeightQuant, quantize
+    pairs = [quantize(np.asarray(w, np.float32), (1,), WeightQuant("int8")) for w in weights]
+    return tuple(jnp.asarray(v) for v, _ in pairs), tuple(jnp.asarray(sc) for _, sc in pairs)
 
 
 def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[float]:

@@ -67,6 +67,8 @@ def check(out, args, dtype):
 
 
 DTYPES = [jnp.float32, jnp.bfloat16]
+# Row counts per expert across every tile height (1..16 and past it), odd E and I (column and K tails).
+NATIVE_SHAPES = [(1, 64, 96, 8, 2), (16, 96, 200, 8, 2), (37, 33, 17, 4, 3), (64, 128, 64, 16, 4), (3, 1, 1, 2, 1)]
 
 
 @needs_native
@@ -80,10 +82,8 @@ def test_native_top_k_1_to_8(isa, dtype, k):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,e,i,s,k", [(1, 64, 96, 8, 2), (16, 96, 200, 8, 2), (37, 33, 17, 4, 3),
-                                       (64, 128, 64, 16, 4), (3, 1, 1, 2, 1)])
+@pytest.mark.parametrize("t,e,i,s,k", NATIVE_SHAPES)
 def test_native_shapes(isa, dtype, t, e, i, s, k):
-    # Row counts per expert across every tile height (1..16 and past it), odd E and I (column and K tails).
     args = operands(t, e, i, s, k, dtype, seed=t + e)
     check(_call(native.expert_mlp, *args), args, dtype)
 
@@ -261,8 +261,7 @@ def test_native_int8_top_k_1_to_8(isa, dtype, k):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,e,i,s,k", [(1, 64, 96, 8, 2), (16, 96, 200, 8, 2), (37, 33, 17, 4, 3),
-                                       (64, 128, 64, 16, 4), (3, 1, 1, 2, 1)])
+@pytest.mark.parametrize("t,e,i,s,k", NATIVE_SHAPES)
 def test_native_int8_shapes(isa, dtype, t, e, i, s, k):
     args = int8_operands(t, e, i, s, k, dtype=dtype, seed=t + e)
     check_int8(_call(native.expert_mlp, *args), args, dtype)
