@@ -114,9 +114,11 @@ class CausalLM(nnx.Module):
         return groups
 
     def pack_for_cpu_kernels(self) -> int:
-        """Repacks the dense matmul weights into the native CPU kernels' panels, in place (single-device CPU
-        serving: the kernels then stream each weight sequentially); returns how many packed matrices there are."""
-        return cpu_weights.pack_groups(self.packing_groups())
+        """Repacks the dense matmul weights and the MoE layers' routed experts into the native CPU kernels' panels,
+        in place (single-device CPU serving: the kernels then stream each weight sequentially); returns how many
+        packed matrices (and expert stacks) there are."""
+        moes = [layer.mlp for layer in self.layers if hasattr(layer.mlp, "replica_slots")]
+        return cpu_weights.pack_groups(self.packing_groups()) + cpu_weights.pack_experts(moes)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:

@@ -1,7 +1,7 @@
 """The model's `matmul` (native CPU kernels where they take it, else XLA; quantized weights with their scales) and
 their weight plumbing: `dense_weight`, `pack_groups` (dense weights repacked into panels, fused where they read the
 same input, with their scales) and the LM head's int8 screen for greedy steps (`head_screen`, `screened_greedy`).
-Details: docs/native-kernels.md."""
+`pack_experts` does the same for MoE experts, slot by slot. Details: docs/native-kernels.md."""
 from __future__ import annotations
 
 import jax
@@ -108,6 +108,28 @@ def pack_groups(groups) -> int:
         _replace(owner, attr, names, packed)
         if scale is not None:
             _replace(owner, attr + SCALE_SUFFIX, [n + SCALE_SUFFIX for n in names], scale)
+    return len(todo)
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def pack_experts(moes) -> int:
+    """Repacks MoE layers' routed experts (`moes`: modules with gate_proj/up_proj [S, E, I] and down_proj [S, I, E])
+    into the native expert kernel's packed layout, slot by slot, in place (one huge-page buffer, as `pack_groups`);
+    returns how many stacks it packed. Quantized experts (with `<name>_scale`), experts already packed and those
+    whose E or I is not whole panels stay as they are, as do all where MESHSERVE_MOE_KERNEL forces a path other
+    than the native kernel."""
+    from pallas_kernels.moe import native_may_run
+    todo = []
+    for m in moes if native_may_run() else ():
+        ws = [getattr(m, n)[...] for n in EXPERT_WEIGHTS]
+        if any(getattr(m, n + SCALE_SUFFIX, None) is not None for n in EXPERT_WEIGHTS):
+            continue
+        if all(w.ndim == 3 and jnp.dtype(w.dtype) in native.PANELS and native.can_pack(w) for w in ws):
+            todo += [(m, n, w) for n, w in zip(EXPERT_WEIGHTS, ws)]
+    for (m, n, _), packed in zip(todo, native.pack_weights([t[2] for t in todo])):
+        getattr(m, n).set_value(packed)
     return len(todo)
 
 

@@ -39,6 +39,13 @@ MEGABLOX_TM = 128
 MEGABLOX_TILES = (512, 256, 128)
 
 
+def native_may_run() -> bool:
+    """Whether MESHSERVE_MOE_KERNEL leaves the native kernel its choice (auto or native): engines pack their float
+    experts for it at load only then (`pallas_kernels.matmul.pack_experts`); a forced other path keeps them
+    row-major rather than unpack them every step."""
+    return os.environ.get(MOE_ENV_VAR, "auto").strip().lower() in ("", "auto", "native")
+
+
 def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group: int = 0) -> str:
     """Trace-time. Which backend `grouped_expert_mlp` takes for these operands here (`pairs`: the (token, expert)
     pairs, T * k; None: many; `scales`, `group`: quantized weights' as `grouped_expert_mlp` takes them). The native
@@ -65,12 +72,14 @@ def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group:
 def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     """Pure. [T, E] in x's dtype: sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), SwiGLU_s(v) =
     (silu(v @ gate[s]) * (v @ up[s])) @ down[s]; x [T, E], slots [T, k] int (< 0: padding, no work; >= S: no work),
-    weights [T, k], gate/up [S, E, I], down [S, I, E]. Runs on whole local arrays (under a mesh: inside shard_map).
+    weights [T, k], gate/up [S, E, I], down [S, I, E] (or packed slot by slot for the native kernel,
+    `native.pack_weights`). Runs on whole local arrays (under a mesh: inside shard_map).
     Quantized weights (models.quant) come with `scales` (gate, up, down): per channel [S, I], [S, I], [S, E], or per
     `group` K rows [S, G, I], [S, G, I], [S, G, E]."""
     backend = moe_backend(x, gate, up, down, slots.size, scales, group)
     if backend == "native":
         return native.expert_mlp(x, slots, weights, gate, up, down, scales)
+    gate, up, down = _row_major(x, gate, up, down)
     if backend == "gather":
         return gathered_expert_mlp(x, slots, weights, gate, up, down, scales, group)
     if backend == "loop":
@@ -78,6 +87,15 @@ def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     if backend == "megablox":
         return megablox_expert_mlp(x, slots, weights, gate, up, down, scales, group)
     return ragged_expert_mlp(x, slots, weights, gate, up, down, scales, group)
+
+
+def _row_major(x, gate, up, down):
+    """Pure. Experts packed at load for the native kernel (`native.pack_weights`) back as [S, E, I], [S, I, E] (an
+    XLA copy per call: only the other paths, forced or where the kernel does not run, take it)."""
+    if not native.is_packed_experts(gate):
+        return gate, up, down
+    gate, up = (native.unpack_experts(w, x.shape[-1]) for w in (gate, up))
+    return gate, up, native.unpack_experts(down, gate.shape[-1])
 
 
 def _dequantized(w, scale, group: int, dtype):

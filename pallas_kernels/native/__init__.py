@@ -341,7 +341,8 @@ def matmul(x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
 # register tile then holds 14 rows); bfloat16: [N/64, Kp/2, 64, 2] with K zero-padded to Kp (a multiple of 32)
 # and rows k, k+1 of each column side by side (the pair layout vdpbf16ps and AMX B tiles read); int8: [N/64, Kp/4,
 # 64, 4], K zero-padded to a multiple of 4 and rows k..k+3 side by side (the quads vpdpbusd and sdot read). Same
-# bytes as the weight (plus the K padding).
+# bytes as the weight (plus the K padding). A stack of weights [S, K, N] (a MoE layer's experts, one per slot) packs
+# slot by slot: [S, N/P, Kp/step, P, step].
 
 
 def _padded_k(k: int, dtype) -> int:
@@ -350,23 +351,24 @@ def _padded_k(k: int, dtype) -> int:
 
 
 def can_pack(w) -> bool:
-    """Whether `pack_weight` takes this [K, N] weight."""
+    """Whether `pack_weight` takes this [K, N] weight (or [S, K, N] stack)."""
     layout = _PACKED.get(jnp.dtype(w.dtype))
-    return layout is not None and w.ndim == 2 and w.shape[0] > 0 and w.shape[1] > 0 and w.shape[1] % layout[0] == 0
+    return (layout is not None and w.ndim in (2, 3) and min(w.shape) > 0 and w.shape[-1] % layout[0] == 0)
 
 
 def _panels(w, xp):
-    """The packed layout of [K, N] `w` with array module `xp` (jax.numpy on device, NumPy on the host)."""
-    k, n = w.shape
+    """The packed layout of [..., K, N] `w` with array module `xp` (jax.numpy on device, NumPy on the host)."""
+    *lead, k, n = w.shape
     panel, step, _ = _PACKED[jnp.dtype(w.dtype)]
     kp = _padded_k(k, w.dtype)
     if kp != k:
-        w = xp.pad(w, ((0, kp - k), (0, 0)))
-    return w.reshape(kp // step, step, n // panel, panel).transpose(2, 0, 3, 1)
+        w = xp.pad(w, [(0, 0)] * len(lead) + [(0, kp - k), (0, 0)])
+    b = len(lead)
+    return w.reshape(*lead, kp // step, step, n // panel, panel).transpose(*range(b), b + 2, b, b + 3, b + 1)
 
 
 def pack_weight(w: jax.Array) -> jax.Array:
-    """Pure. The packed layout of a [K, N] weight (see above); `can_pack(w)` must hold."""
+    """Pure. The packed layout of a [K, N] weight or [S, K, N] stack (see above); `can_pack(w)` must hold."""
     return _panels(w, jnp)
 
 
@@ -404,13 +406,14 @@ def pack_weights(weights: list) -> list[jax.Array]:
     entries = [w if isinstance(w, (list, tuple)) else [w] for w in weights]
     shapes = []
     for blocks in entries:
-        k, dt = blocks[0].shape[0], jnp.dtype(blocks[0].dtype)
-        n = sum(b.shape[1] for b in blocks)
-        if any(b.shape[0] != k or jnp.dtype(b.dtype) != dt for b in blocks) or not can_pack(
-                jax.ShapeDtypeStruct((k, n), dt)):
+        *lead, k = blocks[0].shape[:-1]
+        dt = jnp.dtype(blocks[0].dtype)
+        n = sum(b.shape[-1] for b in blocks)
+        if any(b.shape[:-1] != blocks[0].shape[:-1] or jnp.dtype(b.dtype) != dt for b in blocks) or not can_pack(
+                jax.ShapeDtypeStruct((*lead, k, n), dt)):
             raise ValueError(f"cannot pack blocks of shapes {[b.shape for b in blocks]} ({dt})")
         panel, step, _ = _PACKED[dt]
-        shapes.append((n // panel, _padded_k(k, dt) // step, panel, step, dt))
+        shapes.append((*lead, n // panel, _padded_k(k, dt) // step, panel, step, dt))
     offsets, total = [], 0
     for *shape, dt in shapes:
         offsets.append(total)
@@ -422,7 +425,7 @@ def pack_weights(weights: list) -> list[jax.Array]:
     for blocks, (*shape, dt), off in zip(entries, shapes, offsets):
         host = [np.asarray(b) for b in blocks]
         view = np.frombuffer(arena, dtype=dt, count=math.prod(shape), offset=off).reshape(shape)
-        view[...] = packed_host(host[0] if len(host) == 1 else np.concatenate(host, axis=1))
+        view[...] = packed_host(host[0] if len(host) == 1 else np.concatenate(host, axis=-1))
         view.flags.writeable = False
         w = blocks[0]
         device = next(iter(w.devices())) if isinstance(w, jax.Array) else jax.devices("cpu")[0]
@@ -445,6 +448,23 @@ def packed_shape(w, k: int) -> tuple[int, int]:
     if kw != expected:
         raise ValueError(f"packed weight holds {kw} rows of K, inputs have {k} columns")
     return k, w.shape[0] * w.shape[2]
+
+
+def is_packed_experts(w) -> bool:
+    """Whether `w` is a stack of weights [S, K, N] packed slot by slot ([S, N/P, Kp/step, P, step], float32 or
+    bfloat16: the expert kernel's packed layouts)."""
+    if getattr(w, "ndim", 0) != 5:
+        return False
+    layout = _PACKED.get(jnp.dtype(w.dtype))
+    return jnp.dtype(w.dtype) in PANELS and tuple(w.shape[3:]) == layout[:2]
+
+
+def unpack_experts(w: jax.Array, k: int) -> jax.Array:
+    """Pure. The [S, K, N] stack back from its packed layout (an XLA copy: the fallback paths only)."""
+    s, panels, rows, panel, step = w.shape
+    if rows * step != _padded_k(k, w.dtype):
+        raise ValueError(f"packed experts hold {rows * step} rows of K, inputs have {k} columns")
+    return w.transpose(0, 2, 4, 1, 3).reshape(s, rows * step, panels * panel)[:, :k]
 
 
 def unpack_weight(w: jax.Array, k: int) -> jax.Array:
@@ -618,12 +638,21 @@ def greedy_head(x: jax.Array, q: jax.Array, bounds: jax.Array, w: jax.Array, num
 
 def expert_mlp_supported(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, scales=None) -> bool:
     """Trace-time. Whether `expert_mlp` can run here: x [T, E] float32 or bfloat16 and row-major gate/up [S, E, I],
-    down [S, I, E] in x's dtype (`scales` None), or int8 with float32 `scales` (gate, up, down) per output channel
-    and slot: [S, I], [S, I], [S, E] (group-wise scales are not taken)."""
-    if not enabled() or not _single_device_context() or x.ndim != 2 or gate.ndim != 3:
+    down [S, I, E] in x's dtype (`scales` None) or those packed slot by slot (`pack_weights`), or int8 row-major
+    with float32 `scales` (gate, up, down) per output channel and slot: [S, I], [S, I], [S, E] (group-wise scales
+    are not taken)."""
+    if not enabled() or not _single_device_context() or x.ndim != 2:
+        return False
+    dt = jnp.dtype(x.dtype)
+    if all(is_packed_experts(w) for w in (gate, up, down)):
+        e, i = x.shape[1], gate.shape[1] * gate.shape[3]
+        return (scales is None and all(jnp.dtype(w.dtype) == dt for w in (gate, up, down))
+                and gate.shape[2] * gate.shape[4] == _padded_k(e, dt) and up.shape == gate.shape
+                and down.shape[:2] == (gate.shape[0], e // gate.shape[3]) and down.shape[3] * down.shape[1] == e
+                and down.shape[2] * down.shape[4] == _padded_k(i, dt))
+    if gate.ndim != 3:
         return False
     s, e, i = gate.shape
-    dt = jnp.dtype(x.dtype)
     wdt = dt if scales is None else jnp.dtype(jnp.int8)
     if dt not in PANELS or any(jnp.dtype(w.dtype) != wdt for w in (gate, up, down)):
         return False

@@ -480,6 +480,31 @@ inline void WidenHalfPanel(const uint16_t* wp, int64_t K, int h, float* dst) {
 }
 #endif
 
+// Rows [m0, m1) of x (as the tiles read it, [., ldx]) times one packed panel `wp` (K rows) into out's columns
+// [0, panel) (row stride ldo), on the calling thread.
+template <typename XT, typename Out>
+inline void PackedPanel(const typename PackedTraits<XT>::X* x, int64_t ldx, int64_t m0, int64_t m1, const XT* wp,
+                        int64_t K, Out* out, int64_t ldo) {
+  using T = PackedTraits<XT>;
+#if !MESHSERVE_BF16_PAIRS
+  if constexpr (std::is_same_v<XT, uint16_t>) {
+    if (m1 - m0 >= V::kWidenPanelMinRows) {
+      thread_local Scratch widened;
+      float* f = widened.Get<float>(static_cast<size_t>((K + 1) * kF32Panel));
+      for (int h = 0; h < 2; ++h) {
+        WidenHalfPanel(wp, K, h, f);
+        for (int64_t m = m0; m < m1; m += V::kF32Rows)
+          PackedRows<float, Out>(Min<int64_t>(V::kF32Rows, m1 - m), x + m * ldx, ldx, f, K,
+                                 out + m * ldo + h * kF32Panel, ldo);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t m = m0; m < m1; m += T::kRows)
+    PackedRows<XT, Out>(Min<int64_t>(T::kRows, m1 - m), x + m * ldx, ldx, wp, K, out + m * ldo, ldo);
+}
+
 // `panel_len`: elements per panel (f32: K*32; bf16: Kp*64). x comes as the tile reads it, [M, ldx].
 template <typename XT, typename Out>
 void PackedMatmul(const Runner& run, const typename PackedTraits<XT>::X* x, int64_t ldx, int64_t M, int64_t K,
@@ -491,26 +516,8 @@ void PackedMatmul(const Runner& run, const typename PackedTraits<XT>::X* x, int6
   ParallelFor(run, chunks * mblocks, [&](int64_t unit) {
     const int64_t ci = unit % chunks, m0 = unit / chunks * kPackedMBlock;
     const int64_t j1 = Min<int64_t>(panels, (ci + 1) * per_chunk), m1 = Min<int64_t>(M, m0 + kPackedMBlock);
-    for (int64_t j = ci * per_chunk; j < j1; ++j) {
-#if !MESHSERVE_BF16_PAIRS
-      if constexpr (std::is_same_v<XT, uint16_t>) {
-        if (m1 - m0 >= V::kWidenPanelMinRows) {
-          thread_local Scratch widened;
-          float* f = widened.Get<float>(static_cast<size_t>((K + 1) * kF32Panel));
-          for (int h = 0; h < 2; ++h) {
-            WidenHalfPanel(w + j * panel_len, K, h, f);
-            for (int64_t m = m0; m < m1; m += V::kF32Rows)
-              PackedRows<float, Out>(Min<int64_t>(V::kF32Rows, m1 - m), x + m * ldx, ldx, f, K,
-                                     out + m * N + j * T::kPanel + h * kF32Panel, N);
-          }
-          continue;
-        }
-      }
-#endif
-      for (int64_t m = m0; m < m1; m += T::kRows)
-        PackedRows<XT, Out>(Min<int64_t>(T::kRows, m1 - m), x + m * ldx, ldx, w + j * panel_len, K,
-                            out + m * N + j * T::kPanel, N);
-    }
+    for (int64_t j = ci * per_chunk; j < j1; ++j)
+      PackedPanel<XT, Out>(x, ldx, m0, m1, w + j * panel_len, K, out + j * T::kPanel, N);
   });
 }
 

@@ -17,6 +17,14 @@
 // matmul); h stays float32 and the down weights are widened in registers. int8 weights (quantized serving) come with
 // float32 scales per output channel and slot (gate/up [S, I], down [S, E]): widened to float32 in registers against
 // x as float32, each expert's sums scaled by its channels' scales (before SwiGLU; before the weighted combine).
+//
+// Packed experts (float32 / bfloat16 weights packed at load, single-device CPU serving: `pack_weights` of
+// pallas_kernels/native): each slot's gate/up as matmul.h's packed panels over E ([S, I/P, Kp/step, P, step]) and
+// down over I ([S, E/P, ...]), so a unit streams whole panels front to back (matmul.h PackedPanel) instead of strips
+// of row-major rows: at a few tokens per expert the strips read at ~0.3-0.45 of the memory bandwidth (mixtral-tiny's
+// experts, E=512, I=1024), the panels as fast as a dense packed matmul. Same two passes; the tokens' rows gathered
+// into one buffer in expert order, as the tiles read them; for bfloat16 with pair dot products, h rounded to
+// bfloat16 before down (as the model computes it in bfloat16).
 
 // Rows rowp[0..rows) of x, columns [k0, k0 + kb), packed k-major as the tiles read them (matmul.h PackX).
 inline void PackRows(const float* const* rowp, int64_t rows, int64_t k0, int64_t kb, float* xt) {
@@ -166,16 +174,18 @@ struct ExpertScales {
   const float *gate, *up, *down;  // [S, I], [S, I], [S, E]
 };
 
-template <typename XT, typename WT>
-void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32_t* slots, const float* weights,
-               int64_t topk, const WT* gate, const WT* up, const WT* down, const ExpertScales& scales, int64_t S,
-               int64_t I, XT* out) {
-  // x as the gate|up tiles read it: bfloat16 pairs against bfloat16 weights where the CPU has pair dot products,
-  // else float32.
-  using XTT = std::conditional_t<std::is_same_v<XT, uint16_t> && std::is_same_v<WT, uint16_t> && V::kNativePairs,
-                                 int32_t, float>;
-  // Group the pairs by slot (counting sort; token order within a slot).
-  thread_local Scratch count_buf, pos_buf, tok_buf, wt_buf, xrow_buf, hrow_buf, h_buf;
+// The (token, k) pairs grouped by slot (counting sort; token order within a slot): slot s's pairs are
+// [start[s], start[s + 1]), pair q from token tok[q] with combine weight wt[q]; active: the na slots with pairs.
+struct PairGroups {
+  const int64_t* start;
+  const int32_t* tok;
+  const float* wt;
+  const int32_t* active;
+  int64_t pairs, na;
+};
+
+inline PairGroups GroupPairs(const int32_t* slots, const float* weights, int64_t T, int64_t topk, int64_t S) {
+  thread_local Scratch count_buf, pos_buf, tok_buf, wt_buf, active_buf;
   int64_t* start = count_buf.Get<int64_t>(static_cast<size_t>(S + 1));
   std::memset(start, 0, (S + 1) * sizeof(int64_t));
   const int64_t n = T * topk;
@@ -193,6 +203,26 @@ void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32
       tok[q] = static_cast<int32_t>(p / topk);
       wt[q] = weights[p];
     }
+  int32_t* active = active_buf.Get<int32_t>(static_cast<size_t>(S));
+  int64_t na = 0;
+  for (int64_t s = 0; s < S; ++s)
+    if (start[s + 1] > start[s]) active[na++] = static_cast<int32_t>(s);
+  return PairGroups{start, tok, wt, active, pairs, na};
+}
+
+template <typename XT, typename WT>
+void RowMajorExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32_t* slots,
+                       const float* weights, int64_t topk, const WT* gate, const WT* up, const WT* down,
+                       const ExpertScales& scales, int64_t S, int64_t I, XT* out) {
+  // x as the gate|up tiles read it: bfloat16 pairs against bfloat16 weights where the CPU has pair dot products,
+  // else float32.
+  using XTT = std::conditional_t<std::is_same_v<XT, uint16_t> && std::is_same_v<WT, uint16_t> && V::kNativePairs,
+                                 int32_t, float>;
+  const PairGroups pg = GroupPairs(slots, weights, T, topk, S);
+  const int64_t *start = pg.start, pairs = pg.pairs, na = pg.na;
+  const int32_t *tok = pg.tok, *active = pg.active;
+  const float* wt = pg.wt;
+  thread_local Scratch xrow_buf, hrow_buf, h_buf, xzero_buf, hzero_buf;  // (zero: the rows that pad a tile)
   const XT** xrow = xrow_buf.Get<const XT*>(static_cast<size_t>(pairs));
   const float** hrow = hrow_buf.Get<const float*>(static_cast<size_t>(pairs));
   float* h = h_buf.Get<float>(static_cast<size_t>(pairs * I));
@@ -200,16 +230,10 @@ void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32
     xrow[q] = x + tok[q] * E;
     hrow[q] = h + q * I;
   }
-  thread_local Scratch xzero_buf, hzero_buf;  // the rows that pad a tile
   XT* xzero = xzero_buf.Get<XT>(static_cast<size_t>(E + 1));
   float* hzero = hzero_buf.Get<float>(static_cast<size_t>(I + 1));
   std::memset(xzero, 0, E * sizeof(XT));
   std::memset(hzero, 0, I * sizeof(float));
-  thread_local Scratch active_buf;
-  int32_t* active = active_buf.Get<int32_t>(static_cast<size_t>(S));  // the selected slots
-  int64_t na = 0;
-  for (int64_t s = 0; s < S; ++s)
-    if (start[s + 1] > start[s]) active[na++] = static_cast<int32_t>(s);
 
   // 1. gate|up and SwiGLU into h.
   if (na) {
@@ -256,15 +280,111 @@ void ExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32
   });
 }
 
+
+// x's row as the packed tiles read it (PackedTraits::X), zero-padded to ld.
+inline void TileRow(const float* src, float* dst, int64_t n, int64_t ld) {
+  std::memcpy(dst, src, n * sizeof(float));
+  for (int64_t i = n; i < ld; ++i) dst[i] = 0;
+}
+inline void TileRow(const uint16_t* src, uint16_t* dst, int64_t n, int64_t ld) {
+  std::memcpy(dst, src, n * sizeof(uint16_t));
+  for (int64_t i = n; i < ld; ++i) dst[i] = 0;
+}
+inline void TileRow(const uint16_t* src, float* dst, int64_t n, int64_t ld) {
+  ToF32(src, dst, n);
+  for (int64_t i = n; i < ld; ++i) dst[i] = 0;
+}
+
+// Packed experts (see the top): gate/up [S, I/P, kpe/step, P, step], down [S, E/P, kpi/step, P, step] in x's dtype,
+// kpe / kpi their padded K (E / I rounded up to the layout's alignment); I and E whole panels.
+template <typename XT>
+void PackedExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32_t* slots, const float* weights,
+                     int64_t topk, const XT* gate, const XT* up, const XT* down, int64_t S, int64_t I, int64_t kpe,
+                     int64_t kpi, XT* out) {
+  using PT = PackedTraits<XT>;
+  using X = typename PT::X;
+  constexpr int64_t P = PT::kPanel;
+  const PairGroups g = GroupPairs(slots, weights, T, topk, S);
+  const int64_t threads = Max<int64_t>(1, run.threads);
+  const int64_t ldx = (E + PT::kStep - 1) / PT::kStep * PT::kStep;  // x's rows padded to whole K steps
+  thread_local Scratch xg_buf, h_buf, hb_buf;
+  X* xg = xg_buf.Get<X>(static_cast<size_t>(g.pairs * ldx));  // the pairs' x rows, in slot order
+  for (int64_t q = 0; q < g.pairs; ++q) TileRow(x + g.tok[q] * E, xg + q * ldx, E, ldx);
+  float* h = h_buf.Get<float>(static_cast<size_t>(g.pairs * I));
+
+  // 1. gate|up and SwiGLU into h: units of (selected expert, run of I's panels), about two per thread.
+  const int64_t panels_i = I / P, gate_len = kpe * P;
+  if (g.na) {
+    const int64_t want = Min<int64_t>(panels_i, (2 * threads + g.na - 1) / g.na);
+    const int64_t per = (panels_i + want - 1) / want, chunks = (panels_i + per - 1) / per;
+    ParallelFor(run, g.na * chunks, [&](int64_t unit) {
+      const int64_t s = g.active[unit / chunks], j0 = unit % chunks * per, j1 = Min<int64_t>(panels_i, j0 + per);
+      const int64_t q0 = g.start[s], m = g.start[s + 1] - q0, width = (j1 - j0) * P;
+      thread_local Scratch gu_buf;
+      float* gs = gu_buf.Get<float>(static_cast<size_t>(2 * m * width));
+      float* us = gs + m * width;
+      const XT* gw = gate + s * panels_i * gate_len;
+      const XT* uw = up + s * panels_i * gate_len;
+      for (int64_t j = j0; j < j1; ++j) {
+        PackedPanel<XT, float>(xg + q0 * ldx, ldx, 0, m, gw + j * gate_len, E, gs + (j - j0) * P, width);
+        PackedPanel<XT, float>(xg + q0 * ldx, ldx, 0, m, uw + j * gate_len, E, us + (j - j0) * P, width);
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        SwiGlu(gs + r * width, us + r * width, width);
+        std::memcpy(h + (q0 + r) * I + j0 * P, gs + r * width, width * sizeof(float));
+      }
+    });
+  }
+
+  // h as the down tiles read it: float32, or bfloat16 pairs where the CPU has pair dot products (I is whole
+  // panels: even).
+  const X* hx;
+  if constexpr (std::is_same_v<X, float>) {
+    hx = h;
+  } else {
+    X* hb = hb_buf.Get<X>(static_cast<size_t>(g.pairs * I));
+    for (int64_t q = 0; q < g.pairs; ++q) StoreRow<X>(h + q * I, hb + q * I, I);
+    hx = hb;
+  }
+
+  // 2. down and the weighted combine, by runs of E's panels (one per thread: no two write one output element).
+  const int64_t panels_e = E / P, down_len = kpi * P;
+  const int64_t per = (panels_e + threads - 1) / threads, chunks = (panels_e + per - 1) / per;
+  ParallelFor(run, chunks, [&](int64_t ci) {
+    const int64_t j0 = ci * per, j1 = Min<int64_t>(panels_e, j0 + per), width = (j1 - j0) * P, c0 = j0 * P;
+    thread_local Scratch y_buf, o_buf;
+    float* y = y_buf.Get<float>(static_cast<size_t>(T * width));
+    std::memset(y, 0, T * width * sizeof(float));
+    for (int64_t a = 0; a < g.na; ++a) {
+      const int64_t s = g.active[a], q0 = g.start[s], m = g.start[s + 1] - q0;
+      float* o = o_buf.Get<float>(static_cast<size_t>(m * width));
+      const XT* dw = down + s * panels_e * down_len;
+      for (int64_t j = j0; j < j1; ++j)
+        PackedPanel<XT, float>(hx + q0 * I, I, 0, m, dw + j * down_len, I, o + (j - j0) * P, width);
+      for (int64_t r = 0; r < m; ++r) AddScaled(y + g.tok[q0 + r] * width, o + r * width, g.wt[q0 + r], width);
+    }
+    for (int64_t t = 0; t < T; ++t) StoreRow<XT>(y + t * width, out + t * E + c0, width);
+  });
+}
+
 void ExpertMlpEntry(const Runner& run, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
                     const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
                     const float* gate_scale, const float* up_scale, const float* down_scale, int64_t S, int64_t I,
-                    void* out) {
+                    int64_t kpe, int64_t kpi, void* out) {
+  if (kpe) {  // packed (float weights in x's dtype)
+    if (dt == Dt::kF32)
+      return PackedExpertMlp<float>(run, static_cast<const float*>(x), T, E, slots, weights, topk,
+                                    static_cast<const float*>(gate), static_cast<const float*>(up),
+                                    static_cast<const float*>(down), S, I, kpe, kpi, static_cast<float*>(out));
+    return PackedExpertMlp<uint16_t>(run, static_cast<const uint16_t*>(x), T, E, slots, weights, topk,
+                                     static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
+                                     static_cast<const uint16_t*>(down), S, I, kpe, kpi, static_cast<uint16_t*>(out));
+  }
   const ExpertScales sc{gate_scale, up_scale, down_scale};
   auto call = [&](auto x_type, auto w_type) {  // (values of the element types)
     using XT = decltype(x_type);
     using WT = decltype(w_type);
-    ExpertMlp<XT, WT>(run, static_cast<const XT*>(x), T, E, slots, weights, topk, static_cast<const WT*>(gate),
+    RowMajorExpertMlp<XT, WT>(run, static_cast<const XT*>(x), T, E, slots, weights, topk, static_cast<const WT*>(gate),
                       static_cast<const WT*>(up), static_cast<const WT*>(down), sc, S, I, static_cast<XT*>(out));
   };
   if (dt == Dt::kF32) return gate_scale ? call(float{}, int8_t{}) : call(float{}, float{});

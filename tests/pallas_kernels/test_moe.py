@@ -117,6 +117,62 @@ def test_native_all_padding_and_empty_inputs(isa):
     assert _call(native.expert_mlp, *args).shape == (0, 32)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Experts packed slot by slot (`native.pack_weights`, as single-device CPU serving holds them): E and I whole panels.
+
+def packed(args):
+    """The operands with gate/up/down in the packed layout."""
+    x, slots, weights, gate, up, down = args
+    return (x, slots, weights, *(native.pack_weight(w) for w in (gate, up, down)))
+
+
+# One row per expert up to many (past every tile height and the widened-panel threshold), top-k 1..4.
+PACKED_SHAPES = [(1, 64, 128, 8, 2), (16, 128, 64, 8, 2), (40, 64, 64, 4, 3), (64, 128, 192, 16, 4), (2, 64, 64, 2, 1)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,i,s,k", PACKED_SHAPES)
+def test_native_packed_shapes(isa, dtype, t, e, i, s, k):
+    args = operands(t, e, i, s, k, dtype, seed=t + i)
+    pk = packed(args)
+    assert all(native.is_packed_experts(w) for w in pk[3:]) and moe.moe_backend(*pk[:1], *pk[3:]) == "native"
+    check(_call(native.expert_mlp, *pk), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", range(1, 9))
+def test_native_packed_top_k_1_to_8(isa, dtype, k):
+    args = operands(t=7, e=64, i=64, s=8, k=k, dtype=dtype, seed=k)
+    check(_call(native.expert_mlp, *packed(args)), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_packed_one_expert_takes_every_token_padding_and_foreign_slots(isa, dtype):
+    t = 40
+    slots = np.full((t, 2), 3)
+    slots[:, 1] = -1
+    slots[5] = [9, -4]  # another device's slot, padding: no expert for this token
+    args = operands(t, 64, 128, 6, 2, dtype, slots=slots)
+    out = _call(native.expert_mlp, *packed(args))
+    check(out, args, dtype)
+    assert not np.asarray(out[5], np.float32).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["gather", "loop", "ragged_dot"])
+def test_packed_experts_on_the_other_paths(monkeypatch, dtype, path):
+    # A forced path (or one where the kernel does not run) takes packed experts back to row-major first.
+    args = operands(3, 64, 128, 4, 2, dtype, seed=3)
+    pk = packed(args)
+    np.testing.assert_array_equal(np.asarray(native.unpack_experts(pk[3], 64)), np.asarray(args[3]))
+    np.testing.assert_array_equal(np.asarray(native.unpack_experts(pk[5], 128)), np.asarray(args[5]))
+    monkeypatch.setenv(moe.MOE_ENV_VAR, path)
+    check(jax.jit(moe.grouped_expert_mlp)(*pk), args, dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ragged_dot_path_matches_the_oracle(monkeypatch, dtype):
     monkeypatch.setenv(moe.MOE_ENV_VAR, "ragged_dot")
@@ -392,3 +448,54 @@ def test_megablox_lowers_for_tpu_and_ragged_dot_for_cuda(dtype, quant):
         assert f"tensor<{s}x{e}x{i}xi8>" in tpu
     cuda = _lower_for("cuda", args, **kw)
     assert "ragged_dot" in cuda and "tpu_custom_call" not in cuda
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The engine: single-device CPU serving packs float experts whose E and I are whole panels, and serves HF's tokens.
+
+@needs_native
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_engine_packs_float_experts_and_serves_hf_tokens(tmp_path, monkeypatch, family):
+    """Experts of whole panels (E = I = 64) are packed at start-up and run through the packed kernel; greedy tokens
+    equal HF's on the path the engine picks and on the lowest one it would (AVX2 on an AVX-512 machine); replicas
+    (spare slots) and rebalancing move packed slots and keep the tokens; a forced other MoE path keeps them
+    row-major (one family)."""
+    from flax import nnx
+
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    from tests.pallas_kernels.test_native import ENGINE_PATHS
+    from tests.support import hf_models
+
+    cfg = hf_models.family_configs()[family]()
+    setattr(cfg, "intermediate_size" if family == "mixtral" else "moe_intermediate_size", 64)
+    path = hf_models.save_config(cfg, str(tmp_path / family), seed=5)
+    import transformers as tf
+    hf = tf.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    prompts = [hf_models.random_prompt(n, cfg.vocab_size, seed=n) for n in (5, 23, 9)]
+    expected = [hf_models.hf_greedy(hf, p, 10) for p in prompts]
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    calls = []
+    fn = native.expert_mlp
+    monkeypatch.setattr(native, "expert_mlp", lambda *a, **k: (calls.append(native.is_packed_experts(a[3])),
+                                                                fn(*a, **k))[1])
+
+    def experts(llm):
+        model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
+        return [layer.mlp.gate_proj[...] for layer in model.layers if hasattr(layer.mlp, "replica_slots")]
+
+    for isa in ENGINE_PATHS:
+        monkeypatch.setenv(native.ISA_ENV_VAR, isa)
+        calls.clear()
+        llm = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64, spare_expert_slots=2)
+        assert experts(llm) and all(native.is_packed_experts(w) and w.shape[0] == 6 for w in experts(llm))
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected, isa
+        assert calls and all(calls)
+        llm.engine.rebalance_experts()
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected, isa
+    if family != "mixtral":
+        return
+    monkeypatch.setenv(moe.MOE_ENV_VAR, "loop")
+    llm = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64)
+    assert not any(native.is_packed_experts(w) for w in experts(llm))
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected

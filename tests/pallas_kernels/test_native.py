@@ -160,7 +160,9 @@ def test_can_pack_rejects_what_the_kernel_cannot_take():
     assert not native.can_pack(jnp.ones((64, 100), jnp.float32))  # N not whole panels
     assert native.can_pack(jnp.ones((64, 96), jnp.float32)) and not native.can_pack(jnp.ones((64, 96), jnp.bfloat16))
     assert not native.can_pack(jnp.ones((64, 64), jnp.float16))
-    assert not native.can_pack(jnp.ones((2, 64, 64), jnp.float32))
+    assert native.can_pack(jnp.ones((2, 64, 64), jnp.float32))  # a stack (MoE experts), packed slot by slot
+    assert not native.can_pack(jnp.ones((2, 2, 64, 64), jnp.float32)) and not native.can_pack(jnp.ones((0, 64, 64)))
+    assert native.is_packed_experts(native.pack_weights([jnp.ones((2, 64, 64), jnp.bfloat16)])[0])
     assert not native.is_packed(jnp.ones((64, 64), jnp.float32))
 
 
