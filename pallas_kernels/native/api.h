@@ -99,9 +99,13 @@ MESHSERVE_WEAK const Kernels* KernelsNeonBf16();
 
 // cpu.cc: whether this CPU and OS can run `isa`'s code, its name, and its kernels (null if this CPU cannot run
 // them or this build has none); whether it has int8 dot products (x86-64: AVX512_VNNI with the AVX-512 state
-// saved; aarch64: the dotprod extension), which the kernels built for AVX-512 or NEON check before using them.
+// saved; aarch64: the dotprod extension), which the kernels built for AVX-512 or NEON check before using them;
+// MESHSERVE_CPU_STREAMS=one|several overrides CpuOneStream (for measurements).
 bool CpuRuns(int32_t isa);
 bool CpuHasInt8Dot();
+// Whether packed weights stream faster as one sequential stream per panel than as several (matmul.h PackedTile):
+// AMD's x86-64 CPUs (measured on a Zen 5 EPYC), not Intel's (a Xeon: several) nor, unmeasured, others.
+bool CpuOneStream();
 const char* IsaName(int32_t isa);
 const Kernels* KernelsFor(int32_t isa);
 

@@ -1,5 +1,8 @@
 // Which instruction sets this CPU and OS run, read from the CPU itself (cpuid and xgetbv on x86-64, the kernel's
 // hwcaps on aarch64), and the kernels for each. Built for the architecture's baseline: it runs on any CPU.
+#include <cstdlib>
+#include <cstring>
+
 #include "api.h"
 
 #if defined(__x86_64__)
@@ -98,6 +101,27 @@ bool CpuHasInt8Dot() {
 #else
   return false;
 #endif
+}
+
+bool CpuOneStream() {
+  static const bool one = [] {
+    if (const char* env = std::getenv("MESHSERVE_CPU_STREAMS")) {
+      if (!std::strcmp(env, "one")) return true;
+      if (!std::strcmp(env, "several")) return false;
+    }
+#if defined(__x86_64__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4);
+    std::memcpy(vendor + 4, &d, 4);
+    std::memcpy(vendor + 8, &c, 4);
+    return !std::strcmp(vendor, "AuthenticAMD");
+#else
+    return false;
+#endif
+  }();
+  return one;
 }
 
 const char* IsaName(int32_t isa) {

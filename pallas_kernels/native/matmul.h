@@ -313,8 +313,10 @@ void MatmulEntry(const Runner& run, Dt in, Dt out, const void* x, int64_t M, int
 // reads it from memory with its compute hidden under the reads, later tiles from L2. float32 panels are 32
 // columns wide so that an AVX-512 tile holds 14 rows (28 accumulators): a 16-row decode step is nearly one pass.
 constexpr int64_t kPackedMBlock = 224;  // rows per unit of work (x's block stays in L2 across the panels)
-constexpr int64_t kPackedAhead = 4096;  // bytes ahead in the panel's stream, prefetched into L2
+constexpr int64_t kPackedAhead = 4096;  // bytes ahead in each of a panel's streams, prefetched into L2
 constexpr int kMaxStreams = 4;          // streams per panel for tiles of few rows (PackedTile)
+// Where the CPU streams best from one sequential stream per panel (CpuOneStream: AMD), this far ahead in it.
+constexpr int64_t kOneStreamAhead = 8192;
 // bfloat16 below this many rows: vdpbf16ps over several streams reads faster than AMX (7.7-9.4 vs 10-10.9 ms for
 // the 125M model's weights at 1-4 rows); from it, AMX's compute wins.
 constexpr int64_t kAmxPackedMinRows = 5;
@@ -349,14 +351,14 @@ constexpr int TileCols() {
 // float32: x[r, q] broadcast; bfloat16: the pair x[r, 2q:2q+2] (x padded to even K). kStream: the panel comes from
 // memory (the first column vector's pass prefetches ahead); a panel already in cache (matmul_int8.h's widened
 // panels) needs no prefetch.
-template <int RT, int CB, typename XT, bool kStream = true>
+template <int RT, int CB, typename XT, bool kStream = true, int64_t kAhead = kPackedAhead>
 inline void PackedStep(V::F (&acc)[RT][CB], const typename PackedTraits<XT>::X* __restrict x, int64_t ldx,
                        const XT* __restrict wp, int64_t q, int c0) {
   using T = PackedTraits<XT>;
   constexpr int64_t row_elems = T::kPanel * T::kStep;
   const XT* wq = wp + q * row_elems;
   if (kStream && c0 == 0) {
-    const char* ahead = reinterpret_cast<const char*>(wq) + kPackedAhead;
+    const char* ahead = reinterpret_cast<const char*>(wq) + kAhead;
 #pragma GCC unroll 4
     for (int64_t l = 0; l < row_elems * static_cast<int64_t>(sizeof(XT)); l += 64) PrefetchT1(ahead + l);
   }
@@ -412,7 +414,9 @@ inline void PackedStep(V::F (&acc)[RT][CB], const typename PackedTraits<XT>::X* 
 // RT rows x CB vectors of columns (from the panel's vector c0) over all of K. S > 1 reads the panel as S streams
 // (K cut in S parts, each with its own accumulators, summed at the end): a core keeps more reads in flight over
 // several streams than over one (~15 vs ~11 GB/s per core on the Xeon), which matters when few rows leave the
-// loop waiting on memory.
+// loop waiting on memory. The AMD EPYC (Zen 5) streamed faster from one stream prefetched kOneStreamAhead ahead
+// (mixtral-tiny's float32 batch-1 step 4.57 -> 4.33 ms, medians of three A/B runs; the int8 kernel's single stream
+// was chosen there too), so there S is 1 (OneStream).
 template <int RT, int CB, int S, typename XT, typename Out>
 inline void PackedTile(const typename PackedTraits<XT>::X* __restrict x, int64_t ldx, const XT* __restrict wp,
                        int64_t K, Out* out, int64_t ldo, int c0) {
@@ -425,10 +429,11 @@ inline void PackedTile(const typename PackedTraits<XT>::X* __restrict x, int64_t
 #pragma GCC unroll 16
       for (int c = 0; c < CB; ++c) acc[s][r][c] = V::Zero();
   const int64_t steps = (K + T::kStep - 1) / T::kStep, part = steps / S;
+  constexpr int64_t ahead = S == 1 ? kOneStreamAhead : kPackedAhead;
   for (int64_t q = 0; q < part; ++q)
 #pragma GCC unroll 4
-    for (int s = 0; s < S; ++s) PackedStep<RT, CB, XT>(acc[s], x, ldx, wp, s * part + q, c0);
-  for (int64_t q = S * part; q < steps; ++q) PackedStep<RT, CB, XT>(acc[0], x, ldx, wp, q, c0);
+    for (int s = 0; s < S; ++s) PackedStep<RT, CB, XT, true, ahead>(acc[s], x, ldx, wp, s * part + q, c0);
+  for (int64_t q = S * part; q < steps; ++q) PackedStep<RT, CB, XT, true, ahead>(acc[0], x, ldx, wp, q, c0);
 #pragma GCC unroll 16
   for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 16
@@ -455,8 +460,12 @@ inline void PackedRows(int64_t rows, const typename PackedTraits<XT>::X* x, int6
     if (rows < RT) return PackedRows<XT, Out, RT - 1>(rows, x, ldx, wp, K, out, ldo);
   constexpr int CB = TileCols<XT, RT>(), panel = PackedTraits<XT>::kPanel / V::kLanes;
   static_assert(panel % CB == 0, "a tile's columns must divide the panel");
+  static const bool one_stream = CpuOneStream();
   for (int c0 = 0; c0 < panel; c0 += CB)
-    PackedTile<RT, CB, PackedStreams<RT, CB>(), XT, Out>(x, ldx, wp, K, out, ldo, c0);
+    if (one_stream)
+      PackedTile<RT, CB, 1, XT, Out>(x, ldx, wp, K, out, ldo, c0);
+    else
+      PackedTile<RT, CB, PackedStreams<RT, CB>(), XT, Out>(x, ldx, wp, K, out, ldo, c0);
 }
 
 // Where bfloat16 pairs are two FMAs on halves widened in registers, a tile of several rows widens each weight

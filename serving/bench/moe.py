@@ -188,7 +188,7 @@ def bench_throughput(model: TinyMoE, bw: float):
         steps = {p: [] for p in paths}
         outs16 = {p: [] for p in paths}
         cpp_outs16 = []
-        for r in range(1 if _QUICK.value else 2):  # interleaved, the order flipped each round
+        for r in range(1 if _QUICK.value else 3):  # interleaved, the order flipped each round
             order = paths if r % 2 == 0 else paths[::-1]
             batch = prompts(16)
             for path in order:
