@@ -117,16 +117,22 @@ EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 def pack_experts(moes) -> int:
     """Repacks MoE layers' routed experts (`moes`: modules with gate_proj/up_proj [S, E, I] and down_proj [S, I, E])
     into the native expert kernel's packed layout, slot by slot, in place (one huge-page buffer, as `pack_groups`);
-    returns how many stacks it packed. Quantized experts (with `<name>_scale`), experts already packed and those
-    whose E or I is not whole panels stay as they are, as do all where MESHSERVE_MOE_KERNEL forces a path other
+    returns how many stacks it packed. Float experts pack in their dtype's layout, int8 experts with a scale per
+    slot and output column (`<name>_scale` [S, N]) in the int8 one (their scales as they are); other quantized
+    experts (group-wise, fp8), experts already packed and those whose E or I is not whole panels stay as they are, as do all where MESHSERVE_MOE_KERNEL forces a path other
     than the native kernel."""
     from pallas_kernels.moe import native_may_run
     todo = []
     for m in moes if native_may_run() else ():
         ws = [getattr(m, n)[...] for n in EXPERT_WEIGHTS]
-        if any(getattr(m, n + SCALE_SUFFIX, None) is not None for n in EXPERT_WEIGHTS):
+        scales = [getattr(m, n + SCALE_SUFFIX, None) for n in EXPERT_WEIGHTS]
+        if any(s is not None for s in scales):  # int8 with a scale per slot and output column: packed as int8
+            per_channel = all(s is not None and s[...].shape == (w.shape[0], w.shape[2]) for s, w in zip(scales, ws))
+            if not per_channel or any(jnp.dtype(w.dtype) != jnp.int8 for w in ws):
+                continue
+        elif any(jnp.dtype(w.dtype) not in native.PANELS for w in ws):
             continue
-        if all(w.ndim == 3 and jnp.dtype(w.dtype) in native.PANELS and native.can_pack(w) for w in ws):
+        if all(w.ndim == 3 and native.can_pack(w) for w in ws):
             todo += [(m, n, w) for n, w in zip(EXPERT_WEIGHTS, ws)]
     for (m, n, _), packed in zip(todo, native.pack_weights([t[2] for t in todo])):
         getattr(m, n).set_value(packed)

@@ -451,12 +451,12 @@ def packed_shape(w, k: int) -> tuple[int, int]:
 
 
 def is_packed_experts(w) -> bool:
-    """Whether `w` is a stack of weights [S, K, N] packed slot by slot ([S, N/P, Kp/step, P, step], float32 or
-    bfloat16: the expert kernel's packed layouts)."""
+    """Whether `w` is a stack of weights [S, K, N] packed slot by slot ([S, N/P, Kp/step, P, step], float32,
+    bfloat16 or int8: the expert kernel's packed layouts)."""
     if getattr(w, "ndim", 0) != 5:
         return False
     layout = _PACKED.get(jnp.dtype(w.dtype))
-    return jnp.dtype(w.dtype) in PANELS and tuple(w.shape[3:]) == layout[:2]
+    return layout is not None and tuple(w.shape[3:]) == layout[:2]
 
 
 def unpack_experts(w: jax.Array, k: int) -> jax.Array:
@@ -638,28 +638,27 @@ def greedy_head(x: jax.Array, q: jax.Array, bounds: jax.Array, w: jax.Array, num
 
 def expert_mlp_supported(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, scales=None) -> bool:
     """Trace-time. Whether `expert_mlp` can run here: x [T, E] float32 or bfloat16 and row-major gate/up [S, E, I],
-    down [S, I, E] in x's dtype (`scales` None) or those packed slot by slot (`pack_weights`), or int8 row-major
-    with float32 `scales` (gate, up, down) per output channel and slot: [S, I], [S, I], [S, E] (group-wise scales
-    are not taken)."""
+    down [S, I, E] in x's dtype (`scales` None), or int8 with float32 `scales` (gate, up, down) per output channel
+    and slot: [S, I], [S, I], [S, E] (group-wise scales are not taken); either packed slot by slot
+    (`pack_weights`)."""
     if not enabled() or not _single_device_context() or x.ndim != 2:
         return False
     dt = jnp.dtype(x.dtype)
-    if all(is_packed_experts(w) for w in (gate, up, down)):
-        e, i = x.shape[1], gate.shape[1] * gate.shape[3]
-        return (scales is None and all(jnp.dtype(w.dtype) == dt for w in (gate, up, down))
-                and gate.shape[2] * gate.shape[4] == _padded_k(e, dt) and up.shape == gate.shape
-                and down.shape[:2] == (gate.shape[0], e // gate.shape[3]) and down.shape[3] * down.shape[1] == e
-                and down.shape[2] * down.shape[4] == _padded_k(i, dt))
-    if gate.ndim != 3:
-        return False
-    s, e, i = gate.shape
     wdt = dt if scales is None else jnp.dtype(jnp.int8)
     if dt not in PANELS or any(jnp.dtype(w.dtype) != wdt for w in (gate, up, down)):
         return False
-    if scales is not None and [(tuple(c.shape), jnp.dtype(c.dtype)) for c in scales] != [
-            ((s, i), jnp.float32), ((s, i), jnp.float32), ((s, e), jnp.float32)]:
+    if all(is_packed_experts(w) for w in (gate, up, down)):
+        s, e, i = gate.shape[0], x.shape[1], gate.shape[1] * gate.shape[3]
+        shapes_ok = (gate.shape[2] * gate.shape[4] == _padded_k(e, wdt) and up.shape == gate.shape
+                     and down.shape[:2] == (s, e // gate.shape[3]) and down.shape[3] * down.shape[1] == e
+                     and down.shape[2] * down.shape[4] == _padded_k(i, wdt))
+    elif gate.ndim == 3:
+        s, e, i = gate.shape
+        shapes_ok = x.shape[1] == e and up.shape == (s, e, i) and down.shape == (s, i, e)
+    else:
         return False
-    return x.shape[1] == e and up.shape == (s, e, i) and down.shape == (s, i, e)
+    return shapes_ok and (scales is None or [(tuple(c.shape), jnp.dtype(c.dtype)) for c in scales] == [
+        ((s, i), jnp.float32), ((s, i), jnp.float32), ((s, e), jnp.float32)])
 
 
 def expert_mlp(x: jax.Array, slots: jax.Array, weights: jax.Array, gate: jax.Array, up: jax.Array,

@@ -71,8 +71,8 @@ struct Kernels {
   // Grouped expert MLP (moe.h): out[T, E] = sum_k weights[t, k] * SwiGLU expert slots[t, k] of x[t] (slot < 0 or
   // >= S: none), gate/up [S, E, I], down [S, I, E]; x and out in `dt`, weights float32; the expert weights in `dt`
   // (scales null), or int8 with float32 scales per output channel and slot (gate/up [S, I], down [S, E]). kpe > 0:
-  // the weights (in `dt`) are packed, gate/up [S, I/P, kpe/step, P, step] and down [S, E/P, kpi/step, P, step] (the
-  // packed matmul's layout per slot; kpe, kpi: E and I padded as that layout pads K).
+  // the weights are packed, gate/up [S, I/P, kpe/step, P, step] and down [S, E/P, kpi/step, P, step] (the packed
+  // matmuls' layouts per slot, float or int8; kpe, kpi: E and I padded as that layout pads K).
   void (*expert_mlp)(const Runner&, Dt dt, const void* x, int64_t T, int64_t E, const int32_t* slots,
                      const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
                      const float* gate_scale, const float* up_scale, const float* down_scale, int64_t S, int64_t I,

@@ -240,8 +240,8 @@ ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
 }
 
 // Quantized experts: int8 gate/up/down with float32 scales per output channel and slot; else the scale operands are
-// empty and the weights in x's dtype, row-major ([S, E, I], [S, I, E]) or packed per slot (5-D: [S, I/P, Kp/step,
-// P, step] and [S, E/P, Kp/step, P, step], P and step those of x's dtype: 32 x 1 for f32, 64 x 2 for bf16).
+// empty and the weights in x's dtype. Row-major ([S, E, I], [S, I, E]) or packed per slot (5-D: [S, I/P, Kp/step,
+// P, step] and [S, E/P, Kp/step, P, step], P and step those of the weights' dtype, as the packed matmuls').
 ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots,
                          ffi::Buffer<ffi::F32> weights, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down,
                          ffi::AnyBuffer gate_scale, ffi::AnyBuffer up_scale, ffi::AnyBuffer down_scale,
@@ -254,6 +254,7 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   if (!(t == ffi::DataType::F32 || t == ffi::DataType::BF16) || out->element_type() != t)
     return ffi::Error::InvalidArgument("expert mlp: x and out must both be f32 or both bf16");
   const bool packed = gd.size() == 5;
+  const bool int8 = gate.element_type() == ffi::DataType::S8;
   if (xd.size() != 2 || sd.size() != 2 || wd.size() != 2 || (gd.size() != 3 && !packed) || ud.size() != gd.size() ||
       dd.size() != gd.size())
     return ffi::Error::InvalidArgument("expert mlp: expected x[T, E], slots[T, k], weights[T, k], gate/up[S, E, I], "
@@ -261,20 +262,21 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   const int64_t T = xd[0], E = xd[1], topk = sd[1], S = gd[0];
   int64_t I, kpe = 0, kpi = 0;
   if (packed) {
-    const int64_t panel = t == ffi::DataType::F32 ? 32 : 64, step = t == ffi::DataType::F32 ? 1 : 2;
+    // (P, step, K alignment) of the packed layout: f32 (32, 1, 1), bf16 (64, 2, 32), int8 (64, 4, 4)
+    const int64_t panel = int8 || t == ffi::DataType::BF16 ? 64 : 32, step = int8 ? 4 : t == ffi::DataType::F32 ? 1 : 2;
+    const int64_t align = int8 ? 4 : t == ffi::DataType::F32 ? 1 : 32;
     I = gd[1] * panel;
     kpe = gd[2] * step;
     kpi = dd[2] * step;
     auto same = [](auto d, std::initializer_list<int64_t> want) {
       return std::equal(d.begin(), d.end(), want.begin(), want.end());
     };
-    if (gate.element_type() != t || up.element_type() != t || down.element_type() != t ||
-        !same(gd, {S, gd[1], gd[2], panel, step}) || !same(ud, {S, gd[1], gd[2], panel, step}) ||
-        !same(dd, {S, E / panel, dd[2], panel, step}) || E % panel || kpe < E || kpe - E >= 32 || kpi < I ||
-        kpi - I >= 32)
+    if (!same(gd, {S, gd[1], gd[2], panel, step}) || !same(ud, {S, gd[1], gd[2], panel, step}) ||
+        !same(dd, {S, E / panel, dd[2], panel, step}) || E % panel || kpe != (E + align - 1) / align * align ||
+        kpi != (I + align - 1) / align * align)
       return ffi::Error::InvalidArgument(
-          "expert mlp: packed experts must be in x's dtype, gate/up [S, I/P, Kp/step, P, step] over E and down "
-          "[S, E/P, Kp/step, P, step] over I (P x step: 32 x 1 for f32, 64 x 2 for bf16)");
+          "expert mlp: packed experts must be gate/up [S, I/P, Kp/step, P, step] over E and down [S, E/P, Kp/step, "
+          "P, step] over I (P x step: 32 x 1 for f32, 64 x 2 for bf16, 64 x 4 for int8; Kp: K padded to 1, 32, 4)");
   } else {
     I = gd[2];
     if (gd[1] != E || ud[0] != S || ud[1] != E || ud[2] != I || dd[0] != S || dd[1] != I || dd[2] != E)
@@ -283,8 +285,6 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   }
   if (sd[0] != T || wd[0] != T || wd[1] != topk)
     return ffi::Error::InvalidArgument("expert mlp: slots and weights must be [T, k] for x[T, E]");
-  const bool int8 = gate.element_type() == ffi::DataType::S8;
-  if (int8 && packed) return ffi::Error::InvalidArgument("expert mlp: packed experts are float, not int8");
   const auto wt = int8 ? ffi::DataType::S8 : t;
   if (gate.element_type() != wt || up.element_type() != wt || down.element_type() != wt)
     return ffi::Error::InvalidArgument("expert mlp: gate, up and down must all be in x's dtype or all int8");

@@ -295,22 +295,51 @@ inline void TileRow(const uint16_t* src, float* dst, int64_t n, int64_t ld) {
   for (int64_t i = n; i < ld; ++i) dst[i] = 0;
 }
 
-// Packed experts (see the top): gate/up [S, I/P, kpe/step, P, step], down [S, E/P, kpi/step, P, step] in x's dtype,
-// kpe / kpi their padded K (E / I rounded up to the layout's alignment); I and E whole panels.
-template <typename XT>
+// Rows [0, m) of float32 x ([m, ldx], zero-padded to kp) times panels [j0, j1) of a packed int8 weight (kp rows of
+// K) with per-column scales, into out [m, (j1 - j0) * 64] (row stride ldo): the int8 matmul's widened products
+// (matmul_int8.h; exact, as for float32 x), each panel widened once for many rows.
+inline void I8ExpertPanels(const float* x, int64_t ldx, int64_t m, const int8_t* w, int64_t K, int64_t kp,
+                           const float* scale, int64_t j0, int64_t j1, float* out, int64_t ldo) {
+  const I8Problem p{K, kp, ldo, 1, kp / 4, scale + j0 * kI8Panel, x, ldx, nullptr, nullptr, nullptr};
+  const int8_t* wj = w + j0 * kp * kI8Panel;
+  if (m >= V::kI8F32PanelMinRows) return I8PanelPanels<float, float>(p, x, ldx, 0, m, 0, j1 - j0, wj, out);
+  for (int64_t j = 0; j < j1 - j0; ++j)
+    for (int64_t r = 0; r < m; r += V::kI8Rows)
+      I8WidenRows<float>(Min<int64_t>(V::kI8Rows, m - r), p, x + r * ldx, wj + j * kp * kI8Panel,
+                         p.scale + j * kI8Panel, out + r * ldo + j * kI8Panel);
+}
+
+// Packed experts (see the top): gate/up [S, I/P, kpe/step, P, step], down [S, E/P, kpi/step, P, step], kpe / kpi
+// their padded K (E / I rounded up to the layout's alignment); I and E whole panels. Float weights in x's dtype, or
+// int8 ones (the int8 matmul's packed layout, P x step = 64 x 4) with their per-channel scales.
+template <typename XT, typename WT>
 void PackedExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const int32_t* slots, const float* weights,
-                     int64_t topk, const XT* gate, const XT* up, const XT* down, int64_t S, int64_t I, int64_t kpe,
-                     int64_t kpi, XT* out) {
-  using PT = PackedTraits<XT>;
-  using X = typename PT::X;
-  constexpr int64_t P = PT::kPanel;
+                     int64_t topk, const WT* gate, const WT* up, const WT* down, const ExpertScales& scales, int64_t S,
+                     int64_t I, int64_t kpe, int64_t kpi, XT* out) {
+  constexpr bool int8 = std::is_same_v<WT, int8_t>;
+  using X = std::conditional_t<int8, float, typename PackedTraits<XT>::X>;  // x's rows as the tiles read them
+  constexpr int64_t P = int8 ? kI8Panel : PackedTraits<XT>::kPanel;
+  // out[m, (j1 - j0) P] (row stride ldo) = rows [m, ldx] @ panels [j0, j1) of packed w (kp rows of K)
+  auto panels = [](const X* xr, int64_t ldx, int64_t m, const WT* w, int64_t K, int64_t kp, const float* scale,
+                   int64_t j0, int64_t j1, float* o, int64_t ldo) {
+    if constexpr (int8) {
+      I8ExpertPanels(xr, ldx, m, w, K, kp, scale, j0, j1, o, ldo);
+    } else {
+      for (int64_t j = j0; j < j1; ++j) PackedPanel<XT, float>(xr, ldx, 0, m, w + j * kp * P, K, o + (j - j0) * P, ldo);
+    }
+  };
   const PairGroups g = GroupPairs(slots, weights, T, topk, S);
   const int64_t threads = Max<int64_t>(1, run.threads);
-  const int64_t ldx = (E + PT::kStep - 1) / PT::kStep * PT::kStep;  // x's rows padded to whole K steps
+  // x's rows padded to whole K steps (int8: to kpe, which the widened tiles read whole)
+  constexpr int64_t step = PackedTraits<XT>::kStep;
+  const int64_t ldx = int8 ? kpe : (E + step - 1) / step * step;
   thread_local Scratch xg_buf, h_buf, hb_buf;
   X* xg = xg_buf.Get<X>(static_cast<size_t>(g.pairs * ldx));  // the pairs' x rows, in slot order
   for (int64_t q = 0; q < g.pairs; ++q) TileRow(x + g.tok[q] * E, xg + q * ldx, E, ldx);
-  float* h = h_buf.Get<float>(static_cast<size_t>(g.pairs * I));
+  const int64_t ldh = int8 ? kpi : I;
+  float* h = h_buf.Get<float>(static_cast<size_t>(g.pairs * ldh));
+  if (ldh != I)
+    for (int64_t q = 0; q < g.pairs; ++q) std::memset(h + q * ldh + I, 0, (ldh - I) * sizeof(float));
 
   // 1. gate|up and SwiGLU into h: units of (selected expert, run of I's panels), about two per thread.
   const int64_t panels_i = I / P, gate_len = kpe * P;
@@ -323,15 +352,13 @@ void PackedExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const
       thread_local Scratch gu_buf;
       float* gs = gu_buf.Get<float>(static_cast<size_t>(2 * m * width));
       float* us = gs + m * width;
-      const XT* gw = gate + s * panels_i * gate_len;
-      const XT* uw = up + s * panels_i * gate_len;
-      for (int64_t j = j0; j < j1; ++j) {
-        PackedPanel<XT, float>(xg + q0 * ldx, ldx, 0, m, gw + j * gate_len, E, gs + (j - j0) * P, width);
-        PackedPanel<XT, float>(xg + q0 * ldx, ldx, 0, m, uw + j * gate_len, E, us + (j - j0) * P, width);
-      }
+      const WT* gw = gate + s * panels_i * gate_len;
+      const WT* uw = up + s * panels_i * gate_len;
+      panels(xg + q0 * ldx, ldx, m, gw, E, kpe, int8 ? scales.gate + s * I : nullptr, j0, j1, gs, width);
+      panels(xg + q0 * ldx, ldx, m, uw, E, kpe, int8 ? scales.up + s * I : nullptr, j0, j1, us, width);
       for (int64_t r = 0; r < m; ++r) {
         SwiGlu(gs + r * width, us + r * width, width);
-        std::memcpy(h + (q0 + r) * I + j0 * P, gs + r * width, width * sizeof(float));
+        std::memcpy(h + (q0 + r) * ldh + j0 * P, gs + r * width, width * sizeof(float));
       }
     });
   }
@@ -358,9 +385,8 @@ void PackedExpertMlp(const Runner& run, const XT* x, int64_t T, int64_t E, const
     for (int64_t a = 0; a < g.na; ++a) {
       const int64_t s = g.active[a], q0 = g.start[s], m = g.start[s + 1] - q0;
       float* o = o_buf.Get<float>(static_cast<size_t>(m * width));
-      const XT* dw = down + s * panels_e * down_len;
-      for (int64_t j = j0; j < j1; ++j)
-        PackedPanel<XT, float>(hx + q0 * I, I, 0, m, dw + j * down_len, I, o + (j - j0) * P, width);
+      panels(hx + q0 * ldh, ldh, m, down + s * panels_e * down_len, I, kpi, int8 ? scales.down + s * E : nullptr,
+             j0, j1, o, width);
       for (int64_t r = 0; r < m; ++r) AddScaled(y + g.tok[q0 + r] * width, o + r * width, g.wt[q0 + r], width);
     }
     for (int64_t t = 0; t < T; ++t) StoreRow<XT>(y + t * width, out + t * E + c0, width);
@@ -371,21 +397,17 @@ void ExpertMlpEntry(const Runner& run, Dt dt, const void* x, int64_t T, int64_t 
                     const float* weights, int64_t topk, const void* gate, const void* up, const void* down,
                     const float* gate_scale, const float* up_scale, const float* down_scale, int64_t S, int64_t I,
                     int64_t kpe, int64_t kpi, void* out) {
-  if (kpe) {  // packed (float weights in x's dtype)
-    if (dt == Dt::kF32)
-      return PackedExpertMlp<float>(run, static_cast<const float*>(x), T, E, slots, weights, topk,
-                                    static_cast<const float*>(gate), static_cast<const float*>(up),
-                                    static_cast<const float*>(down), S, I, kpe, kpi, static_cast<float*>(out));
-    return PackedExpertMlp<uint16_t>(run, static_cast<const uint16_t*>(x), T, E, slots, weights, topk,
-                                     static_cast<const uint16_t*>(gate), static_cast<const uint16_t*>(up),
-                                     static_cast<const uint16_t*>(down), S, I, kpe, kpi, static_cast<uint16_t*>(out));
-  }
   const ExpertScales sc{gate_scale, up_scale, down_scale};
   auto call = [&](auto x_type, auto w_type) {  // (values of the element types)
     using XT = decltype(x_type);
     using WT = decltype(w_type);
-    RowMajorExpertMlp<XT, WT>(run, static_cast<const XT*>(x), T, E, slots, weights, topk, static_cast<const WT*>(gate),
-                      static_cast<const WT*>(up), static_cast<const WT*>(down), sc, S, I, static_cast<XT*>(out));
+    auto xs = static_cast<const XT*>(x);
+    auto g = static_cast<const WT*>(gate);
+    auto u = static_cast<const WT*>(up);
+    auto d = static_cast<const WT*>(down);
+    if (kpe) return PackedExpertMlp<XT, WT>(run, xs, T, E, slots, weights, topk, g, u, d, sc, S, I, kpe, kpi,
+                                            static_cast<XT*>(out));
+    RowMajorExpertMlp<XT, WT>(run, xs, T, E, slots, weights, topk, g, u, d, sc, S, I, static_cast<XT*>(out));
   };
   if (dt == Dt::kF32) return gate_scale ? call(float{}, int8_t{}) : call(float{}, float{});
   gate_scale ? call(uint16_t{}, int8_t{}) : call(uint16_t{}, uint16_t{});

@@ -92,8 +92,8 @@ def bench_kernel(model: TinyMoE, bw: float):
         scales = [None] * layers
         if int8:
             stack, scales = zip(*[_quantized(ws) for ws in stack])
-        # As single-device CPU serving holds float experts: packed slot by slot (`pallas_kernels.matmul.pack_experts`)
-        packed = None if int8 else [tuple(native.pack_weights(list(ws))) for ws in stack]
+        # As single-device CPU serving holds them: packed slot by slot (`pallas_kernels.matmul.pack_experts`)
+        packed = [tuple(native.pack_weights(list(ws))) for ws in stack]
         expert_bytes = 3 * e * i * (1 if int8 else dt.itemsize)
         for t in (1, 16, 256):
             x = jnp.asarray(rng.standard_normal((t, e)), dt)
@@ -108,22 +108,19 @@ def bench_kernel(model: TinyMoE, bw: float):
                     x = x + moe.grouped_expert_mlp(x, s, weights, g, u, d, sc)
                 return x
             for path, weights_as in (("ragged_dot", stack), ("native", stack), ("packed", packed)):
-                if weights_as is None:
-                    times[path] = float("nan")
-                    continue
                 with moe_path("native" if path == "packed" else path):
                     fn = jax.jit(lambda *a: chain(*a))  # a fresh trace: the path is read then
                     fn.lower(x, slots, weights_as, scales).compile()
                     times[path] = median_time(lambda: jax.block_until_ready(fn(x, slots, weights_as, scales)),
                                               10 if t < 256 else 3) / layers
-            best = np.nanmin([times["native"], times["packed"]])
+            best = min(times["native"], times["packed"])
             roof = selected * expert_bytes / bw
             rows.append([dtype, t, selected, selected * expert_bytes / 1e6, times["ragged_dot"] * 1e3,
-                         times["native"] * 1e3, times["packed"] * 1e3 if packed else "-", times["ragged_dot"] / best,
+                         times["native"] * 1e3, times["packed"] * 1e3, times["ragged_dot"] / best,
                          roof * 1e3, roof / best])
     table(f"{model.name}: one MoE layer's routed experts (E={e}, I={i}, {n} experts, top-{k}), ms per layer over "
           f"{layers} layers of distinct weights: ragged_dot (old) vs the native grouped kernel ({_cpu_path()}) on "
-          f"row-major experts and on experts packed as serving holds them (float only); speed-up and roofline/best: "
+          f"row-major experts and on experts packed as serving holds them; speed-up and roofline/best: "
           f"the faster native; roofline: selected experts' bytes / read bandwidth ({bw / 1e9:.1f} GB/s measured now)",
           ["dtype", "tokens", "experts selected", "MB selected", "ragged_dot (ms)", "native row-major (ms)",
            "native packed (ms)", "speed-up", "roofline (ms)", "roofline/best"], rows)

@@ -325,6 +325,18 @@ def test_native_int8_shapes(isa, dtype, t, e, i, s, k):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,e,i,s,k", PACKED_SHAPES)
+def test_native_int8_packed_shapes(isa, dtype, t, e, i, s, k):
+    # int8 experts packed as the int8 matmul packs (64-column panels of quads), scales as they are.
+    args = int8_operands(t, e, i, s, k, dtype=dtype, seed=t + i)
+    pk = packed(args[:6]) + args[6:]
+    assert all(native.is_packed_experts(w) and w.dtype == jnp.int8 for w in pk[3:6])
+    assert moe.moe_backend(pk[0], *pk[3:6], scales=pk[6]) == "native"
+    check_int8(_call(native.expert_mlp, *pk), args, dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_native_int8_one_expert_takes_every_token_others_empty(isa, dtype):
     slots = np.full((40, 2), 3)
     slots[:, 1] = -1
@@ -458,8 +470,8 @@ def test_megablox_lowers_for_tpu_and_ragged_dot_for_cuda(dtype, quant):
 def test_engine_packs_float_experts_and_serves_hf_tokens(tmp_path, monkeypatch, family):
     """Experts of whole panels (E = I = 64) are packed at start-up and run through the packed kernel; greedy tokens
     equal HF's on the path the engine picks and on the lowest one it would (AVX2 on an AVX-512 machine); replicas
-    (spare slots) and rebalancing move packed slots and keep the tokens; a forced other MoE path keeps them
-    row-major (one family)."""
+    (spare slots) and rebalancing move packed slots and keep the tokens; int8 experts pack too, with the tokens of
+    row-major int8 experts; a forced other MoE path keeps them row-major (the last two: one family)."""
     from flax import nnx
 
     from serving.core.llm import LLM
@@ -495,6 +507,17 @@ def test_engine_packs_float_experts_and_serves_hf_tokens(tmp_path, monkeypatch, 
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected, isa
     if family != "mixtral":
         return
+    # int8 experts (quantised at load, a scale per slot and output column) pack in the int8 layout; their tokens
+    # equal those of the same experts left row-major.
+    int8 = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64, quantization="int8")
+    assert all(native.is_packed_experts(w) and w.dtype == jnp.int8 for w in experts(int8))
+    int8_tokens = [o.token_ids for o in int8.generate(prompts, greedy)]
+    from pallas_kernels import matmul
+    with monkeypatch.context() as m:
+        m.setattr(matmul, "pack_experts", lambda moes: 0)
+        row_major = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64, quantization="int8")
+        assert not any(native.is_packed_experts(w) for w in experts(row_major))
+        assert [o.token_ids for o in row_major.generate(prompts, greedy)] == int8_tokens
     monkeypatch.setenv(moe.MOE_ENV_VAR, "loop")
     llm = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64)
     assert not any(native.is_packed_experts(w) for w in experts(llm))
