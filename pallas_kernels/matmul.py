@@ -119,8 +119,8 @@ def pack_experts(moes) -> int:
     into the native expert kernel's packed layout, slot by slot, in place (one huge-page buffer, as `pack_groups`);
     returns how many stacks it packed. Float experts pack in their dtype's layout, int8 experts with a scale per
     slot and output column (`<name>_scale` [S, N]) in the int8 one (their scales as they are); other quantized
-    experts (group-wise, fp8), experts already packed and those whose E or I is not whole panels stay as they are, as do all where MESHSERVE_MOE_KERNEL forces a path other
-    than the native kernel."""
+    experts (group-wise, fp8), experts already packed and those whose E or I is not whole panels stay as they are,
+    as do all where MESHSERVE_MOE_KERNEL forces a path other than the native kernel."""
     from pallas_kernels.moe import native_may_run
     todo = []
     for m in moes if native_may_run() else ():

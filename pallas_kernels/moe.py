@@ -40,7 +40,7 @@ MEGABLOX_TILES = (512, 256, 128)
 
 
 def native_may_run() -> bool:
-    """Whether MESHSERVE_MOE_KERNEL leaves the native kernel its choice (auto or native): engines pack their float
+    """Whether MESHSERVE_MOE_KERNEL leaves the native kernel its choice (auto or native): engines pack their
     experts for it at load only then (`pallas_kernels.matmul.pack_experts`); a forced other path keeps them
     row-major rather than unpack them every step."""
     return os.environ.get(MOE_ENV_VAR, "auto").strip().lower() in ("", "auto", "native")

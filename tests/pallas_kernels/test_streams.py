@@ -12,8 +12,9 @@ import pytest
 from pallas_kernels import native
 from tests.pallas_kernels.test_native import RUNNABLE
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(native.machine_reason() is not None,
-                                                  reason=f"native CPU kernels cannot run here: {native.machine_reason()}")]
+_REASON = native.machine_reason()
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(_REASON is not None, reason=f"native CPU kernels cannot run here: {_REASON}")]
 
 _CHECK = r"""
 import json, os, sys
@@ -39,7 +40,8 @@ for isa in json.loads(sys.argv[1]):
             got = np.asarray(_call(native.expert_mlp, *pk), np.float64)
             want = oracle(*(np.asarray(jnp.asarray(a, jnp.float32)) if a.dtype == jnp.bfloat16 else np.asarray(a)
                             for a in args))
-            errors[f"{isa} {jnp.dtype(dt).name} experts {t} tokens"] = float(np.abs(got - want).max() / np.abs(want).max())
+            rel = float(np.abs(got - want).max() / np.abs(want).max())
+            errors[f"{isa} {jnp.dtype(dt).name} experts {t} tokens"] = rel
 print(json.dumps(errors))
 """
 
