@@ -319,16 +319,18 @@ class Engine:
         for shard in packed.addressable_shards:  # the copy to host is under way; this only waits for it
             shard.data.block_until_ready()
             device_times[str(shard.device)] = time.perf_counter() - t0
-        self._last_done = time.perf_counter()
         host = local_value(packed)
         self.last_step_time_s = time.perf_counter() - t0
         if self.config.debug_step_delay_s:
             time.sleep(self.config.debug_step_delay_s)
             # A simulated slow device: its step times include the delay.
             device_times = {d: t + self.config.debug_step_delay_s for d, t in device_times.items()}
+        # The step's span ends now, with its tokens on the host; the next step's starts no earlier (its t0 is at least
+        # this), so consecutive spans never overlap however long the copy to host took on a busy machine.
+        self._last_done = time.perf_counter()
         end = time.monotonic()
-        self.last_step = StepRecord(sched.scheduled, sched.num_scheduled_tokens,
-                                    end - (time.perf_counter() - t0), end, device_times)
+        self.last_step = StepRecord(sched.scheduled, sched.num_scheduled_tokens, end - (self._last_done - t0), end,
+                                    device_times)
         self.step_count += 1
         n = len(sched.scheduled)
         if step.greedy:
