@@ -12,13 +12,18 @@ from serving.bench import chaos
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = chaos.Cluster(shared_small_llama(), str(tmp_path_factory.mktemp("chaos")), instances=2)
+def _running(tmp_path_factory, name: str, **kw):
+    """A started chaos.Cluster of the small Llama for a fixture to yield, stopped after."""
+    c = chaos.Cluster(shared_small_llama(), str(tmp_path_factory.mktemp(name)), **kw)
     try:
         yield c.start()
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    yield from _running(tmp_path_factory, "chaos", instances=2)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +51,7 @@ OVERLOAD_S = 2.0
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory):
-    c = chaos.Cluster(shared_small_llama(), str(tmp_path_factory.mktemp("chaos-small")), instances=1,
-                      gateway_config=OVERLOAD_BOUNDS)
-    try:
-        yield c.start()
-    finally:
-        c.stop()
+    yield from _running(tmp_path_factory, "chaos-small", instances=1, gateway_config=OVERLOAD_BOUNDS)
 
 
 @pytest.fixture(scope="module")
