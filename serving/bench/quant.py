@@ -101,7 +101,8 @@ def bench_roofline() -> None:
     from serving.core.sampling_params import SamplingParams
     bw = read_bandwidth()
     hf_dir = llama_125m("bfloat16", _WORKDIR.value)
-    rows = []
+    n_in, n_out = 128, 128  # the throughput section's batch-1 request
+    rows, w1 = [], {}
     for name, options in MESHSERVE_CELLS.items():
         llm = LLM(hf_dir, dtype="bfloat16", page_size=16, num_pages=1024, max_num_seqs=16,
                   max_num_batched_tokens=256, **options)
@@ -110,10 +111,35 @@ def bench_roofline() -> None:
                                             SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
             step, nbytes = statistics.median(times), decode_step_bytes(llm.engine, batch)
             rows.append([name, batch, nbytes / 1e6, step * 1e3, nbytes / bw * 1e3, nbytes / bw / step, idle * 1e3])
+            if batch == 1:
+                w1[name] = (_prefill_time(llm, n_in), step, nbytes / bw)
         del llm
     table(f"Decode step vs roofline, ~125M Llama (weight bytes a step reads / read bandwidth, {bw / 1e9:.1f} GB/s "
           "measured now)", ["engine", "batch", "MB read", "step (ms)", "roofline (ms)", "roofline/step",
                             "device idle/step (ms)"], rows)
+    # A batch-1 request is its prefill (which gives the first token) and n_out - 1 decode steps. "ceiling": every
+    # step at the roofline of its bytes and nothing else, the prefill as measured (compute-bound, the same work in
+    # every cell): the most a cell's batch-1 rate can be, and so the most its ratio to bf16 can be.
+    rate = {name: (n_out / (p + (n_out - 1) * s), n_out / (p + (n_out - 1) * r)) for name, (p, s, r) in w1.items()}
+    table(f"Batch 1, {n_in} in / {n_out} out, from its parts: prefill (median of 5) + {n_out - 1} decode steps "
+          "(above); ceiling: every step at its roofline", ["engine", "prefill (ms)", "step (ms)", "roofline (ms)",
+                                                          "tok/s", "vs bf16", "ceiling tok/s", "ceiling vs bf16"],
+          [[name, p * 1e3, s * 1e3, r * 1e3, rate[name][0], rate[name][0] / rate["meshserve bf16"][0],
+            rate[name][1], rate[name][1] / rate["meshserve bf16"][1]] for name, (p, s, r) in w1.items()])
+
+
+def _prefill_time(llm, n_in: int, rounds: int = 5) -> float:
+    """Median seconds of a fresh `n_in`-token prompt's prefill on its own (one output token)."""
+    from serving.core.sampling_params import SamplingParams
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate(_prompts(1, n_in), one)
+    times = []
+    for _ in range(rounds):
+        prompt = _prompts(1, n_in)
+        t0 = time.perf_counter()
+        llm.generate(prompt, one)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def bench_capacity() -> None:
