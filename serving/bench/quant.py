@@ -1,8 +1,9 @@
 """Quantized serving (`python -m serving.bench quant`): the ~125M Llama with bfloat16, int8 weights and int8 weights
 + an int8 KV cache beside llama.cpp (bf16 and Q8_0 GGUF of the same checkpoint), batch 1 and 16, side by side in
 one run; KV pages per GB and the concurrent 2,048-token sequences a fixed KV budget holds, per KV dtype (measured on
-the arrays the engine allocates); the ledger's Llama-3-70B on 8 x 80 GB with an fp8 KV cache; and the int8 matmul
-kernels per call. Details: docs/quantization.md."""
+the arrays the engine allocates); the ledger's Llama-3-70B on 8 x 80 GB with an fp8 KV cache; the int8 matmul
+kernels per call; and (`--only=screen`) how many rows narrower greedy-head screens would leave to re-read. Details:
+docs/quantization.md."""
 from __future__ import annotations
 
 import itertools
@@ -15,7 +16,8 @@ from absl import flags
 from serving.bench.harness import BENCH_WORKDIR, decode_step_bytes, decode_step_times, llama_125m, read_bandwidth, \
     table
 
-_ONLY = flags.DEFINE_list("only", ["throughput", "roofline", "capacity", "ledger", "kernels"], "sections to run")
+_ONLY = flags.DEFINE_list("only", ["throughput", "roofline", "capacity", "ledger", "kernels"],
+                          "sections to run (and `screen`: how many rows narrower head screens would leave)")
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark model is written")
 _QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (a smoke run)")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds per cell (median)")
@@ -144,6 +146,31 @@ def _prefill_time(llm, n_in: int, rounds: int = 5) -> float:
     return statistics.median(times)
 
 
+def bench_screen() -> None:
+    """How many vocabulary rows the greedy head's screen leaves to re-read exactly, were it narrower than int8: the
+    bound of `pallas_kernels/native` greedy_head.h (|x.w - s x.q| <= ||x|| ||w - s q||, one scale per row) on the
+    benchmark model's final hidden states (HF transformers, float32, 8 random 128-token prompts), per screen width."""
+    import numpy as np
+    import torch
+    import transformers as tf
+    model = tf.LlamaForCausalLM.from_pretrained(llama_125m("bfloat16", _WORKDIR.value), torch_dtype=torch.float32)
+    ids = torch.tensor(_prompts(8, 128))
+    with torch.no_grad():
+        x = model.model(ids).last_hidden_state[:, -1].double().numpy()
+    w = model.lm_head.weight.detach().double().numpy()  # [V, E]
+    rows = []
+    for bits in (8, 6, 5, 4):
+        s = np.abs(w).max(1, keepdims=True) / (2 ** (bits - 1) - 1)
+        q = np.round(w / s)
+        approx = x @ (s * q).T
+        bound = np.linalg.norm(x, axis=1, keepdims=True) * np.linalg.norm(w - s * q, axis=1)
+        floor = (approx - bound).max(1, keepdims=True)
+        left = ((approx + bound) >= floor).sum(1)
+        rows.append([bits, w.size * bits / 8 / 1e6, int(left.min()), float(np.median(left)), int(left.max())])
+    table(f"Greedy head screen by width, ~125M Llama's head ({w.shape[0]} x {w.shape[1]}): rows its bound leaves "
+          "to re-read exactly, over 8 prompts", ["bits", "screen MB", "min rows", "median rows", "max rows"], rows)
+
+
 def bench_capacity() -> None:
     import jax
 
@@ -191,6 +218,8 @@ def main() -> None:
             bench_throughput()
         elif section == "roofline":
             bench_roofline()
+        elif section == "screen":
+            bench_screen()
         elif section == "capacity":
             bench_capacity()
         elif section == "ledger":
