@@ -447,11 +447,59 @@ Worst CheckGreedyHead(const Kernels& k) {
   return worst;
 }
 
+// One stack of experts' weights, [S, K, N]: float in the check's dtype (`f`) or int8 (`q`) with a scale per slot
+// and output column, and the values the reference reads (double).
+struct ExpertStack {
+  Buf f{Dt::kF32, 0};
+  std::vector<int8_t> q;
+  std::vector<float> scale;  // int8: [S, N]
+  std::vector<double> v;
+  const void* data() const { return q.empty() ? f.data() : static_cast<const void*>(q.data()); }
+  const float* scales() const { return scale.empty() ? nullptr : scale.data(); }
+};
+
+ExpertStack RandomExperts(Dt dt, bool int8, int64_t S, int64_t K, int64_t N, Rng& rng) {
+  ExpertStack w;
+  w.v.resize(S * K * N);
+  if (!int8) {
+    w.f = Random(dt, S * K * N, rng, 2 / std::sqrt(static_cast<float>(K)));
+    for (int64_t i = 0; i < S * K * N; ++i) w.v[i] = w.f.At(i);
+    return w;
+  }
+  w.q.resize(S * K * N);
+  w.scale.resize(S * N);
+  for (auto& e : w.q) e = static_cast<int8_t>(static_cast<int>(rng.Next() % 255) - 127);
+  for (auto& e : w.scale) e = rng.Uniform(0.5f, 1.5f) / 127 / std::sqrt(static_cast<float>(K));
+  for (int64_t i = 0; i < S * K * N; ++i) w.v[i] = w.q[i] * double{w.scale[i / (K * N) * N + i % N]};
+  return w;
+}
+
+// The stack packed slot by slot in the packed matmuls' layouts (`Pack` / `PackInt8`); kp: K as the layout pads it.
+ExpertStack PackSlots(const ExpertStack& w, int64_t S, int64_t K, int64_t N, int64_t* kp) {
+  ExpertStack out;
+  out.f = Buf(w.f.dt, 0);
+  out.scale = w.scale;
+  for (int64_t s = 0; s < S; ++s) {
+    if (!w.q.empty()) {
+      const std::vector<int8_t> p = PackInt8({w.q.begin() + s * K * N, w.q.begin() + (s + 1) * K * N}, K, N);
+      out.q.insert(out.q.end(), p.begin(), p.end());
+      *kp = (K + 3) / 4 * 4;
+    } else {
+      Buf one(w.f.dt, K * N);
+      for (int64_t i = 0; i < K * N; ++i) one.CopyFrom(i, w.f, s * K * N + i);
+      const Buf p = Pack(one, K, N, kp);
+      out.f.f.insert(out.f.f.end(), p.f.begin(), p.f.end());
+      out.f.h.insert(out.f.h.end(), p.h.begin(), p.h.end());
+    }
+  }
+  return out;
+}
+
 // Expert MLP (moe.h): y[t] = sum_k w[t, k] * down_s(silu(x[t] @ gate_s) * (x[t] @ up_s)), s = slots[t, k] (none
-// where s < 0 or >= S), experts row-major (gate/up [S, E, I], down [S, I, E]) or packed slot by slot in the packed
-// matmuls' layouts (`Pack` / `PackInt8` per slot), float in x's dtype or int8 with a scale per slot and output
-// channel. Tolerance: float32 accumulation (1e-4 of the magnitudes along the chain); bfloat16 adds h rounded to
-// bfloat16 before down (the pair dot products' path) and the output's one rounding.
+// where s < 0 or >= S), experts row-major (gate/up [S, E, I], down [S, I, E]) or packed slot by slot
+// (`PackSlots`), float in x's dtype or int8 with a scale per slot and output channel. Tolerance: float32
+// accumulation (1e-4 of the magnitudes along the chain); bfloat16 adds h rounded to bfloat16 before down (the pair
+// dot products' path) and the output's one rounding.
 Worst CheckExpertMlp(const Kernels& k) {
   Worst worst;
   const int64_t S = 4, topk = 2;
@@ -473,34 +521,8 @@ Worst CheckExpertMlp(const Kernels& k) {
             slots[i] = static_cast<int32_t>(rng.Next() % (S + 2)) - 1;  // -1 and S: no expert
             wts[i] = rng.Uniform(0.1f, 1);
           }
-          // the experts' values as the reference reads them (double), and as the kernel takes them
-          std::vector<double> gv(S * E * I), uv(S * E * I), dv(S * I * E);
-          Buf gf(dt, 0), uf(dt, 0), df(dt, 0);
-          std::vector<int8_t> gq, uq, dq;
-          std::vector<float> gs, us, ds;
-          if (int8) {
-            auto make = [&](std::vector<int8_t>& q, std::vector<float>& sc, std::vector<double>& v, int64_t K,
-                            int64_t N) {
-              q.resize(S * K * N);
-              sc.resize(S * N);
-              for (auto& e : q) e = static_cast<int8_t>(static_cast<int>(rng.Next() % 255) - 127);
-              for (auto& e : sc) e = rng.Uniform(0.5f, 1.5f) / 127 / std::sqrt(static_cast<float>(K));
-              for (int64_t s = 0; s < S; ++s)
-                for (int64_t i = 0; i < K * N; ++i) v[s * K * N + i] = q[s * K * N + i] * double{sc[s * N + i % N]};
-            };
-            make(gq, gs, gv, E, I);
-            make(uq, us, uv, E, I);
-            make(dq, ds, dv, I, E);
-          } else {
-            gf = Random(dt, S * E * I, rng, 2 / std::sqrt(static_cast<float>(E)));
-            uf = Random(dt, S * E * I, rng, 2 / std::sqrt(static_cast<float>(E)));
-            df = Random(dt, S * I * E, rng, 2 / std::sqrt(static_cast<float>(I)));
-            for (int64_t i = 0; i < S * E * I; ++i) {
-              gv[i] = gf.At(i);
-              uv[i] = uf.At(i);
-              dv[i] = df.At(i);
-            }
-          }
+          ExpertStack gate = RandomExperts(dt, int8, S, E, I, rng), up = RandomExperts(dt, int8, S, E, I, rng),
+                      down = RandomExperts(dt, int8, S, I, E, rng);
           std::vector<double> want(T * E, 0.0), mag(T * E, 0.0);
           for (int64_t t = 0; t < T; ++t)
             for (int64_t j = 0; j < topk; ++j) {
@@ -510,68 +532,28 @@ Worst CheckExpertMlp(const Kernels& k) {
               for (int64_t i = 0; i < I; ++i) {
                 double g = 0, u = 0;
                 for (int64_t e = 0; e < E; ++e) {
-                  g += x.At(t * E + e) * gv[(s * E + e) * I + i];
-                  u += x.At(t * E + e) * uv[(s * E + e) * I + i];
+                  g += x.At(t * E + e) * gate.v[(s * E + e) * I + i];
+                  u += x.At(t * E + e) * up.v[(s * E + e) * I + i];
                 }
                 h[i] = g / (1 + std::exp(-g)) * u;
               }
               for (int64_t e = 0; e < E; ++e)
                 for (int64_t i = 0; i < I; ++i) {
-                  want[t * E + e] += wts[t * topk + j] * h[i] * dv[(s * I + i) * E + e];
-                  mag[t * E + e] += wts[t * topk + j] * std::fabs(h[i] * dv[(s * I + i) * E + e]);
+                  want[t * E + e] += wts[t * topk + j] * h[i] * down.v[(s * I + i) * E + e];
+                  mag[t * E + e] += wts[t * topk + j] * std::fabs(h[i] * down.v[(s * I + i) * E + e]);
                 }
             }
-          // the kernel's operands: row-major as made, or each slot packed
-          int64_t kpe = 0, kpi = 0;
-          const void *gp, *up, *dp;
-          std::vector<int8_t> gqp, uqp, dqp;
-          Buf gfp(dt, 0), ufp(dt, 0), dfp(dt, 0);
-          if (!sh.packed) {
-            gp = int8 ? static_cast<const void*>(gq.data()) : gf.data();
-            up = int8 ? static_cast<const void*>(uq.data()) : uf.data();
-            dp = int8 ? static_cast<const void*>(dq.data()) : df.data();
-          } else if (int8) {
-            auto pack = [&](const std::vector<int8_t>& w, int64_t K, int64_t N, int64_t* kp) {
-              std::vector<int8_t> out;
-              for (int64_t s = 0; s < S; ++s) {
-                const std::vector<int8_t> one(w.begin() + s * K * N, w.begin() + (s + 1) * K * N);
-                const std::vector<int8_t> p = PackInt8(one, K, N);
-                out.insert(out.end(), p.begin(), p.end());
-              }
-              *kp = (K + 3) / 4 * 4;
-              return out;
-            };
-            gqp = pack(gq, E, I, &kpe);
-            uqp = pack(uq, E, I, &kpe);
-            dqp = pack(dq, I, E, &kpi);
-            gp = gqp.data();
-            up = uqp.data();
-            dp = dqp.data();
-          } else {
-            auto pack = [&](const Buf& w, int64_t K, int64_t N, int64_t* kp) {
-              Buf out(dt, 0);
-              for (int64_t s = 0; s < S; ++s) {
-                Buf one(dt, K * N);
-                for (int64_t i = 0; i < K * N; ++i) one.CopyFrom(i, w, s * K * N + i);
-                const Buf p = Pack(one, K, N, kp);
-                out.f.insert(out.f.end(), p.f.begin(), p.f.end());
-                out.h.insert(out.h.end(), p.h.begin(), p.h.end());
-              }
-              return out;
-            };
-            gfp = pack(gf, E, I, &kpe);
-            ufp = pack(uf, E, I, &kpe);
-            dfp = pack(df, I, E, &kpi);
-            gp = gfp.data();
-            up = ufp.data();
-            dp = dfp.data();
+          int64_t kpe = 0, kpi = 0;  // 0: row-major
+          if (sh.packed) {
+            gate = PackSlots(gate, S, E, I, &kpe);
+            up = PackSlots(up, S, E, I, &kpe);
+            down = PackSlots(down, S, I, E, &kpi);
           }
           for (int threads : kThreadCounts) {
             Buf o(dt, T * E);
             Call(threads, [&](const Runner& run) {
-              k.expert_mlp(run, dt, x.data(), T, E, slots.data(), wts.data(), topk, gp, up, dp,
-                           int8 ? gs.data() : nullptr, int8 ? us.data() : nullptr, int8 ? ds.data() : nullptr, S, I,
-                           kpe, kpi, o.data());
+              k.expert_mlp(run, dt, x.data(), T, E, slots.data(), wts.data(), topk, gate.data(), up.data(),
+                           down.data(), gate.scales(), up.scales(), down.scales(), S, I, kpe, kpi, o.data());
             });
             for (int64_t i = 0; i < T * E; ++i) {
               double tol = 1e-4 * mag[i] + 1e-6;

@@ -58,7 +58,8 @@ def small_cluster(tmp_path_factory):
 def full_capacity(small_cluster):
     """Requests/s of OVERLOAD_TOKENS tokens with as many in flight as the gateway admits at once (4): about what the
     small cluster can do at most."""
-    cap = chaos.capacity(small_cluster, 4.0, concurrency=4, max_tokens=OVERLOAD_TOKENS)
+    cap = chaos.capacity(small_cluster, 4.0, concurrency=OVERLOAD_BOUNDS["admission"]["max_inflight_per_instance"],
+                         max_tokens=OVERLOAD_TOKENS)
     assert cap > 1, cap
     return cap
 
