@@ -11,7 +11,7 @@ import os
 import jax
 import numpy as np
 
-from sharding.step_channel import FollowerChannel, LeaderChannel, load_secret  # noqa: F401 - the channel's home
+from sharding.step_channel import FollowerChannel, LeaderChannel, load_secret
 
 log = logging.getLogger(__name__)
 
