@@ -70,9 +70,15 @@ def check_url(url: str, cfg: CallbackConfig) -> str:
     return urllib.parse.urlunsplit((parts.scheme, netloc, path, query, ""))
 
 
-def _allowed(addr: ipaddress._BaseAddress, cfg: CallbackConfig) -> bool:
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
+def address_allowed(addr: ipaddress.IPv4Address | ipaddress.IPv6Address, cfg: CallbackConfig) -> bool:
+    if isinstance(addr, ipaddress.IPv6Address):  # an IPv4 address inside one (mapped, 6to4, NAT64) is that address
+        embedded = addr.ipv4_mapped or addr.sixtofour or (
+            ipaddress.IPv4Address(int(addr) & 0xFFFFFFFF) if addr in _NAT64 else None)
+        if embedded is not None:
+            addr = embedded
     if any(addr in ipaddress.ip_network(n, strict=False) for n in cfg.allowed_networks):
         return True
     return addr.is_global and not addr.is_multicast
@@ -91,7 +97,7 @@ async def resolve(host: str, port: int, cfg: CallbackConfig, executor: concurren
     except OSError as e:
         raise CallbackRefused(f"callback host {host!r} does not resolve: {e}") from None
     addresses = list(dict.fromkeys(info[4][0].split("%")[0] for info in infos))
-    refused = [a for a in addresses if not _allowed(ipaddress.ip_address(a), cfg)]
+    refused = [a for a in addresses if not address_allowed(ipaddress.ip_address(a), cfg)]
     if refused or not addresses:
         raise CallbackRefused(f"callback host {host!r} resolves to {', '.join(refused) or 'nothing'}: loopback, "
                               "private or link-local addresses need callbacks.allowed_networks")

@@ -3,8 +3,9 @@ admission queues, rate limits, validation parity with the server, job store, gen
 from __future__ import annotations
 
 import asyncio
-import filecmp
 import base64
+import filecmp
+import ipaddress
 import os
 import re
 import stat
@@ -19,7 +20,7 @@ from serving.gateway import config as gconfig
 from serving.gateway.admission import Admission, QueueFull, RateLimiter
 from serving.gateway.config import ConfigError, ConfigWatcher, IsolationConfig, ScoreWeights, parse_config
 from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker
-from serving.gateway.callbacks import CallbackRefused, check_url, sign
+from serving.gateway.callbacks import CallbackRefused, address_allowed, check_url, sign
 from serving.gateway.jobs import JobError, JobManager, JobStore
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scores, prompt_blocks
@@ -312,6 +313,14 @@ def test_callback_url_policy(monkeypatch):
                      ("https://10.1.2.3.nip.io/", "not on"), ("https://hooks.x/" + "a" * 3000, "at most 2048")):
         with pytest.raises(CallbackRefused, match=re.escape(why)):
             check_url(url, cfg)
+    # Addresses a callback may connect to: public ones, or those in allowed_networks; an IPv4 address inside an IPv6
+    # one (mapped, 6to4, NAT64) counts as itself.
+    lan = parse_config({"callbacks": {"allowed_networks": ["10.20.0.0/16"]}}).callbacks
+    for address, ok in (("8.8.8.8", True), ("2001:4860:4860::8888", True), ("10.20.3.4", True), ("10.21.0.1", False),
+                        ("127.0.0.1", False), ("::1", False), ("169.254.169.254", False), ("fe80::1", False),
+                        ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False), ("::ffff:127.0.0.1", False),
+                        ("2002:7f00:1::", False), ("64:ff9b::a9fe:a9fe", False), ("64:ff9b::808:808", True)):
+        assert address_allowed(ipaddress.ip_address(address), lan) is ok, address
     # Standard Webhooks' example (standard-webhooks/standard-webhooks, spec): this key, id, time and body sign so.
     key = base64.b64decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
     body = b'{"test": 2432232314}'
