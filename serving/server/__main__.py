@@ -93,7 +93,15 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_string, "step_channel_secret_file", "",
       "Multi-host: file with the secret (>= 16 bytes) every process of the instance shares; the step channel is "
       "authenticated with it (else $MESHSERVE_STEP_SECRET_FILE / $MESHSERVE_STEP_SECRET; one is required).")
-    d(flags.DEFINE_string, "host", "0.0.0.0", "Address to listen on.")
+    d(flags.DEFINE_string, "host", "127.0.0.1",
+      "Address to listen on (gRPC, HTTP, metrics); 0.0.0.0: every interface (with --api_key_file: docs/security.md).")
+    d(flags.DEFINE_string, "api_key_file", "",
+      "Keys (one a line, >= 16 characters, re-read when the file changes) every caller must send as `authorization: "
+      "Bearer <key>`, except health checks; empty: no key needed.")
+    d(flags.DEFINE_string, "admin_key_file", "",
+      "Keys for Drain and GetLoad(check_invariants) (a regular key gets PERMISSION_DENIED); empty: with "
+      "--api_key_file nobody may call them, without it anyone.")
+    d(flags.DEFINE_integer, "max_concurrent_streams", 1024, "gRPC streams at once per client connection.")
     d(flags.DEFINE_string, "tls_cert", "", "PEM certificate chain: serve TLS (with --tls_key).")
     d(flags.DEFINE_string, "tls_key", "", "PEM private key for --tls_cert.")
     d(flags.DEFINE_string, "tls_client_ca", "", "PEM CA: require client certificates signed by it (mutual TLS).")
@@ -118,6 +126,8 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_float, "retry_after_s", 1.0, "Retry hint sent with RESOURCE_EXHAUSTED.")
     d(flags.DEFINE_string, "instance_id", "", "Name in load reports (default host:pid).")
     d(flags.DEFINE_string, "otlp_endpoint", "", "OTLP/gRPC collector for traces (host:port); empty: no tracing.")
+    d(flags.DEFINE_string, "otlp_ca_file", "", "PEM CA of the OTLP collector: export over TLS; empty: plaintext.")
+    d(flags.DEFINE_boolean, "trace_content", False, "Trace span events carry the generated token ids.")
     d(flags.DEFINE_string, "service_name", "meshserve", "service.name of the traces.")
     d(flags.DEFINE_boolean, "warmup", True, "Compile every bucket before SERVING (never turn off in production).")
     d(flags.DEFINE_string, "ready_file", "",
@@ -184,7 +194,14 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         max_request_bytes=f.max_request_bytes, retry_after_s=f.retry_after_s, instance_id=f.instance_id,
         otlp_endpoint=f.otlp_endpoint, service_name=f.service_name, ready_file=f.ready_file,
         tls_cert=f.tls_cert, tls_key=f.tls_key, tls_client_ca=f.tls_client_ca, http_port=f.http_port,
-        served_model_name=f.served_model_name, tool_call_parser=f.tool_call_parser)
+        served_model_name=f.served_model_name, tool_call_parser=f.tool_call_parser, api_key_file=f.api_key_file,
+        admin_key_file=f.admin_key_file, max_concurrent_streams=f.max_concurrent_streams,
+        trace_content=f.trace_content, otlp_ca_file=f.otlp_ca_file)
+    try:  # a bad key file fails now, not once the model has loaded
+        from serving.auth import InstanceKeys
+        InstanceKeys(f.api_key_file, f.admin_key_file)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     return engine_config, server_config
 
 
