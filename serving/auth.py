@@ -182,9 +182,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._refused_since_log += 1
         now = time.monotonic()
         if now - self._last_log >= REFUSAL_LOG_INTERVAL_S:  # a flood of bad keys must not flood the log
-            log.warning("refused %d calls without a valid key in the last %.0fs (latest: %s, %s: %s)",
-                        self._refused_since_log, now - self._last_log if self._last_log else 0.0, details.method,
-                        e.grpc_code.name, e.message)
+            log.warning("refused %d calls without a valid key since the last such report (latest: %s, %s: %s)",
+                        self._refused_since_log, details.method, e.grpc_code.name, e.message)
             self._refused_since_log, self._last_log = 0, now
         return _refusal(e.grpc_code, e.message)
 

@@ -53,8 +53,12 @@ async def _serve() -> int:
 
     gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, otlp_ca_file=FLAGS.otlp_ca_file,
                       service_name=FLAGS.service_name)
+
+    def refused(method, code):  # counted as the servicer counts the Generate calls it ends
+        if method == "/meshserve.v1.Inference/Generate":
+            gateway.metrics.requests.labels(code.name).inc()
     # Keys first (a call without one is refused before its request is read), then the decoder's own errors.
-    server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gateway.auth), DecodeErrorInterceptor()],
+    server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gateway.auth, refused), DecodeErrorInterceptor()],
                              options=server_options(FLAGS.max_request_bytes, FLAGS.max_concurrent_streams))
     inference = InferenceServicer(gateway)
     pb_grpc.add_InferenceServicer_to_server(inference, server)

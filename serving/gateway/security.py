@@ -80,8 +80,9 @@ class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
     """A call without a known key (or an admin RPC without an admin key) is refused from its metadata alone, before
     its request is read or decoded; the servicers then map the key to its tenant as before."""
 
-    def __init__(self, auth: Authenticator):
+    def __init__(self, auth: Authenticator, on_refused=None):
         self.auth = auth
+        self._on_refused = on_refused or (lambda method, code: None)  # metrics: refused Generate calls
 
     async def intercept_service(self, continuation, details):
         method = details.method or ""
@@ -93,6 +94,7 @@ class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
                     self.auth.tenant(details.invocation_metadata)
             except AuthError as e:
                 code, message = e.code, e.details
+                self._on_refused(method, code)
 
                 async def refuse(request_iterator, context):  # a stream handler: the request is never read
                     await context.abort(code, message)
