@@ -17,7 +17,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from serving.core.async_engine import AsyncEngine
 from models.tokenizer import Tokenizer
 from serving.api.protocol import parser_markers
-from serving.api.tools import resolve_tool_call_parser
+from serving.api.tools import TOOL_PARSERS, resolve_tool_call_parser
+from serving.config_flags import option
 from serving.core import interface
 from serving.core.config import EngineConfig
 from serving.core.interface import ServingEngine
@@ -44,23 +45,33 @@ PENDING_CALL_OPTIONS = (("grpc.server.max_pending_requests", PENDING_CALLS_LIMIT
 
 @dataclasses.dataclass(slots=True)
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (see InstanceServer.port / ready_file)
-    metrics_port: int = 9090  # -1: no metrics endpoint; 0: any free port
-    warmup: bool = True
-    drain_grace_s: float = 30.0
-    max_request_bytes: int = 1 << 20
-    retry_after_s: float = 1.0
-    instance_id: str = ""
-    otlp_endpoint: str = ""
-    service_name: str = "meshserve"
-    ready_file: str = ""  # written (JSON: ports, pid) once SERVING
-    tls_cert: str = ""  # PEM chain: serve TLS (with tls_key)
-    tls_key: str = ""
-    tls_client_ca: str = ""  # PEM CA: require client certificates signed by it (mutual TLS, e.g. from the gateway)
-    http_port: int = -1  # the OpenAI-compatible HTTP API: -1 off; 0 any free port
-    served_model_name: str = ""  # the model's name in the HTTP API and metrics; default the model directory's name
-    tool_call_parser: str = ""  # serving.api.tools' parser of tool calls; "": the chat template's, if it shows one
+    # A field made with `option` is also the server's flag of that name (serving.config_flags); its help is the flag's.
+    # The command line listens on every interface; servers built in-process (tests, benchmarks) stay on loopback.
+    host: str = option("127.0.0.1", "Address to listen on.", flag_default="0.0.0.0")
+    port: int = option(50051, "gRPC port; 0: any free port.")
+    metrics_port: int = option(9090, "Prometheus port; 0: any free port; -1: none.")
+    warmup: bool = option(True, "Compile every bucket before SERVING (never turn off in production).")
+    drain_grace_s: float = option(30.0, "On SIGTERM: how long accepted requests may take to finish.")
+    max_request_bytes: int = option(1 << 20, "Largest GenerateRequest accepted (INVALID_ARGUMENT beyond).")
+    retry_after_s: float = option(1.0, "Retry hint sent with RESOURCE_EXHAUSTED.")
+    instance_id: str = option("", "Name in load reports (default host:pid).")
+    otlp_endpoint: str = option("", "OTLP/gRPC collector for traces (host:port); empty: no tracing.")
+    service_name: str = option("meshserve", "service.name of the traces.")
+    ready_file: str = option(
+        "", "Written (JSON: port, metrics_port, http_port with --http_port, pid) once the server is SERVING.")
+    tls_cert: str = option("", "PEM certificate chain: serve TLS (with --tls_key).")
+    tls_key: str = option("", "PEM private key for --tls_cert.")
+    tls_client_ca: str = option("", "PEM CA: require client certificates signed by it (mutual TLS).")
+    http_port: int = option(
+        -1, "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /tokenize, "
+        "/detokenize) on this port, beside gRPC; 0: any free port (reported in --ready_file); -1: off.")
+    served_model_name: str = option(
+        "", "The model's name in the HTTP API (requests naming another get 404) and in metrics; default: the --model "
+        "directory's name.")
+    tool_call_parser: str = option(
+        "", "The format of the model's tool calls, parsed into OpenAI tool_calls; empty: the one its chat template "
+        "shows (<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: llama3_json), else none.",
+        choices=("",) + tuple(TOOL_PARSERS))
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
