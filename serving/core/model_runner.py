@@ -20,6 +20,7 @@ from models.moe import ExpertCounts, MoE
 from models.transformer import CausalLM, init_kv_caches
 from models.weights import is_orbax_dir, load_hf_model, load_model
 from pallas_kernels.attention import unsupported_reason
+from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
 from serving import ledger
@@ -125,6 +126,8 @@ WARMUP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=1
 # bias, whatever its sequences ask (greedy slots take its biased argmax).
 WARMUP_LOGIT_BIAS = SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1, logit_bias={0: 1.0})
 LOGIT_BIAS_SLOTS = 1 << (MAX_LOGIT_BIAS - 1).bit_length()  # the bias variant's static K: [S, K] ids and values
+# The dataclasses a follower takes from the step channel (its schema admits no other type).
+STEP_RECORDS = (RaggedBatch, AttentionMetadata, sampling.SamplingTensors)
 # Structured outputs: a step with a constrained sequence and no penalty or bias takes the masked variant (random,
 # logprobs, the token bitmask); with penalties or a bias, the general one above, which always carries a bitmask.
 WARMUP_MASKED = SamplingParams(temperature=1.0, seed=0, structured=StructuredOutput(json_object=True))
@@ -336,7 +339,7 @@ class ModelRunner:
         """Multi-host follower: runs each jitted call the leader announces, until it says stop."""
         logits = None
         while True:
-            message = channel.recv()
+            message = channel.recv(records=STEP_RECORDS)
             if message[0] == "forward":
                 logits, _ = self.run_forward(message[1], greedy_only=message[2])
             elif message[0] == "sample":

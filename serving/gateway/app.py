@@ -91,7 +91,7 @@ class Gateway:
         self.long_inflight = 0
         self.provider = make_tracer_provider(service_name, otlp_endpoint=otlp_endpoint, exporter=span_exporter)
         self.tracer = self.provider.get_tracer("meshserve.gateway") if self.provider else None
-        self.jobs = JobManager(JobStore(jobs_db), self._job_stream, lambda: self.config.callback_allowed_hosts,
+        self.jobs = JobManager(JobStore(jobs_db), self._job_stream, lambda: self.config,
                                on_state=lambda s: self.metrics.jobs.labels(s).inc())
         self._tasks: list[asyncio.Task] = []
         self._probing: set[str] = set()

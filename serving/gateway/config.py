@@ -1,9 +1,13 @@
 """The gateway's configuration file (the configuration centre), YAML or JSON: `parse_config` / `load_config` ->
 `GatewayConfig` (pools, routing, isolation, long lane, admission, tenants with keys, rate limits and priorities, admin
-keys, callbacks, instance TLS) and `ConfigWatcher`, which re-reads it when it changes. Format: docs/gateway.md."""
+keys, jobs, callbacks, instance TLS) and `ConfigWatcher`, which re-reads it when it changes and refuses a reload that
+would turn authentication off or empty every pool unless the file says so. Format: docs/gateway.md."""
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -19,6 +23,9 @@ log = logging.getLogger(__name__)
 POLICIES = ("load_aware", "least_requests", "round_robin")
 PRIORITY_CLASSES = ("interactive", "batch")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+# Tenant names a tenant may not take: admin keys act as "admin", which sees every tenant's jobs.
+RESERVED_TENANT_NAMES = ("admin",)
+WEBHOOK_SECRET_PREFIX = "whsec_"  # Standard Webhooks: the prefix, then the key in base64
 
 
 class ConfigError(ValueError):
@@ -101,6 +108,28 @@ class TenantConfig:
     priority: str = "interactive"  # the highest class its requests get (a request may ask for batch)
     pools: tuple[str, ...] = ()  # preference order; spill-over to the next when one is full; () = all pools
     rate_limit: RateLimit = RateLimit()
+    webhook_secret: str = dataclasses.field(default="", repr=False)  # whsec_<base64>: signs its job callbacks
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class CallbackConfig:
+    allowed_hosts: tuple[str, ...] = ()  # host names or IP literals a callback URL may name
+    allowed_ports: tuple[int, ...] = (80, 443)
+    # Loopback, private and link-local addresses are refused unless in one of these networks (or the URL names an
+    # IP literal listed in allowed_hosts)
+    allowed_networks: tuple[str, ...] = ()
+    retry_window_s: float = 3600.0  # deliveries are retried (with backoff) this long after the job ends
+    retry_initial_s: float = 1.0  # the first retry's wait; it doubles up to retry_max_s
+    retry_max_s: float = 300.0
+    timeout_s: float = 10.0  # one delivery attempt, connection to last byte
+    max_concurrent: int = 16  # deliveries in flight at once
+    webhook_secret: str = dataclasses.field(default="", repr=False)  # for tenants without their own (and auth off)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class JobsConfig:
+    max_crashes: int = 3  # a job that was running when the gateway died this many times fails instead of rerunning
+    retention_s: float = 7 * 86400.0  # finished jobs (and their idempotency keys) are deleted this long after
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -113,7 +142,11 @@ class GatewayConfig:
     admission: AdmissionConfig = AdmissionConfig()
     tenants: tuple[TenantConfig, ...] = ()  # none: auth off, requests name their tenant
     admin_keys: tuple[str, ...] = ()
-    callback_allowed_hosts: tuple[str, ...] = ()
+    callbacks: CallbackConfig = CallbackConfig()
+    jobs: JobsConfig = JobsConfig()
+    # A reload may turn authentication off, or leave no instance, only when the file says so (else it is refused)
+    allow_unauthenticated: bool = False
+    allow_no_instances: bool = False
     tokenizer: str = ""  # optional tokenizer directory: exact prompt lengths for the long lane
     instance_tls: tuple[tuple[str, str], ...] = ()  # ca / cert / key files for (mutual) TLS to instances
     # The chat parsers of the HTTP API (serving.api.tools / serving.api.reasoning); "": the instances' (ModelInfo)
@@ -178,8 +211,9 @@ def parse_config(raw: Any) -> GatewayConfig:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
-    known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
-             "tokenizer", "instance_tls", "tool_call_parser", "reasoning_parser"}
+    known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks", "jobs",
+             "tokenizer", "instance_tls", "tool_call_parser", "reasoning_parser", "allow_unauthenticated",
+             "allow_no_instances"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
@@ -279,6 +313,12 @@ def parse_config(raw: Any) -> GatewayConfig:
         tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl)
         if not _NAME.match(tc.name or ""):
             raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {tc.name!r}")
+        if tc.name.lower() in RESERVED_TENANT_NAMES:
+            raise ConfigError(f"{path}.name: {tc.name!r} is reserved (admin keys act as it); choose another name")
+        if tc.name in {x.name for x in tenants}:
+            raise ConfigError(f"{path}.name: tenant {tc.name!r} is defined twice")
+        if tc.webhook_secret:
+            webhook_key(tc.webhook_secret, f"{path}.webhook_secret")
         if tc.priority not in PRIORITY_CLASSES:
             raise ConfigError(f"{path}.priority: {tc.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}")
         for p in tpools:
@@ -290,9 +330,15 @@ def parse_config(raw: Any) -> GatewayConfig:
             keys[k] = tc.name
         tenants.append(tc)
 
-    cb = _section(raw, "callbacks")
-    if set(cb) - {"allowed_hosts"}:
-        raise ConfigError("callbacks: the only key is allowed_hosts")
+    callbacks = _callbacks(_section(raw, "callbacks"))
+    jobs = _build(JobsConfig, _section(raw, "jobs"), "jobs")
+    _positive("jobs.max_crashes", jobs.max_crashes)
+    _positive("jobs.retention_s", jobs.retention_s)
+    flags = {}
+    for key in ("allow_unauthenticated", "allow_no_instances"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise ConfigError(f"{key}: expected true or false, got {flags[key]!r}")
     tls = raw.get("instance_tls") or {}
     if not isinstance(tls, dict) or set(tls) - {"ca", "cert", "key"}:
         raise ConfigError("instance_tls: expected a mapping with ca, and cert + key for mutual TLS")
@@ -311,9 +357,66 @@ def parse_config(raw: Any) -> GatewayConfig:
             raise ConfigError(f"{key}: unknown {parsers[key]!r}; known: {', '.join(sorted(known_names))}")
     return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
                          long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
-                         callback_allowed_hosts=tuple(h.lower() for h in _str_list(cb.get("allowed_hosts"),
-                                                                                   "callbacks.allowed_hosts")),
-                         tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())), **parsers)
+                         callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
+                         **parsers, **flags)
+
+
+def webhook_key(secret: str, path: str) -> bytes:
+    """The signing key of a Standard Webhooks secret (`whsec_` + base64 of 16 to 64 random bytes). The error names
+    the key's path, never the secret."""
+    if not secret.startswith(WEBHOOK_SECRET_PREFIX):
+        raise ConfigError(f"{path}: expected {WEBHOOK_SECRET_PREFIX}<base64 of 16 to 64 random bytes>, e.g. "
+                          "`echo whsec_$(head -c 32 /dev/urandom | base64)`")
+    try:
+        key = base64.b64decode(secret[len(WEBHOOK_SECRET_PREFIX):], validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{path}: the part after {WEBHOOK_SECRET_PREFIX} is not base64") from None
+    if not 16 <= len(key) <= 64:
+        raise ConfigError(f"{path}: a key of {len(key)} bytes; 16 to 64 are valid")
+    return key
+
+
+def _callbacks(cb: dict) -> CallbackConfig:
+    cb = dict(cb)
+    hosts = []
+    for h in _str_list(cb.pop("allowed_hosts", None), "callbacks.allowed_hosts"):
+        h = h.lower().strip("[]")
+        if not re.match(r"^[a-z0-9.:_-]+$", h):
+            raise ConfigError(f"callbacks.allowed_hosts: {h!r} is not a host name or an IP address")
+        try:
+            h = str(ipaddress.ip_address(h))  # one spelling per address
+        except ValueError:
+            pass
+        hosts.append(h)
+    hosts = tuple(hosts)
+    ports = cb.pop("allowed_ports", None)
+    if ports is not None and (not isinstance(ports, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports)):
+        raise ConfigError(f"callbacks.allowed_ports: expected a list of ports (1-65535), got {ports!r}")
+    networks = _str_list(cb.pop("allowed_networks", None), "callbacks.allowed_networks")
+    for n in networks:
+        try:
+            ipaddress.ip_network(n, strict=False)
+        except ValueError:
+            raise ConfigError(f"callbacks.allowed_networks: {n!r} is not a network (e.g. 10.0.0.0/8)") from None
+    out = _build(CallbackConfig, cb, "callbacks", allowed_hosts=hosts, allowed_networks=networks,
+                 **({} if ports is None else {"allowed_ports": tuple(ports)}))
+    for key in ("retry_window_s", "retry_initial_s", "retry_max_s", "timeout_s", "max_concurrent"):
+        _positive(f"callbacks.{key}", getattr(out, key))
+    if out.webhook_secret:
+        webhook_key(out.webhook_secret, "callbacks.webhook_secret")
+    return out
+
+
+def check_reload(old: GatewayConfig, new: GatewayConfig) -> None:
+    """ConfigError when `new` would fail open after `old`: authentication on -> off, or instances -> none (an empty
+    or half-written file), unless `new` says so (allow_unauthenticated, allow_no_instances)."""
+    if old.auth_enabled and not new.auth_enabled and not new.allow_unauthenticated:
+        raise ConfigError("tenants, admin_keys: none left, which would turn authentication off; keeping the running "
+                          "configuration (set allow_unauthenticated: true to mean it)")
+    if old.instances and not new.instances and not new.allow_no_instances:
+        raise ConfigError("pools: no instance left in any pool; keeping the running configuration (set "
+                          "allow_no_instances: true to mean it)")
 
 
 def load_config(path: str) -> GatewayConfig:
@@ -333,6 +436,9 @@ class ConfigWatcher:
     def __init__(self, path: str):
         self.path = path
         self.config = load_config(path)  # the first file must be valid
+        if not self.config.auth_enabled:
+            log.warning("configuration %s has no tenants and no admin keys: authentication is off, every caller "
+                        "names its own tenant and may use the admin RPCs", path)
         self.version = 1
         self.last_error = ""
         self._stamp = self._file_stamp()
@@ -352,6 +458,7 @@ class ConfigWatcher:
         self._stamp = stamp
         try:
             config = load_config(self.path)
+            check_reload(self.config, config)
         except ConfigError as e:
             self.last_error = str(e)
             log.error("configuration %s rejected, keeping version %d: %s", self.path, self.version, e)

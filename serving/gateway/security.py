@@ -10,6 +10,11 @@ import grpc
 from serving.gateway.config import GatewayConfig, TenantConfig
 
 
+# Who an admin key authenticates as: told apart by identity (`is ADMIN`), not by name; the name is reserved for it
+# (serving.gateway.config.RESERVED_TENANT_NAMES).
+ADMIN = TenantConfig(name="admin")
+
+
 class AuthError(Exception):
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(details)
@@ -57,7 +62,7 @@ class Authenticator:
         tenant = self._match(key)
         if tenant is None:
             if self._is_admin(key):
-                return TenantConfig(name="admin")
+                return ADMIN
             raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
         return tenant
 

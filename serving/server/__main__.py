@@ -19,7 +19,7 @@ FLAGS = flags.FLAGS
 
 # The server's flags that are no field of EngineConfig or ServerConfig (those are defined from the dataclasses).
 SERVER_ONLY_FLAGS = ("tokenizer", "kv_cache_memory_fraction", "coordinator_address", "num_processes", "process_id",
-                     "step_channel_port", "log_format")
+                     "step_channel_port", "step_channel_secret_file", "log_format")
 
 
 def define_flags(fv: flags.FlagValues = FLAGS) -> None:
@@ -44,6 +44,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     d(flags.DEFINE_integer, "process_id", 0, "Multi-host: this process; 0 leads (gRPC + scheduler), others follow.")
     d(flags.DEFINE_integer, "step_channel_port", 0,
       "Multi-host: leader port for step messages to the followers; 0: the coordinator port + 1.")
+    d(flags.DEFINE_string, "step_channel_secret_file", "",
+      "Multi-host: file with the secret (>= 16 bytes) every process of the instance shares; the step channel is "
+      "authenticated with it (else $MESHSERVE_STEP_SECRET_FILE / $MESHSERVE_STEP_SECRET; one is required).")
     d(flags.DEFINE_enum, "log_format", "text", ["text", "json"], "Log line format.")
 
 
@@ -93,22 +96,26 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
 
 
 def _distributed_config():
-    from sharding.multihost import DistributedConfig
+    from sharding.multihost import DistributedConfig, load_secret
     if FLAGS.num_processes <= 1:
         return None
     if not FLAGS.coordinator_address:
         raise app.UsageError("--num_processes > 1 needs --coordinator_address (host:port of process 0)")
     port = FLAGS.step_channel_port or int(FLAGS.coordinator_address.rsplit(":", 1)[1]) + 1
-    return DistributedConfig(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, port)
+    try:
+        secret = load_secret(FLAGS.step_channel_secret_file)
+    except (OSError, ValueError) as e:
+        raise app.UsageError(str(e)) from None
+    return DistributedConfig(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id, port, secret=secret)
 
 
 def _follow(dist) -> int:
     """A follower process: the same engine, running the steps the leader sends, no gRPC."""
     from serving.server.app import build_engine
-    from sharding.multihost import FollowerChannel, shutdown
+    from sharding.multihost import shutdown
     engine_config, _ = configs_from_flags(FLAGS)
     engine = build_engine(engine_config, FLAGS.tokenizer)
-    engine.follow(FollowerChannel(dist.leader_host, dist.step_channel_port, dist.process_id))
+    engine.follow(dist.follower_channel())
     shutdown()
     return 0
 
@@ -130,14 +137,11 @@ async def _serve(dist=None) -> int:
         return 0
     server = InstanceServer(engine, server_config)
     if dist is not None:
-        from sharding.multihost import LeaderChannel
-
         def follower_lost(pid, err):
             # Steps can no longer complete: fail every request (UNAVAILABLE) and leave, rather than hang.
             server.aengine.kill(err)
             threading.Timer(1.0, lambda: os._exit(4)).start()
-        engine.runner.channel = await asyncio.to_thread(LeaderChannel, dist.step_channel_port, dist.num_processes - 1,
-                                                 on_follower_lost=follower_lost)
+        engine.runner.channel = await asyncio.to_thread(dist.leader_channel, on_follower_lost=follower_lost)
     starting = asyncio.ensure_future(server.start())
     stopping = asyncio.ensure_future(stop_requested.wait())
     await asyncio.wait([starting, stopping], return_when=asyncio.FIRST_COMPLETED)
