@@ -27,7 +27,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     EngineConfig and ServerConfig field (`serving.config_flags`), and SERVER_ONLY_FLAGS."""
     from serving.config_flags import flag_definitions
     from serving.core.config import EngineConfig
-    from serving.server.app import ServerConfig
+    from serving.server.config import ServerConfig
 
     def d(define, *args):
         define(*args, flag_values=fv)
@@ -62,7 +62,7 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
     """(EngineConfig, ServerConfig) from parsed flags."""
     from serving.config_flags import from_flags
     from serving.core.config import EngineConfig
-    from serving.server.app import ServerConfig
+    from serving.server.config import ServerConfig
     if f.dp < 1:
         raise app.UsageError(f"--dp must be >= 1, got {f.dp}")
     if f.dp > 1:

@@ -9,7 +9,7 @@ from absl import app, flags
 from serving.config_flags import flag_default, flag_fields
 from serving.core.config import EngineConfig
 from serving.server import __main__ as server_main
-from serving.server.app import ServerConfig
+from serving.server.config import ServerConfig
 from models.synthetic import shared_small_llama
 
 
