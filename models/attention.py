@@ -11,6 +11,7 @@ from flax import nnx
 import pallas_kernels
 from models.batch import RaggedBatch
 from models.config import ModelConfig
+from models.kv_cache import KVCacheSpec, attention_spec
 from models.layers import RMSNorm, linear, linear_param, zeros
 from models.rope import apply_rope, inverse_frequencies
 from pallas_kernels import kv_quant
@@ -42,6 +43,13 @@ class Attention(nnx.Module):
         self.sm_scale = 1.0 / math.sqrt(d)
         self.sliding_window = cfg.sliding_windows[layer]
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
+
+    @staticmethod
+    def kv_cache_spec(cfg: ModelConfig, layer: int, *, dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+        """The cache layer `layer` reads and writes: K and V of every KV head (row 2h: K of head h, 2h + 1: its
+        V), over the layer's sliding window if it has one."""
+        return attention_spec(cfg.num_kv_heads, cfg.head_dim, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              sliding_window=cfg.sliding_windows[layer])
 
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape

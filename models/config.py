@@ -96,12 +96,6 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return any(self.moe_layers)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one token costs over all layers, at the config's stored dtype."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 2)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
