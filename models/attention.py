@@ -43,6 +43,7 @@ class Attention(nnx.Module):
         self.sm_scale = 1.0 / math.sqrt(d)
         self.sliding_window = cfg.sliding_windows[layer]
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
+        self.rope_attention_factor = cfg.rope.attention_factor  # yarn / longrope scale cos and sin by it
 
     @staticmethod
     def kv_cache_spec(cfg: ModelConfig, layer: int, *, dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
@@ -68,8 +69,8 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        q = apply_rope(q, positions, self.inv_freq, self.rope_attention_factor)
+        k = apply_rope(k, positions, self.inv_freq, self.rope_attention_factor)
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
                                         sliding_window=self.sliding_window)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
