@@ -170,7 +170,8 @@ def bench_capacity() -> None:
     import jax
 
     from models.config import ModelConfig
-    from models.transformer import init_kv_caches
+    from models.kv_cache import init_kv_caches
+    from models.transformer import kv_cache_specs
     from serving import ledger
     cfg = ModelConfig.from_pretrained(llama_125m("bfloat16", _WORKDIR.value))
     page_size, budget, seq = 16, 1 << 30, 2048
@@ -178,7 +179,7 @@ def bench_capacity() -> None:
     for kv in ("auto", "int8", "fp8_e4m3"):
         pages = ledger.kv_cache_pages(cfg, dtype="bfloat16", page_size=page_size, kv_cache_bytes=budget,
                                       kv_dtype=ledger.kv_dtype_of(kv))
-        caches = init_kv_caches(cfg, 64, page_size, jax.numpy.bfloat16, kv_cache_dtype=kv)
+        caches = init_kv_caches(kv_cache_specs(cfg, dtype="bfloat16", kv_cache_dtype=kv), 64, page_size)
         measured = sum(x.nbytes for x in jax.tree.leaves(caches)) / 64  # bytes per page, every layer
         rows.append(["bfloat16" if kv == "auto" else kv, measured, (1 << 30) / measured, pages,
                      pages // (seq // page_size), int(budget / measured) // (seq // page_size)])
