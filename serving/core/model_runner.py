@@ -17,7 +17,8 @@ from flax import nnx
 from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
-from models.transformer import CausalLM, init_kv_caches
+from models.kv_cache import init_kv_caches
+from models.transformer import CausalLM
 from models.weights import is_orbax_dir, load_hf_model, load_model
 from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.metadata import AttentionMetadata
@@ -31,7 +32,7 @@ from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
 from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
-from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
+from sharding.mesh import mesh_context, serving_mesh
 from sharding.multihost import to_global
 
 log = logging.getLogger(__name__)
@@ -179,11 +180,11 @@ class ModelRunner:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
             self.packed_weights = model.pack_for_cpu_kernels()
             log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
+        # The cache the model declares, one spec per layer (the ledger sized the pages from the same declaration).
+        self.kv_cache_specs = model.kv_cache_specs(dtype=dtype, kv_cache_dtype=config.kv_cache_dtype)
         self.graphdef, self.state = nnx.split(model)
-        self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
-        with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding,
-                                            kv_cache_dtype=config.kv_cache_dtype)
+        self.kv_caches: list = []
+        self.reset_kv_caches()
         donate = (1, 5) if self.choices.donate_kv_cache else ()
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=donate, static_argnames=("greedy_only",))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
@@ -352,9 +353,7 @@ class ModelRunner:
     def reset_kv_caches(self) -> None:
         """Fresh zeroed caches (after a failed step lost the donated ones)."""
         with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
-                                            DTYPES[self.config.dtype], self.kv_sharding,
-                                            kv_cache_dtype=self.config.kv_cache_dtype)
+            self.kv_caches = init_kv_caches(self.kv_cache_specs, self.num_pages, self.config.page_size, self.mesh)
 
     # ------------------------------------------------------------------ buckets and warm-up
     def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> RaggedBatch:

@@ -4,7 +4,6 @@ before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -22,51 +21,18 @@ from serving.core import interface
 from serving.core.config import EngineConfig
 from serving.core.interface import ServingEngine
 from serving.auth import AuthInterceptor, InstanceKeys, bind_warning
+from serving.server.config import ServerConfig
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 from serving.server.decoding import DecodeErrorInterceptor
 from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer, make_tracer_provider
-from serving.transport import MAX_CONCURRENT_STREAMS, server_options
+from serving.transport import server_options
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "meshserve.v1.Inference"
 
-@dataclasses.dataclass(slots=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (see InstanceServer.port / ready_file)
-    metrics_port: int = 9090  # -1: no metrics endpoint; 0: any free port
-    warmup: bool = True
-    drain_grace_s: float = 30.0
-    max_request_bytes: int = 1 << 20
-    retry_after_s: float = 1.0
-    instance_id: str = ""
-    otlp_endpoint: str = ""
-    service_name: str = "meshserve"
-    ready_file: str = ""  # written (JSON: ports, pid) once SERVING
-    tls_cert: str = ""  # PEM chain: serve TLS (with tls_key)
-    tls_key: str = ""
-    tls_client_ca: str = ""  # PEM CA: require client certificates signed by it (mutual TLS, e.g. from the gateway)
-    http_port: int = -1  # the OpenAI-compatible HTTP API: -1 off; 0 any free port
-    served_model_name: str = ""  # the model's name in the HTTP API and metrics; default the model directory's name
-    tool_call_parser: str = ""  # serving.api.tools' parser of tool calls; "": the chat template's, if it shows one
-    api_key_file: str = ""  # keys (one a line, re-read on change) every caller but health checks must send
-    admin_key_file: str = ""  # keys for Drain and GetLoad(check_invariants) (serving.auth)
-    max_concurrent_streams: int = MAX_CONCURRENT_STREAMS  # gRPC streams per connection
-    trace_content: bool = False  # trace span events carry the generated token ids
-    otlp_ca_file: str = ""  # PEM CA: export traces over TLS, checking the collector's certificate against it
-
-    def __post_init__(self):
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
-            raise ValueError("TLS: tls_cert and tls_key go together; tls_client_ca needs them")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        if self.max_concurrent_streams < 1:
-            raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")
 
 
 class InstanceServer:
