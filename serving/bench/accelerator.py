@@ -355,25 +355,38 @@ print("TOKENS " + json.dumps([[int(t) for t in o.token_ids] for o in outs]))
 """
 
 
-def greedy_tokens(model: str, prompts: Sequence[str], n: int, *, subprocess_cpu: bool) -> list[list[int]]:
-    """Greedy token ids (float32, highest matmul precision) of `prompts`: in this process on the default device,
-    or in a subprocess on CPU (JAX_PLATFORMS=cpu)."""
-    if not subprocess_cpu:
-        from serving.core.llm import LLM
-        from serving.core.sampling_params import SamplingParams
-        with jax.default_matmul_precision("highest"):
-            llm = LLM(model, warmup=False, **PARITY_OPTIONS)
-            outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        return [[int(t) for t in o.token_ids] for o in outs]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def greedy_tokens(model: str, prompts: Sequence[str], n: int) -> list[list[int]]:
+    """Greedy token ids (float32, highest matmul precision) of `prompts` in this process, on the default device."""
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    with jax.default_matmul_precision("highest"):
+        llm = LLM(model, warmup=False, **PARITY_OPTIONS)
+        outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [[int(t) for t in o.token_ids] for o in outs]
+
+
+def start_cpu_greedy_tokens(model: str, prompts: Sequence[str], n: int) -> subprocess.Popen:
+    """`greedy_tokens` in a CPU subprocess (JAX_PLATFORMS=cpu) started now, to run beside the device side. XLA's CPU
+    kernels (MESHSERVE_CPU_KERNELS=xla: the same results) spare a device machine the native kernels' C++ build."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MESHSERVE_CPU_KERNELS="xla")
     env.pop("MESHSERVE_ATTENTION", None)
     arg = json.dumps([model, list(prompts), n, PARITY_OPTIONS])
-    proc = subprocess.run([sys.executable, "-c", _PARITY_SNIPPET, arg], capture_output=True, text=True, env=env,
-                          cwd=REPO_ROOT, timeout=300)
-    for line in proc.stdout.splitlines():
+    return subprocess.Popen([sys.executable, "-c", _PARITY_SNIPPET, arg], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+
+
+def cpu_greedy_tokens(proc: subprocess.Popen, timeout_s: float) -> list[list[int]]:
+    """The tokens of a `start_cpu_greedy_tokens` subprocess (killed past `timeout_s`)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise StageFailure(f"the CPU subprocess did not finish in {timeout_s:.0f}s") from None
+    for line in stdout.splitlines():
         if line.startswith("TOKENS "):
             return json.loads(line[len("TOKENS "):])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    tail = (stderr.strip().splitlines() or ["no output"])[-1]
     raise RuntimeError(f"the CPU subprocess exited {proc.returncode}: {tail}")
 
 
@@ -383,8 +396,17 @@ def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def stage_greedy_parity(ctx: Context) -> str:
     n, need = ctx.sizes.parity_tokens, ctx.sizes.parity_required
-    device = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n, subprocess_cpu=False)
-    cpu = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n, subprocess_cpu=ctx.parity_subprocess)
+    proc = start_cpu_greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n) if ctx.parity_subprocess else None
+    try:
+        device = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n)
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.communicate()
+        raise
+    # the CPU side: whatever is left of the stage's budget (at least a minute: it is the reference)
+    cpu = (cpu_greedy_tokens(proc, max(60.0, min(300.0, ctx.budget.stage_left()))) if proc is not None
+           else greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n))
     where = "CPU subprocess" if ctx.parity_subprocess else "CPU in-process (this host is the CPU)"
     agree = [agreeing_prefix(a, b) for a, b in zip(device, cpu)]
     for prompt, a, b, k in zip(PARITY_PROMPTS, device, cpu, agree):

@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -42,17 +43,40 @@ def _module_prefixes(dist) -> set[str]:
     return {m for m in out if m.isidentifier() or all(p.isidentifier() for p in m.split("."))}
 
 
+def needed_by(roots: set[str], dists: dict) -> set[str]:
+    """The installed distributions `roots` require, transitively (markers evaluated here, no extras)."""
+    seen, todo = set(), [r for r in roots if r in dists]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in dists[name].requires or []:
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                continue
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                dep = canonicalize_name(req.name)
+                if dep in dists and dep not in seen:
+                    todo.append(dep)
+    return seen
+
+
 def missing_modules() -> dict[str, str]:
     """module prefix -> the distribution providing it, for every installed distribution the image lacks (this
-    project aside); a prefix some image package also provides (a shared namespace) is not included."""
+    project aside) that no image package installed here requires: the image's own versions of its packages bring
+    their own requirements (huggingface-hub here may need a client the image's version does not). A prefix some
+    image package also provides (a shared namespace) is not included."""
     image = image_packages()
+    dists = {canonicalize_name(d.metadata["Name"] or ""): d for d in importlib.metadata.distributions()}
+    allowed = image | needed_by(image, dists)
     kept, refused = set(), {}
-    for dist in importlib.metadata.distributions():
-        name = canonicalize_name(dist.metadata["Name"] or "")
+    for name, dist in dists.items():
         if not name or name == PROJECT:
             continue
         for prefix in _module_prefixes(dist):
-            (kept.add(prefix) if name in image else refused.setdefault(prefix, name))
+            (kept.add(prefix) if name in allowed else refused.setdefault(prefix, name))
     kept_tops = {m.split(".")[0] for m in kept}
     out = {}
     for module, dist in refused.items():
