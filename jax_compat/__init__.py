@@ -7,18 +7,11 @@ from __future__ import annotations
 import functools
 import warnings
 
-import jax
-
 # The releases read for this module (their changelogs and sources; CI runs the lowest, see BUILD.md).
 TESTED_JAX = ("0.10.2", "0.11.2", "0.12.0.1")
 # The GPU a Triton kernel is lowered for on a host that has none: what JAX 0.10 assumed itself (compute capability
 # 9.0, the H100 / H200 generation).
 AOT_GPU_COMPUTE_CAPABILITY = 90
-
-
-def jax_version() -> tuple[int, ...]:
-    """The installed JAX's release as numbers, (0, 11, 2); for reports, not for choosing code paths."""
-    return tuple(int(p) for p in jax.__version__.split(".")[:3] if p.isdigit())
 
 
 @functools.cache
@@ -44,7 +37,7 @@ def allow_gpu_lowering_without_gpu() -> bool:
 
 def jax_gpu_paged_attention(q, k_pages, v_pages, block_tables, lengths, *, k_splits: int, interpret: bool = False):
     """JAX's own Pallas (Triton) paged attention, the bandwidth baseline of `serving.bench accelerator`: q
-    `[B, Hq, D]`, k/v pages `[Hkv, P, page_size, D]`. Its module is deprecated from JAX 0.12 (a DeprecationWarning
+    `[B, Hq, D]`, k/v pages `[Hkv, P, page_size, D]`. Its module is deprecated from JAX 0.11 (a DeprecationWarning
     at import, pointing at tokamax); silenced here, since it is only a point of comparison."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)

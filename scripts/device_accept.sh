@@ -34,8 +34,8 @@ export MESHSERVE_COMPILATION_CACHE=${MESHSERVE_COMPILATION_CACHE:-/tmp/meshserve
   $PY -m pip install --no-index --no-deps --no-build-isolation --no-cache-dir --disable-pip-version-check -e . \
     || echo "meshserve: editable install failed; running from the repository root (PYTHONPATH)"
   $PY -m pip check || true
-  $PY -m pip list --disable-pip-version-check 2>/dev/null | grep -iE \
-    '^(jax|jaxlib|jax-cuda|flax|orbax|optax|numpy|ml.dtypes|triton|torch|transformers|grpcio|protobuf|llguidance|fastapi)'
+  $PY -m pip list --disable-pip-version-check 2>/dev/null \
+    | grep -iE '^(jax|flax|orbax|optax|numpy|ml.dtypes|triton|torch|transformers|grpcio|protobuf|llguidance|fastapi)'
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 } > "$OUT/install.log" 2>&1
 tail -n 25 "$OUT/install.log"
