@@ -42,8 +42,8 @@ async def _serve() -> int:
     from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
     from serving.gateway.security import server_credentials
     from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
-    from serving.server.decoding import DecodeErrorInterceptor
-    from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+    from serving.wire.decoding import DecodeErrorInterceptor
+    from serving.wire import meshserve_pb2_grpc as pb_grpc
 
     gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, service_name=FLAGS.service_name)
     server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()], options=list(SERVER_OPTIONS))

@@ -25,7 +25,7 @@ from serving.gateway.pools import Instance, InstancePools
 from serving.gateway.routing import Router, prompt_blocks
 from serving.gateway.security import Authenticator
 from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate, estimate_prompt_tokens
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 from serving.telemetry.tracing import make_tracer_provider
 
 log = logging.getLogger(__name__)

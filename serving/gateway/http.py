@@ -21,8 +21,8 @@ from serving.api.protocol import ApiError
 from serving.api.responses import Delta, ResponseBuilder, TokenLogprob
 from serving.gateway.app import RETRY_PUSHBACK_KEY, Gateway, GatewayError, Prepared
 from serving.gateway.security import AuthError
-from serving.server.client import generate_request
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire.client import generate_request
+from serving.wire import meshserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 

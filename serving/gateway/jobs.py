@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable
 import grpc
 
 from serving.gateway.proto import gateway_pb2 as gpb
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 

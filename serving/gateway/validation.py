@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 from serving.validation import (InvalidArgument, check_context, check_request_header, check_sampling,
                                 check_vocabulary, sampling_fields)
 

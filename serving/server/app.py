@@ -21,8 +21,8 @@ from serving.api.tools import resolve_tool_call_parser
 from serving.core import interface
 from serving.core.config import EngineConfig
 from serving.core.interface import ServingEngine
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
-from serving.server.decoding import DecodeErrorInterceptor
+from serving.wire import meshserve_pb2_grpc as pb_grpc
+from serving.wire.decoding import DecodeErrorInterceptor
 from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer, make_tracer_provider

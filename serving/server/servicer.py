@@ -18,8 +18,8 @@ from serving.core.async_engine import AsyncEngine, EngineDeadError
 from serving.core.request import FinishReason, Priority
 from serving.core.sampling_params import SamplingParams, StructuredOutput
 from serving.core.scheduler import PromptTooLongError, QueueFullError
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer
 from serving.validation import (InvalidArgument, check_context, check_request_header, check_vocabulary,

@@ -14,7 +14,7 @@ import uuid
 
 from hypothesis import strategies as st
 
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 
 VOCAB = 512  # models.synthetic.shared_small_llama()
 CONTEXT = 512

@@ -19,8 +19,8 @@ from serving.gateway.jobs import JobError, JobManager, JobStore, check_callback_
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scores, prompt_blocks
 from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate
-from serving.server.client import generate_request
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire.client import generate_request
+from serving.wire import meshserve_pb2 as pb
 from serving.process import REPO_ROOT
 
 BASE = {"pools": [{"name": "a", "instances": [{"name": "i0", "target": "127.0.0.1:1"},
