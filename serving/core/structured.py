@@ -20,8 +20,7 @@ import numpy as np
 
 # How a reasoning model marks its reasoning, {name: (start marker, end marker, whether the output starts inside it)}:
 # the reasoning parsers' own table, so the grammar and the text split agree. The markers must be single tokens.
-from serving.reasoning_formats import REASONING_FORMATS
-from serving.core.sampling_params import StructuredOutput
+from serving.params import REASONING_FORMATS, InvalidSampling, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +103,7 @@ class StructuredOutputs:
         if self._llg_tokenizer is None:
             import llguidance
             if self.tokenizer is None:
-                raise ValueError("structured: this model has no tokenizer, which constrained decoding needs")
+                raise InvalidSampling("structured: this model has no tokenizer, which constrained decoding needs")
             self._llg_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                          eos_token=list(self.eos_token_ids))
         return self._llg_tokenizer
@@ -117,9 +116,10 @@ class StructuredOutputs:
             try:
                 schema = json.loads(spec.json_schema)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{field}: not valid JSON: {e}") from e
+                raise InvalidSampling(f"{field}: not valid JSON: {e}") from e
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"{field}: a JSON schema is an object or a boolean, got {type(schema).__name__}")
+                raise InvalidSampling(f"{field}: a JSON schema is an object or a boolean, got "
+                                      f"{type(schema).__name__}")
             body = {"json_schema": _compact(schema)}
         elif spec.json_object:
             body = {"json_schema": _compact({"type": "object"})}
@@ -137,9 +137,9 @@ class StructuredOutputs:
         return json.dumps({"grammars": [{"lark_grammar": lark}, {**body, "name": "body"}]})
 
     def compile(self, spec: StructuredOutput):
-        """The pristine matcher of `spec`, compiled on the first sight of it, then from the cache; raises ValueError
-        naming the field when the grammar is bad. The front ends call it while parsing a request (a bad grammar is
-        refused before anything is queued); `attach` then finds it here."""
+        """The pristine matcher of `spec`, compiled on the first sight of it, then from the cache; raises
+        InvalidSampling naming the field when the grammar is bad (the engine's make_request, so a bad grammar is
+        refused before anything is queued)."""
         with self._lock:
             matcher = self._cache.get(spec)
             if matcher is not None:
@@ -147,11 +147,12 @@ class StructuredOutputs:
                 return matcher
         import llguidance
         if spec.after_reasoning and self.reasoning is None:
-            raise ValueError("structured.after_reasoning: this server has no reasoning parser (--reasoning_parser)")
+            raise InvalidSampling("structured.after_reasoning: this server has no reasoning parser "
+                                  "(--reasoning_parser)")
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(self._llg(), self.grammar(spec))
         if matcher.is_error():
-            raise ValueError(f"structured.{spec.kind}: the grammar does not compile: {matcher.get_error()}")
+            raise InvalidSampling(f"structured.{spec.kind}: the grammar does not compile: {matcher.get_error()}")
         with self._lock:
             self.compiles += 1
             self.compile_time_s += time.perf_counter() - t0
@@ -162,7 +163,7 @@ class StructuredOutputs:
         return matcher
 
     def attach(self, request) -> None:
-        """Gives every sample of `request` its own grammar state (None when unconstrained). Raises ValueError."""
+        """Gives every sample of `request` its own grammar state (None when unconstrained). Raises InvalidSampling."""
         spec = request.sampling_params.structured
         if spec is None:
             return

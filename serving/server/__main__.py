@@ -197,7 +197,7 @@ def _distributed_config():
 
 def _follow(dist) -> int:
     """A follower process: the same engine, running the steps the leader sends, no gRPC."""
-    from serving.server.app import build_engine
+    from serving.core.factory import build_engine
     from sharding.multihost import FollowerChannel, shutdown
     engine_config, _ = configs_from_flags(FLAGS)
     engine = build_engine(engine_config, FLAGS.tokenizer)
@@ -207,7 +207,8 @@ def _follow(dist) -> int:
 
 
 async def _serve(dist=None) -> int:
-    from serving.server.app import InstanceServer, build_engine
+    from serving.core.factory import build_engine
+    from serving.server.app import InstanceServer
     log = logging.getLogger("serving.server")
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()
