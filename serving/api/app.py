@@ -70,9 +70,13 @@ class OpenAIApp:
         await self.http.stop(timeout_s)
 
     # ------------------------------------------------------------------ parse
+    async def _body(self, request: Request) -> bytes:
+        """Every route's request body, read here only."""
+        return await request.body()
+
     async def _read(self, request: Request, model_cls, *, chat: bool):
         """The body as `model_cls`, for the model served, within the request size limit; returns (raw, parsed)."""
-        raw = await request.body()
+        raw = await self._body(request)
         req = parse(raw, model_cls)
         self._check_model(req.model)
         check_size(raw, self.frontend.limits().max_request_bytes, chat)
@@ -134,7 +138,7 @@ class OpenAIApp:
 
     async def tokenize(self, request: Request):
         self.frontend.authorize(request)
-        raw = await request.body()
+        raw = await self._body(request)
         req = parse(raw, protocol.TokenizeRequest)
         self._check_model(req.model)
         check_size(raw, self.frontend.limits().max_request_bytes, req.messages is not None)
@@ -143,6 +147,6 @@ class OpenAIApp:
 
     async def detokenize(self, request: Request):
         self.frontend.authorize(request)
-        req = parse(await request.body(), protocol.DetokenizeRequest)
+        req = parse(await self._body(request), protocol.DetokenizeRequest)
         self._check_model(req.model)
         return protocol.detokenize_response(req, self.frontend.tokenizer, self.frontend.limits().vocab_size)
