@@ -46,7 +46,7 @@ class _Run(MergedRun):
             self.arrivals.append(self.servicer.begin(r.request_id))
             self.spans.append(self.servicer.tracer.start(r.request_id, headers, {
                 "meshserve.request_id": r.request_id, "meshserve.priority": ereq.priority,
-                "meshserve.prompt_tokens": r.num_prompt_tokens, "meshserve.api": "openai"}))
+                "meshserve.prompt_tokens": r.num_prompt_tokens, "meshserve.api": "openai"}, start_time=r.arrival_time))
             self.start(i, self.servicer.aengine.stream(r))
 
     def take(self, i: int, out) -> Delta:

@@ -129,7 +129,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         num_prompt_tokens, params, deadline = ereq.num_prompt_tokens, ereq.sampling_params, ereq.deadline
         span = self.tracer.start(rid, context.invocation_metadata(), {
             "meshserve.request_id": rid, "meshserve.tenant": request.tenant or None,
-            "meshserve.priority": ereq.priority, "meshserve.prompt_tokens": num_prompt_tokens})
+            "meshserve.priority": ereq.priority, "meshserve.prompt_tokens": num_prompt_tokens},
+            start_time=ereq.arrival_time)  # the engine's request was made while parsing: its queue span starts there
         arrival = self.begin(rid)
         last_request, final, failure = None, None, None  # failure: (code, details, trailing)
         remaining = params.n  # samples not finished
