@@ -321,7 +321,7 @@ _PARITY_SNIPPET = """
 import json, sys
 import jax
 from serving.core.llm import LLM
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 model, prompts, n, options = json.loads(sys.argv[1])
 with jax.default_matmul_precision("highest"):
     llm = LLM(model, warmup=False, **options)
@@ -335,7 +335,7 @@ def greedy_tokens(model: str, prompts: Sequence[str], n: int, *, subprocess_cpu:
     or in a subprocess on CPU (JAX_PLATFORMS=cpu)."""
     if not subprocess_cpu:
         from serving.core.llm import LLM
-        from serving.core.sampling_params import SamplingParams
+        from serving.params import SamplingParams
         with jax.default_matmul_precision("highest"):
             llm = LLM(model, warmup=False, **PARITY_OPTIONS)
             outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
@@ -421,7 +421,7 @@ def decode_step_times(engine, prompts: list[list[int]], steps: int) -> list[tupl
     `prompts` decodes (one token each, no prefill chunk in the step; the first SKIP_STEPS such steps untimed): the
     engine's `last_step_time_s` (from launch, or the previous step's end, to the results on the host). Then aborts
     the requests (no tail of shrinking batches, each a program to compile) and lets the engine go idle."""
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     batch = len(prompts)
     params = SamplingParams(temperature=0.0, max_tokens=_decode_max_tokens(batch, max(map(len, prompts)), steps),
                             ignore_eos=True)
