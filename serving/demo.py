@@ -63,7 +63,7 @@ def stream_one(client, label: str, prompt: str, priority: str, max_tokens: int) 
     end = time.perf_counter()
     ttft = (first - t0) * 1e3 if first else float("nan")
     rate = (n - 1) / (end - first) if first and n > 1 and end > first else float("nan")
-    from serving.server.proto import meshserve_pb2 as pb
+    from serving.wire import meshserve_pb2 as pb
     reason = pb.FinishReason.Name(finish) if finish is not None else "none"
     print(f"\n--- {n} tokens, TTFT {ttft:.0f} ms, {rate:.1f} tok/s, finish {reason}, "
           f"{cached} prompt tokens from the prefix cache ---")
@@ -127,7 +127,7 @@ def main(argv):
         print(f"ready in {time.perf_counter() - t0:.1f}s: gateway {target} (OpenAI HTTP API :{http_port}) -> "
               + ", ".join(f"{p.name} 127.0.0.1:{p.info['port']}" for p in instances))
 
-        from serving.server.client import Client
+        from serving.wire.client import Client
         results = []
         with Client(target) as client:
             for label, prompt, priority in REQUESTS:

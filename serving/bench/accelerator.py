@@ -346,7 +346,7 @@ _PARITY_SNIPPET = """
 import json, sys
 import jax
 from serving.core.llm import LLM
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 model, prompts, n, options = json.loads(sys.argv[1])
 with jax.default_matmul_precision("highest"):
     llm = LLM(model, warmup=False, **options)
@@ -358,7 +358,7 @@ print("TOKENS " + json.dumps([[int(t) for t in o.token_ids] for o in outs]))
 def greedy_tokens(model: str, prompts: Sequence[str], n: int) -> list[list[int]]:
     """Greedy token ids (float32, highest matmul precision) of `prompts` in this process, on the default device."""
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     with jax.default_matmul_precision("highest"):
         llm = LLM(model, warmup=False, **PARITY_OPTIONS)
         outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))

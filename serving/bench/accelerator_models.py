@@ -58,7 +58,7 @@ def _decode_max_tokens(batch: int, context: int, steps: int) -> int:
 def timed_decode_steps(engine, prompts: list[list[int]], steps: int):
     """`harness.decode_step_times` of `steps` whole-batch greedy decode steps (the first SKIP_STEPS untimed), with
     enough output tokens that every prompt's prefill is done before they start."""
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=_decode_max_tokens(len(prompts), max(map(len, prompts)), steps),
                             ignore_eos=True)
     return decode_step_times(engine, prompts, params, warm_tokens=0, skip_steps=SKIP_STEPS, steps=steps)
@@ -170,7 +170,7 @@ def stage_structured(ctx: Context) -> str:
     if importlib.util.find_spec("llguidance") is None:
         raise StageSkipped("llguidance is not installed (it is in the device bundle: scripts/device_bundle.sh)")
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams, StructuredOutput
+    from serving.params import SamplingParams, StructuredOutput
     batch, tokens = ctx.sizes.structured_batch, ctx.sizes.structured_tokens
     # no prefix cache: the timed run of a cell takes the programs its untimed first run compiled
     llm = LLM(TINY_MODEL, warmup=False, dtype="bfloat16", max_num_seqs=batch, max_num_batched_tokens=256,

@@ -9,7 +9,7 @@ from pallas_kernels.target import canonical_platform
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from serving.config_flags import option
 from serving.core.platform import DTYPES, PlatformChoices, platform_choices
-from serving.reasoning_formats import REASONING_FORMATS
+from serving.params import REASONING_FORMATS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 QUANTIZATIONS = ("none",) + WEIGHT_QUANTIZATIONS

@@ -20,11 +20,10 @@ from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
 from serving.core.pipeline_runner import PipelineModelRunner
 from serving.core.request import FinishReason, Priority, Request
-from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.params import MAX_LOGPROBS, InvalidArgument, ModelLimits, SamplingParams, check_prompt
 from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.speculative import SpeculativeDecoder
 from serving.core.structured import StructuredOutputs
-from serving.validation import check_vocabulary
 from sharding.multihost import local_value
 
 log = logging.getLogger(__name__)
@@ -186,25 +185,24 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      priority: int = Priority.INTERACTIVE, deadline: float | None = None,
-                     arrival_time: float | None = None) -> Request:
+                     arrival_time: float | None = None, field: str = "prompt") -> Request:
+        """A request checked against the model, once for the process (serving.params.check_prompt: token ids in the
+        vocabulary, the prompt shorter than the context; its grammar compiled or found in the cache), before anything
+        is queued. Raises InvalidArgument naming `field` (the prompt, as the frontend's request names it)."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; send token ids")
+                raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        check_vocabulary(params, vocab)
+        check_prompt(field, prompt_ids, params, ModelLimits(self.model_config.vocab_size, self.max_model_len))
         if params.seed is None:  # (an n > 1 request's samples derive theirs from it: request.sample_seed)
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2 ** 31)))
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
                           eos_token_ids=self.eos_token_ids)
-        self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is a ValueError here
+        self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is an InvalidSampling here
         return request
 
     def add_request(self, request: Request) -> None:

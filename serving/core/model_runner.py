@@ -30,7 +30,7 @@ from serving.core.batch import BatchBuilder
 from serving.core.config import DTYPES, EngineConfig
 from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
-from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
+from serving.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
 from sharding.mesh import mesh_context, serving_mesh
 from sharding.multihost import to_global

@@ -14,6 +14,7 @@ import numpy as np
 
 from serving.core.block_manager import BlockManager
 from serving.core.request import FinishReason, Request, RequestStatus, SampleGroup
+from serving.params import ContextLengthError, check_prompt_length
 
 
 # The input token of a decode scheduled while the step that samples it is still on the device (look-ahead): the
@@ -25,8 +26,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its bound: the instance is busy (gRPC RESOURCE_EXHAUSTED); retry elsewhere/later."""
 
 
-class PromptTooLongError(ValueError):
-    """The prompt does not fit the model's context (gRPC INVALID_ARGUMENT)."""
+PromptTooLongError = ContextLengthError  # the prompt does not fit the model's context (gRPC INVALID_ARGUMENT)
 
 
 @dataclasses.dataclass(slots=True)
@@ -140,21 +140,19 @@ class Scheduler:
 
     # ---- admission and cancellation ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request, and the other samples of an n > 1 one. Raises ValueError (bad parameters, prompt too
-        long) or QueueFullError (busy)."""
+        """Queues a request, and the other samples of an n > 1 one. Raises ValueError (a request id in flight, a
+        prompt too long) or QueueFullError (busy)."""
         cfg = self.config
         samples = request.samples
         for r in samples:
             if r.request_id in self.requests or r.request_id in self.groups:
                 raise ValueError(f"request_id {r.request_id!r} is already in flight")
-        request.sampling_params.validate()
         n = request.num_prompt_tokens
+        # The engine's make_request checked the request (serving.params.check_prompt); these keep the queue's
+        # invariants for a Request made any other way.
         if n == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if n >= cfg.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens but the model's context is {cfg.max_model_len} tokens; at most "
-                f"{cfg.max_model_len - 1} prompt tokens leave room to generate")
+        check_prompt_length("prompt_token_ids", n, cfg.max_model_len)
         if request.priority < 0:
             raise ValueError(f"priority must be >= 0 (0 = interactive, 1 = batch), got {request.priority}")
         k = len(samples)

@@ -47,9 +47,9 @@ async def _serve() -> int:
     from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
     from serving.gateway.security import GatewayAuthInterceptor, server_credentials
     from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
-    from serving.server.decoding import DecodeErrorInterceptor
-    from serving.server.proto import meshserve_pb2_grpc as pb_grpc
     from serving.transport import server_options
+    from serving.wire import meshserve_pb2_grpc as pb_grpc
+    from serving.wire.decoding import DecodeErrorInterceptor
 
     gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, otlp_ca_file=FLAGS.otlp_ca_file,
                       service_name=FLAGS.service_name)

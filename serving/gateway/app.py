@@ -26,14 +26,14 @@ from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pools import Instance, InstancePools
 from serving.gateway.routing import Router, prompt_blocks
 from serving.gateway.security import Authenticator
-from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate, estimate_prompt_tokens
-from serving.server.proto import meshserve_pb2 as pb
+from serving.gateway.validation import check_generate, estimate_prompt_tokens
+from serving.params import MAX_REQUEST_ID_CHARS, InvalidArgument, ModelLimits
 from serving.telemetry.tracing import make_tracer_provider
-from serving.validation import MAX_REQUEST_ID_CHARS
+from serving.wire import meshserve_pb2 as pb
+from serving.wire.client import RETRY_PUSHBACK_KEY
 
 log = logging.getLogger(__name__)
 
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
 MAX_ATTEMPTS = 2  # the first try and one retry on another instance

@@ -16,8 +16,8 @@ from serving.auth import KeyFile
 from serving.gateway.config import GatewayConfig, InstanceConfig
 from serving.gateway.routing import InstanceView
 from serving.gateway.security import instance_channel_credentials
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),

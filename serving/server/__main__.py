@@ -116,7 +116,7 @@ def _distributed_config():
 
 def _follow(dist) -> int:
     """A follower process: the same engine, running the steps the leader sends, no gRPC."""
-    from serving.server.app import build_engine
+    from serving.core.factory import build_engine
     from sharding.multihost import shutdown
     engine_config, _ = configs_from_flags(FLAGS)
     engine = build_engine(engine_config, FLAGS.tokenizer)
@@ -126,7 +126,8 @@ def _follow(dist) -> int:
 
 
 async def _serve(dist=None) -> int:
-    from serving.server.app import InstanceServer, build_engine
+    from serving.core.factory import build_engine
+    from serving.server.app import InstanceServer
     log = logging.getLogger("serving.server")
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

@@ -1,6 +1,6 @@
 """`InstanceServer` (with `ServerConfig`): one engine behind a grpc.aio server and, with `http_port`, the OpenAI HTTP
 API on the same event loop (serving.server.http), with health, Prometheus metrics and traces, its start-up (warm-up
-before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_stats`. Details: docs/server.md."""
+before SERVING) and graceful shutdown; `expert_stats`. Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio
@@ -13,21 +13,19 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from serving.core.async_engine import AsyncEngine
-from models.tokenizer import Tokenizer
 from serving.api.protocol import parser_markers
 from serving.api.tools import resolve_tool_call_parser
-from serving.core import interface
-from serving.core.config import EngineConfig
+from serving.core.async_engine import AsyncEngine
 from serving.core.interface import ServingEngine
 from serving.auth import AuthInterceptor, InstanceKeys, bind_warning
 from serving.server.config import ServerConfig
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
-from serving.server.decoding import DecodeErrorInterceptor
-from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
+from serving.server.servicer import InferenceServicer, ServingOptions
+from serving.telemetry.load import LoadTracker
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer, make_tracer_provider
 from serving.transport import server_options
+from serving.wire import meshserve_pb2_grpc as pb_grpc
+from serving.wire.decoding import DecodeErrorInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +198,3 @@ def expert_stats(engine: ServingEngine) -> dict:
     layers = engine.moe_layer_indices()
     return {"expert_tokens": {(layers[i], slot): int(v) for i, row in enumerate(load) for slot, v in enumerate(row)},
             "expert_load_variance": float(per_device.var(axis=1).mean())}
-
-
-def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> ServingEngine:
-    """The engine the config asks for (`serving.core.interface.build_engine`), with the tokenizer of
-    `tokenizer_dir` when given (else the model's)."""
-    tokenizer = Tokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else None
-    return interface.build_engine(engine_config, tokenizer)

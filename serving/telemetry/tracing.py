@@ -63,15 +63,17 @@ class RequestTracer:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    def start(self, request_id: str, metadata: Iterable[tuple[str, str]] | None, attributes: Mapping):
-        """Opens the request's root span (a child of the caller's `traceparent`, if any); None when off."""
+    def start(self, request_id: str, metadata: Iterable[tuple[str, str]] | None, attributes: Mapping,
+              start_time: float | None = None):
+        """Opens the request's root span (a child of the caller's `traceparent`, if any) at `start_time` (monotonic
+        seconds: the request's arrival; None: now); None when off."""
         if self._tracer is None:
             return None
         parent = extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})
         with self._lock:
             self._chunks[request_id] = []
         return self._tracer.start_span("generate", context=parent, kind=SpanKind.SERVER,
-                                       start_time=epoch_ns(time.monotonic()),
+                                       start_time=epoch_ns(time.monotonic() if start_time is None else start_time),
                                        attributes={k: v for k, v in attributes.items() if v is not None})
 
     def on_step(self, scheduled, start_time: float, end_time: float) -> None:

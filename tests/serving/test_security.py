@@ -24,11 +24,11 @@ from models.synthetic import shared_small_llama
 from serving.auth import InstanceKeys, KeyFile, Refused, bind_warning, read_keys
 from serving.gateway.app import Gateway, GatewayError, instance_request_id
 from serving.gateway.config import ConfigError, load_config, parse_config
-from serving.server.client import Client, ClientError, generate_request
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import Client, ClientError, generate_request
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 from serving.transport import MAX_CONCURRENT_STREAMS, TRANSPORT_SLACK_BYTES
-from serving.validation import MAX_REQUEST_ID_CHARS
+from serving.params import MAX_REQUEST_ID_CHARS
 from tests.support.gateway import GatewayProcess, InstanceProcess, wait_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -2,7 +2,7 @@
 meshserve.v1 GenerateRequests over every field (`generate_requests`, judged by `generate_faults`), OpenAI HTTP bodies
 (`http_requests`, judged by `http_faults`), requests protobuf cannot decode (`request_with_bad_utf8`,
 `CORRUPT_REQUESTS`) and raw bytes for the ports (`garbage`). The judges work from the documented ranges
-(meshserve.proto, the OpenAI parameters), not by calling serving.validation, so a check that drifts from them shows up
+(meshserve.proto, the OpenAI parameters), not by calling serving.params, so a check that drifts from them shows up
 as a disagreement."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import uuid
 
 from hypothesis import strategies as st
 
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 
 VOCAB = 512  # models.synthetic.shared_small_llama()
 CONTEXT = 512

@@ -6,7 +6,7 @@ types) and raw bytes on the gRPC, HTTP and metrics ports. Every answer is a resu
 request set wrongly (tests/support/fuzz.py judges which); afterwards both still serve, no page or request is left over
 and memory did not grow. CI (MESHSERVE_CI=1) draws the same examples every run; locally each run explores new ones
 (MESHSERVE_FUZZ_SCALE=10 draws ten times as many). Bytes protobuf cannot decode (a string that is not UTF-8, a corrupt
-message) are INVALID_ARGUMENT naming the field (serving/server/decoding.py); messages past the transport's limit are
+message) are INVALID_ARGUMENT naming the field (serving/wire/decoding.py); messages past the transport's limit are
 refused before they are decoded; grammars over the size and nesting bounds are INVALID_ARGUMENT."""
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from models.synthetic import shared_small_llama
 from models.tokenizer import Tokenizer
 from serving.process import ServerProcess
-from serving.server.client import Client, generate_request
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import Client, generate_request
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 from tests.support import fuzz
 from tests.support.gateway import GatewayProcess, wait_for
 from tests.support.server import running, wait_idle

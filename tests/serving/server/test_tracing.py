@@ -17,7 +17,7 @@ from opentelemetry.trace import StatusCode, set_span_in_context
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.server.app import InstanceServer, ServerConfig
-from serving.server.client import Client, ClientError
+from serving.wire.client import Client, ClientError
 from models.synthetic import shared_small_llama
 from serving.telemetry.tracing import make_tracer_provider
 
