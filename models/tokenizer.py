@@ -3,19 +3,15 @@ them; `IncrementalDetokenizer` for streaming text that never emits half a UTF-8 
 Details: docs/models.md."""
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as _BackendTokenizer
+
+from models.chat_template import render_chat_template
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -32,8 +28,6 @@ CHATML_TURNS = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# What transformers reads a message's reasoning from; the first is the name templates use.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -82,7 +76,6 @@ class Tokenizer:
             i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._shown_ids: frozenset[int] = frozenset()  # special tokens decoded even when skipping special tokens
         self._byte_fallback_ids = _byte_fallback_ids(backend)
-        self._compiled_templates: dict[str, jinja2.Template] = {}
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
@@ -235,17 +228,8 @@ class Tokenizer:
                 if not isinstance(document, Mapping):
                     raise TypeError(f"documents must be dicts with 'title' and 'text', got {document!r}")
         source = self.get_chat_template(chat_template, tools)
-        template = self._compiled_templates.get(source)
-        if template is None:
-            template = self._compiled_templates[source] = _JINJA_ENV.from_string(source)
-        variables = {**self.special_tokens, **_plain_data(template_kwargs)}
-        return template.render(
-            messages=_normalize_messages(messages),
-            tools=_plain_data(tools),
-            documents=_plain_data(documents),
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    documents=documents, variables={**self.special_tokens, **template_kwargs})
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat; the template supplies BOS itself, so no special tokens are added."""
@@ -418,108 +402,3 @@ def _load_chat_template(model_dir: str, config: Mapping[str, Any]) -> str | dict
     if isinstance(entry, list):  # [{"name": ..., "template": ...}, ...]
         return {item["name"]: item["template"] for item in entry}
     return entry
-
-
-def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    # As transformers: drop None-valued keys (OpenAI's content=None), alias reasoning fields.
-    normalized = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise TypeError(f"chat messages must be dicts, got {type(message).__name__}: {message!r}")
-        message = _plain_data({k: v for k, v in message.items() if v is not None})
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        normalized.append(message)
-    return normalized
-
-
-def _plain_data(value: Any) -> Any:
-    """Rebuild template inputs from plain JSON types, so the sandbox never sees methods of richer objects."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_data(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain_data(v) for v in value)
-    return f"<{type(value).__name__}>"
-
-
-# --------------------------------------------------------------------------------------------- jinja
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering ignores it."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' version: no HTML escaping, json.dumps options exposed.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.datetime.now().strftime(format)
-
-
-class _TemplateDict:
-    """`dict(...)` for templates without exposing the dict type itself."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace(...)` that refuses underscore attributes, closing a route to CPython internals."""
-
-    def __init__(*args, **kwargs):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes, got {name!r}")
-
-
-def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    # Same settings as transformers: templates from the Hub are untrusted code, hence the sandbox.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-_JINJA_ENV = _make_jinja_env()
