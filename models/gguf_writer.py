@@ -61,13 +61,14 @@ def _router(tensors: SafetensorsCheckpoint, layer: int) -> np.ndarray:
 
 
 def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False,
-               tensor_type: str | None = None) -> Path:
+               tensor_type: str | None = None, split_max_tensors: int = 0) -> Path:
     """Writes `model_dir` as GGUF at `path` and returns the path: Llama and Mixtral as llama.cpp's "llama"
     architecture (q/k rows reordered for its interleaved RoPE; Llama 3 RoPE scaling as rope_freqs.weight), Qwen2,
     Qwen3, Qwen2-MoE and Qwen3-MoE under their own names (NEOX RoPE as HF's: rows as stored); experts stacked as
     ffn_{gate,up,down}_exps [n_expert, out, in], the router as ffn_gate_inp, a shared expert as *_shexp.
     Matrices in the checkpoint's float type, or `tensor_type` (one of QUANTIZED_TYPES, "F32", "BF16", "F16";
-    `q8_0`: "Q8_0", what `llama-quantize ... Q8_0` writes); norms and biases float32."""
+    `q8_0`: "Q8_0", what `llama-quantize ... Q8_0` writes); norms and biases float32. With `split_max_tensors` the
+    model is split as `gguf-split` does (path-0000k-of-0000n.gguf; the first part's path is returned)."""
     import gguf
     model_dir, path = Path(model_dir), Path(path)
     cfg = ModelConfig.from_pretrained(str(model_dir))
@@ -88,7 +89,8 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     kind = tensor_type or ("Q8_0" if q8_0 else "BF16" if stored == ml_dtypes.bfloat16 else "F32")
     if kind not in QUANTIZED_TYPES + ("F32", "BF16", "F16"):
         raise ValueError(f"tensor_type must be one of F32, BF16, F16, {', '.join(QUANTIZED_TYPES)}; got {kind!r}")
-    w = gguf.GGUFWriter(str(path), arch)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_layers)
@@ -140,6 +142,7 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
         add("output.weight", tensors.get("lm_head.weight"))
     if cfg.rope.rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
@@ -169,8 +172,9 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
+    parts = w.format_shard_names(path)
     w.close()
-    return path
+    return parts[0]
 
 
 def main(argv):

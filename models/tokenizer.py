@@ -124,6 +124,28 @@ class Tokenizer:
             pad_token_id=None if special_tokens["pad_token"] else generation_config.get("pad_token_id"),
         )
 
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """Writes this tokenizer as an HF directory (tokenizer.json, tokenizer_config.json, chat templates,
+        generation_config.json) that `from_pretrained` reads back the same: how a GGUF's tokenizer travels with the
+        Orbax checkpoint `models.convert` makes of it."""
+        out_dir = os.fspath(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        self.backend.save(os.path.join(out_dir, "tokenizer.json"))
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(self.special_tokens), f, indent=1, ensure_ascii=False)
+        with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids),
+                       "pad_token_id": self.pad_token_id}, f, indent=1)
+        templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
+        for name, source in templates.items():
+            if source is None:
+                continue
+            path = os.path.join(out_dir, CHAT_TEMPLATE_FILE) if name == "default" else \
+                os.path.join(out_dir, CHAT_TEMPLATE_DIR, f"{name}.jinja")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(source)
+
     # ----------------------------------------------------------------------------------------- ids
     @property
     def vocab_size(self) -> int:
