@@ -73,7 +73,8 @@ def _with_parts(path: str) -> list[str]:
     if not m:
         return [path]
     count = int(m["count"])
-    parts = [os.path.join(os.path.dirname(path), f"{m['stem']}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+    parts = [os.path.join(os.path.dirname(path), f"{m['stem']}-{k:05d}-of-{count:05d}.gguf")
+             for k in range(1, count + 1)]
     missing = [p for p in parts if not os.path.exists(p)]
     if missing:
         raise GGUFError(f"{path} is part of a {count}-file split GGUF; missing: {', '.join(missing)}")

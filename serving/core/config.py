@@ -42,7 +42,7 @@ class SpeculativeConfig:
 
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
-    model: str  # HF directory or Orbax checkpoint (models.convert)
+    model: str  # HF directory, GGUF file or directory (models.gguf), or Orbax checkpoint (models.convert)
     dtype: str = "float32"  # parameter and activation dtype (and the KV cache's, when kv_cache_dtype is "auto")
     # Matmul weights quantized at load: "none" (as the checkpoint holds them: a pre-quantized checkpoint keeps its
     # scheme), "int8" or "fp8" (per-channel scales; models.quant)

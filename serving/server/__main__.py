@@ -21,8 +21,9 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
     """The server's flags (defined when the entry point runs, so importing this module defines nothing)."""
     def d(define, *args):
         define(*args, flag_values=fv)
-    d(flags.DEFINE_string, "model", None, "HF model directory or Orbax checkpoint (models.convert).")
-    d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory (default: the model directory).")
+    d(flags.DEFINE_string, "model", None, "HF model directory, GGUF file (a split one's part, or a directory holding "
+      "one), or Orbax checkpoint (models.convert).")
+    d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory or GGUF file (default: the model's).")
     d(flags.DEFINE_enum, "dtype", "float32", ["float32", "bfloat16", "float16"],
       "Parameter and activation dtype (and the KV cache's with --kv_cache_dtype=auto).")
     d(flags.DEFINE_enum, "quantization", "none", ["none", "int8", "fp8"],
