@@ -162,6 +162,13 @@ def test_gguf_loads_to_its_safetensors_twin(twins, family):
     np.testing.assert_array_equal(logits[0], logits[1])
 
 
+def test_ledger_reads_gguf(twins):
+    from serving import ledger
+    name, cfg = ledger.load_config(model=str(twins["qwen2_moe"][1]))
+    assert name == "qwen2_moe" and cfg.family == "qwen2_moe" and cfg.shared_expert_intermediate_size == 80
+    assert cfg.moe_layers == (True, False) and not cfg.norm_topk_prob  # mlp_only_layers=[1]; Qwen2-MoE's default
+
+
 def test_llama_q_rows_really_are_reordered_in_the_file(twins):
     """The twin test is not vacuous: the file's attn_q rows differ from HF's, and undoing the order recovers them."""
     hf_dir, path = twins["llama"]
