@@ -218,6 +218,14 @@ class GGUFFile:
         data = np.frombuffer(self._mm, np.uint8, t.n_bytes, t.offset)
         return data.reshape(*t.shape[:-1], t.n_bytes // max(1, math.prod(t.shape[:-1])))
 
+    def release(self, t: GGUFTensor) -> None:
+        """Drops the tensor's file pages from this process's resident set once its values were copied out (the
+        page cache keeps them), so a load's peak RSS holds the model once, not the model and the file."""
+        page = mmap.PAGESIZE
+        start, end = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
+        if end > start:
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
 
 class GGUFModel:
     """The files of one GGUF model (one, or the parts of a split one): the first part's metadata, every part's
@@ -252,8 +260,8 @@ class GGUFModel:
         return self.paths[0]
 
     def tensor(self, name: str, dtype=np.float32) -> np.ndarray:
-        """Tensor `name` in numpy order: F32 / F16 / BF16 as stored (a view of the file), a quantized type
-        dequantized to `dtype` by gguf.quants, a chunk of rows at a time."""
+        """Tensor `name` in numpy order: F32 / F16 / BF16 as stored (a view of the file: `release` it once copied), a
+        quantized type dequantized to `dtype` by gguf.quants, a chunk of rows at a time (its file pages released)."""
         t = self.tensors[name]
         raw = t.file.raw(t)
         kind = GGMLQuantizationType(t.ggml_type)
@@ -264,6 +272,8 @@ class GGUFModel:
         step = max(1, _DEQUANTIZE_CHUNK // t.shape[-1])
         for i in range(0, rows.shape[0], step):
             out[i:i + step] = gguf.quants.dequantize(rows[i:i + step], kind)
+        del raw, rows
+        t.file.release(t)
         return out.reshape(t.shape)
 
 
@@ -394,6 +404,7 @@ class GGUFCheckpoint:
         self.model, self.dtype = model, dtype
         self._sources: dict[str, _Source] = {}
         self._stack: tuple[str, np.ndarray] | None = None  # the last expert stack read: its experts are read in turn
+        self._view: GGUFTensor | None = None  # the last float tensor handed out as a view of the file
         arch = model.metadata["general.architecture"]
         for name, t in model.tensors.items():
             if name == "rope_freqs.weight":
@@ -442,12 +453,19 @@ class GGUFCheckpoint:
     def get(self, name: str) -> np.ndarray:
         if name not in self._sources:
             raise CheckpointError(f"tensor {name!r} is missing from {self.model.path}")
+        if self._view is not None:  # the loader placed it (copies) before it asks for the next one
+            self._view.file.release(self._view)
+            self._view = None
         s = self._sources[name]
         if s.expert is not None:
             if self._stack is None or self._stack[0] != s.tensor:
+                if self._stack is not None and self.model.tensors[self._stack[0]].ggml_type in _FLOAT_VIEWS:
+                    self.model.tensors[self._stack[0]].file.release(self.model.tensors[self._stack[0]])
                 self._stack = (s.tensor, self.model.tensor(s.tensor, self.dtype))
             return self._stack[1][s.expert]
         w = self.model.tensor(s.tensor, self.dtype)
+        if self.model.tensors[s.tensor].ggml_type in _FLOAT_VIEWS:
+            self._view = self.model.tensors[s.tensor]
         if s.rope_heads:
             w = unpermute_rope_rows(w, s.rope_heads)
         return w.reshape(1, -1) if s.row else w

