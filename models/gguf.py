@@ -1,7 +1,8 @@
 """GGUF, llama.cpp's model file: `gguf_files` (a file, its split -0000k-of-0000n parts, or the model in a directory),
 `GGUFModel` (the header parsed, tensors memory-mapped and dequantized one at a time by gguf's reference code),
-`config_from_gguf` (metadata -> ModelConfig), `GGUFCheckpoint` (the tensors under the HF names and layout they were
-converted from) and `load_gguf_model`. The tokenizer is models/gguf_tokenizer.py's. Details: docs/models.md."""
+`config_from_gguf` (metadata -> ModelConfig) and `GGUFCheckpoint` (the tensors under the HF names and layout they were
+converted from), which `models.weights.load_model` loads; `models.tokenizer` rebuilds the tokenizer. Details:
+docs/models.md."""
 from __future__ import annotations
 
 import dataclasses
