@@ -11,6 +11,7 @@ from flax import nnx
 import pallas_kernels
 from models.batch import RaggedBatch
 from models.config import ModelConfig
+from models.kv_cache import KVCacheSpec, attention_spec
 from models.layers import RMSNorm, linear, linear_param, zeros
 from models.rope import apply_rope, inverse_frequencies
 from pallas_kernels import kv_quant
@@ -42,6 +43,14 @@ class Attention(nnx.Module):
         self.sm_scale = 1.0 / math.sqrt(d)
         self.sliding_window = cfg.sliding_windows[layer]
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
+        self.rope_attention_factor = cfg.rope.attention_factor  # yarn / longrope scale cos and sin by it
+
+    @staticmethod
+    def kv_cache_spec(cfg: ModelConfig, layer: int, *, dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+        """The cache layer `layer` reads and writes: K and V of every KV head (row 2h: K of head h, 2h + 1: its
+        V), over the layer's sliding window if it has one."""
+        return attention_spec(cfg.num_kv_heads, cfg.head_dim, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              sliding_window=cfg.sliding_windows[layer])
 
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape
@@ -60,8 +69,8 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
+        q = apply_rope(q, positions, self.inv_freq, self.rope_attention_factor)
+        k = apply_rope(k, positions, self.inv_freq, self.rope_attention_factor)
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
                                         sliding_window=self.sliding_window)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.

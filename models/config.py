@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 from typing import Any
 
@@ -18,8 +20,10 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4 (fused qkv_proj and gate_up_proj)
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
+log = logging.getLogger(__name__)
 
 
 class UnsupportedModelError(ValueError):
@@ -34,6 +38,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between interpolated and extrapolated frequencies (HF modeling_rope_utils)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float = 0.0  # yarn; kept for attention that scales its softmax by it too (DeepSeek's MLA)
+    # yarn, longrope: the factor cos and sin are scaled by (the attention temperature); 1.0 for the others
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()  # longrope: a divisor per frequency, within the original context
+    partial_rotary_factor: float = 1.0  # the share of head_dim that is rotated (the rest passes through)
+
+    def __post_init__(self):
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))  # from JSON lists
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,12 +112,6 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return any(self.moe_layers)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one token costs over all layers, at the config's stored dtype."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 2)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -130,18 +140,26 @@ def _unsupported(what: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported model option: {what}")
 
 
-def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
+def _parse_rope(hf: dict[str, Any], family: str) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older configs have `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if family == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config reads both as longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise _unsupported(f"rope scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unsupported(f"partial_rotary_factor={hf['partial_rotary_factor']} (only 1.0)")
-    rope = RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)))
+    if family == "phi3" and rope_type not in ("default", "longrope"):
+        raise _unsupported(f"rope scaling type {rope_type!r} for Phi-3 (supported: default, longrope)")
+    partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and family != "phi3":  # HF rotates the whole head in the other families
+        raise _unsupported(f"partial_rotary_factor={partial} for {family} (only 1.0)")
+    if not 0.0 < partial <= 1.0:
+        raise _unsupported(f"partial_rotary_factor={partial} (expected 0 < factor <= 1)")
+    rope = RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor") or 1.0),
+                      partial_rotary_factor=partial)
     if rope_type == "llama3":
         rope = dataclasses.replace(
             rope,
@@ -149,7 +167,46 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
             high_freq_factor=float(merged["high_freq_factor"]),
             original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
         )
+    elif rope_type in ("yarn", "longrope"):
+        rope = _yarn_or_longrope(hf, merged, rope)
     return rope
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (its Eq. 21): 0.1 * mscale * ln(factor) + 1, or 1 when not scaling."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_or_longrope(hf: dict[str, Any], merged: dict[str, Any], rope: RopeConfig) -> RopeConfig:
+    """The yarn / longrope parameters as HF transformers reads them (`modeling_rope_utils`): a top-level
+    original_max_position_embeddings (Phi-3) wins over the scaling's own, else max_position_embeddings; a missing
+    factor is max_position_embeddings / original; the attention factor, unless given, from factor (and for yarn
+    mscale / mscale_all_dim when both are set)."""
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    original = int(hf.get("original_max_position_embeddings")
+                   or merged.get("original_max_position_embeddings") or max_pos)
+    factor = float(merged.get("factor") or max_pos / original)
+    attention_factor = merged.get("attention_factor")
+    if rope.rope_type == "yarn":
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if attention_factor is None:
+            attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else _yarn_mscale(factor))
+        return dataclasses.replace(
+            rope, factor=factor, original_max_position_embeddings=original,
+            beta_fast=float(merged.get("beta_fast") or 32), beta_slow=float(merged.get("beta_slow") or 1),
+            truncate=bool(merged.get("truncate", True)), mscale_all_dim=float(mscale_all_dim or 0.0),
+            attention_factor=float(attention_factor))
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    short = merged.get("short_factor")
+    rotated = int(head_dim * rope.partial_rotary_factor) // 2
+    if not isinstance(short, list) or len(short) != rotated:
+        raise _unsupported(f"longrope short_factor {short!r} (expected a list of {rotated} numbers, one per "
+                           f"rotated frequency)")
+    return dataclasses.replace(rope, factor=factor, original_max_position_embeddings=original,
+                               attention_factor=float(attention_factor), short_factor=tuple(short))
 
 
 def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
@@ -206,7 +263,7 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         head_dim=int(head_dim),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(hf),
+        rope=_parse_rope(hf, family),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
         o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
@@ -234,6 +291,13 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
             moe_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
                              for i in range(num_layers)),
         )
+    rope = kw["rope"]
+    if rope.rope_type == "longrope" and kw["max_position_embeddings"] > rope.original_max_position_embeddings:
+        # Past its original context HF recomputes the whole sequence with long_factor (Phi3ForCausalLM drops its
+        # cache there): a paged cache cannot, so the context served is the original one, where HF uses short_factor.
+        log.warning("longrope: serving %d positions (original_max_position_embeddings), not %d: long_factor is not "
+                    "implemented", rope.original_max_position_embeddings, kw["max_position_embeddings"])
+        kw["max_position_embeddings"] = rope.original_max_position_embeddings
     if kw["dtype"] not in ("float32", "bfloat16", "float16"):
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
     kw["quantization"], kw["quantization_group"] = _checkpoint_quantization(hf)

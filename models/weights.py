@@ -57,6 +57,10 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
         name = rest[1]
         if name in ("q_proj", "k_proj", "v_proj"):
             h = heads[name[0]]
+            if cfg.family == "phi3":  # fused qkv_proj [(hq + 2 hkv) d, e]: q rows, then k, then v
+                start = {"q": 0, "k": hq * d, "v": (hq + hkv) * d}[name[0]]
+                return [f"{a}.qkv_proj.weight"], \
+                    lambda w: w[start:start + h * d].reshape(h, d, e).transpose(2, 0, 1)
             return [f"{a}.{name}.weight"], lambda w: w.reshape(h, d, e).transpose(2, 0, 1)
         if name == "o_proj":
             return [f"{a}.o_proj.weight"], lambda w: w.reshape(e, hq, d).transpose(1, 2, 0)
@@ -71,6 +75,9 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
         if not cfg.moe_layers[i]:
             if rest[1] == "shared_expert":
                 raise CheckpointError(f"unexpected shared expert in dense layer {i}")
+            if cfg.family == "phi3" and rest[1] in ("gate_proj", "up_proj"):  # fused gate_up_proj [2I, e]: gate first
+                half = 0 if rest[1] == "gate_proj" else 1
+                return [f"{pre}.mlp.gate_up_proj.weight"], lambda w: np.split(w, 2, axis=0)[half].T
             return [f"{pre}.mlp.{rest[1]}.weight"], transpose
         return _moe_source(cfg, i, rest[1:])
     raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")

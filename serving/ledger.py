@@ -15,10 +15,11 @@ import re
 from typing import Sequence
 
 from models.config import ModelConfig
+from models.kv_cache import KVCacheSpec
+from models.transformer import kv_cache_specs
 from pallas_kernels import kv_quant
 from sharding.pipeline import stage_layers as _stage_layers, stage_slots as _stage_slots
-from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, kv_cache_partition_spec, \
-    partition_spec_for_sizes, shard_shape
+from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, partition_spec_for_sizes, shard_shape
 
 GB, GiB, KiB, MiB = 10**9, 2**30, 2**10, 2**20
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
@@ -35,6 +36,15 @@ def kv_dtype_of(kv_cache_dtype: str) -> str | None:
     """The ledger's KV dtype for a --kv_cache_dtype value (pallas_kernels.kv_quant: "auto" -> None, the model's
     dtype; a quantized cache -> its values' dtype, each row with a float32 scale beside)."""
     return kv_quant.VALUE_DTYPE_NAMES.get(kv_quant.check_kv_cache_dtype(kv_cache_dtype))
+
+
+def kv_cache_formats(dtype: str, kv_dtype: str) -> dict[str, str]:
+    """A ledger KV dtype as `models.transformer.kv_cache_specs` takes it: a quantized format's values dtype (int8,
+    float8_e4m3fn) -> that format over `dtype` (each row with its scale); any other name -> a cache of that dtype."""
+    formats = {values: name for name, values in kv_quant.VALUE_DTYPE_NAMES.items()}
+    if kv_dtype in formats:
+        return dict(dtype=dtype, kv_cache_dtype=formats[kv_dtype])
+    return dict(dtype=kv_dtype, kv_cache_dtype="auto")
 
 
 def itemsize(dtype: str) -> int:
@@ -139,29 +149,32 @@ class _Param:
 
 class ModelMemory:
     """The model's parameters (shape, logical axes, bytes) read off the abstract CausalLM, so counts match the
-    arrays the loader creates; per-device bytes for any layout follow from the sharding rules."""
+    arrays the loader creates, and its KV cache as the model declares it (`kv_specs`, one per layer, as the engine
+    allocates it); per-device bytes for any layout follow from the sharding rules."""
 
     def __init__(self, cfg: ModelConfig, dtype: str, kv_dtype: str | None = None,
                  rules: ShardingRules = DEFAULT_RULES):
         self.cfg, self.dtype, self.kv_dtype, self.rules = cfg, dtype, kv_dtype or dtype, rules
-        self.act_itemsize, self.kv_itemsize = itemsize(dtype), itemsize(self.kv_dtype)
-        # a quantized cache's per-row scale (pallas_kernels.kv_quant)
-        self.kv_scale_bytes = kv_quant.SCALE_BYTES if self.kv_dtype in kv_quant.VALUE_DTYPE_NAMES.values() else 0
+        self.act_itemsize = itemsize(dtype)
+        itemsize(self.kv_dtype)  # a known name
+        self.kv_specs: tuple[KVCacheSpec, ...] = kv_cache_specs(cfg, **kv_cache_formats(dtype, self.kv_dtype))
         self.top, self.layer_kinds = _abstract_params(cfg, dtype)
         params = list(self.top.values()) + [p for i in range(cfg.num_layers) for p in self.layer_kinds[cfg.moe_layers[i]]]
         self.num_params = sum(math.prod(p.shape) for p in params)
         self.weight_bytes = sum(math.prod(p.shape) * p.itemsize for p in params)  # quantized weights at their size
 
     @property
-    def kv_row_bytes(self) -> int:
-        """Bytes of one token's K (or V) of one KV head: head_dim values, plus a quantized cache's scale."""
-        return self.cfg.head_dim * self.kv_itemsize + self.kv_scale_bytes
-
-    @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs over all layers, unsharded: 2 (K and V) x layers x kv_heads x row bytes."""
-        c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * self.kv_row_bytes
+        """KV bytes one token costs over all layers, unsharded (the layers' `KVCacheSpec.bytes_per_token`)."""
+        return sum(spec.bytes_per_token for spec in self.kv_specs)
+
+    def kv_describe(self) -> str:
+        """The KV bytes per token as products, layers of one page-row layout together, e.g. "80 layers x 2 x 8 kv
+        heads x (128 x 2 B)"."""
+        counts: dict[str, int] = {}
+        for spec in self.kv_specs:
+            counts[spec.describe()] = counts.get(spec.describe(), 0) + 1
+        return " + ".join(f"{n} layers x {text}" for text, n in counts.items())
 
     def _bytes(self, p: _Param, layout: Layout) -> int:
         spec = partition_spec_for_sizes(self.rules, p.axes, p.shape, layout.axis_sizes)
@@ -197,16 +210,12 @@ class ModelMemory:
         (replicated over 'pipeline': the first stage embeds, the last one samples, and one program serves all)."""
         return self.stage_layer_weight_bytes(layout, stage) + sum(self._bytes(p, layout) for p in self.top.values())
 
-    def kv_heads_per_device(self, layout: Layout) -> int:
-        spec = kv_cache_partition_spec(self.cfg.num_kv_heads, layout.axis_sizes, self.rules)
-        shape = (1, 1, 2 * self.cfg.num_kv_heads, self.cfg.head_dim)
-        return shard_shape(spec, shape, layout.axis_sizes)[2] // 2
-
     def stage_kv_bytes_per_token(self, layout: Layout, stage: int) -> int:
-        """KV bytes per cached token on one device of `stage` (its slots, padding ones included, and its share of
-        the heads)."""
-        slots = self.stage_slots(layout)
-        return 2 * slots * self.kv_heads_per_device(layout) * self.kv_row_bytes
+        """KV bytes per cached token on one device of `stage`: its slots, padding ones included, each a cache of
+        the spec of the layers in that slot (as the pipeline runner stacks them), and its share of their heads."""
+        first = self.stage_layers(layout)[0]  # the longest stage: a layer in every slot
+        return sum(self.kv_specs[first[j]].device_bytes_per_token(layout.axis_sizes, self.rules)
+                   for j in range(self.stage_slots(layout)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -520,8 +529,7 @@ def render_report(name: str, mm: ModelMemory, work: Workload, hw: Hardware, link
         + (f" ({c.quantization} matmul weights with their scales, the rest {mm.dtype})" if c.quantization
            else f" x {mm.act_itemsize} B"),
         f"  KV cache  {fmt_bytes(per_req * work.concurrency)}  = {mm.kv_bytes_per_token / KiB:g} KiB/token "
-        f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x ({c.head_dim} x {mm.kv_itemsize} B"
-        f"{f' + {mm.kv_scale_bytes} B scale' if mm.kv_scale_bytes else ''})) x "
+        f"({mm.kv_describe()}) x "
         f"{work.pages_per_request * work.page_size} tokens = {per_req / GiB:.3f} GiB/request, x {work.concurrency}",
     ]
     naive = mm.weight_bytes + per_req * work.concurrency
@@ -599,7 +607,7 @@ def plan_kv_pages(cfg: ModelConfig, *, dtype: str, page_size: int, free_bytes: i
                   weights_loaded: bool, kv_dtype: str | None = None, reserve_fraction: float = 0.05,
                   total_bytes: int | None = None, max_batched_tokens: int = 2048, max_seqs: int = 256,
                   rules: ShardingRules = DEFAULT_RULES) -> int:
-    """How many KV pages (the global page axis of `kv_cache_shape`, a multiple of dp) fit in `free_bytes` per
+    """How many KV pages (the global page axis of `KVCacheSpec.shape`, a multiple of dp) fit in `free_bytes` per
     device, after the runtime reserve (`reserve_fraction` of `total_bytes`, else of `free_bytes`), the largest
     step's activations and communication buffers, and the weights unless `weights_loaded` (free memory was
     measured with them resident). Uses the fullest pipeline stage. Raises ValueError if not one page fits."""

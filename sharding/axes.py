@@ -10,5 +10,6 @@ MLP = "mlp"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
+KV_PAGES = "kv_pages"  # the KV cache's page axis (each data replica holds its own pool)
 
-LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS)
+LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, KV_PAGES)

@@ -21,7 +21,6 @@ BENCHMARKS = {
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",
     "host_overhead": "host time per engine step with N running decodes, the device stubbed out",
     "chaos": "faults injected into a gateway + instances under load: overload, kill -9, hang, cancels, restarts",
-    "grammar": "grammar engines (llguidance, xgrammar, outlines-core) on our tokenizers: compile, masks, validity",
     "structured": "structured outputs: tok/s with 0/50/100% of sequences JSON-schema constrained, mask time, compile",
     "quant": "quantized serving: bf16 vs int8 weights (+ int8 KV) vs llama.cpp Q8_0, KV capacity, int8 kernels",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",

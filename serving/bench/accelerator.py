@@ -38,7 +38,7 @@ import pallas_kernels
 from pallas_kernels import reference
 from pallas_kernels.cases import NAMED_CASES, TOLERANCES, dense_attention, make_case
 from pallas_kernels.target import canonical_platform, tracing_for
-from serving.bench.harness import BENCH_WORKDIR, best_time, median_time
+from serving.bench.harness import BENCH_WORKDIR, copy_bandwidth, decode_step_times, hf_checkpoint, median_time
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "tiny shapes, kernels in interpret mode on CPU (automatic on a CPU host)")
 _STAGES = flags.DEFINE_list("stages", [], "stages to run (default: all, in order)")
@@ -372,37 +372,6 @@ def stage_greedy_parity(ctx: Context) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ 5. decode roofline
-def write_llama(config: dict, name: str, workdir: str) -> str:
-    """The directory of a random-weight (seed 0) bf16 Llama of `config` under `workdir`: written once with
-    transformers (LlamaConfig + from_config in bf16), then reused."""
-    d = os.path.join(workdir, f"{name}-bfloat16")
-    if os.path.exists(os.path.join(d, "config.json")):
-        with open(os.path.join(d, "config.json")) as f:
-            written = json.load(f)
-        if all(written.get(k) == v for k, v in config.items()):
-            return d
-    import shutil
-
-    import torch
-    import transformers as tf
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(tf.LlamaConfig(**config), dtype=torch.bfloat16)
-    tmp = d + f".tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    del model
-    shutil.rmtree(d, ignore_errors=True)
-    os.replace(tmp, d)
-    return d
-
-
-def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes/s of a jitted on-device copy of an `nbytes` array (read + write: 2 x nbytes per copy), best of
-    `repeats`, on the default device."""
-    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
-    fn = jax.jit(jnp.copy)
-    return 2 * x.nbytes / best_time(lambda: jax.block_until_ready(fn(x)), repeats)
-
-
 TOKEN_BUDGET = 512  # the decode-roofline engine's max_num_batched_tokens
 
 
@@ -416,48 +385,17 @@ def _decode_max_tokens(batch: int, context: int, steps: int) -> int:
     return prefill_steps + SKIP_STEPS + steps + 4
 
 
-def decode_step_times(engine, prompts: list[list[int]], steps: int) -> list[tuple[float, int]]:
-    """(step time, KV tokens the step's attention reads) of `steps` decode steps in which every sequence of
-    `prompts` decodes (one token each, no prefill chunk in the step; the first SKIP_STEPS such steps untimed): the
-    engine's `last_step_time_s` (from launch, or the previous step's end, to the results on the host). Then aborts
-    the requests (no tail of shrinking batches, each a program to compile) and lets the engine go idle."""
-    from serving.core.sampling_params import SamplingParams
-    batch = len(prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=_decode_max_tokens(batch, max(map(len, prompts)), steps),
-                            ignore_eos=True)
-    tag = time.monotonic_ns()
-    reqs = [engine.make_request(f"roofline-{tag}-{i}", p, params) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.add_request(r)
-    out, seen, skipped = [], engine.step_count, 0
-    while engine.has_unfinished() and len(out) < steps:
-        engine.step()
-        if engine.step_count == seen:
-            continue
-        seen = engine.step_count
-        rec = engine.last_step
-        if rec.num_scheduled_tokens == batch == len(rec.scheduled):
-            if skipped < SKIP_STEPS:
-                skipped += 1
-            else:
-                out.append((engine.last_step_time_s, sum(s.start + 1 for s in rec.scheduled)))
-    for r in reqs:
-        if not r.is_finished:
-            engine.abort(r.request_id)
-    while engine.has_unfinished():
-        engine.step()
-    return out
-
-
 def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def stage_decode_roofline(ctx: Context) -> str:
     from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
     s = ctx.sizes
     cfg = s.llama
-    model_dir = write_llama(cfg, "llama1b-shape" if cfg is LLAMA_1B else "llama-smoke", ctx.workdir)
+    name = "llama1b-shape" if cfg is LLAMA_1B else "llama-smoke"
+    model_dir = hf_checkpoint(os.path.join(ctx.workdir, f"{name}-bfloat16"), "Llama", cfg, "bfloat16")
     bw = copy_bandwidth(s.copy_bytes)
     ctx.note(f"copy bandwidth: {bw / 1e9:.1f} GB/s (jitted copy of {s.copy_bytes / 2**20:.0f} MiB, 2x bytes)")
     max_batch, ps = max(s.decode_batches), 16
@@ -472,14 +410,17 @@ def stage_decode_roofline(ctx: Context) -> str:
     parts = []
     for batch in s.decode_batches:
         prompts = [rng.integers(10, cfg["vocab_size"], s.decode_context).tolist() for _ in range(batch)]
-        timed = decode_step_times(eng, prompts, s.decode_steps)
-        if len(timed) < 3:
-            raise StageFailure(f"batch {batch}: {len(timed)} whole-batch decode steps (need 3 or more)")
-        step = statistics.median(t for t, _ in timed)
-        kv_tokens = statistics.mean(n for _, n in timed)
+        params = SamplingParams(temperature=0.0, max_tokens=_decode_max_tokens(batch, s.decode_context, s.decode_steps),
+                                ignore_eos=True)
+        timed = decode_step_times(eng, prompts, params, warm_tokens=0, skip_steps=SKIP_STEPS, steps=s.decode_steps)
+        if len(timed.times) < 3:
+            raise StageFailure(f"batch {batch}: {len(timed.times)} whole-batch decode steps (need 3 or more)")
+        step = statistics.median(timed.times)
+        kv_tokens = statistics.mean(timed.kv_tokens)
         kv_bytes = kv_tokens * kv_token_bytes
         roof = (weight_bytes + kv_bytes) / bw
-        ctx.note(f"batch {batch}, context ~{kv_tokens / batch:.0f}: {step * 1e3:.2f} ms/step (median of {len(timed)}), "
+        ctx.note(f"batch {batch}, context ~{kv_tokens / batch:.0f}: {step * 1e3:.2f} ms/step "
+                 f"(median of {len(timed.times)}), "
                  f"roofline {roof * 1e3:.3f} ms (weights {_bytes(weight_bytes)} + KV {_bytes(kv_bytes)} at "
                  f"{bw / 1e9:.0f} GB/s), roofline/step {roof / step:.2f}, {batch / step:.0f} tok/s")
         parts.append(f"b{batch} {step * 1e3:.2f} ms vs roofline {roof * 1e3:.3f} ms ({roof / step:.2f})")

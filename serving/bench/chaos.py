@@ -22,6 +22,7 @@ import urllib.request
 import grpc
 from absl import flags
 
+from serving.bench.harness import cpu_name
 from serving.process import REPO_ROOT, ReadyFileProcess, ServerProcess
 
 _MODEL = flags.DEFINE_string("chaos_model", "", "Model directory (default: the shipped tiny model).")
@@ -463,14 +464,6 @@ def format_table(rows: list[Row], cpu: str, capacity_rps: float) -> str:
             r.scenario, r.injected, r.load, t.sent, t.ok, t.rejected, failed, t.cancelled, t.lost, r.pages_leaked,
             s(r.time_to_out_s), s(r.time_to_readmit_s), r.notes)) + " |")
     return "\n".join(lines)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def main() -> None:

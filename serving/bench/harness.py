@@ -1,10 +1,12 @@
-"""What the benchmarks of `python -m serving.bench` share: the markdown table (every one names the CPU), the median
-of timed calls, the read-bandwidth roofline and the ~125M Llama (random weights) the serving-core benchmarks run.
-Imports neither jax nor the serving core at import (the routing benchmark, gateway.py, runs without them)."""
+"""What the benchmarks of `python -m serving.bench` share: the markdown table (every one names the CPU), the CPU
+kernels' path, the median of timed calls, the read and copy bandwidth probes, random prompts, the random-weight
+checkpoints they run (the ~125M Llama, small MoE models) and the timed decode steps of a batch. Imports neither jax
+nor the serving core at import (the routing benchmark, gateway.py, runs without them)."""
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import os
 import platform
 import statistics
@@ -18,16 +20,36 @@ LLAMA_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
+def hf_checkpoint(directory: str, hf_class: str, config: dict, dtype: str = "float32") -> str:
+    """`directory`, holding transformers' `{hf_class}ForCausalLM` of `{hf_class}Config(**config)` with random weights
+    (seed 0, drawn in float32) in `dtype`: written once (beside it, then moved in), reused while it holds that."""
+    marker = os.path.join(directory, "meshserve_bench.json")
+    wanted = {"hf_class": hf_class, "config": config, "dtype": dtype}
+    try:
+        with open(marker) as f:
+            if json.load(f) == wanted:
+                return directory
+    except (OSError, ValueError):
+        pass
+    import shutil
+
+    import torch
+    import transformers as tf
+    torch.manual_seed(0)
+    model = getattr(tf, f"{hf_class}ForCausalLM")(getattr(tf, f"{hf_class}Config")(**config)).to(getattr(torch, dtype))
+    tmp = f"{directory}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    del model
+    with open(os.path.join(tmp, "meshserve_bench.json"), "w") as f:
+        json.dump(wanted, f)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+    return directory
+
+
 def llama_125m(dtype: str, workdir: str = BENCH_WORKDIR) -> str:
-    """The directory of the ~125M Llama's HF checkpoint in `dtype` under `workdir`: written once (seed 0), then
-    reused."""
-    d = os.path.join(workdir, f"llama125m-{dtype}")
-    if not os.path.exists(os.path.join(d, "config.json")):
-        import torch
-        import transformers as tf
-        torch.manual_seed(0)
-        tf.LlamaForCausalLM(tf.LlamaConfig(**LLAMA_125M)).to(getattr(torch, dtype)).save_pretrained(d)
-    return d
+    """The directory of the ~125M Llama's HF checkpoint in `dtype` under `workdir` (`hf_checkpoint`)."""
+    return hf_checkpoint(os.path.join(workdir, f"llama125m-{dtype}"), "Llama", LLAMA_125M, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +72,8 @@ class TinyMoE:
         return self.config.get("moe_intermediate_size", self.config["intermediate_size"])
 
     def checkpoint(self, dtype: str, workdir: str = BENCH_WORKDIR) -> str:
-        """The directory of its HF checkpoint in `dtype` under `workdir`: written once (seed 0), then reused."""
-        d = os.path.join(workdir, f"{self.name}-{dtype}")
-        if not os.path.exists(os.path.join(d, "config.json")):
-            import torch
-            import transformers as tf
-            torch.manual_seed(0)
-            cfg = getattr(tf, f"{self.hf_class}Config")(**self.config)
-            getattr(tf, f"{self.hf_class}ForCausalLM")(cfg).to(getattr(torch, dtype)).save_pretrained(d)
-        return d
+        """The directory of its HF checkpoint in `dtype` under `workdir` (`hf_checkpoint`)."""
+        return hf_checkpoint(os.path.join(workdir, f"{self.name}-{dtype}"), self.hf_class, self.config, dtype)
 
 
 def cpu_name() -> str:
@@ -70,6 +85,33 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_path() -> str:
+    """What the engine's CPU kernels run: the native kernels' instruction-set path, or XLA's (on an accelerator: its
+    platform)."""
+    import jax
+
+    from pallas_kernels import native
+    if jax.default_backend() != "cpu":
+        return jax.default_backend()
+    return f"native {native.isa()}" if native.enabled() else "xla"
+
+
+_FRESH_SEEDS = itertools.count(1000)
+
+
+def random_prompts(n: int, length: int, seed: int = 0, *, low: int = 10, vocab_size: int = 32000) -> list[list[int]]:
+    """`n` prompts of `length` token ids drawn uniformly from [low, vocab_size) with `seed`."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return [rng.integers(low, vocab_size, length).tolist() for _ in range(n)]
+
+
+def fresh_prompts(n: int, length: int, *, low: int = 10) -> list[list[int]]:
+    """Random prompts no earlier call in this process drew: a timed cell never reads its prompts from the prefix
+    cache (the peers it is compared with have none)."""
+    return random_prompts(n, length, next(_FRESH_SEEDS), low=low)
 
 
 def _times(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -112,6 +154,16 @@ def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, *, huge_pages: bool 
         x = jnp.ones((nbytes // 4,), jnp.float32)
     fn = jax.jit(lambda a: jnp.sum(a))
     return nbytes / best_time(lambda: jax.block_until_ready(fn(x)), repeats)
+
+
+def copy_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s of a jitted on-device copy of an `nbytes` array (read + write: 2 x nbytes per copy), best of
+    `repeats`, on the default device (an accelerator's memory, where a read-only reduction may not stream)."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+    fn = jax.jit(jnp.copy)
+    return 2 * x.nbytes / best_time(lambda: jax.block_until_ready(fn(x)), repeats)
 
 
 def _cell(c) -> str:
@@ -169,17 +221,45 @@ def decode_step_expert_bytes(model, batch: int) -> tuple[int, int]:
     return experts, selected
 
 
-def decode_step_times(engine, prompts: list[list[int]], params, warm_tokens: int = 8) -> tuple[list[float], float]:
-    """Runs `prompts` to the end with sampling `params` on `engine`; returns the step times once every request has
-    `warm_tokens` outputs (decode steps of the whole batch), and the device's mean idle time per step waiting on the
-    host."""
+@dataclasses.dataclass(frozen=True)
+class DecodeSteps:
+    """The timed decode steps of a batch: each one's seconds (`Engine.last_step_time_s`: from its launch, or the
+    previous step's end, to its tokens on the host) and the KV tokens its attention read; and the device's mean idle
+    time per step waiting on the host, over the whole run."""
+    times: list[float]
+    kv_tokens: list[int]
+    host_gap_s: float
+
+
+def decode_step_times(engine, prompts: list[list[int]], params, *, warm_tokens: int = 8, skip_steps: int = 0,
+                      steps: int | None = None) -> DecodeSteps:
+    """Runs `prompts` with sampling `params` on `engine` and times its steps in which every sequence decodes one token
+    (no prefill in the step) once every request has `warm_tokens` outputs, the first `skip_steps` of them untimed, up
+    to `steps` of them (None: until the requests finish). Then aborts what is left (no tail of shrinking batches,
+    each a program to compile) and lets the engine go idle."""
     reqs = [engine.make_request(f"decode-{next(_REQUEST_IDS)}", p, params) for p in prompts]
     for r in reqs:
         engine.add_request(r)
-    times, gap0, steps0 = [], engine.host_gap_s, engine.host_gap_steps
+    times, kv_tokens, skipped = [], [], 0
+    seen, gap0, steps0 = engine.step_count, engine.host_gap_s, engine.host_gap_steps
+    while engine.has_unfinished() and (steps is None or len(times) < steps):
+        engine.step()
+        if engine.step_count == seen:  # launched a step, collected none (look-ahead)
+            continue
+        seen = engine.step_count
+        rec = engine.last_step
+        if not rec.num_scheduled_tokens == len(rec.scheduled) == len(reqs) or any(
+                r.num_output_tokens < warm_tokens for r in reqs):
+            continue
+        if skipped < skip_steps:
+            skipped += 1
+            continue
+        times.append(engine.last_step_time_s)
+        kv_tokens.append(sum(s.start + 1 for s in rec.scheduled))
+    host_gap_s = (engine.host_gap_s - gap0) / max(1, engine.host_gap_steps - steps0)
+    for r in reqs:
+        if not r.is_finished:
+            engine.abort(r.request_id)
     while engine.has_unfinished():
         engine.step()
-        if all(r.num_output_tokens >= warm_tokens for r in reqs) and engine.last_step_time_s:
-            times.append(engine.last_step_time_s)
-    return times, (engine.host_gap_s - gap0) / max(1, engine.host_gap_steps - steps0)
-
+    return DecodeSteps(times, kv_tokens, host_gap_s)

@@ -14,7 +14,7 @@ import time  # noqa: E402
 
 from absl import flags  # noqa: E402
 
-from serving.bench.harness import table  # noqa: E402
+from serving.bench.harness import hf_checkpoint, table  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 20, "decode steps timed per layout")
 
@@ -25,18 +25,11 @@ LAYOUTS = [("dense", {}), ("dense", dict(tp=2)), ("dense", dict(tp=4)), ("dense"
 
 
 def _models(root):
-    import torch
-    import transformers as tf
     common = dict(vocab_size=160, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, max_position_embeddings=512)
-    out = {}
-    for name, cfg in (("dense", tf.LlamaConfig(**common)),
-                      ("dense4", tf.LlamaConfig(**{**common, "num_hidden_layers": 4})),
-                      ("moe", tf.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2))):
-        torch.manual_seed(0)
-        out[name] = os.path.join(root, name)
-        tf.AutoModelForCausalLM.from_config(cfg).save_pretrained(out[name])
-    return out
+    return {name: hf_checkpoint(os.path.join(root, name), hf_class, config) for name, hf_class, config in (
+        ("dense", "Llama", common), ("dense4", "Llama", {**common, "num_hidden_layers": 4}),
+        ("moe", "Mixtral", dict(common, num_local_experts=8, num_experts_per_tok=2)))}
 
 
 def _rows():

@@ -29,8 +29,8 @@ import time
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, TinyMoE, decode_step_bytes, decode_step_expert_bytes, median_time, \
-    read_bandwidth, table
+from serving.bench.harness import BENCH_WORKDIR, TinyMoE, cpu_path, decode_step_bytes, decode_step_expert_bytes, \
+    median_time, read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["kernel", "throughput"], "benchmarks to run")
 _MODELS = flags.DEFINE_list("models", ["mixtral", "qwen3moe"], "models (mixtral, qwen3moe)")
@@ -68,11 +68,6 @@ def moe_path(name: str):
     from pallas_kernels import native
     from pallas_kernels.moe import MOE_ENV_VAR
     return native.env_var(MOE_ENV_VAR, "auto" if name == "native" else name)
-
-
-def _cpu_path() -> str:
-    from pallas_kernels import native
-    return f"native {native.isa()}" if native.enabled() else "xla"
 
 
 def bench_kernel(model: TinyMoE, bw: float):
@@ -119,7 +114,7 @@ def bench_kernel(model: TinyMoE, bw: float):
                          times["native"] * 1e3, times["packed"] * 1e3, times["ragged_dot"] / best,
                          roof * 1e3, roof / best])
     table(f"{model.name}: one MoE layer's routed experts (E={e}, I={i}, {n} experts, top-{k}), ms per layer over "
-          f"{layers} layers of distinct weights: ragged_dot (old) vs the native grouped kernel ({_cpu_path()}) on "
+          f"{layers} layers of distinct weights: ragged_dot (old) vs the native grouped kernel ({cpu_path()}) on "
           f"row-major experts and on experts packed as serving holds them; speed-up and roofline/best: "
           f"the faster native; roofline: selected experts' bytes / read bandwidth ({bw / 1e9:.1f} GB/s measured now)",
           ["dtype", "tokens", "experts selected", "MB selected", "ragged_dot (ms)", "native row-major (ms)",
@@ -224,7 +219,7 @@ def bench_throughput(model: TinyMoE, bw: float):
         for path in paths:
             step = statistics.median(steps[path])
             agree = f"{statistics.mean(_agreement(outs16[path], cpp_outs16)):.0%}" if cpp is not None else "-"
-            rows.append([dtype, path, _cpu_path(), statistics.median(rate16[path]), statistics.median(rate1[path]),
+            rows.append([dtype, path, cpu_path(), statistics.median(rate16[path]), statistics.median(rate1[path]),
                          step * 1e3, total / 1e6, selected / 1e6, total / bw * 1e3, total / bw / step, agree])
         if cpp is not None:
             rows.append([dtype, "llama.cpp", llamacpp.instruction_sets(), statistics.median(cpp_rate16),

@@ -19,8 +19,8 @@ import time
 import numpy as np
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, LLAMA_125M, decode_step_bytes, decode_step_times, llama_125m, \
-    median_time, read_bandwidth, table
+from serving.bench.harness import BENCH_WORKDIR, LLAMA_125M, cpu_path, decode_step_bytes, decode_step_times, \
+    fresh_prompts, llama_125m, median_time, random_prompts, read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["throughput", "llamacpp", "startup", "batching", "prefix", "chunked", "host",
                                    "roofline", "floor"],
@@ -30,33 +30,10 @@ _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark mo
 _QUICK = flags.DEFINE_bool("quick", False, "smaller workloads (for a smoke run)")
 _HF_BASELINE = flags.DEFINE_bool("hf_baseline", True, "also time HF transformers generate")
 
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(10, LLAMA_125M["vocab_size"], length).tolist() for _ in range(n)]
-
-
-_FRESH = iter(range(1000, 10 ** 9))
-
-
-def _fresh_prompts(n: int, length: int) -> list[list[int]]:
-    """Prompts no earlier pass used: a timed cell never reads its prompts from the prefix cache (the peers it is
-    compared with have none)."""
-    return _prompts(n, length, seed=next(_FRESH))
-
 
 def _cached_tokens(llm) -> int:
     """Prompt tokens the engine has served from its prefix cache so far (a cell's count is the difference)."""
     return llm.engine.scheduler.prefix_cache_hits
-
-
-def _cpu_path() -> str:
-    """What the CPU engine's kernels run: the native kernels' instruction-set path, or XLA's."""
-    import jax
-
-    from pallas_kernels import native
-    if jax.default_backend() != "cpu":
-        return jax.default_backend()
-    return f"native {native.isa()}" if native.enabled() else "xla"
 
 
 def _llm(dtype: str, **options):
@@ -81,13 +58,13 @@ def bench_throughput():
     rows = []
     for dtype in _DTYPES.value:
         llm = _llm(dtype)
-        llm.generate(_fresh_prompts(16, n_in), _greedy(n_out))  # first touch of the KV pages and the programs
+        llm.generate(fresh_prompts(16, n_in), _greedy(n_out))  # first touch of the KV pages and the programs
         eng = llm.engine
         screen = eng.runner.screen_greedy
         cached = {"b16": 0, "b1": 0}
 
         def batch16():
-            prompts, hits = _fresh_prompts(16, n_in), _cached_tokens(llm)
+            prompts, hits = fresh_prompts(16, n_in), _cached_tokens(llm)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, _greedy(n_out))
             rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
@@ -110,17 +87,17 @@ def bench_throughput():
         b1 = {True: 0.0, False: 0.0}
         for _ in range(4):
             for screened in ((True, False) if screen else (False,)):
-                b1[screened] += batch1(_fresh_prompts(1, n_in)[0], screened)
+                b1[screened] += batch1(fresh_prompts(1, n_in)[0], screened)
         eng.look_ahead = False
         sync16 = batch16()
-        sync1 = 4 * n_out / sum(batch1(_fresh_prompts(1, n_in)[0], screen) for _ in range(4))
+        sync1 = 4 * n_out / sum(batch1(fresh_prompts(1, n_in)[0], screen) for _ in range(4))
         del llm, eng
         ms1 = 4 * n_out / b1[screen]
         full1 = 4 * n_out / b1[False] if screen else "-"
         hf16 = hf1 = float("nan")
         if _HF_BASELINE.value:
-            hf16, hf1 = _hf_throughput(dtype, _fresh_prompts(16, n_in), n_out)
-        rows.append([dtype, _cpu_path(), ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1, hf1, ms1 / hf1,
+            hf16, hf1 = _hf_throughput(dtype, fresh_prompts(16, n_in), n_out)
+        rows.append([dtype, cpu_path(), ms16, sync16, hf16, ms16 / hf16, ms1, sync1, full1, hf1, ms1 / hf1,
                      f"{cached['b16']} / {cached['b1']}"])
     table("Output tokens/s, 16 x (128 in, %d out), greedy (sync: async scheduling off; full head: batch 1 "
           "without the LM head's int8 screen; cached: prompt tokens served from the prefix cache in the b16 / b1 "
@@ -169,9 +146,9 @@ def bench_llamacpp():
         if not os.path.exists(path) or os.path.getmtime(path) < os.path.getmtime(os.path.join(hf_dir, "config.json")):
             llamacpp.write_gguf(hf_dir, path)
         llm = _llm(dtype)
-        llm.generate(_fresh_prompts(16, n_in), _greedy(n_out))
+        llm.generate(fresh_prompts(16, n_in), _greedy(n_out))
         cpp = llamacpp.LlamaCpp(path, max_seqs=16, max_len=n_in + n_out)
-        cpp.generate(_fresh_prompts(16, n_in), 8)
+        cpp.generate(fresh_prompts(16, n_in), 8)
         hits = _cached_tokens(llm)
 
         def ours(batch):
@@ -184,7 +161,7 @@ def bench_llamacpp():
         agree = []
         for r in range(1 if _QUICK.value else 3):
             order = (("ms", ours), ("cpp", theirs)) if r % 2 == 0 else (("cpp", theirs), ("ms", ours))
-            prompts, singles = _fresh_prompts(16, n_in), _fresh_prompts(4, n_in)
+            prompts, singles = fresh_prompts(16, n_in), fresh_prompts(4, n_in)
             outs = {}
             for who, run in order:
                 t0 = time.perf_counter()
@@ -201,7 +178,7 @@ def bench_llamacpp():
         cpp.close()
         del llm
         med = {k: statistics.median(v) for k, v in rates.items()}
-        rows.append([dtype, _cpu_path(), llamacpp.instruction_sets(), med["ms", 16], med["cpp", 16],
+        rows.append([dtype, cpu_path(), llamacpp.instruction_sets(), med["ms", 16], med["cpp", 16],
                      med["ms", 16] / med["cpp", 16], med["ms", 1], med["cpp", 1], med["ms", 1] / med["cpp", 1],
                      f"{statistics.mean(agree):.0%}", cached])
     table("meshserve vs llama.cpp, same checkpoint, output tokens/s, 16 x (128 in, %d out), greedy (median "
@@ -239,7 +216,7 @@ def bench_batching():
     n = 40 if _QUICK.value else 200
     rng = np.random.default_rng(1)
     lengths = rng.integers(16, 513 if not _QUICK.value else 129, n).tolist()
-    prompts = _prompts(n, 32, seed=2)
+    prompts = random_prompts(n, 32, seed=2)
     from serving.core.sampling_params import SamplingParams
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
     dtype = _DTYPES.value[0]
@@ -267,8 +244,8 @@ def bench_batching():
 
 def bench_prefix():
     """TTFT with a 1,024-token shared system prompt, prefix cache on vs off (requests one at a time)."""
-    system = _prompts(1, 1024, seed=3)[0]
-    users = _prompts(9, 32, seed=4)
+    system = random_prompts(1, 1024, seed=3)[0]
+    users = random_prompts(9, 32, seed=4)
     dtype = _DTYPES.value[0]
     rows = []
     for on in (False, True):
@@ -297,14 +274,14 @@ def bench_chunked():
         llm = _llm(dtype, max_num_batched_tokens=budget, max_model_len=long_len + 64, num_pages=2048,
                    long_prompt_threshold=long_len - 1, max_num_seqs=32)
         eng = llm.engine
-        decoders = [eng.make_request(f"d{i}", p, _greedy(64)) for i, p in enumerate(_prompts(16, 16, seed=5))]
+        decoders = [eng.make_request(f"d{i}", p, _greedy(64)) for i, p in enumerate(random_prompts(16, 16, seed=5))]
         for r in decoders:
             eng.add_request(r)
         steps = 0
         while steps < 8:  # let them reach steady decode
             eng.step()
             steps += 1
-        long = eng.make_request("long", _prompts(1, long_len, seed=6)[0], _greedy(1))
+        long = eng.make_request("long", random_prompts(1, long_len, seed=6)[0], _greedy(1))
         eng.add_request(long)
         while eng.has_unfinished():
             eng.step()
@@ -338,8 +315,9 @@ def bench_roofline():
             idle = {}
             for look_ahead in (False, True):  # async scheduling off, then on: the device's idle time between steps
                 eng.look_ahead = look_ahead
-                times, idle[look_ahead] = decode_step_times(eng, _prompts(batch, 64), _greedy(40))
-            step, nbytes = statistics.median(times), decode_step_bytes(eng, batch)
+                timed = decode_step_times(eng, random_prompts(batch, 64), _greedy(40))
+                idle[look_ahead] = timed.host_gap_s
+            step, nbytes = statistics.median(timed.times), decode_step_bytes(eng, batch)
             rows.append([dtype, batch, nbytes / 1e6, step * 1e3, nbytes / bw * 1e3, nbytes / bw / step, batch / step,
                          idle[False] * 1e3, idle[True] * 1e3])
         del llm, eng
@@ -419,7 +397,7 @@ def bench_floor():
                 f = jax.jit(functools.partial(chain, mm, screen=scr))
                 steps.append(median_time(lambda: f(*ws, x).block_until_ready(), 10))
             screened = steps[3] if len(steps) > 3 else float("nan")
-            rows.append([dtype, m, _cpu_path(), steps[0] * 1e3, _blas_chain_ms(layers, head, x) if dt == jnp.float32
+            rows.append([dtype, m, cpu_path(), steps[0] * 1e3, _blas_chain_ms(layers, head, x) if dt == jnp.float32
                          else "-", steps[1] * 1e3, steps[2] * 1e3, steps[0] / steps[2],
                          weight_bytes / steps[2] / 1e9, m / steps[2], screened * 1e3, m / screened])
     table("Weight matmuls alone (no attention, norms or sampling): a floor under the decode step; OpenBLAS: "

@@ -78,7 +78,7 @@ def _measure(path: str) -> list[list]:
             decode_step_times(eng, [prompt()], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
             times = []
             for _ in range(2):
-                times += decode_step_times(eng, [prompt()], greedy)[0]
+                times += decode_step_times(eng, [prompt()], greedy).times
             step, nbytes = statistics.median(times), decode_step_bytes(eng, 1)
             rows.append([path, model, dtype, nbytes / 1e6, step * 1e3, nbytes / bw * 1e3, nbytes / bw / step,
                          bw / 1e9])

@@ -6,15 +6,14 @@ kernels per call; and (`--only=screen`) how many rows narrower greedy-head scree
 docs/quantization.md."""
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import time
 
 from absl import flags
 
-from serving.bench.harness import BENCH_WORKDIR, decode_step_bytes, decode_step_times, llama_125m, read_bandwidth, \
-    table
+from serving.bench.harness import BENCH_WORKDIR, decode_step_bytes, decode_step_times, fresh_prompts, llama_125m, \
+    read_bandwidth, table
 
 _ONLY = flags.DEFINE_list("only", ["throughput", "roofline", "capacity", "ledger", "kernels"],
                           "sections to run (and `screen`: how many rows narrower head screens would leave)")
@@ -27,14 +26,10 @@ MESHSERVE_CELLS = {  # name -> engine options over bfloat16
     "meshserve int8 W": dict(quantization="int8"),
     "meshserve int8 W + int8 KV": dict(quantization="int8", kv_cache_dtype="int8"),
 }
-_SEEDS = itertools.count(1000)
 
 
 def _prompts(n: int, length: int) -> list[list[int]]:
-    """Fresh random prompts (a timed cell never reads them from a prefix cache)."""
-    import numpy as np
-    rng = np.random.default_rng(next(_SEEDS))
-    return [rng.integers(3, 32000, length).tolist() for _ in range(n)]
+    return fresh_prompts(n, length, low=3)  # ids from 3 up: the prompts of the figures in docs/quantization.md
 
 
 def bench_throughput() -> None:
@@ -109,9 +104,9 @@ def bench_roofline() -> None:
         llm = LLM(hf_dir, dtype="bfloat16", page_size=16, num_pages=1024, max_num_seqs=16,
                   max_num_batched_tokens=256, **options)
         for batch in (1, 16):
-            times, idle = decode_step_times(llm.engine, _prompts(batch, 64),
-                                            SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-            step, nbytes = statistics.median(times), decode_step_bytes(llm.engine, batch)
+            timed = decode_step_times(llm.engine, _prompts(batch, 64),
+                                      SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+            step, nbytes, idle = statistics.median(timed.times), decode_step_bytes(llm.engine, batch), timed.host_gap_s
             rows.append([name, batch, nbytes / 1e6, step * 1e3, nbytes / bw * 1e3, nbytes / bw / step, idle * 1e3])
             if batch == 1:
                 w1[name] = (_prefill_time(llm, n_in), step, nbytes / bw)
@@ -175,7 +170,8 @@ def bench_capacity() -> None:
     import jax
 
     from models.config import ModelConfig
-    from models.transformer import init_kv_caches
+    from models.kv_cache import init_kv_caches
+    from models.transformer import kv_cache_specs
     from serving import ledger
     cfg = ModelConfig.from_pretrained(llama_125m("bfloat16", _WORKDIR.value))
     page_size, budget, seq = 16, 1 << 30, 2048
@@ -183,7 +179,7 @@ def bench_capacity() -> None:
     for kv in ("auto", "int8", "fp8_e4m3"):
         pages = ledger.kv_cache_pages(cfg, dtype="bfloat16", page_size=page_size, kv_cache_bytes=budget,
                                       kv_dtype=ledger.kv_dtype_of(kv))
-        caches = init_kv_caches(cfg, 64, page_size, jax.numpy.bfloat16, kv_cache_dtype=kv)
+        caches = init_kv_caches(kv_cache_specs(cfg, dtype="bfloat16", kv_cache_dtype=kv), 64, page_size)
         measured = sum(x.nbytes for x in jax.tree.leaves(caches)) / 64  # bytes per page, every layer
         rows.append(["bfloat16" if kv == "auto" else kv, measured, (1 << 30) / measured, pages,
                      pages // (seq // page_size), int(budget / measured) // (seq // page_size)])

@@ -6,8 +6,10 @@ import dataclasses
 
 from models.quant import WEIGHT_QUANTIZATIONS
 from pallas_kernels.target import canonical_platform
-from pallas_kernels.kv_quant import check_kv_cache_dtype
+from pallas_kernels.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+from serving.config_flags import option
 from serving.core.platform import DTYPES, PlatformChoices, platform_choices
+from serving.reasoning_formats import REASONING_FORMATS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 QUANTIZATIONS = ("none",) + WEIGHT_QUANTIZATIONS
@@ -42,56 +44,73 @@ class SpeculativeConfig:
 
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
-    model: str  # HF directory, GGUF file or directory (models.gguf), or Orbax checkpoint (models.convert)
-    dtype: str = "float32"  # parameter and activation dtype (and the KV cache's, when kv_cache_dtype is "auto")
-    # Matmul weights quantized at load: "none" (as the checkpoint holds them: a pre-quantized checkpoint keeps its
-    # scheme), "int8" or "fp8" (per-channel scales; models.quant)
-    quantization: str = "none"
-    kv_cache_dtype: str = "auto"  # "auto" (dtype), or a quantized cache: "int8", "fp8_e4m3" (pallas_kernels.kv_quant)
-    page_size: int = 16
-    num_pages: int = 0  # 0: sized from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0
-    max_model_len: int | None = None  # default: the model's context, capped by the page pool
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    min_token_bucket: int = 0  # 0: the platform's smallest efficient matmul height (`platform.min_token_bucket`)
-    max_prefill_chunk: int | None = None
-    enable_prefix_caching: bool = True
-    max_waiting_requests: int = 1024
-    max_waiting_tokens: int = 1 << 22
-    long_prompt_threshold: int = 8192
-    max_long_prefills: int = 1
-    priority_ageing_s: float = 10.0
-    seed: int = 0
-    # Greedy steps: launch the next step before this one's tokens reach the host (its decodes read them on device)
-    async_scheduling: bool = True
-    # JAX's persistent compilation cache: None = $MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla/<platform>;
-    # "" = off
-    compilation_cache_dir: str | None = None
-    # Greedy steps of few sequences on the native CPU kernels: the LM head's argmax from an int8 copy of it plus
-    # the few rows its error bounds leave open (the same tokens, a quarter / an eighth of the head's read)
-    greedy_head_screen: bool = True
-    debug_step_delay_s: float = 0.0  # adds this much to every step (to simulate a slow device in tests)
-    tp: int = 1  # tensor-parallel degree (devices on the mesh's 'tensor' axis)
-    ep: int = 1  # expert-parallel degree (MoE models; devices on the 'expert' axis)
-    dp: int = 1  # data-parallel replicas inside the instance (serving.core.data_parallel)
-    pp: int = 1  # pipeline stages (serving.core.pipeline_runner)
-    micro_batches: int = 0  # pipeline micro-batches per step; 0 = pp
-    spare_expert_slots: int = 0  # MoE: extra physical slots per layer for replicas of hot experts
-    # Speculative decoding (serving.core.speculative): "" = off, "draft" (speculative_model) or "ngram"
-    speculative_method: str = ""
-    speculative_model: str = ""
-    num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    speculative_disable_by_batch_size: int = 0
-    speculative_min_acceptance: float = -1.0  # < 0: the break-even rate for k and the draft's cost
+    # A field made with `option` is also the server's flag of that name (serving.config_flags); its help is the flag's.
+    model: str = option(help="HF model directory, GGUF file (a split one's part, or a directory holding one), or Orbax "
+                        "checkpoint (models.convert).")
+    dtype: str = option("float32", "Parameter and activation dtype (and the KV cache's with --kv_cache_dtype=auto).",
+                        choices=tuple(DTYPES))
+    quantization: str = option(
+        "none", "Matmul weights quantized at load, per-channel scales (int8 symmetric, fp8 e4m3); 'none': as the "
+        "checkpoint holds them (a compressed-tensors or block-wise fp8 checkpoint loads quantized as it is).",
+        choices=QUANTIZATIONS)
+    kv_cache_dtype: str = option(
+        "auto", "KV-cache dtype: 'auto' (--dtype), or quantized with a scale per token and KV head (about twice the "
+        "pages of bfloat16 in the same memory).", choices=KV_CACHE_DTYPES)
+    page_size: int = option(16, "Tokens per KV page.")
+    num_pages: int = option(0, "KV pages; 0: sized from --kv_cache_memory_fraction or --kv_cache_memory_gb.")
+    kv_cache_memory_gb: float = option(1.0, "KV-cache size when --num_pages=0.")
+    max_model_len: int | None = option(None, "Context cap in tokens; 0: the model's.", none_as=0)
+    max_num_seqs: int = option(64, "Sequences running at once (per --dp replica).")
+    max_num_batched_tokens: int = option(512, "Token budget per step (the largest compiled bucket).")
+    min_token_bucket: int = option(
+        0, "Smallest compiled token bucket; 0 = the platform's smallest efficient batch (CPU: 1 for float32, 8 for "
+        "bfloat16; accelerators: 8).")
+    max_prefill_chunk: int | None = option(None, "Per-request prefill chunk cap; 0: the token budget.", none_as=0)
+    enable_prefix_caching: bool = option(True, "Reuse KV pages of shared prompt prefixes.")
+    max_waiting_requests: int = option(1024, "Queue bound in requests (RESOURCE_EXHAUSTED beyond it).")
+    max_waiting_tokens: int = option(1 << 22, "Queue bound in prompt tokens (RESOURCE_EXHAUSTED beyond it).")
+    long_prompt_threshold: int = option(8192, "Prompts longer than this go through the long lane.")
+    max_long_prefills: int = option(1, "Long prompts in prefill at once.")
+    priority_ageing_s: float = option(10.0, "Ageing of lower priority classes, seconds per class.")
+    seed: int = option(0, "Seed for requests that bring none.")
+    async_scheduling: bool = option(
+        True, "After a greedy step, schedule and launch the next one before its tokens reach the host (the next "
+        "step's decodes read them on the device); single-device engines without speculative decoding.")
+    compilation_cache_dir: str | None = option(
+        None, "JAX persistent compilation cache (a restart loads its compiled programs); default "
+        "$MESHSERVE_COMPILATION_CACHE or ~/.cache/meshserve/xla/<platform>; '' turns it off.")
+    greedy_head_screen: bool = option(
+        True, "Greedy steps of up to 4 sequences on the native CPU kernels take the LM head's argmax from an int8 copy "
+        "of it plus an exact recheck of the rows its error bounds leave open (same tokens, a fraction of the read).")
+    debug_step_delay_s: float = option(0.0, "Adds this much to every engine step (simulates a slow device).")
+    tp: int = option(1, "Tensor-parallel degree (devices on the mesh's 'tensor' axis).")
+    ep: int = option(1, "Expert-parallel degree (MoE models; devices on the 'expert' axis).")
+    dp: int = option(
+        1, "Data-parallel replicas inside the instance, each on its own --tp x --ep devices with its own scheduler "
+        "and KV pages (--num_pages / --kv_cache_memory_gb are split over them; --max_num_seqs and the queue bounds "
+        "are per replica). Not with --pp, speculative decoding or multi-host.")
+    pp: int = option(1, "Pipeline stages (devices on the mesh's 'pipeline' axis; dense models).")
+    micro_batches: int = option(0, "Pipeline micro-batches per step; 0: --pp.")
+    spare_expert_slots: int = option(0, "MoE: extra expert slots per layer for replicas of hot experts.")
+    speculative_method: str = option(
+        "", "Speculative decoding: 'draft' (--speculative_model proposes), 'ngram' (prompt lookup); empty: off.",
+        choices=("",) + SPECULATIVE_METHODS)
+    speculative_model: str = option("", "Draft model directory (same tokenizer as --model).")
+    num_speculative_tokens: int = option(4, "Draft tokens per speculating sequence per step (k).")
+    prompt_lookup_min: int = option(1, "Shortest n-gram prompt lookup matches (--speculative_method=ngram).")
+    prompt_lookup_max: int = option(4, "Longest n-gram prompt lookup matches (--speculative_method=ngram).")
+    speculative_disable_by_batch_size: int = option(
+        0, "No speculation while this many requests or more are running; 0: never switched off by batch size.")
+    speculative_min_acceptance: float = option(
+        -1.0, "A request stops speculating (for a back-off period) when its acceptance rate falls below this; < 0: "
+        "the break-even rate for k and the draft's cost.")
     # The platform the engine's programs are for: None = JAX's default backend. Another one ('gpu', 'tpu') builds
-    # an engine whose programs can be lowered for it from this host (`Engine.lower_programs`), not run.
+    # an engine whose programs can be lowered for it from this host (`Engine.lower_programs`), not run. Not a flag.
     platform: str | None = None
-    # How the model marks its reasoning ("" = it does not; "deepseek_r1", "qwen3": serving.core.structured): a
-    # grammar asked to apply after the reasoning leaves the reasoning free
-    reasoning_parser: str = ""
+    reasoning_parser: str = option(
+        "", "How the model marks its reasoning (<think>...</think>): chat responses carry it as reasoning_content, "
+        "usage counts its tokens, and a response_format or forced tool call applies only after it; empty: no "
+        "reasoning.", choices=("",) + tuple(REASONING_FORMATS))
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

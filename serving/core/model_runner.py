@@ -17,9 +17,11 @@ from flax import nnx
 from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
-from models.transformer import CausalLM, init_kv_caches
+from models.kv_cache import init_kv_caches
+from models.transformer import CausalLM
 from models.weights import is_orbax_dir, load_model, read_config
 from pallas_kernels.attention import unsupported_reason
+from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
 from serving import ledger
@@ -30,7 +32,7 @@ from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
 from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
-from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
+from sharding.mesh import mesh_context, serving_mesh
 from sharding.multihost import to_global
 
 log = logging.getLogger(__name__)
@@ -126,6 +128,8 @@ WARMUP_SAMPLING = (SamplingParams(temperature=0.0), SamplingParams(temperature=1
 # bias, whatever its sequences ask (greedy slots take its biased argmax).
 WARMUP_LOGIT_BIAS = SamplingParams(temperature=1.0, seed=0, repetition_penalty=1.1, logit_bias={0: 1.0})
 LOGIT_BIAS_SLOTS = 1 << (MAX_LOGIT_BIAS - 1).bit_length()  # the bias variant's static K: [S, K] ids and values
+# The dataclasses a follower takes from the step channel (its schema admits no other type).
+STEP_RECORDS = (RaggedBatch, AttentionMetadata, sampling.SamplingTensors)
 # Structured outputs: a step with a constrained sequence and no penalty or bias takes the masked variant (random,
 # logprobs, the token bitmask); with penalties or a bias, the general one above, which always carries a bitmask.
 WARMUP_MASKED = SamplingParams(temperature=1.0, seed=0, structured=StructuredOutput(json_object=True))
@@ -177,11 +181,11 @@ class ModelRunner:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
             self.packed_weights = model.pack_for_cpu_kernels()
             log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
+        # The cache the model declares, one spec per layer (the ledger sized the pages from the same declaration).
+        self.kv_cache_specs = model.kv_cache_specs(dtype=dtype, kv_cache_dtype=config.kv_cache_dtype)
         self.graphdef, self.state = nnx.split(model)
-        self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
-        with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding,
-                                            kv_cache_dtype=config.kv_cache_dtype)
+        self.kv_caches: list = []
+        self.reset_kv_caches()
         donate = (1, 5) if self.choices.donate_kv_cache else ()
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=donate, static_argnames=("greedy_only",))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
@@ -337,7 +341,7 @@ class ModelRunner:
         """Multi-host follower: runs each jitted call the leader announces, until it says stop."""
         logits = None
         while True:
-            message = channel.recv()
+            message = channel.recv(records=STEP_RECORDS)
             if message[0] == "forward":
                 logits, _ = self.run_forward(message[1], greedy_only=message[2])
             elif message[0] == "sample":
@@ -350,9 +354,7 @@ class ModelRunner:
     def reset_kv_caches(self) -> None:
         """Fresh zeroed caches (after a failed step lost the donated ones)."""
         with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
-                                            DTYPES[self.config.dtype], self.kv_sharding,
-                                            kv_cache_dtype=self.config.kv_cache_dtype)
+            self.kv_caches = init_kv_caches(self.kv_cache_specs, self.num_pages, self.config.page_size, self.mesh)
 
     # ------------------------------------------------------------------ buckets and warm-up
     def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> RaggedBatch:

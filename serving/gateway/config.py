@@ -1,9 +1,14 @@
 """The gateway's configuration file (the configuration centre), YAML or JSON: `parse_config` / `load_config` ->
 `GatewayConfig` (pools, routing, isolation, long lane, admission, tenants with keys, rate limits and priorities, admin
-keys, callbacks, instance TLS) and `ConfigWatcher`, which re-reads it when it changes. Format: docs/gateway.md."""
+keys, jobs, callbacks, instance TLS and key) and `ConfigWatcher`, which re-reads it when it changes and refuses a
+reload that would turn authentication off or empty every pool unless the file says so. Errors never show a secret.
+Format: docs/gateway.md."""
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
+import ipaddress
 import logging
 import os
 import re
@@ -12,6 +17,7 @@ from typing import Any
 import yaml
 
 from serving.api.reasoning import REASONING_PARSERS
+from serving.auth import read_keys
 from serving.api.tools import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
@@ -19,6 +25,9 @@ log = logging.getLogger(__name__)
 POLICIES = ("load_aware", "least_requests", "round_robin")
 PRIORITY_CLASSES = ("interactive", "batch")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
+# Tenant names a tenant may not take: admin keys act as "admin", which sees every tenant's jobs.
+RESERVED_TENANT_NAMES = ("admin",)
+WEBHOOK_SECRET_PREFIX = "whsec_"  # Standard Webhooks: the prefix, then the key in base64
 
 
 class ConfigError(ValueError):
@@ -92,15 +101,41 @@ class AdmissionConfig:
 class RateLimit:
     requests_per_s: float = 0.0  # 0: unlimited
     burst: int = 0  # bucket size (default: max(1, requests_per_s))
+    # Tokens a request may use: its prompt + max_tokens x n, summed over its prompts; 0: unlimited
+    tokens_per_s: float = 0.0
+    token_burst: int = 0  # bucket size (default: 10 s of tokens_per_s); a request over it is refused outright
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class TenantConfig:
     name: str
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     priority: str = "interactive"  # the highest class its requests get (a request may ask for batch)
     pools: tuple[str, ...] = ()  # preference order; spill-over to the next when one is full; () = all pools
     rate_limit: RateLimit = RateLimit()
+    max_inflight: int = 0  # its requests at the gateway at once (queued or running); more: RESOURCE_EXHAUSTED; 0: none
+    webhook_secret: str = dataclasses.field(default="", repr=False)  # whsec_<base64>: signs its job callbacks
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class CallbackConfig:
+    allowed_hosts: tuple[str, ...] = ()  # host names or IP literals a callback URL may name
+    allowed_ports: tuple[int, ...] = (80, 443)
+    # Loopback, private and link-local addresses are refused unless in one of these networks (or the URL names an
+    # IP literal listed in allowed_hosts)
+    allowed_networks: tuple[str, ...] = ()
+    retry_window_s: float = 3600.0  # deliveries are retried (with backoff) this long after the job ends
+    retry_initial_s: float = 1.0  # the first retry's wait; it doubles up to retry_max_s
+    retry_max_s: float = 300.0
+    timeout_s: float = 10.0  # one delivery attempt, connection to last byte
+    max_concurrent: int = 16  # deliveries in flight at once
+    webhook_secret: str = dataclasses.field(default="", repr=False)  # for tenants without their own (and auth off)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class JobsConfig:
+    max_crashes: int = 3  # a job that was running when the gateway died this many times fails instead of rerunning
+    retention_s: float = 7 * 86400.0  # finished jobs (and their idempotency keys) are deleted this long after
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -112,10 +147,15 @@ class GatewayConfig:
     long_lane: LongLaneConfig = LongLaneConfig()
     admission: AdmissionConfig = AdmissionConfig()
     tenants: tuple[TenantConfig, ...] = ()  # none: auth off, requests name their tenant
-    admin_keys: tuple[str, ...] = ()
-    callback_allowed_hosts: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+    callbacks: CallbackConfig = CallbackConfig()
+    jobs: JobsConfig = JobsConfig()
+    # A reload may turn authentication off, or leave no instance, only when the file says so (else it is refused)
+    allow_unauthenticated: bool = False
+    allow_no_instances: bool = False
     tokenizer: str = ""  # optional tokenizer directory: exact prompt lengths for the long lane
     instance_tls: tuple[tuple[str, str], ...] = ()  # ca / cert / key files for (mutual) TLS to instances
+    instance_key_file: str = ""  # the key the gateway sends to its instances (their --api_key_file); re-read on change
     # The chat parsers of the HTTP API (serving.api.tools / serving.api.reasoning); "": the instances' (ModelInfo)
     tool_call_parser: str = ""
     reasoning_parser: str = ""
@@ -142,19 +182,21 @@ def _build(cls, raw: dict, path: str, **fixed):
         if key not in fields or key in fixed:
             known = sorted(set(fields) - set(fixed))
             raise ConfigError(f"{path}.{key}: unknown key; known: {', '.join(known)}")
+        # A secret (a field kept out of reprs): its errors say what type it is, never what it is.
+        shown = repr(value) if fields[key].repr else f"a {type(value).__name__} (not shown: a secret)"
         default = fields[key].default
         if isinstance(default, bool):
             if not isinstance(value, bool):
-                raise ConfigError(f"{path}.{key}: expected true or false, got {value!r}")
+                raise ConfigError(f"{path}.{key}: expected true or false, got {shown}")
         elif isinstance(default, int) and not isinstance(default, bool):
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{path}.{key}: expected an integer, got {value!r}")
+                raise ConfigError(f"{path}.{key}: expected an integer, got {shown}")
         elif isinstance(default, float):
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ConfigError(f"{path}.{key}: expected a number, got {value!r}")
+                raise ConfigError(f"{path}.{key}: expected a number, got {shown}")
             value = float(value)
         elif isinstance(default, str) and not isinstance(value, str):
-            raise ConfigError(f"{path}.{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{path}.{key}: expected a string, got {shown}")
         kw[key] = value
     return cls(**kw)
 
@@ -164,11 +206,12 @@ def _positive(path: str, value, *, zero_ok: bool = False) -> None:
         raise ConfigError(f"{path}: must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
 
-def _str_list(raw, path: str) -> tuple[str, ...]:
+def _str_list(raw, path: str, *, secret: bool = False) -> tuple[str, ...]:
     if raw is None:
         return ()
     if isinstance(raw, str) or not isinstance(raw, list) or not all(isinstance(x, str) and x for x in raw):
-        raise ConfigError(f"{path}: expected a list of non-empty strings, got {raw!r}")
+        shown = f"a {type(raw).__name__} (not shown: keys are secrets)" if secret else repr(raw)
+        raise ConfigError(f"{path}: expected a list of non-empty strings, got {shown}")
     return tuple(raw)
 
 
@@ -178,8 +221,9 @@ def parse_config(raw: Any) -> GatewayConfig:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
-    known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
-             "tokenizer", "instance_tls", "tool_call_parser", "reasoning_parser"}
+    known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks", "jobs",
+             "tokenizer", "instance_tls", "instance_key_file", "tool_call_parser", "reasoning_parser",
+             "allow_unauthenticated", "allow_no_instances"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
@@ -265,7 +309,7 @@ def parse_config(raw: Any) -> GatewayConfig:
     tenants_raw = raw.get("tenants") or []
     if not isinstance(tenants_raw, list):
         raise ConfigError("tenants: expected a list of {name, api_keys, priority, pools, rate_limit}")
-    admin_keys = _str_list(raw.get("admin_keys"), "admin_keys")
+    admin_keys = _str_list(raw.get("admin_keys"), "admin_keys", secret=True)
     for i, t in enumerate(tenants_raw):
         path = f"tenants[{i}]"
         if not isinstance(t, dict):
@@ -274,11 +318,20 @@ def parse_config(raw: Any) -> GatewayConfig:
         rl = _build(RateLimit, t.pop("rate_limit", None) or {}, f"{path}.rate_limit")
         _positive(f"{path}.rate_limit.requests_per_s", rl.requests_per_s, zero_ok=True)
         _positive(f"{path}.rate_limit.burst", rl.burst, zero_ok=True)
-        api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys")
+        _positive(f"{path}.rate_limit.tokens_per_s", rl.tokens_per_s, zero_ok=True)
+        _positive(f"{path}.rate_limit.token_burst", rl.token_burst, zero_ok=True)
+        api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys", secret=True)
         tpools = _str_list(t.pop("pools", None), f"{path}.pools")
         tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl)
         if not _NAME.match(tc.name or ""):
             raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {tc.name!r}")
+        if tc.name.lower() in RESERVED_TENANT_NAMES:
+            raise ConfigError(f"{path}.name: {tc.name!r} is reserved (admin keys act as it); choose another name")
+        if tc.name in {x.name for x in tenants}:
+            raise ConfigError(f"{path}.name: tenant {tc.name!r} is defined twice")
+        _positive(f"{path}.max_inflight", tc.max_inflight, zero_ok=True)
+        if tc.webhook_secret:
+            webhook_key(tc.webhook_secret, f"{path}.webhook_secret")
         if tc.priority not in PRIORITY_CLASSES:
             raise ConfigError(f"{path}.priority: {tc.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}")
         for p in tpools:
@@ -290,9 +343,15 @@ def parse_config(raw: Any) -> GatewayConfig:
             keys[k] = tc.name
         tenants.append(tc)
 
-    cb = _section(raw, "callbacks")
-    if set(cb) - {"allowed_hosts"}:
-        raise ConfigError("callbacks: the only key is allowed_hosts")
+    callbacks = _callbacks(_section(raw, "callbacks"))
+    jobs = _build(JobsConfig, _section(raw, "jobs"), "jobs")
+    _positive("jobs.max_crashes", jobs.max_crashes)
+    _positive("jobs.retention_s", jobs.retention_s)
+    flags = {}
+    for key in ("allow_unauthenticated", "allow_no_instances"):
+        flags[key] = raw.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise ConfigError(f"{key}: expected true or false, got {flags[key]!r}")
     tls = raw.get("instance_tls") or {}
     if not isinstance(tls, dict) or set(tls) - {"ca", "cert", "key"}:
         raise ConfigError("instance_tls: expected a mapping with ca, and cert + key for mutual TLS")
@@ -301,6 +360,14 @@ def parse_config(raw: Any) -> GatewayConfig:
     for k, v in tls.items():
         if not isinstance(v, str) or not os.path.isfile(v):
             raise ConfigError(f"instance_tls.{k}: not a readable file: {v!r}")
+    instance_key_file = raw.get("instance_key_file") or ""
+    if not isinstance(instance_key_file, str):
+        raise ConfigError(f"instance_key_file: expected a file path, got a {type(instance_key_file).__name__}")
+    if instance_key_file:
+        try:
+            read_keys(instance_key_file, "instance_key_file")  # its errors name the file and line, not the key
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     tokenizer = raw.get("tokenizer") or ""
     if not isinstance(tokenizer, str):
         raise ConfigError("tokenizer: expected a directory path")
@@ -311,9 +378,66 @@ def parse_config(raw: Any) -> GatewayConfig:
             raise ConfigError(f"{key}: unknown {parsers[key]!r}; known: {', '.join(sorted(known_names))}")
     return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
                          long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
-                         callback_allowed_hosts=tuple(h.lower() for h in _str_list(cb.get("allowed_hosts"),
-                                                                                   "callbacks.allowed_hosts")),
-                         tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())), **parsers)
+                         callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
+                         instance_key_file=instance_key_file, **parsers, **flags)
+
+
+def webhook_key(secret: str, path: str) -> bytes:
+    """The signing key of a Standard Webhooks secret (`whsec_` + base64 of 16 to 64 random bytes). The error names
+    the key's path, never the secret."""
+    if not secret.startswith(WEBHOOK_SECRET_PREFIX):
+        raise ConfigError(f"{path}: expected {WEBHOOK_SECRET_PREFIX}<base64 of 16 to 64 random bytes>, e.g. "
+                          "`echo whsec_$(head -c 32 /dev/urandom | base64)`")
+    try:
+        key = base64.b64decode(secret[len(WEBHOOK_SECRET_PREFIX):], validate=True)
+    except (binascii.Error, ValueError):
+        raise ConfigError(f"{path}: the part after {WEBHOOK_SECRET_PREFIX} is not base64") from None
+    if not 16 <= len(key) <= 64:
+        raise ConfigError(f"{path}: a key of {len(key)} bytes; 16 to 64 are valid")
+    return key
+
+
+def _callbacks(cb: dict) -> CallbackConfig:
+    cb = dict(cb)
+    hosts = []
+    for h in _str_list(cb.pop("allowed_hosts", None), "callbacks.allowed_hosts"):
+        h = h.lower().strip("[]")
+        if not re.match(r"^[a-z0-9.:_-]+$", h):
+            raise ConfigError(f"callbacks.allowed_hosts: {h!r} is not a host name or an IP address")
+        try:
+            h = str(ipaddress.ip_address(h))  # one spelling per address
+        except ValueError:
+            pass
+        hosts.append(h)
+    hosts = tuple(hosts)
+    ports = cb.pop("allowed_ports", None)
+    if ports is not None and (not isinstance(ports, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports)):
+        raise ConfigError(f"callbacks.allowed_ports: expected a list of ports (1-65535), got {ports!r}")
+    networks = _str_list(cb.pop("allowed_networks", None), "callbacks.allowed_networks")
+    for n in networks:
+        try:
+            ipaddress.ip_network(n, strict=False)
+        except ValueError:
+            raise ConfigError(f"callbacks.allowed_networks: {n!r} is not a network (e.g. 10.0.0.0/8)") from None
+    out = _build(CallbackConfig, cb, "callbacks", allowed_hosts=hosts, allowed_networks=networks,
+                 **({} if ports is None else {"allowed_ports": tuple(ports)}))
+    for key in ("retry_window_s", "retry_initial_s", "retry_max_s", "timeout_s", "max_concurrent"):
+        _positive(f"callbacks.{key}", getattr(out, key))
+    if out.webhook_secret:
+        webhook_key(out.webhook_secret, "callbacks.webhook_secret")
+    return out
+
+
+def check_reload(old: GatewayConfig, new: GatewayConfig) -> None:
+    """ConfigError when `new` would fail open after `old`: authentication on -> off, or instances -> none (an empty
+    or half-written file), unless `new` says so (allow_unauthenticated, allow_no_instances)."""
+    if old.auth_enabled and not new.auth_enabled and not new.allow_unauthenticated:
+        raise ConfigError("tenants, admin_keys: none left, which would turn authentication off; keeping the running "
+                          "configuration (set allow_unauthenticated: true to mean it)")
+    if old.instances and not new.instances and not new.allow_no_instances:
+        raise ConfigError("pools: no instance left in any pool; keeping the running configuration (set "
+                          "allow_no_instances: true to mean it)")
 
 
 def load_config(path: str) -> GatewayConfig:
@@ -333,6 +457,9 @@ class ConfigWatcher:
     def __init__(self, path: str):
         self.path = path
         self.config = load_config(path)  # the first file must be valid
+        if not self.config.auth_enabled:
+            log.warning("configuration %s has no tenants and no admin keys: authentication is off, every caller "
+                        "names its own tenant and may use the admin RPCs", path)
         self.version = 1
         self.last_error = ""
         self._stamp = self._file_stamp()
@@ -352,6 +479,7 @@ class ConfigWatcher:
         self._stamp = stamp
         try:
             config = load_config(self.path)
+            check_reload(self.config, config)
         except ConfigError as e:
             self.last_error = str(e)
             log.error("configuration %s rejected, keeping version %d: %s", self.path, self.version, e)

@@ -13,7 +13,7 @@ from serving.gateway.health import HEALTHY
 from serving.gateway.jobs import JobError
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
-from serving.gateway.security import AuthError
+from serving.gateway.security import ADMIN, AuthError
 from serving.server.proto import meshserve_pb2 as pb
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 
@@ -52,7 +52,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             except AuthError as e:
                 raise GatewayError(e.code, e.details) from None
             p = gw.prepare(request, tenant)
-            gw.check_rate(tenant)
+            gw.check_rate(tenant, [p])
             remaining = context.time_remaining()
             deadline = t0 + (remaining if remaining is not None else gw.config.admission.request_timeout_s)
             gen = gw.stream(p, deadline, gw.parent_context(metadata))
@@ -86,7 +86,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         last = None
         for inst in candidates[:2]:
             try:
-                return await getattr(inst.stub, method)(request, timeout=context.time_remaining() or 30.0)
+                return await getattr(inst.stub, method)(request, timeout=context.time_remaining() or 30.0,
+                                                        metadata=inst.metadata())
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                     await _abort(context, e.code(), e.details() or "")
@@ -153,24 +154,28 @@ class InferenceServicer(pb_grpc.InferenceServicer):
 
 
 class JobsServicer(gpb_grpc.JobsServicer):
+    """Who may call: with authentication on, a tenant key (its own jobs: another tenant's job is NOT_FOUND, as if it
+    did not exist) or an admin key (every job); with it off, anyone."""
+
     def __init__(self, gateway: Gateway):
         self.gw = gateway
 
     async def _tenant_name(self, context) -> str | None:
+        """The caller's tenant; None: may see every job (an admin key, or authentication off)."""
         try:
             t = self.gw.auth.tenant(context.invocation_metadata())
         except AuthError as e:
             await _abort(context, e.code, e.details)
-        return None if t is None or t.name == "admin" else t.name
+        return None if t is None or t is ADMIN else t.name
 
     async def SubmitJob(self, request: gpb.SubmitJobRequest, context):
         gw = self.gw
         try:
             tenant = gw.auth.tenant(context.invocation_metadata())
-            gw.prepare(request.request, tenant)  # every field checked now, not when the job runs
-            gw.check_rate(tenant)
+            p = gw.prepare(request.request, tenant)  # every field checked now, not when the job runs
+            gw.check_rate(tenant, [p], starts=False)
             name = tenant.name if tenant is not None else request.request.tenant
-            return gw.jobs.submit(request.request, request.callback_url, name)
+            return await gw.jobs.submit(request.request, request.callback_url, name, request.idempotency_key)
         except (AuthError, GatewayError, JobError) as e:
             await _abort(context, e.code, e.details, getattr(e, "trailing", ()))
 
@@ -183,6 +188,15 @@ class JobsServicer(gpb_grpc.JobsServicer):
         if tenant is not None and job.tenant != tenant:
             await _abort(context, grpc.StatusCode.NOT_FOUND, f"job_id: no job {request.job_id!r}")
         return job
+
+    async def CancelJob(self, request, context):
+        tenant = await self._tenant_name(context)
+        await self._get(request, context)  # the owner or an admin; anyone else: NOT_FOUND
+        try:
+            by = tenant or ("an admin" if self.gw.config.auth_enabled else "a caller (authentication is off)")
+            return self.gw.jobs.cancel(request.job_id, by)
+        except JobError as e:
+            await _abort(context, e.code, e.details)
 
     async def GetJob(self, request, context):
         return await self._get(request, context)

@@ -4,7 +4,6 @@ before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import os
@@ -21,54 +20,19 @@ from serving.api.tools import resolve_tool_call_parser
 from serving.core import interface
 from serving.core.config import EngineConfig
 from serving.core.interface import ServingEngine
+from serving.auth import AuthInterceptor, InstanceKeys, bind_warning
+from serving.server.config import ServerConfig
 from serving.server.proto import meshserve_pb2_grpc as pb_grpc
 from serving.server.decoding import DecodeErrorInterceptor
 from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer, make_tracer_provider
+from serving.transport import server_options
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "meshserve.v1.Inference"
 
-# gRPC core keeps the calls its transport has accepted but the application has not taken yet (grpc.aio takes them one
-# at a time, from the event loop, so a busy loop falls behind). Past `grpc.server.max_pending_requests` of them (default
-# 1,000) core drops new calls at random, and every one past the hard limit (default 3,000): each ends CANCELLED
-# ("CANCELLED") with no retry hint, before any handler runs (issue 22). Overload is for our admission control to answer
-# (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms), so core's limit sits far above any backlog a deadline leaves alive
-# (65,536 calls: over 30 s of arrivals at 2,000/s); it only bounds memory. The gateway's server sets the same.
-PENDING_CALLS_LIMIT = 1 << 16
-PENDING_CALL_OPTIONS = (("grpc.server.max_pending_requests", PENDING_CALLS_LIMIT),
-                        ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_LIMIT))
-
-
-@dataclasses.dataclass(slots=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port (see InstanceServer.port / ready_file)
-    metrics_port: int = 9090  # -1: no metrics endpoint; 0: any free port
-    warmup: bool = True
-    drain_grace_s: float = 30.0
-    max_request_bytes: int = 1 << 20
-    retry_after_s: float = 1.0
-    instance_id: str = ""
-    otlp_endpoint: str = ""
-    service_name: str = "meshserve"
-    ready_file: str = ""  # written (JSON: ports, pid) once SERVING
-    tls_cert: str = ""  # PEM chain: serve TLS (with tls_key)
-    tls_key: str = ""
-    tls_client_ca: str = ""  # PEM CA: require client certificates signed by it (mutual TLS, e.g. from the gateway)
-    http_port: int = -1  # the OpenAI-compatible HTTP API: -1 off; 0 any free port
-    served_model_name: str = ""  # the model's name in the HTTP API and metrics; default the model directory's name
-    tool_call_parser: str = ""  # serving.api.tools' parser of tool calls; "": the chat template's, if it shows one
-
-    def __post_init__(self):
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
-        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
-            raise ValueError("TLS: tls_cert and tls_key go together; tls_client_ca needs them")
-        if self.drain_grace_s < 0:
-            raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
 
 
 class InstanceServer:
@@ -77,8 +41,10 @@ class InstanceServer:
         self.config = config
         self.instance_id = config.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         self.aengine = AsyncEngine(engine)
+        self.keys = InstanceKeys(config.api_key_file, config.admin_key_file)  # raises ValueError naming the file
         self.tracer = RequestTracer(make_tracer_provider(config.service_name, otlp_endpoint=config.otlp_endpoint,
-                                                         exporter=span_exporter))
+                                                         otlp_ca_file=config.otlp_ca_file, exporter=span_exporter),
+                                    trace_content=config.trace_content)
         spec = getattr(engine, "spec", None)
 
         def stats() -> dict:
@@ -129,12 +95,10 @@ class InstanceServer:
 
     async def start(self) -> None:
         cfg = self.config
-        # gRPC's own limit sits well above ours so an oversized prompt gets our INVALID_ARGUMENT naming it.
-        transport_limit = max(64 << 20, 4 * cfg.max_request_bytes)
-        self.server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()],
-                                      options=[("grpc.max_receive_message_length", transport_limit),
-                                               ("grpc.max_send_message_length", transport_limit),
-                                               ("grpc.so_reuseport", 0), *PENDING_CALL_OPTIONS])
+        # Keys are checked first, before any handler or decoder runs; messages over the limit never reach either.
+        self.server = grpc.aio.server(
+            interceptors=[AuthInterceptor(self.keys, on_refused=self.metrics.observe_error), DecodeErrorInterceptor()],
+            options=server_options(cfg.max_request_bytes, cfg.max_concurrent_streams))
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.tls_cert:
@@ -150,6 +114,9 @@ class InstanceServer:
             self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+        warning = bind_warning(cfg.host, self.port, self.keys)
+        if warning:
+            log.warning("%s", warning)
         await self._set_health(False)
         await self.server.start()
         if cfg.metrics_port >= 0:

@@ -218,7 +218,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
                                "the server is draining and admits no new requests; send it elsewhere")
         try:
-            if request.ByteSize() > LARGE_REQUEST_BYTES:  # tokenizing it would stall every other stream
+            # Tokenizing a large prompt, or compiling a grammar, would stall every other stream.
+            if request.ByteSize() > LARGE_REQUEST_BYTES or request.sampling.HasField("structured"):
                 prompt_ids, params, priority = await asyncio.to_thread(self.parse_generate, request)
             else:
                 prompt_ids, params, priority = self.parse_generate(request)

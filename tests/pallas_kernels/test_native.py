@@ -225,7 +225,7 @@ def test_model_matmul_dispatch_follows_rows_dtype_and_switch(monkeypatch):
     assert _custom_calls(matmul, jnp.ones((32, 64), jnp.bfloat16), w16) == set()
     monkeypatch.setenv(native.ENV_VAR, "xla")
     assert _custom_calls(matmul, jnp.ones((16, 64), jnp.float32), w32) == set()
-    native._load.cache_clear()  # first load while switched off: a direct call still works, and the switch
+    native.library._load.cache_clear()  # first load while switched off: a direct call still works, and the switch
     assert _custom_calls(native.matmul, jnp.ones((2, 64), jnp.float32), w32) == {"meshserve_cpu_matmul"}
     monkeypatch.delenv(native.ENV_VAR)  # flipped back turns the model's path on again
     assert _custom_calls(matmul, jnp.ones((16, 64), jnp.float32), w32) == {"meshserve_cpu_matmul"}

@@ -41,9 +41,9 @@ def _cpu_flags() -> set[str]:
 
 
 def test_selftest_runs_every_path_on_this_cpu(tmp_path):
-    if native._machine_reason():
-        pytest.skip(f"native kernels cannot be built here: {native._machine_reason()}")
-    exe = native.build_selftest(native._compiler(), native.machine(), tmp_path / "selftest",
+    if native.library._machine_reason():
+        pytest.skip(f"native kernels cannot be built here: {native.library._machine_reason()}")
+    exe = native.build_selftest(native.library._compiler(), native.machine(), tmp_path / "selftest",
                                 objects=native.kernel_objects())  # the library's own objects
     rc, out = _run([exe])
     assert rc == 0, out
@@ -89,8 +89,8 @@ def test_each_path_defines_only_its_own_table():
     global but its own table (weak: a build may lack a path) and the C++ runtime's personality pointer, so the
     linker can never pick one copy's inline function (built for AVX-512) to serve another (run on an AVX2 CPU). Every
     other symbol is internal to its copy's namespace."""
-    if native._machine_reason():
-        pytest.skip(f"native kernels cannot be built here: {native._machine_reason()}")
+    if native.library._machine_reason():
+        pytest.skip(f"native kernels cannot be built here: {native.library._machine_reason()}")
     tables = []
     for obj in native.kernel_objects()[:-1]:
         name = obj.stem.removeprefix("kernels_")

@@ -12,12 +12,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
-from models.transformer import kv_cache_shape
+from models.transformer import kv_cache_specs
 from models.weights import abstract_model
 from serving import ledger
 from serving.ledger import GB, GiB, KiB, Hardware, Layout, ModelMemory, Workload
 from sharding.mesh import make_mesh
-from sharding.rules import DEFAULT_RULES, MESH_AXES, kv_cache_partition_spec, shard_shape
+from sharding.rules import DEFAULT_RULES, MESH_AXES, shard_shape
 
 
 def test_source_example_kv_figures():
@@ -137,9 +137,11 @@ def test_ledger_matches_allocated_arrays(cfg, layout):
             axes = var.get_metadata()["axes"]
             wanted += [(tuple(var.shape), DEFAULT_RULES.partition_spec(axes, var.shape, smesh))] * copies
         weights = _allocate(wanted, smesh, jnp.bfloat16)
-        kv_shape = kv_cache_shape(cfg, pages_per_replica * layout.dp, work.page_size)
-        kv_spec = kv_cache_partition_spec(cfg.num_kv_heads, dict(smesh.shape))
-        kv = _allocate([(kv_shape, kv_spec)] * slots, smesh, jnp.bfloat16)  # one buffer per slot, padding too
+        # as the runners allocate it: each slot's spec (the model's declaration), its shape and rules' layout
+        num_pages = pages_per_replica * layout.dp
+        kv = _allocate([(spec.shape(num_pages, work.page_size), spec.partition_spec(dict(smesh.shape), num_pages))
+                        for spec in kv_cache_specs(cfg, dtype="bfloat16")[:slots]],  # a buffer per slot, padding too
+                       smesh, jnp.bfloat16)
         predicted = ledger.device_ledger(mm, work, layout, hw) if layout.pp == 1 else None
         w_pred = mm.stage_weight_bytes(layout, s)
         kv_pred = (work.requests_per_replica(layout) * work.pages_per_request * work.page_size
@@ -155,11 +157,12 @@ def test_ledger_matches_allocated_arrays(cfg, layout):
 
 
 def test_kv_heads_fewer_than_tp_replicate_the_cache():
-    mm = ModelMemory(DENSE, "bfloat16")
-    assert mm.kv_heads_per_device(Layout(tp=2)) == 1
-    assert mm.kv_heads_per_device(Layout(tp=4)) == 2  # 2 KV heads cannot be split 4 ways
-    spec = kv_cache_partition_spec(2, {"tensor": 4})
-    assert shard_shape(spec, (10, 16, 4, 8), {"tensor": 4}) == (10, 16, 4, 8)
+    kv = ModelMemory(DENSE, "bfloat16").kv_specs[0]  # 2 KV heads
+    assert kv.device_heads(Layout(tp=2).axis_sizes) == 1
+    assert kv.device_heads(Layout(tp=4).axis_sizes) == 2  # 2 KV heads cannot be split 4 ways
+    # checked on the heads, not the 4 rows (K and V of each): 4 rows over 4 devices would split a head's K from its V
+    spec = kv.partition_spec({"tensor": 4}, num_pages=10)
+    assert shard_shape(spec, kv.shape(10, 16), {"tensor": 4}) == (10, 16, 4, 8)
 
 
 def test_plan_kv_pages_fills_the_budget():

@@ -1,15 +1,21 @@
 """Two real processes x 4 CPU devices joined by jax.distributed (gloo) run one tp=8 instance: the leader
 schedules, the follower runs the same steps; outputs equal one process's. Killing the follower makes the
-leader fail its requests with UNAVAILABLE and exit non-zero instead of hanging."""
+leader fail its requests with UNAVAILABLE and exit non-zero instead of hanging. The step channel, attacked from
+the network while the leader waits for its follower: a pickle that would create a file, a silent connection and a
+follower with the wrong secret are refused, and the real follower joins all the same."""
 import json
 import os
+import pickle
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
+
+from sharding.step_channel import MAGIC, NONCE_BYTES, AuthenticationError, FollowerChannel
 
 from serving.core.llm import LLM
 from serving.core.sampling_params import SamplingParams
@@ -38,27 +44,86 @@ def model_dir(tmp_path_factory):
     return str(d)
 
 
-def _start(model_dir, out, max_tokens, log_dir):
+SECRET = "multihost-test-secret-0123456789"
+
+
+def _start(model_dir, out, max_tokens, log_dir, go_file=""):
     coord, step = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = REPO_ROOT
+    env.update(PYTHONPATH=REPO_ROOT, MESHSERVE_STEP_SECRET=SECRET, MULTIHOST_FOLLOWER_GO_FILE=go_file)
     procs = []
     for pid in (0, 1):
         log = open(os.path.join(log_dir, f"p{pid}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, "-u", WORKER, str(pid), str(coord), str(step), model_dir, out,
                                        str(max_tokens)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT))
-    return procs
+    return procs, step
+
+
+class _CreatesAFile:
+    """Unpickling this creates `path` (what an attacker's payload would do, harmlessly)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def _attack_step_channel(leader, port, log, marker):
+    """While the leader waits for its follower: a pickled payload, a silent connection (left open), a follower
+    with the wrong secret. Returns the silent socket."""
+    deadline = time.monotonic() + 600
+    while True:  # until the leader listens (it builds its engine first)
+        assert leader.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+        try:
+            attacker = socket.create_connection(("127.0.0.1", port), timeout=30)
+            break
+        except OSError:
+            time.sleep(0.2)
+    payload = pickle.dumps(_CreatesAFile(marker))
+    pickle.loads(payload).close()  # the payload does create the file when unpickled
+    assert os.path.exists(marker)
+    os.remove(marker)
+    with attacker:
+        attacker.sendall(struct.pack("<Q", len(payload)) + payload)  # the old wire format: length + pickle
+        got = b""
+        try:
+            while chunk := attacker.recv(4096):
+                got += chunk
+        except ConnectionResetError:  # closed with the payload unread
+            pass
+        assert len(got) <= len(MAGIC) + NONCE_BYTES  # at most the leader's hello, then closed
+    silent = socket.create_connection(("127.0.0.1", port), timeout=30)
+    with pytest.raises(AuthenticationError, match="refused this follower"):
+        FollowerChannel("127.0.0.1", port, 1, secret=b"the-wrong-secret-0123456789")
+    return silent
 
 
 def test_two_processes_match_one(model_dir, tmp_path):
-    out = str(tmp_path / "out.json")
-    leader, follower = _start(model_dir, out, 10, str(tmp_path))
+    out, marker, go = str(tmp_path / "out.json"), str(tmp_path / "pwned"), str(tmp_path / "go")
+    (leader, follower), step_port = _start(model_dir, out, 10, str(tmp_path), go_file=go)
+    log = tmp_path / "p0.log"
     try:
-        assert leader.wait(timeout=600) == 0, open(tmp_path / "p0.log").read()[-3000:]
+        silent = _attack_step_channel(leader, step_port, log, marker)
+        open(go, "w").close()
+        deadline = time.monotonic() + 60
+        while "follower process 1 joined" not in open(log).read():
+            assert leader.poll() is None and time.monotonic() < deadline, open(log).read()[-3000:]
+            time.sleep(0.05)
+        # The silent connection is still in its handshake (10 s deadline): it did not hold the follower up.
+        silent.setblocking(False)
+        assert silent.recv(100)[:len(MAGIC)] == MAGIC
+        with pytest.raises(BlockingIOError):
+            silent.recv(100)
+        silent.close()
+        assert leader.wait(timeout=600) == 0, open(log).read()[-3000:]
         assert follower.wait(timeout=60) == 0, open(tmp_path / "p1.log").read()[-3000:]
     finally:
         for p in (leader, follower):
             p.kill()
+    assert not os.path.exists(marker)
+    text = open(log).read()
+    assert "wrong protocol bytes" in text and "without the shared secret" in text, text[-3000:]
     result = json.load(open(out))
     assert result["devices"] == 8 and result["processes"] == 2
     llm = LLM(model_dir, warmup=False, page_size=8, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
@@ -71,7 +136,7 @@ def test_two_processes_match_one(model_dir, tmp_path):
 
 def test_killed_follower_fails_requests_instead_of_hanging(model_dir, tmp_path):
     out = str(tmp_path / "out.json")
-    leader, follower = _start(model_dir, out, 400, str(tmp_path))
+    (leader, follower), _ = _start(model_dir, out, 400, str(tmp_path))
     log = tmp_path / "p0.log"
     try:
         deadline = time.monotonic() + 600
@@ -114,8 +179,10 @@ def test_grpc_server_across_two_processes(served_model, tmp_path):
     from serving.process import ServerProcess
     coord = _free_port()
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    secret = tmp_path / "step.secret"
+    secret.write_text(SECRET)
     common = (f"--coordinator_address=127.0.0.1:{coord}", "--num_processes=2", "--tp=8", "--min_token_bucket=32",
-              "--enable_prefix_caching=false")
+              "--enable_prefix_caching=false", f"--step_channel_secret_file={secret}")
     leader = ServerProcess(served_model, str(tmp_path / "p0"), *common, "--process_id=0", env=env)
     follower = ServerProcess(served_model, str(tmp_path / "p1"), *common, "--process_id=1", env=env)
     try:

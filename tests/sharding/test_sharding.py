@@ -31,6 +31,11 @@ def models(tmp_path_factory):
         "qwen2_moe": hf_models.save_config(tf.Qwen2MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
             shared_expert_intermediate_size=64), root / "qwen2_moe"),
+        # Phi-4-mini's shape: fused qkv_proj / gate_up_proj split at load, longrope over 3/4 of each head.
+        "phi3": hf_models.save_config(tf.Phi3Config(
+            **common, original_max_position_embeddings=128, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [2.0] * 6}), root / "phi3"),
     }
 
 
@@ -71,7 +76,7 @@ def reference(models):
 LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("llama", dict(tp=8)),
            ("mixtral", dict(ep=2)), ("mixtral", dict(ep=4)), ("mixtral", dict(ep=8)),
            ("qwen2_moe", dict(ep=2)), ("qwen2_moe", dict(ep=4)), ("qwen2_moe", dict(ep=8)),
-           ("mixtral", dict(tp=2, ep=2)), ("qwen2_moe", dict(tp=2, ep=4))]
+           ("mixtral", dict(tp=2, ep=2)), ("qwen2_moe", dict(tp=2, ep=4)), ("phi3", dict(tp=2))]
 
 
 @pytest.mark.parametrize("name, layout", LAYOUTS, ids=[f"{n}-" + "-".join(f"{k}{v}" for k, v in l.items())

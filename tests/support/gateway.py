@@ -43,16 +43,18 @@ def write_config(path: str, config: dict) -> None:
 
 
 class GatewayProcess(ReadyFileProcess):
-    """`python -m serving.gateway` on 127.0.0.1 with `config` (written to <workdir>/gateway.yaml); started and
-    waited for at construction; `start()` again after `stop()` restarts it on the same config and jobs db."""
+    """`python -m serving.gateway` (or `module`, a wrapper of it) on 127.0.0.1 with `config` (written to
+    <workdir>/gateway.yaml); started and waited for at construction; `start()` again after `stop()` restarts it on the
+    same config and jobs db."""
 
-    def __init__(self, workdir: str, config: dict | None = None, *flags: str, jobs_db: str = ""):
+    def __init__(self, workdir: str, config: dict | None = None, *flags: str, jobs_db: str = "",
+                 module: str = "serving.gateway"):
         os.makedirs(workdir, exist_ok=True)
         self.config_path = os.path.join(workdir, "gateway.yaml")
         if config is not None:
             write_config(self.config_path, config)
         self.jobs_db = jobs_db or os.path.join(workdir, "jobs.sqlite")
-        super().__init__("gateway", ["-m", "serving.gateway", f"--config={self.config_path}", "--host=127.0.0.1",
+        super().__init__("gateway", ["-m", module, f"--config={self.config_path}", "--host=127.0.0.1",
                                      "--port=0", "--metrics_port=0", f"--jobs_db={self.jobs_db}", "--drain_grace_s=5",
                                      *flags], workdir, ready_timeout_s=60.0)
         self.start()

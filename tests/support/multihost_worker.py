@@ -4,10 +4,14 @@
 
 Process 0 is the leader: it runs the engine (tp=8 over both processes' devices) on fixed prompts and writes the
 greedy outputs to OUT_JSON. Process 1 follows. If a follower dies, the leader fails its requests and exits 3.
+The step channel's secret comes from $MESHSERVE_STEP_SECRET; with $MULTIHOST_FOLLOWER_GO_FILE the follower joins
+the step channel only once that file exists (so a test can reach the leader's port first).
 """
 import json
+import logging
 import os
 import sys
+import time
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -18,8 +22,9 @@ def main():
     pid, coord_port, step_port, model_dir, out = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], \
         sys.argv[5]
     max_tokens = int(sys.argv[6]) if len(sys.argv) > 6 else 10
-    from sharding.multihost import DistributedConfig, FollowerChannel, LeaderChannel, initialize, shutdown
-    cfg = DistributedConfig(f"127.0.0.1:{coord_port}", 2, pid, step_port)
+    from sharding.multihost import DistributedConfig, initialize, load_secret, shutdown
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    cfg = DistributedConfig(f"127.0.0.1:{coord_port}", 2, pid, step_port, secret=load_secret())
     initialize(cfg)
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -30,7 +35,10 @@ def main():
     engine = Engine(EngineConfig(model=model_dir, tp=8, page_size=8, num_pages=64, max_num_seqs=8,
                                  max_num_batched_tokens=64, min_token_bucket=64, enable_prefix_caching=False))
     if not cfg.is_leader:
-        engine.follow(FollowerChannel(cfg.leader_host, step_port, pid))
+        go = os.environ.get("MULTIHOST_FOLLOWER_GO_FILE")
+        while go and not os.path.exists(go):
+            time.sleep(0.05)
+        engine.follow(cfg.follower_channel())
         shutdown()
         return
 
@@ -40,7 +48,7 @@ def main():
             json.dump({"error": "UNAVAILABLE", "detail": str(err)}, f)
         os._exit(3)
 
-    engine.runner.channel = LeaderChannel(step_port, 1, on_follower_lost=lost)
+    engine.runner.channel = cfg.leader_channel(on_follower_lost=lost)
     prompts = [random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):

@@ -15,21 +15,31 @@ class JobState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     JOB_STATE_RUNNING: _ClassVar[JobState]
     JOB_STATE_SUCCEEDED: _ClassVar[JobState]
     JOB_STATE_FAILED: _ClassVar[JobState]
+    JOB_STATE_CANCELLED: _ClassVar[JobState]
 JOB_STATE_UNSPECIFIED: JobState
 JOB_STATE_QUEUED: JobState
 JOB_STATE_RUNNING: JobState
 JOB_STATE_SUCCEEDED: JobState
 JOB_STATE_FAILED: JobState
+JOB_STATE_CANCELLED: JobState
 
 class SubmitJobRequest(_message.Message):
-    __slots__ = ("request", "callback_url")
+    __slots__ = ("request", "callback_url", "idempotency_key")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     CALLBACK_URL_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     request: _meshserve_pb2.GenerateRequest
     callback_url: str
-    def __init__(self, request: _Optional[_Union[_meshserve_pb2.GenerateRequest, _Mapping]] = ..., callback_url: _Optional[str] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, request: _Optional[_Union[_meshserve_pb2.GenerateRequest, _Mapping]] = ..., callback_url: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class CancelJobRequest(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
@@ -48,7 +58,7 @@ class JobResult(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_meshserve_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_meshserve_pb2.Usage, _Mapping]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_id", "state", "tenant", "created_time", "updated_time", "result", "error_code", "error_message", "callback_url", "callback_status", "attempts")
+    __slots__ = ("job_id", "state", "tenant", "created_time", "updated_time", "result", "error_code", "error_message", "callback_url", "callback_status", "attempts", "callback_attempts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +70,7 @@ class Job(_message.Message):
     CALLBACK_URL_FIELD_NUMBER: _ClassVar[int]
     CALLBACK_STATUS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    CALLBACK_ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: JobState
     tenant: str
@@ -71,7 +82,8 @@ class Job(_message.Message):
     callback_url: str
     callback_status: str
     attempts: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., tenant: _Optional[str] = ..., created_time: _Optional[float] = ..., updated_time: _Optional[float] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., callback_url: _Optional[str] = ..., callback_status: _Optional[str] = ..., attempts: _Optional[int] = ...) -> None: ...
+    callback_attempts: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., tenant: _Optional[str] = ..., created_time: _Optional[float] = ..., updated_time: _Optional[float] = ..., result: _Optional[_Union[JobResult, _Mapping]] = ..., error_code: _Optional[str] = ..., error_message: _Optional[str] = ..., callback_url: _Optional[str] = ..., callback_status: _Optional[str] = ..., attempts: _Optional[int] = ..., callback_attempts: _Optional[int] = ...) -> None: ...
 
 class ListInstancesRequest(_message.Message):
     __slots__ = ()

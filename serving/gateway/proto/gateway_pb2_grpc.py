@@ -28,6 +28,7 @@ if _version_not_supported:
 class JobsStub:
     """Asynchronous jobs: a Generate request run to completion in the background, kept in the gateway's SQLite file
     (a job survives a gateway restart; an unfinished one is run again).
+    Who may call: a tenant key (its own jobs only; another tenant's job is NOT_FOUND) or an admin key (every job).
     """
 
     def __init__(self, channel):
@@ -51,11 +52,17 @@ class JobsStub:
                 request_serializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.GetJobRequest.SerializeToString,
                 response_deserializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.Job.FromString,
                 _registered_method=True)
+        self.CancelJob = channel.unary_unary(
+                '/meshserve.gateway.v1.Jobs/CancelJob',
+                request_serializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.CancelJobRequest.SerializeToString,
+                response_deserializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.Job.FromString,
+                _registered_method=True)
 
 
 class JobsServicer:
     """Asynchronous jobs: a Generate request run to completion in the background, kept in the gateway's SQLite file
     (a job survives a gateway restart; an unfinished one is run again).
+    Who may call: a tenant key (its own jobs only; another tenant's job is NOT_FOUND) or an admin key (every job).
     """
 
     def SubmitJob(self, request, context):
@@ -73,6 +80,14 @@ class JobsServicer:
 
     def WatchJob(self, request, context):
         """the job now, then on every change until it is done
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelJob(self, request, context):
+        """Stops a queued or running job (state CANCELLED; its callback, if any, is sent); a finished job is returned as
+        it is. The job's owner or an admin.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,6 +111,11 @@ def add_JobsServicer_to_server(servicer, server):
                     request_deserializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.GetJobRequest.FromString,
                     response_serializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.Job.SerializeToString,
             ),
+            'CancelJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelJob,
+                    request_deserializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.CancelJobRequest.FromString,
+                    response_serializer=serving_dot_gateway_dot_proto_dot_gateway__pb2.Job.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'meshserve.gateway.v1.Jobs', rpc_method_handlers)
@@ -107,6 +127,7 @@ def add_JobsServicer_to_server(servicer, server):
 class Jobs:
     """Asynchronous jobs: a Generate request run to completion in the background, kept in the gateway's SQLite file
     (a job survives a gateway restart; an unfinished one is run again).
+    Who may call: a tenant key (its own jobs only; another tenant's job is NOT_FOUND) or an admin key (every job).
     """
 
     @staticmethod
@@ -179,6 +200,33 @@ class Jobs:
             target,
             '/meshserve.gateway.v1.Jobs/WatchJob',
             serving_dot_gateway_dot_proto_dot_gateway__pb2.GetJobRequest.SerializeToString,
+            serving_dot_gateway_dot_proto_dot_gateway__pb2.Job.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.gateway.v1.Jobs/CancelJob',
+            serving_dot_gateway_dot_proto_dot_gateway__pb2.CancelJobRequest.SerializeToString,
             serving_dot_gateway_dot_proto_dot_gateway__pb2.Job.FromString,
             options,
             channel_credentials,

@@ -3,19 +3,25 @@ admission queues, rate limits, validation parity with the server, job store, gen
 from __future__ import annotations
 
 import asyncio
+import base64
 import filecmp
+import ipaddress
 import os
+import re
+import stat
 import subprocess
 import sys
 
 import grpc
 import pytest
+import yaml
 
 from serving.gateway import config as gconfig
 from serving.gateway.admission import Admission, QueueFull, RateLimiter
 from serving.gateway.config import ConfigError, ConfigWatcher, IsolationConfig, ScoreWeights, parse_config
 from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker
-from serving.gateway.jobs import JobError, JobManager, JobStore, check_callback_url
+from serving.gateway.callbacks import CallbackRefused, address_allowed, check_url, sign
+from serving.gateway.jobs import JobError, JobManager, JobStore
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scores, prompt_blocks
 from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate
@@ -53,7 +59,8 @@ def test_config_parses_pools_tenants_lanes():
                                                                        ("i2", "b", False)]
     assert cfg.instances[1].labels == (("zone", "z1"),)
     assert cfg.tenants[0].pools == ("b", "a") and cfg.tenants[0].rate_limit.burst == 3
-    assert cfg.callback_allowed_hosts == ("hooks.x",) and cfg.auth_enabled
+    assert cfg.callbacks.allowed_hosts == ("hooks.x",) and cfg.callbacks.allowed_ports == (80, 443)
+    assert cfg.auth_enabled and cfg.jobs.max_crashes == 3 and cfg.callbacks.retry_window_s == 3600
     assert cfg.routing.policy == "load_aware" and cfg.admission.queue_bound("batch") == 1024
 
 
@@ -70,6 +77,17 @@ def test_config_parses_pools_tenants_lanes():
     ({"pools": [{"name": "a", "instances": [{"name": "i0", "target": "nohost"}]}]}, "pools[0].instances[0].target"),
     ({"pools": [{"name": "a", "instances": [{"name": "i0", "target": "h:1"}, {"name": "i0", "target": "h:2"}]}]},
      "defined twice"),
+    # admin keys act as "admin" (every tenant's jobs): no tenant may take the name
+    ({"tenants": [{"name": "admin", "api_keys": ["k9"]}]}, "tenants[0].name: 'admin' is reserved"),
+    ({"tenants": [{"name": "Admin"}]}, "tenants[0].name: 'Admin' is reserved"),
+    ({"tenants": [{"name": "x"}, {"name": "x"}]}, "tenants[1].name: tenant 'x' is defined twice"),
+    ({"tenants": [{"name": "x", "webhook_secret": "hunter2-hunter2-hunter2"}]}, "tenants[0].webhook_secret: expected"),
+    ({"callbacks": {"webhook_secret": "whsec_c2hvcnQ="}}, "callbacks.webhook_secret: a key of 5 bytes"),
+    ({"callbacks": {"allowed_ports": [0]}}, "callbacks.allowed_ports"),
+    ({"callbacks": {"allowed_networks": ["10.0.0.0/33"]}}, "callbacks.allowed_networks: '10.0.0.0/33'"),
+    ({"callbacks": {"retry_window_s": 0}}, "callbacks.retry_window_s: must be > 0"),
+    ({"jobs": {"max_crashes": 0}}, "jobs.max_crashes: must be > 0"),
+    ({"allow_unauthenticated": "yes"}, "allow_unauthenticated: expected true or false"),
 ])
 def test_config_errors_name_the_key(patch, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -86,6 +104,27 @@ def test_watcher_keeps_old_config_on_invalid_file(tmp_path):
     assert not w.poll() and "not valid YAML" in w.last_error and w.config.routing.policy == "round_robin"
     path.write_text("routing: {policy: least_requests}\n")
     assert w.poll() and w.config.routing.policy == "least_requests" and w.version == 2 and not w.last_error
+
+
+def test_reload_never_fails_open(tmp_path, caplog):
+    """Authentication on: an empty or half-written file (no tenants, no admin keys), or one that leaves no instance,
+    is refused with the running configuration kept, unless the file says it means it."""
+    path = tmp_path / "gw.yaml"
+    base = {**BASE, "long_lane": {}}
+    empty_pools = [{"name": "a"}, {"name": "b"}]
+    path.write_text(yaml.safe_dump(base))
+    w = ConfigWatcher(str(path))
+    for text, error in (("", "would turn authentication off"), ("pools: [{name: a, insta", "not valid YAML"),
+                        ("routing: {policy: round_robin}\n", "would turn authentication off"),
+                        (yaml.safe_dump({**base, "pools": empty_pools}), "no instance left")):
+        path.write_text(text)
+        assert not w.poll(force=True) and error in w.last_error, (text, w.last_error)
+        assert w.config == parse_config(base) and w.config.auth_enabled and w.version == 1
+    assert "rejected, keeping version 1" in caplog.text
+    path.write_text(yaml.safe_dump({**base, "pools": empty_pools, "allow_no_instances": True}))
+    assert w.poll(force=True) and not w.config.instances and w.config.auth_enabled
+    path.write_text("allow_unauthenticated: true\nallow_no_instances: true\n")
+    assert w.poll(force=True) and not w.config.auth_enabled
 
 
 def _report(**kw) -> pb.LoadReport:
@@ -257,36 +296,68 @@ def test_validation_prompt_and_context():
     check_generate(generate_request([1, 2], max_tokens=62), limits)
 
 
-def test_callback_allow_list_and_job_store(tmp_path):
-    check_callback_url("http://hooks.x:8080/done", ("hooks.x",))
-    for url in ("http://evil.example/done", "ftp://hooks.x/", "hooks.x/done"):
-        with pytest.raises(JobError) as e:
-            check_callback_url(url, ("hooks.x",))
-        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "callback_url" in e.value.details
-    store = JobStore(str(tmp_path / "jobs.sqlite"))
+def test_callback_url_policy(monkeypatch):
+    cfg = parse_config({"callbacks": {"allowed_hosts": ["hooks.x", "10.1.2.3", "[::1]"],
+                                      "allowed_ports": [443, 8080]}}).callbacks
+    assert check_url("http://hooks.x:8080/done", cfg) == "http://hooks.x:8080/done"
+    assert check_url("https://HOOKS.x/a b/../%41?q=1#frag".replace(" ", "%20"), cfg) == \
+        "https://hooks.x/a%20b/../%41?q=1"  # rebuilt from its parts: the fragment dropped
+    assert check_url("https://[::1]:8080/x", cfg) == "https://[::1]:8080/x"
+    for url, why in (("http://evil.example:8080/done", "host 'evil.example' is not on"),
+                     ("ftp://hooks.x/", "not an http(s) URL"), ("hooks.x/done", "not an http(s) URL"),
+                     ("http://hooks.x/", "port 80 is not on"), ("https://hooks.x:22/", "port 22 is not on"),
+                     ("https://hooks.x:99999/", "not a number in 1-65535"),
+                     ("https://user:pw@hooks.x/", "user information"), ("https://hooks.x@evil.example/", "user info"),
+                     ("https://evil.example\\@hooks.x/", "backslashes"), ("https://evil.example\\.hooks.x/", "backsl"),
+                     ("https://hooks.x/ x", "printable ASCII"), ("https://hooks.x/\u00e9", "printable ASCII"),
+                     ("https://10.1.2.3.nip.io/", "not on"), ("https://hooks.x/" + "a" * 3000, "at most 2048")):
+        with pytest.raises(CallbackRefused, match=re.escape(why)):
+            check_url(url, cfg)
+    # Addresses a callback may connect to: public ones, or those in allowed_networks; an IPv4 address inside an IPv6
+    # one (mapped, 6to4, NAT64) counts as itself.
+    lan = parse_config({"callbacks": {"allowed_networks": ["10.20.0.0/16"]}}).callbacks
+    for address, ok in (("8.8.8.8", True), ("2001:4860:4860::8888", True), ("10.20.3.4", True), ("10.21.0.1", False),
+                        ("127.0.0.1", False), ("::1", False), ("169.254.169.254", False), ("fe80::1", False),
+                        ("100.64.0.1", False), ("0.0.0.0", False), ("224.0.0.1", False), ("::ffff:127.0.0.1", False),
+                        ("2002:7f00:1::", False), ("64:ff9b::a9fe:a9fe", False), ("64:ff9b::808:808", True)):
+        assert address_allowed(ipaddress.ip_address(address), lan) is ok, address
+    # Standard Webhooks' example (standard-webhooks/standard-webhooks, spec): this key, id, time and body sign so.
+    key = base64.b64decode("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    body = b'{"test": 2432232314}'
+    assert sign(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body) == \
+        "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+
+
+def test_job_store_file_mode_and_restart(tmp_path):
+    path = str(tmp_path / "jobs.sqlite")
+    store = JobStore(path)
     store.insert("j1", "acme", generate_request([1, 2], max_tokens=3), "")
     store.update("j1", state=gpb.JOB_STATE_RUNNING, attempts=1)
-    store.close()
-    store = JobStore(str(tmp_path / "jobs.sqlite"))  # reopened: as after a restart
-    assert store.unfinished() == ["j1"] and store.get("j1").attempts == 1
+    for p in (path, path + "-wal"):  # prompts and results: readable by the gateway's user only
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o600, p
     store.insert("j2", "acme", generate_request([3]), "http://hooks.x/cb")
-    store.update("j2", state=gpb.JOB_STATE_SUCCEEDED)
-    assert store.undelivered() == ["j2"]  # its callback is sent at the next start
+    store.update("j2", state=gpb.JOB_STATE_SUCCEEDED)  # finished by an older gateway, callback never tried
+    store.close()
+    os.chmod(path, 0o644)
+    store = JobStore(path)  # reopened: as after a restart; a file left readable is tightened
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert store.unfinished() == [("j1", gpb.JOB_STATE_RUNNING, 0)] and store.get("j1").attempts == 1
+    assert store.due_callbacks(1e12, 10) == ["j2"]  # its callback is due at the next start
     assert list(store.request("j1").token_ids.ids) == [1, 2]
     assert store.get("nope") is None
     # a job's result holds one completion: n > 1 is refused at submission, not cut to one sample
-    jobs = JobManager(store, run=None, allowed_hosts=lambda: ())
+    jobs = JobManager(store, run=None, config=lambda: parse_config({}))
     request = generate_request([1, 2], max_tokens=3)
     request.sampling.n = 2
     with pytest.raises(JobError) as e:
-        jobs.submit(request, "", "acme")
+        asyncio.run(jobs.submit(request, "", "acme"))
     assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in e.value.details
-    assert store.unfinished() == ["j1"]  # nothing stored
+    assert [j for j, _, _ in store.unfinished()] == ["j1"]  # nothing stored
 
 
 def test_config_module_documents_every_section():
     doc = open(os.path.join(REPO_ROOT, "docs/gateway.md")).read()
     for section in ("pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
-                    "instance_tls"):
+                    "jobs", "instance_tls", "allow_unauthenticated", "allow_no_instances"):
         assert f"`{section}`" in doc or f"{section}:" in doc, section
     assert gconfig.POLICIES

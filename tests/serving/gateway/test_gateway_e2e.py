@@ -3,6 +3,7 @@
 the configuration it needs; instances are slowed down at run time through tests.support.gateway_instance."""
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import http.server
 import json
@@ -310,7 +311,9 @@ def _watch_until_done(target, job_id, key, timeout=60):
 def test_jobs_callback_allow_list_and_restart(instances, gateways):
     hook = http.server.HTTPServer(("127.0.0.1", 0), _Hook)
     threading.Thread(target=hook.serve_forever, daemon=True).start()
-    gw = gateways({"pools": pool(instances, ("i0",), ()), **AUTH, "callbacks": {"allowed_hosts": ["127.0.0.1"]}})
+    gw = gateways({"pools": pool(instances, ("i0",), ()), **AUTH, "callbacks": {
+        "allowed_hosts": ["127.0.0.1"], "allowed_ports": [hook.server_port],
+        "webhook_secret": "whsec_" + base64.b64encode(b"e2e-test-webhook-key-32-bytes-ok").decode()}})
     wait_reports(gw, ["i0"], "key-admin")
     try:
         with grpc.insecure_channel(gw.target) as ch:

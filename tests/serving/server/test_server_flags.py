@@ -1,10 +1,15 @@
-"""Server flags: a --flagfile becomes the engine and server configs; --kv_cache_memory_fraction is sized by the
-memory ledger and refuses a fraction that holds no page; --dp refuses the layouts it does not combine with."""
+"""Server flags: one per EngineConfig / ServerConfig field with the field's default, the rest listed as server-only;
+a --flagfile becomes the engine and server configs; --kv_cache_memory_fraction is sized by the memory ledger and
+refuses a fraction that holds no page; --dp refuses the layouts it does not combine with."""
+import dataclasses
+
 import pytest
 from absl import app, flags
 
+from serving.config_flags import flag_default, flag_fields
 from serving.core.config import EngineConfig
 from serving.server import __main__ as server_main
+from serving.server.config import ServerConfig
 from models.synthetic import shared_small_llama
 
 
@@ -13,6 +18,34 @@ def parse(*argv):
     server_main.define_flags(fv)
     fv(["serving.server", *argv])
     return fv
+
+
+# Fields deliberately without a flag, and fields whose flag's default deliberately differs from the field's.
+NOT_FLAGS = {"platform"}  # cross-lowering for another platform: a tool's setting (Engine.lower_programs), not a server's
+OWN_FLAG_DEFAULTS = {}  # none: the command line listens on loopback too, as in-process servers do (docs/security.md)
+
+
+def test_every_config_field_has_one_flag_with_its_default():
+    fv = parse("--model=/m")
+    fields = {f.name: f for cls in (EngineConfig, ServerConfig) for f in dataclasses.fields(cls)}
+    assert len(fields) == len(dataclasses.fields(EngineConfig)) + len(dataclasses.fields(ServerConfig))  # no shared
+    flagged = {f.name: f for cls in (EngineConfig, ServerConfig) for f in flag_fields(cls)}
+    assert set(fields) - set(flagged) == NOT_FLAGS and not NOT_FLAGS & set(fv)
+    for name, field in flagged.items():
+        assert fv[name].help.endswith(field.metadata["help"]), name  # an enum's help starts with <its|values>
+        assert getattr(fv[name].parser, "enum_values", None) == (list(field.metadata["choices"] or ()) or None)
+        field_default = None if field.default is dataclasses.MISSING else field.default  # model: required
+        shown = fv[name].default
+        as_field = None if shown is not None and shown == field.metadata["none_as"] else shown
+        if name in OWN_FLAG_DEFAULTS:
+            assert (shown, flag_default(field)) == (OWN_FLAG_DEFAULTS[name],) * 2 and as_field != field_default
+        else:
+            assert as_field == field_default and type(as_field) is type(field_default), (name, shown, field_default)
+    # The reverse: every flag is a field's or a server-only flag, never both.
+    assert set(fv) == set(flagged) | set(server_main.SERVER_ONLY_FLAGS)
+    assert not set(flagged) & set(server_main.SERVER_ONLY_FLAGS)
+    # Flags left at their defaults build the dataclasses' defaults (0 -> None where the flag says "0: none").
+    assert server_main.configs_from_flags(fv) == (EngineConfig("/m"), ServerConfig(**OWN_FLAG_DEFAULTS))
 
 
 def test_flagfile_makes_the_configs(tmp_path):
