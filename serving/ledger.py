@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import os
 import re
@@ -94,7 +93,8 @@ SOURCE_70B = "source-70b"  # the source's worked example (§3.4): a budget, not 
 
 
 def load_config(preset: str = "", model: str = "") -> tuple[str, ModelConfig]:
-    """(display name, config) from a preset name or an HF model directory / config.json path."""
+    """(display name, config) from a preset name or a model: an HF directory or config.json path, a GGUF file or
+    directory, an Orbax checkpoint."""
     if bool(preset) == bool(model):
         raise ValueError("give exactly one of --preset and --model")
     if preset:
@@ -102,9 +102,10 @@ def load_config(preset: str = "", model: str = "") -> tuple[str, ModelConfig]:
             raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS) + [SOURCE_70B]}")
         name, hf = PRESETS[preset]
         return name, ModelConfig.from_hf(hf)
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    with open(path) as f:
-        return os.path.basename(os.path.dirname(os.path.abspath(path))), ModelConfig.from_hf(json.load(f))
+    from models.weights import read_config
+    path = os.path.abspath(model)
+    name = os.path.basename(os.path.dirname(path) if path.endswith(".json") else path).removesuffix(".gguf")
+    return name, read_config(model)
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -740,7 +741,8 @@ def _define_flags() -> None:
     from absl import flags
     flags.DEFINE_string("preset", "", f"Built-in model: {', '.join(sorted(PRESETS))}, or {SOURCE_70B} (the "
                         "source's worked 70B example).")
-    flags.DEFINE_string("model", "", "HF model directory or config.json path (instead of --preset).")
+    flags.DEFINE_string("model", "", "HF model directory or config.json path, GGUF file or directory, or Orbax "
+                        "checkpoint (instead of --preset).")
     flags.DEFINE_string("dtype", "", "Weight/activation dtype (default: the checkpoint's, float32 -> bfloat16).")
     flags.DEFINE_enum("kv_cache_dtype", "auto", list(kv_quant.KV_CACHE_DTYPES), "KV-cache dtype, as the server's flag: "
                       "auto (--dtype) or a quantized cache (int8, fp8_e4m3: 1 B per value + a 4 B scale per row).")

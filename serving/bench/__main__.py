@@ -17,6 +17,7 @@ BENCHMARKS = {
     "paths": "batch-1 decode step vs its bytes' roofline on every CPU path (native ISAs, XLA, XLA at AVX2), 2 models",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
+    "gguf": "a GGUF model (the demo's SmolLM2): load time and peak RSS, file -> SERVING, tok/s vs llama.cpp",
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",
     "host_overhead": "host time per engine step with N running decodes, the device stubbed out",
     "chaos": "faults injected into a gateway + instances under load: overload, kill -9, hang, cancels, restarts",

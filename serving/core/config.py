@@ -45,7 +45,8 @@ class SpeculativeConfig:
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
     # A field made with `option` is also the server's flag of that name (serving.config_flags); its help is the flag's.
-    model: str = option(help="HF model directory or Orbax checkpoint (models.convert).")
+    model: str = option(help="HF model directory, GGUF file (a split one's part, or a directory holding one), or Orbax "
+                        "checkpoint (models.convert).")
     dtype: str = option("float32", "Parameter and activation dtype (and the KV cache's with --kv_cache_dtype=auto).",
                         choices=tuple(DTYPES))
     quantization: str = option(

@@ -19,7 +19,7 @@ from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
 from models.kv_cache import init_kv_caches
 from models.transformer import CausalLM
-from models.weights import is_orbax_dir, load_hf_model, load_model
+from models.weights import is_orbax_dir, load_model, read_config
 from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
@@ -85,11 +85,12 @@ def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_scre
 
 def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
     if config.spare_expert_slots and not is_orbax_dir(config.model):
-        cfg = ModelConfig.from_pretrained(config.model)
+        cfg = read_config(config.model)
         cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
-        return load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
+        return load_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
     if config.spare_expert_slots:
-        raise ValueError("spare_expert_slots needs an HF checkpoint (Orbax stores the slots it was saved with)")
+        raise ValueError("spare_expert_slots needs an HF or GGUF checkpoint (Orbax stores the slots it was saved "
+                         "with)")
     return load_model(config.model, dtype=dtype, mesh=mesh, quantization=config.quantization)
 
 

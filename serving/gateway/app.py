@@ -195,7 +195,7 @@ class Gateway:
             self.limits = ModelLimits(vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
                                       max_request_bytes=mi.max_request_bytes or self.limits.max_request_bytes)
             self.model_name = mi.served_model_name or os.path.basename(os.path.normpath(mi.model)) or "model"
-            if not self._tokenizer_dir and mi.has_tokenizer and os.path.isdir(mi.model):
+            if not self._tokenizer_dir and mi.has_tokenizer and os.path.exists(mi.model):
                 # No tokenizer configured: the instances' own, where this host can read their model directory.
                 self._load_tokenizer(mi.model, f"the model directory instance {inst.name} reports")
         self.admission.notify()

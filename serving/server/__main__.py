@@ -33,7 +33,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
         define(*args, flag_values=fv)
     for define, *args in flag_definitions(EngineConfig) + flag_definitions(ServerConfig):
         d(define, *args)
-    d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory (default: the model directory).")
+    d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory or GGUF file (default: the model's).")
     d(flags.DEFINE_float, "kv_cache_memory_fraction", 0.0,
       "If > 0 (and --num_pages=0): this instance may use this fraction of the device's memory (at most what is "
       "free); the KV cache gets what the weights and activations leave (vLLM's gpu_memory_utilization; sized "
