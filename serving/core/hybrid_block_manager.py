@@ -202,11 +202,16 @@ class HybridBlockManager(BlockManager):
         super().free(holder)
 
     def truncate(self, request, num_computed_tokens: int) -> int:
-        table = request.block_table
+        """BlockManager.truncate; back before the blocks a window pool still holds for it (never for rejected
+        drafts: they follow the step's first query, where it slid to) the window K/V the next query reads is gone,
+        and so is what would recompute it (each window reads the one before): then back to 0."""
+        table, live = request.block_table, self._live.get(request)
+        if live is not None and any(pool.first_block(num_computed_tokens, self.page_size) < live[i]
+                                    for i, pool in enumerate(self.pools)):
+            num_computed_tokens = 0
         n = super().truncate(request, num_computed_tokens)
         keep = len(request.block_table)
         self._release_windows(request, table, keep)
-        live = self._live.get(request)
         if live is not None:
             live[:] = [min(first, keep) for first in live]
         return n
