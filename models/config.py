@@ -270,6 +270,11 @@ def _gemma3_text(hf: dict[str, Any], multimodal: bool) -> dict[str, Any]:
             if hf.get(key) is not None:
                 text[key] = hf[key]
     out = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if multimodal and out.get("final_logit_softcapping") is not None:
+        # transformers' Gemma3ForConditionalGeneration computes its logits without it (Gemma3ForCausalLM caps)
+        raise _unsupported(f"final_logit_softcapping={out['final_logit_softcapping']} in a "
+                           "Gemma3ForConditionalGeneration text_config (transformers does not apply it there; "
+                           "expected null as Gemma 3's checkpoints have)")
     out["architectures"] = ["Gemma3ForCausalLM"]
     if out.get("use_bidirectional_attention"):
         raise _unsupported("use_bidirectional_attention=true (Gemma 3 as an encoder; meshserve decodes causally)")

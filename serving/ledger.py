@@ -85,6 +85,19 @@ PRESETS: dict[str, tuple[str, dict]] = {
         architectures=["MixtralForCausalLM"], hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768,
         rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, torch_dtype="bfloat16", rms_norm_eps=1e-5)),
+    # Gemma 3 27B (its config.json; the text_config names only what differs from Gemma3TextConfig's defaults): 62
+    # layers, every sixth global, the others a 1024-token window (the hybrid KV cache keeps only that).
+    "gemma-3-27b": ("Gemma-3-27B", dict(
+        architectures=["Gemma3ForConditionalGeneration"], eos_token_id=[1, 106], torch_dtype="bfloat16",
+        text_config=dict(head_dim=128, hidden_size=5376, intermediate_size=21504, model_type="gemma3_text",
+                         num_attention_heads=32, num_hidden_layers=62, num_key_value_heads=16,
+                         query_pre_attn_scalar=168, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                         sliding_window=1024))),
+    # A standard-attention model of about Gemma 3 27B's size (GQA, every layer full).
+    "qwen2.5-32b": ("Qwen2.5-32B", dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, max_position_embeddings=32768,
+        rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16", tie_word_embeddings=False)),
     # The source's example (§1.1): 32 layers, hidden 4096, no GQA, fp16 -> 512 KiB of KV per token. The rest of
     # its shape (MLP 11008, vocab 32000) is Llama-2-7B's, which is exactly such a model.
     "source-example": ("source example (32 layers, hidden 4096, no GQA)",
