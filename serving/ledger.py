@@ -572,11 +572,13 @@ def render_report(name: str, mm: ModelMemory, work: Workload, hw: Hardware, link
         f"{work.pages_per_request * work.page_size} tokens = {per_req / GiB:.3f} GiB/request, x {work.concurrency}",
     ]
     if mm.windows:  # the hybrid KV cache: a window layer holds its window's tokens only
-        lines[-1] = lines[-1].replace(" x " + str(work.pages_per_request * work.page_size) + " tokens", "") + (
-            f" ({mm.pool_kv_bytes_per_token(None) / KiB:g} KiB/token x {work.pages_per_request * work.page_size} "
-            "tokens" + "".join(f" + {mm.pool_kv_bytes_per_token(w) / KiB:g} KiB/token x "
-                               f"{mm.window_tokens(w, work.avg_seq_len, work.page_size)} tokens of window {w}"
-                               for w in mm.windows) + ")")
+        lines[-1] = (f"  KV cache  {fmt_bytes(per_req * work.concurrency)}  = {per_req / GiB:.3f} GiB/request x "
+                     f"{work.concurrency} ({mm.kv_describe()})")
+        lines.append("            a request: " + " + ".join(
+            [f"{mm.pool_kv_bytes_per_token(None) / KiB:g} KiB/token x {work.pages_per_request * work.page_size} "
+             "tokens (full attention)"] + [f"{mm.pool_kv_bytes_per_token(w) / KiB:g} KiB/token x "
+                                           f"{mm.window_tokens(w, work.avg_seq_len, work.page_size)} tokens "
+                                           f"(window {w})" for w in mm.windows]))
     naive = mm.weight_bytes + per_req * work.concurrency
     lines.append(f"  weights + KV alone need ceil({naive / GB:.1f} / {hw.device_memory / GB:.0f}) = "
                  f"{-(-naive // hw.device_memory)} devices before activations, buffers and reserve")
@@ -821,7 +823,7 @@ def _report_from_flags(f) -> str:
     if f.quantization != "none":
         cfg = dataclasses.replace(cfg, quantization=f.quantization)
     kv_dtype = f.kv_dtype or kv_dtype_of(f.kv_cache_dtype) or dtype
-    mm = ModelMemory(cfg, dtype, kv_dtype)
+    mm = ModelMemory(cfg, dtype, kv_dtype, hybrid=f.hybrid_kv_cache)
     return render_report(name, mm, work, hw, f.link, f.micro_batches, f.show)
 
 
@@ -854,6 +856,8 @@ def _define_flags() -> None:
     flags.DEFINE_float("reserve_fraction", 0.05, "Runtime reserve per device, as a fraction of its memory.")
     flags.DEFINE_float("moe_capacity_factor", 2.0, "Routed tokens per expert device over the mean.")
     flags.DEFINE_integer("show", 12, "How many fitting layouts to list.")
+    flags.DEFINE_bool("hybrid_kv_cache", True, "As the server's flag: sliding-window layers of a model that also has "
+                      "full-attention ones (Gemma 3) hold only their window's tokens (not with pipeline stages).")
 
 
 if __name__ == "__main__":
