@@ -49,7 +49,8 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
         raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")
     i, rest = int(p[1]), p[2:]
     pre = f"model.layers.{i}"
-    if rest[0] in ("input_layernorm", "post_attention_layernorm"):
+    if rest[0] in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm"):
         return [f"{pre}.{rest[0]}.weight"], ident
     if rest[0] == "self_attn":
         a = f"{pre}.self_attn"
@@ -138,6 +139,23 @@ def _alternative_source(ckpt: SafetensorsCheckpoint, names: list[str], fn, param
     return names, fn
 
 
+# A multimodal checkpoint's parts other than its language model (Gemma 3's SigLIP tower and projector): not loaded.
+_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
+def _language_model_names(ckpt: SafetensorsCheckpoint) -> Callable[[str], str]:
+    """How the checkpoint names the language model's tensors, as a map from the text model's names: as they are,
+    or under a multimodal model's `language_model` (Gemma3ForConditionalGeneration: transformers 5 writes
+    model.language_model.X, the published checkpoints language_model.model.X and language_model.lm_head)."""
+    if "model.embed_tokens.weight" in ckpt:
+        return lambda name: name
+    if "model.language_model.embed_tokens.weight" in ckpt:
+        return lambda name: "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+    if "language_model.model.embed_tokens.weight" in ckpt:
+        return lambda name: "language_model." + name
+    return lambda name: name
+
+
 def param_sharding(axes, shape, mesh: Mesh | None, rules: ShardingRules):
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
@@ -191,10 +209,12 @@ def load_checkpoint(ckpt, cfg: ModelConfig, where: str, *, dtype=jnp.float32, me
     graphdef, state, rest = nnx.split(abstract_model(cfg, dtype), nnx.Param, ...)
     used: set[str] = set()
     flat = dict(nnx.to_flat_state(state))
+    rename = _language_model_names(ckpt)
     for path, var in flat.items():
         if str(path[-1]).endswith("_scale") and path[:-1] + (str(path[-1])[:-len("_scale")],) in flat:
             continue  # set with its weight
         names, fn = _hf_source(cfg, path)
+        names = [rename(n) for n in names]
         stored = _stored_quantized(ckpt_quant, ckpt, names, path)
         if stored is not None:
             used.update(t for q in stored for t in q.tensors)
@@ -223,8 +243,12 @@ def load_checkpoint(ckpt, cfg: ModelConfig, where: str, *, dtype=jnp.float32, me
             host, scale = quantize(host, contracting_axes(cfg, path), cfg.weight_quant)
             _set(scale_var, scale, mesh, rules)
         _set(var, host, mesh, rules)
-    unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    vision = [n for n in ckpt.names() if _VISION.search(n)]
+    if vision:
+        log.info("%s: %d tensors of the vision tower and projector not loaded (meshserve serves the language model: "
+                 "text in, text out)", model_dir, len(vision))
+    unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n) and not _VISION.search(n)
+              and not (n == rename("lm_head.weight") and cfg.tie_word_embeddings)
               and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
     if unused:
         raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "

@@ -67,6 +67,10 @@ class EngineConfig:
         "bfloat16; accelerators: 8).")
     max_prefill_chunk: int | None = option(None, "Per-request prefill chunk cap; 0: the token budget.", none_as=0)
     enable_prefix_caching: bool = option(True, "Reuse KV pages of shared prompt prefixes.")
+    hybrid_kv_cache: bool = option(
+        True, "Sliding-window layers of a model that also has full-attention layers (Gemma 3) keep only their "
+        "window's pages, in a page pool of their own; false: every layer keeps every page of a sequence (vLLM's "
+        "--disable-hybrid-kv-cache-manager). Not with --pp.")
     max_waiting_requests: int = option(1024, "Queue bound in requests (RESOURCE_EXHAUSTED beyond it).")
     max_waiting_tokens: int = option(1 << 22, "Queue bound in prompt tokens (RESOURCE_EXHAUSTED beyond it).")
     long_prompt_threshold: int = option(8192, "Prompts longer than this go through the long lane.")

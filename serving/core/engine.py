@@ -16,6 +16,7 @@ from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
 from pallas_kernels.target import canonical_platform
 from serving.core.config import EngineConfig
+from serving.core.hybrid_block_manager import HybridBlockManager
 from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
 from serving.core.pipeline_runner import PipelineModelRunner
@@ -68,13 +69,18 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                             reasoning_parser=config.reasoning_parser)
         r = self.runner
+        block_manager = None
+        if r.window_pages:  # sliding-window layers keep only their window (models.kv_cache.window_pools)
+            block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
+                                               enable_prefix_caching=config.enable_prefix_caching)
+            r.batch_builder.window_maps = block_manager.window_maps
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=r.max_model_len, num_pages=r.num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=config.max_prefill_chunk, enable_prefix_caching=config.enable_prefix_caching,
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
             long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
-            priority_ageing_s=config.priority_ageing_s))
+            priority_ageing_s=config.priority_ageing_s), block_manager)
         self.outputs = OutputProcessor(
             tokenizer, lambda rid, reason, stop: self.scheduler.finish_request(rid, reason, stop_reason=stop))
         self._seed_rng = np.random.default_rng(config.seed)

@@ -80,7 +80,7 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         sizing = EngineConfig(model=f.model, dtype=f.dtype, page_size=f.page_size, kv_cache_dtype=f.kv_cache_dtype,
                               max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs,
                               tp=f.tp, ep=f.ep, speculative_method=f.speculative_method,
-                              speculative_model=f.speculative_model)
+                              speculative_model=f.speculative_model, hybrid_kv_cache=f.hybrid_kv_cache)
         try:
             model_config = with_quantization(ledger.load_config(model=f.model)[1], f.quantization)
             num_pages = f.dp * kv_cache_pages(sizing, model_config,
