@@ -246,7 +246,7 @@ def load_checkpoint(ckpt, cfg: ModelConfig, where: str, *, dtype=jnp.float32, me
     vision = [n for n in ckpt.names() if _VISION.search(n)]
     if vision:
         log.info("%s: %d tensors of the vision tower and projector not loaded (meshserve serves the language model: "
-                 "text in, text out)", model_dir, len(vision))
+                 "text in, text out)", where, len(vision))
     unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n) and not _VISION.search(n)
               and not (n == rename("lm_head.weight") and cfg.tie_word_embeddings)
               and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
