@@ -16,6 +16,10 @@ MAX_N = 16  # samples per request (SamplingParams.n)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range [-100, 100])
 MAX_REQUEST_ID_CHARS = 256
+# Stop strings are matched against the text's tail on every step: bounded in number and length (OpenAI allows 4).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 PRIORITIES = (0, 1)  # interactive, batch (serving.core.request.Priority; meshserve.v1 Priority)
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 _INT64_MIN, _UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
@@ -189,9 +193,15 @@ def _check_sampling(p: SamplingParams) -> None:
     check_float("frequency_penalty", p.frequency_penalty, lo=-2.0, hi=2.0)
     if p.seed is not None and (not _is_int(p.seed) or not _INT64_MIN <= p.seed <= _UINT64_MAX):
         raise InvalidSampling(f"seed must be None or a 64-bit integer, got {p.seed!r}")
+    if len(p.stop) > MAX_STOP_STRINGS:
+        raise InvalidSampling(f"stop holds {len(p.stop)} strings, more than {MAX_STOP_STRINGS}")
     for s in p.stop:
         if not isinstance(s, str) or not s:
             raise InvalidSampling(f"stop must hold non-empty strings, got {s!r}")
+        if len(s) > MAX_STOP_CHARS:
+            raise InvalidSampling(f"stop strings must be at most {MAX_STOP_CHARS} characters, got one of {len(s)}")
+    if len(p.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidSampling(f"stop_token_ids holds {len(p.stop_token_ids)} ids, more than {MAX_STOP_TOKEN_IDS}")
     for t in p.stop_token_ids:
         if not _is_int(t) or t < 0:
             raise InvalidSampling(f"stop_token_ids must hold token ids >= 0, got {t!r}")

@@ -13,9 +13,11 @@ from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
 from serving.api.asgi import HttpServer, Run, by_size, check_size, install_error_handlers, parse, respond
+from serving.api.guard import HttpGuard, HttpLimits
 from serving.api.protocol import ApiError, EngineRequest
 from serving.api.responses import ResponseBuilder
 from serving.params import ModelLimits
+from serving.transport import transport_limit
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,7 +39,7 @@ class Frontend(Protocol):
     def parsers(self) -> ChatParsers: ...
     def refusal(self) -> ApiError | None: ...  # why no request is admitted now (starting, draining)
     def unhealthy(self) -> ApiError | None: ...  # GET /health's 503, None when healthy
-    def authorize(self, request: Request): ...  # the caller (a tenant, or None); raises ApiError (401, 403)
+    def authorize(self, headers): ...  # the caller of (lower-case) header pairs; raises ApiError (401, 403)
     def count_error(self, e: ApiError) -> None: ...  # a refused generation request, in the process's metrics
 
     def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> Run:
@@ -48,7 +50,7 @@ class Frontend(Protocol):
 class OpenAIApp:
     """The FastAPI app of one frontend; `start` serves it on the running event loop, `stop` closes it."""
 
-    def __init__(self, frontend: Frontend, *, title: str, description: str):
+    def __init__(self, frontend: Frontend, *, title: str, description: str, limits: HttpLimits = HttpLimits()):
         self.frontend = frontend
         self.created = int(time.time())
         app = FastAPI(title=title, description=description)
@@ -60,7 +62,10 @@ class OpenAIApp:
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         install_error_handlers(app)
         self.app = app
-        self.http = HttpServer(app)
+        # Keys, then the body's size and deadline, before any route (or FastAPI) sees the request.
+        self.guarded = HttpGuard(app, limits, frontend.authorize,
+                                 lambda: transport_limit(frontend.limits().max_request_bytes))
+        self.http = HttpServer(self.guarded, limits)
 
     async def start(self, host: str, port: int, **tls) -> int:
         """Serves the app on the running loop at host:port (0: a free port); returns the port. TLS: HttpServer.start."""
@@ -77,9 +82,9 @@ class OpenAIApp:
     async def _read(self, request: Request, model_cls, *, chat: bool):
         """The body as `model_cls`, for the model served, within the request size limit; returns (raw, parsed)."""
         raw = await self._body(request)
+        check_size(raw, self.frontend.limits().max_request_bytes, chat)
         req = parse(raw, model_cls)
         self._check_model(req.model)
-        check_size(raw, self.frontend.limits().max_request_bytes, chat)
         return raw, req
 
     def _check_model(self, model: str | None) -> None:
@@ -100,7 +105,7 @@ class OpenAIApp:
             refusal = fe.refusal()
             if refusal is not None:
                 raise refusal
-            caller = fe.authorize(request)
+            caller = fe.authorize(request.headers.items())
             raw, req = await self._read(request, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
                                         chat=chat)
             tok, parsers = fe.tokenizer, fe.parsers()
@@ -127,7 +132,7 @@ class OpenAIApp:
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request):
-        self.frontend.authorize(request)
+        self.frontend.authorize(request.headers.items())
         return protocol.model_list(self.frontend.model_name(), self.created, **self.frontend.model_card())
 
     async def health(self):
@@ -137,16 +142,18 @@ class OpenAIApp:
         return Response(status_code=200)
 
     async def tokenize(self, request: Request):
-        self.frontend.authorize(request)
+        self.frontend.authorize(request.headers.items())
         raw = await self._body(request)
+        check_size(raw, self.frontend.limits().max_request_bytes, b'"messages"' in raw)
         req = parse(raw, protocol.TokenizeRequest)
         self._check_model(req.model)
-        check_size(raw, self.frontend.limits().max_request_bytes, req.messages is not None)
         tok, max_model_len = self.frontend.tokenizer, self.frontend.limits().max_model_len
         return await by_size(raw, lambda: protocol.tokenize_response(req, tok, max_model_len))  # 16 MiB took 19 s
 
     async def detokenize(self, request: Request):
-        self.frontend.authorize(request)
-        req = parse(await self._body(request), protocol.DetokenizeRequest)
+        self.frontend.authorize(request.headers.items())
+        raw = await self._body(request)
+        check_size(raw, self.frontend.limits().max_request_bytes, False, field="tokens")
+        req = parse(raw, protocol.DetokenizeRequest)
         self._check_model(req.model)
         return protocol.detokenize_response(req, self.frontend.tokenizer, self.frontend.limits().vocab_size)

@@ -13,12 +13,14 @@ import ssl
 from typing import AsyncIterator, Callable, Protocol
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving.api import protocol
+from serving.api.guard import HttpLimits, guarded_protocol, request_id
 from serving.api.protocol import ApiError
 from serving.api.responses import DONE, Delta, ResponseBuilder, sse
 
@@ -124,13 +126,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def client_gone(request, e: ClientGone):
         return Response(status_code=CLIENT_GONE)
 
-    async def unexpected(request, e: Exception):
-        log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)
+    async def unexpected(request, e: Exception):  # the detail goes to the log, never to the client
+        rid = request_id(request.scope)
+        log.exception("HTTP %s %s failed (request id %s)", request.method, request.url.path, rid)
+        return JSONResponse(internal_error(rid).body(), status_code=500)
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(Exception, unexpected)
+
+
+def internal_error(rid: str) -> ApiError:
+    """A 500 that shows the client nothing of the process: the id finds the detail in the server's log."""
+    return ApiError(500, f"internal error (request id {rid or 'unknown'}); the server's log has the details")
 
 
 def parse(raw: bytes, model_cls):
@@ -143,9 +151,10 @@ def parse(raw: bytes, model_cls):
         raise protocol.validation_error(e) from e
 
 
-def check_size(raw: bytes, limit: int, chat: bool) -> None:
+def check_size(raw: bytes, limit: int, chat: bool, *, field: str = "") -> None:
+    """Before the body is parsed: one a little over the limit (the guard refuses larger ones) names its field."""
     if len(raw) > limit:
-        field = "messages" if chat else "prompt"
+        field = field or ("messages" if chat else "prompt")
         raise ApiError(400, f"{field}: the request is {len(raw)} bytes, over the server's limit of {limit} bytes "
                        "(--max_request_bytes)", param=field)
 
@@ -244,10 +253,11 @@ class _Uvicorn(uvicorn.Server):
 
 
 class HttpServer:
-    """Serves an ASGI app with uvicorn on the running event loop."""
+    """Serves an ASGI app with uvicorn on the running event loop: slow headers time out, connections are capped
+    (`limits`; the body's limits are HttpGuard's)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, limits: HttpLimits = HttpLimits()):
+        self.app, self.limits = app, limits
         self._server: _Uvicorn | None = None
         self._task: asyncio.Future | None = None
 
@@ -270,7 +280,8 @@ class HttpServer:
             raise RuntimeError(f"cannot listen on {host}:{port} for HTTP: {e}") from e
         bound = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=5, backlog=2048, **tls)
+                                timeout_graceful_shutdown=5, backlog=2048, limit_concurrency=self.limits.max_connections,
+                                http=guarded_protocol(AutoHTTPProtocol, self.limits.header_timeout_s), **tls)
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -31,6 +31,11 @@ flags.DEFINE_integer("max_request_bytes", 1 << 20,
                      "Largest gRPC request read (with 64 KiB for a job's envelope); larger ones are refused before "
                      "they are decoded (RESOURCE_EXHAUSTED).")
 flags.DEFINE_integer("max_concurrent_streams", 1024, "gRPC streams at once per client connection.")
+flags.DEFINE_float("http_header_timeout_s", 10.0, "HTTP: a connection whose request headers are not complete this "
+                   "long after it opened (or after its last response) is closed (slow-header clients).")
+flags.DEFINE_float("http_body_timeout_s", 60.0, "HTTP: a request body not complete this long after its headers: 408.")
+flags.DEFINE_integer("http_max_connections", 4096, "HTTP: past this many open connections (or running requests) a "
+                     "new request gets 503 at once.")
 flags.DEFINE_string("service_name", "meshserve-gateway", "service.name of the traces.")
 flags.DEFINE_float("drain_grace_s", 30.0, "On SIGTERM: how long running requests may take to finish.")
 flags.DEFINE_enum("log_format", "text", ["text", "json"], "Log line format.")
@@ -77,8 +82,10 @@ async def _serve() -> int:
     await server.start()
     http, http_port = None, 0
     if FLAGS.http_port >= 0:
+        from serving.api.guard import HttpLimits
         from serving.gateway.http import GatewayHTTP
-        http = GatewayHTTP(gateway)
+        http = GatewayHTTP(gateway, HttpLimits(FLAGS.http_header_timeout_s, FLAGS.http_body_timeout_s,
+                                               FLAGS.http_max_connections))
         http_port = await http.start(FLAGS.host, FLAGS.http_port, tls_cert=FLAGS.tls_cert, tls_key=FLAGS.tls_key,
                                      tls_client_ca=FLAGS.tls_client_ca)
     metrics_http, metrics_port = None, 0

@@ -15,7 +15,8 @@ import grpc
 
 from serving.api import protocol
 from serving.api.app import ChatParsers, OpenAIApp
-from serving.api.asgi import ERROR_CODES, MergedRun
+from serving.api.asgi import ERROR_CODES, MergedRun, internal_error
+from serving.api.guard import HttpLimits
 from serving.api.protocol import ApiError, EngineRequest
 from serving.api.responses import Delta, TokenLogprob
 from serving.gateway.app import Gateway, GatewayError, Prepared
@@ -73,6 +74,7 @@ class _GatewayRun(MergedRun):
         super().__init__(len(prepared), n)
         self.api, self.gw = api, api.gw
         self.fields, self.renames = fields, renames
+        self.rids = [p.request.request_id for p in prepared]
         self.t0 = time.monotonic()
         self.first = True
         self.code = grpc.StatusCode.OK
@@ -85,7 +87,9 @@ class _GatewayRun(MergedRun):
                 self.code = r.code
                 raise api_error(r, field=self.fields[i], renames=self.renames)
             self.code = grpc.StatusCode.INTERNAL
-            raise ApiError(500, f"{type(r).__name__}: {r}")
+            rid = self.rids[i]
+            log.error("HTTP request %s failed: %s: %s", rid, type(r).__name__, r)  # the detail stays here
+            raise internal_error(rid)
         if self.first:
             self.first = False
             self.gw.metrics.ttft.observe(time.monotonic() - self.t0)
@@ -104,10 +108,10 @@ class GatewayHTTP:
     loop, `stop` closes it."""
     render_elsewhere = True  # without a tokenizer, text and chats go on for an instance to render
 
-    def __init__(self, gateway: Gateway):
+    def __init__(self, gateway: Gateway, limits: HttpLimits = HttpLimits()):
         self.gw = gateway
         self.api = OpenAIApp(self, title="meshserve gateway",
-                             description="OpenAI-compatible API of a meshserve gateway")
+                             description="OpenAI-compatible API of a meshserve gateway", limits=limits)
         self.app = self.api.app
 
     # ------------------------------------------------------------------ the frontend
@@ -148,10 +152,11 @@ class GatewayHTTP:
             return ApiError(503, "no instance is serving yet")
         return None
 
-    def authorize(self, request):
-        """The tenant of the request's `Authorization: Bearer` key (None without keys configured)."""
+    def authorize(self, headers):
+        """The tenant of the request's `Authorization: Bearer` key (None without keys configured); checked by the
+        guard before the body is read, again by the route for the tenant."""
         try:
-            return self.gw.auth.tenant(request.headers.items())
+            return self.gw.auth.tenant(headers)
         except AuthError as e:
             raise api_error(e) from None
 
@@ -178,7 +183,7 @@ class GatewayHTTP:
             except GatewayError as e:
                 raise api_error(e, field=p.field, renames=ereq.renames) from None
         try:
-            gw.check_rate(tenant)
+            gw.check_rate(tenant, prepared)  # every prompt's tokens (prompt + max_tokens x n), as the gRPC API counts
         except GatewayError as e:
             raise api_error(e) from None
         deadline = time.monotonic() + gw.config.admission.request_timeout_s

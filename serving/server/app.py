@@ -120,10 +120,13 @@ class InstanceServer:
         if cfg.metrics_port >= 0:
             self._metrics_http, self.metrics_port = self.metrics.start_http_server(cfg.metrics_port, cfg.host)
         if cfg.http_port >= 0:  # answers 503 on /health and the APIs until SERVING
+            from serving.api.guard import HttpLimits
             from serving.server.http import OpenAIServer
             self.http = OpenAIServer(self.servicer, model_name=self.model_name,
                                      max_request_bytes=cfg.max_request_bytes, retry_after_s=cfg.retry_after_s,
-                                     tool_call_parser=self.tool_call_parser)
+                                     tool_call_parser=self.tool_call_parser, keys=self.keys,
+                                     limits=HttpLimits(cfg.http_header_timeout_s, cfg.http_body_timeout_s,
+                                                       cfg.http_max_connections))
             self.http_port = self.servicer.http_port = await self.http.start(cfg.host, cfg.http_port, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,
                                                    tls_client_ca=cfg.tls_client_ca)
         log.info("listening on %s:%d (metrics :%s, HTTP :%s); warming up", cfg.host, self.port,

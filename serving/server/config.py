@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from serving.api.guard import HttpLimits
 from serving.api.tools import TOOL_PARSERS
 from serving.config_flags import option
 from serving.transport import MAX_CONCURRENT_STREAMS
@@ -49,6 +50,12 @@ class ServerConfig:
     max_concurrent_streams: int = option(MAX_CONCURRENT_STREAMS, "gRPC streams at once per client connection.")
     trace_content: bool = option(False, "Trace span events carry the generated token ids.")
     otlp_ca_file: str = option("", "PEM CA of the OTLP collector: export over TLS; empty: plaintext.")
+    http_header_timeout_s: float = option(
+        10.0, "HTTP: a connection whose request headers are not complete this long after it opened (or after its "
+        "last response) is closed (slow-header clients).")
+    http_body_timeout_s: float = option(60.0, "HTTP: a request body not complete this long after its headers: 408.")
+    http_max_connections: int = option(
+        1024, "HTTP: past this many open connections (or running requests) a new request gets 503 at once.")
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
@@ -57,5 +64,6 @@ class ServerConfig:
             raise ValueError("TLS: tls_cert and tls_key go together; tls_client_ca needs them")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        HttpLimits(self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections)  # checks them
         if self.max_concurrent_streams < 1:
             raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")

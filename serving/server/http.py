@@ -9,9 +9,11 @@ import math
 
 from serving.api import protocol
 from serving.api.app import ChatParsers, OpenAIApp
-from serving.api.asgi import ERROR_CODES, MergedRun
+from serving.api.asgi import ERROR_CODES, MergedRun, internal_error
+from serving.api.guard import HttpLimits
 from serving.api.protocol import ApiError, EngineRequest
 from serving.api.responses import Delta
+from serving.auth import InstanceKeys, Refused
 from serving.core.async_engine import EngineDeadError
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
@@ -65,9 +67,10 @@ class _Run(MergedRun):
         reason = out.finish_reason
         if reason is FinishReason.ABORT:
             return self._fail(503, "the server shut down before the request finished; retry elsewhere")
-        if reason is FinishReason.ERROR:
+        if reason is FinishReason.ERROR:  # the engine's exception text stays in the log
             log.error("request %s failed inside the engine: %s", self.rids[i], out.stop_reason)
-            return self._fail(500, f"the engine failed on this request's step: {out.stop_reason}")
+            self.failure = f"the engine failed on this request's step: {out.stop_reason}"
+            return internal_error(self.rids[i])
         if reason is FinishReason.TIMEOUT:
             return self._fail(500, "the request's deadline passed")
         return None
@@ -87,7 +90,9 @@ class _Run(MergedRun):
         if isinstance(e, ValueError):  # the scheduler's (a request id in flight): the engine checked the rest
             self.failure = str(e)
             return ApiError(400, f"{self.ereq.prompts[i].field}: {e}", param=self.ereq.prompts[i].field)
-        return self._fail(500, f"{type(e).__name__}: {e}")
+        log.error("request %s failed: %s: %s", self.rids[i], type(e).__name__, e)
+        self.failure = f"{type(e).__name__}: {e}"
+        return internal_error(self.rids[i])
 
     def end(self) -> None:
         for i, rid in enumerate(self.rids):
@@ -109,16 +114,19 @@ class OpenAIServer:
     render_elsewhere = False  # the instance tokenizes everything itself
 
     def __init__(self, servicer: InferenceServicer, *, model_name: str, max_request_bytes: int = 1 << 20,
-                 retry_after_s: float = 1.0, tool_call_parser: str = ""):
+                 retry_after_s: float = 1.0, tool_call_parser: str = "", keys: InstanceKeys | None = None,
+                 limits: HttpLimits = HttpLimits()):
         """tool_call_parser: the model's tool-call format (serving.api.tools); the reasoning parser is the
-        engine's (EngineConfig.reasoning_parser)."""
+        engine's (EngineConfig.reasoning_parser). keys: the gRPC server's (every route but /health needs one)."""
+        self.keys = keys or InstanceKeys()
         self.servicer = servicer
         self.engine = servicer.engine
         self.served_model_name = model_name
         self.tool_call_parser = tool_call_parser
         self.max_request_bytes = max_request_bytes
         self.retry_after_s = retry_after_s
-        self.api = OpenAIApp(self, title="meshserve", description="OpenAI-compatible API of a meshserve instance")
+        self.api = OpenAIApp(self, title="meshserve", description="OpenAI-compatible API of a meshserve instance",
+                             limits=limits)
         self.app = self.api.app
 
     # ------------------------------------------------------------------ the frontend
@@ -130,7 +138,7 @@ class OpenAIServer:
         return self.served_model_name
 
     def model_card(self) -> dict:
-        return dict(root=self.engine.config.model, max_model_len=self.engine.max_model_len)
+        return dict(root=self.served_model_name, max_model_len=self.engine.max_model_len)  # no path on disk
 
     def limits(self) -> ModelLimits:
         return ModelLimits(self.engine.model_config.vocab_size, self.engine.max_model_len, self.max_request_bytes)
@@ -152,8 +160,15 @@ class OpenAIServer:
     def unhealthy(self) -> ApiError | None:
         return self.refusal()
 
-    def authorize(self, request) -> None:
-        return None  # the instance's HTTP port trusts its network (docs/security.md)
+    def authorize(self, headers) -> None:
+        """The same keys as the gRPC port (--api_key_file); no HTTP route is an admin call."""
+        try:
+            self.keys.authorize(headers)
+        except Refused as e:
+            if self.servicer.metrics is not None:
+                self.servicer.metrics.observe_error(e.grpc_code.name)
+            raise ApiError(e.http_status, e.message, code="invalid_api_key" if e.http_status == 401 else None
+                           ) from None
 
     def count_error(self, e: ApiError) -> None:
         if self.servicer.metrics is not None:

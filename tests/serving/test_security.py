@@ -7,6 +7,7 @@ and an oversized grammar. Also the pieces in-process: key files, the bind warnin
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import secrets
 import socket
@@ -14,6 +15,7 @@ import struct
 import time
 
 import grpc
+import openai
 import pytest
 import yaml
 
@@ -35,8 +37,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 StatusCode = grpc.StatusCode
 KEYS = {name: secrets.token_urlsafe(24) for name in
-        ("instance", "instance_old", "instance_new", "instance_admin", "alpha", "beta", "metered", "capped", "admin")}
+        ("instance", "instance_old", "instance_new", "instance_admin", "alpha", "beta", "metered", "capped", "admin",
+         "metered_http")}
+# The HTTP ports' slow-client limits, small so the attacks end quickly (flags of both servers).
+HTTP_FLAGS = ("--http_port=0", "--http_header_timeout_s=2", "--http_body_timeout_s=3")
+HTTP_MAX_CONNECTIONS = 256
 METERED_BURST = 400  # tokens
+LONG = {"ignore_eos": True}
 
 
 def bearer(key: str) -> list[tuple[str, str]]:
@@ -63,7 +70,8 @@ def key_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def instance(key_files, tmp_path_factory):
     proc = InstanceProcess(shared_small_llama(), str(tmp_path_factory.mktemp("keyed_instance")),
-                           f"--api_key_file={key_files['api']}", f"--admin_key_file={key_files['admin']}")
+                           f"--api_key_file={key_files['api']}", f"--admin_key_file={key_files['admin']}",
+                           *HTTP_FLAGS, f"--http_max_connections={HTTP_MAX_CONNECTIONS}")
     try:
         yield proc.wait_ready()
     finally:
@@ -81,8 +89,9 @@ def gateway(instance, key_files, tmp_path_factory):
               "isolation": {"enabled": False}, "instance_key_file": key_files["gateway"],
               "admin_keys": [KEYS["admin"]],
               "tenants": [tenant("alpha"), tenant("beta"), tenant("capped", max_inflight=1),
-                          tenant("metered", rate_limit={"tokens_per_s": 1.0, "token_burst": METERED_BURST})]}
-    gw = GatewayProcess(str(tmp_path_factory.mktemp("keyed_gateway")), config)
+                          tenant("metered", rate_limit={"tokens_per_s": 1.0, "token_burst": METERED_BURST}),
+                          tenant("metered_http", rate_limit={"tokens_per_s": 1.0, "token_burst": METERED_BURST})]}
+    gw = GatewayProcess(str(tmp_path_factory.mktemp("keyed_gateway")), config, *HTTP_FLAGS)
     try:
         wait_for(lambda: all(i.report_age_s >= 0 and i.state == "healthy" for i in
                              gw.instances(KEYS["admin"]).values()), 60, what="a load report through the key")
@@ -403,3 +412,226 @@ def test_instance_request_ids_are_scoped_and_bounded():
 def test_refused_names_the_http_status():
     assert Refused(StatusCode.UNAUTHENTICATED, "x").http_status == 401
     assert Refused(StatusCode.PERMISSION_DENIED, "x").http_status == 403
+
+
+# ---------------------------------------------------------------------------------------------------- HTTP
+HTTP_ROUTES = (("GET", "/v1/models", b""), ("POST", "/v1/completions", b'{"prompt": [5, 6], "max_tokens": 2}'),
+               ("POST", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'),
+               ("POST", "/tokenize", b'{"prompt": "hi"}'), ("POST", "/detokenize", b'{"tokens": [5, 6]}'))
+
+
+def http_port(proc) -> int:
+    return proc.info["http_port"]
+
+
+def rss_bytes(proc) -> int:
+    with open(f"/proc/{proc.info['pid']}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) * 1024
+
+
+def read_response(sock, timeout: float = 10.0) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of one HTTP/1.1 response with a Content-Length; (0, {}, b"") if the server closed the
+    connection without one."""
+    sock.settimeout(timeout)
+    buf = b""
+    try:
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return 0, {}, b""
+            buf += chunk
+        head, body = buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+        while len(body) < int(headers.get("content-length", 0)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    except ConnectionResetError:
+        return 0, {}, b""
+    return int(lines[0].split()[1]), headers, body
+
+
+def http(proc, method: str, path: str, body: bytes = b"", key: str | None = None, extra: bytes = b""
+         ) -> tuple[int, dict, bytes]:
+    auth = f"Authorization: Bearer {key}\r\n".encode() if key is not None else b""
+    with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=60) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n".encode() + auth + extra + b"\r\n" + body)
+        return read_response(s, 120)
+
+
+def served(proc, key: str) -> bool:
+    status, _, body = http(proc, "POST", "/v1/completions", b'{"prompt": [5, 6], "max_tokens": 2, "ignore_eos": true}',
+                           key)
+    return status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+
+
+def test_every_http_route_needs_the_key(instance, gateway):
+    """The instance's HTTP API takes the keys of its gRPC port, the gateway's its tenants' keys: no key and a wrong
+    key are 401 with OpenAI's error body on every route (a route that does not exist too) but /health; the key of
+    the other server is a wrong key; the right one is served, and /v1/models names no path on disk."""
+    for proc, good, wrong in ((instance, KEYS["instance"], KEYS["alpha"]), (gateway, KEYS["alpha"], KEYS["instance"])):
+        for method, path, body in HTTP_ROUTES + (("GET", "/v1/nowhere", b""),):
+            for key in (None, wrong, good[:-1]):
+                status, headers, got = http(proc, method, path, body, key)
+                error = json.loads(got)["error"]
+                assert status == 401 and error["code"] == "invalid_api_key", (proc.name, path, key, status, got)
+                assert set(error) == {"message", "type", "param", "code"} and headers["x-request-id"]
+                assert good not in got.decode() and wrong not in got.decode()
+            status, _, got = http(proc, method, path, body, good)
+            assert status == (404 if path == "/v1/nowhere" else 200), (proc.name, path, status, got)
+        assert http(proc, "GET", "/health")[0] == 200  # probes need no key
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port(proc)}/v1", api_key=wrong, max_retries=0) as c:
+            with pytest.raises(openai.AuthenticationError):
+                c.models.list()
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port(proc)}/v1", api_key=good, max_retries=0) as c:
+            card = c.models.list().data[0]
+            assert c.completions.create(model=card.id, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
+    status, _, body = http(instance, "GET", "/v1/models", key=KEYS["instance"])
+    assert "/" not in json.loads(body)["data"][0]["root"] and instance.workdir not in body.decode()
+
+
+def test_http_refuses_before_reading_the_body(instance, gateway):
+    """A 100 MiB Content-Length without a key is 401, with a key 413, answered at once with not one byte of the body
+    sent; a chunked body is cut off once past the cap (413); a Content-Length smaller than the bytes that follow
+    reads only what it says and the rest ends the connection; the servers' memory does not grow and they serve."""
+    huge = 100 << 20
+    for proc, key in ((instance, KEYS["instance"]), (gateway, KEYS["alpha"])):
+        rss0 = rss_bytes(proc)
+        for who, expected in ((None, 401), (key, 413)):
+            with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=10) as s:
+                auth = f"Authorization: Bearer {who}\r\n" if who else ""
+                s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {huge}\r\n{auth}\r\n".encode())
+                status, headers, body = read_response(s, 10)  # no body sent: the answer cannot wait for it
+            assert status == expected, (proc.name, who, status, body)
+            if expected == 413:
+                assert f"Content-Length is {huge} bytes" in json.loads(body)["error"]["message"]
+        with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=10) as s:
+            s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                      f"Authorization: Bearer {key}\r\n\r\n".encode())
+            chunk, sent = b"%x\r\n" % (1 << 20) + b"a" * (1 << 20) + b"\r\n", 0
+            try:
+                while sent < huge:
+                    s.sendall(chunk)
+                    sent += 1 << 20
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            status, _, body = read_response(s, 10)
+        assert sent < huge and status in (413, 0), (proc.name, sent, status)  # 0: reset before the answer was read
+        with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=10) as s:
+            lie = b'{"prompt": "hi"}' + b"x" * (4 << 20)  # Content-Length names the first 16 bytes only
+            s.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 16\r\nAuthorization: Bearer {key}\r\n"
+                      "\r\n".encode())
+            try:
+                s.sendall(lie)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            first = read_response(s, 10)
+            second = read_response(s, 10)
+        # The 16 bytes it said are the request (answered, or refused with the garbage after them, by the parser);
+        # the rest is no request: refused and the connection closed, never read as a body.
+        assert first[0] == 400 or first[0] == 200 and json.loads(first[2])["count"] > 0, first
+        assert second[0] in (0, 400), second
+        assert rss_bytes(proc) - rss0 < 48 << 20, (proc.name, rss0, rss_bytes(proc))
+        assert served(proc, key)
+
+
+def test_slow_clients_are_cut_off_and_others_served(instance, gateway):
+    """200 connections to each server sending their headers one byte a second are closed once the header timeout
+    (2 s) passes, while a real request is served meanwhile; a body dripping a byte a second gets 408."""
+    conns = {}
+    for proc in (instance, gateway):
+        conns[proc.name] = [socket.create_connection(("127.0.0.1", http_port(proc)), timeout=5) for _ in range(200)]
+    try:
+        header = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 64
+        for s in (s for group in conns.values() for s in group):
+            s.sendall(header[:1])
+            s.setblocking(False)
+        assert served(instance, KEYS["instance"]) and served(gateway, KEYS["alpha"])  # while all 400 are open
+        t0, closed = time.monotonic(), set()
+        for i in range(1, 12):
+            for s in (s for group in conns.values() for s in group):
+                if s in closed:
+                    continue
+                try:
+                    if s.recv(1024) == b"":
+                        closed.add(s)
+                        continue
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    closed.add(s)
+                    continue
+                try:
+                    s.send(header[i:i + 1])
+                except OSError:
+                    closed.add(s)
+            if len(closed) == 400:
+                break
+            time.sleep(1)
+        assert len(closed) == 400, f"{len(closed)} of 400 slow connections closed after {time.monotonic() - t0:.0f}s"
+    finally:
+        for s in (s for group in conns.values() for s in group):
+            s.close()
+    for proc, key in ((instance, KEYS["instance"]), (gateway, KEYS["alpha"])):
+        with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=10) as s:
+            s.sendall(f"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nAuthorization: Bearer {key}\r\n"
+                      "\r\n{".encode())
+            t0 = time.monotonic()
+            s.settimeout(1.0)
+            status = 0
+            for _ in range(10):  # a byte a second, until the server answers
+                try:
+                    status, _, body = read_response(s, 1.0)
+                    break
+                except socket.timeout:
+                    s.sendall(b" ")
+            assert status == 408 and 2.5 < time.monotonic() - t0 < 8, (proc.name, status)
+        assert served(proc, key)
+
+
+def test_connections_over_the_cap_get_503(instance):
+    """The instance holds HTTP_MAX_CONNECTIONS connections at most: with them all open, a request gets 503 at once;
+    once they go it is served."""
+    held = [socket.create_connection(("127.0.0.1", http_port(instance)), timeout=5)
+            for _ in range(HTTP_MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.2)
+        status, _, _ = http(instance, "GET", "/v1/models", key=KEYS["instance"])
+    finally:
+        for s in held:
+            s.close()
+    assert status == 503
+    wait_for(lambda: served(instance, KEYS["instance"]), 10, what="served once the connections closed")
+
+
+def test_http_rate_limits_count_tokens(gateway):
+    """Over HTTP a request counts its tokens as over gRPC: prompt + max_tokens x n, for every prompt."""
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port(gateway)}/v1", api_key=KEYS["metered_http"],
+                       max_retries=0, timeout=120) as c:
+        model = c.models.list().data[0].id
+        ok = c.completions.create(model=model, prompt=[5] * 8, max_tokens=16, n=16, extra_body=LONG)
+        with pytest.raises(openai.RateLimitError) as again:
+            c.completions.create(model=model, prompt=[5] * 8, max_tokens=16, n=16, extra_body=LONG)
+        with pytest.raises(openai.RateLimitError) as never:  # eight prompts: 8 x (8 + 16 x 16) = 2112
+            c.completions.create(model=model, prompt=[[5] * 8] * 8, max_tokens=16, n=16, extra_body=LONG)
+    assert len(ok.choices) == 16
+    assert "this request counts 264" in again.value.body["message"] and int(again.value.response.headers[
+        "retry-after"]) > 60
+    assert "counts 2112 tokens" in never.value.body["message"]
+
+
+def test_stop_strings_are_bounded(instance, gateway):
+    for proc, key in ((instance, KEYS["instance"]), (gateway, KEYS["alpha"])):
+        for stop, words in ((["x"] * 17, "17 strings, more than 16"), (["y" * 257], "at most 256 characters")):
+            body = json.dumps({"prompt": "hi", "max_tokens": 2, "stop": stop}).encode()
+            status, _, got = http(proc, "POST", "/v1/completions", body, key)
+            error = json.loads(got)["error"]
+            assert status == 400 and error["param"] == "stop" and words in error["message"], (proc.name, got)
+            with Client(proc.target, timeout=30) as client:
+                with pytest.raises(ClientError) as e:
+                    client.complete("hi", max_tokens=2, stop=stop, metadata=bearer(key))
+            assert e.value.code == StatusCode.INVALID_ARGUMENT and words in e.value.details
+        assert served(proc, key)
