@@ -280,7 +280,8 @@ class HttpServer:
             raise RuntimeError(f"cannot listen on {host}:{port} for HTTP: {e}") from e
         bound = sock.getsockname()[1]
         config = uvicorn.Config(self.app, lifespan="off", log_config=None, access_log=False,
-                                timeout_graceful_shutdown=5, backlog=2048, limit_concurrency=self.limits.max_connections,
+                                timeout_graceful_shutdown=5, backlog=2048,
+                                limit_concurrency=self.limits.max_connections,
                                 http=guarded_protocol(AutoHTTPProtocol, self.limits.header_timeout_s), **tls)
         self._server = _Uvicorn(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))

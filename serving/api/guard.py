@@ -78,10 +78,8 @@ class HttpGuard:
             if scope["path"] not in OPEN_PATHS:
                 self.authorize([(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in scope["headers"]])
             body = await self._read_body(scope, receive)
-        except ApiError as e:
-            return await _send_error(send_with_id, e, close=False)
-        except _Refusal as r:  # the body was not read to its end: the connection cannot carry another request
-            return await _send_error(send_with_id, r.error, close=True)
+        except (ApiError, _Refusal) as e:  # the body is not read to its end: the connection carries nothing more
+            return await _send_error(send_with_id, e.error if isinstance(e, _Refusal) else e)
         return await self.app(scope, _replay(body, receive), send_with_id)
 
     async def _read_body(self, scope, receive) -> bytes:
@@ -119,12 +117,11 @@ def _too_large(what: str, cap: int) -> ApiError:
                     "smaller request", code="request_too_large")
 
 
-async def _send_error(send, e: ApiError, *, close: bool) -> None:
+async def _send_error(send, e: ApiError) -> None:
     body = json.dumps(e.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               (b"connection", b"close")]
     headers += [(k.lower().encode(), v.encode()) for k, v in e.headers.items()]
-    if close:
-        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": e.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 

@@ -150,8 +150,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         break
                     if out.finish_reason is FinishReason.ERROR:
                         log.error("request %s failed inside the engine: %s", rid, out.stop_reason)
-                        failure = (grpc.StatusCode.INTERNAL, f"the engine failed on this request's step: "
-                                   f"{out.stop_reason}", ())
+                        failure = (grpc.StatusCode.INTERNAL, f"the engine failed on this request's step (request "
+                                   f"id {rid}); the server's log has the details", ())  # never the exception text
                         break
                     if out.finish_reason is FinishReason.ABORT:
                         failure = (grpc.StatusCode.UNAVAILABLE,

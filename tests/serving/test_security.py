@@ -635,3 +635,47 @@ def test_stop_strings_are_bounded(instance, gateway):
                     client.complete("hi", max_tokens=2, stop=stop, metadata=bearer(key))
             assert e.value.code == StatusCode.INVALID_ARGUMENT and words in e.value.details
         assert served(proc, key)
+
+
+def test_a_500_shows_the_client_no_internals(caplog):
+    """A frontend whose run fails with a message naming a path: the client reads a generic 500 with its request id
+    (echoed in x-request-id), the log has the exception; the server goes on serving. (A real uvicorn server on
+    127.0.0.1 over the OpenAI app; the frontend is a stand-in, as no real engine fails on request.)"""
+    import asyncio
+
+    from serving.api.app import ChatParsers, OpenAIApp
+    from serving.params import ModelLimits
+
+    class Failing:
+        render_elsewhere, tokenizer = True, None
+
+        def model_name(self): return "m"
+        def model_card(self): return {}
+        def limits(self): return ModelLimits(vocab_size=100, max_model_len=64, max_request_bytes=1 << 20)
+        def parsers(self): return ChatParsers()
+        def refusal(self): return None
+        def unhealthy(self): return None
+        def authorize(self, headers): return None
+        def count_error(self, e): pass
+
+        def run(self, ereq, response_id, caller, headers):
+            raise RuntimeError("cannot open /srv/secret/weights.bin")
+
+    async def main():
+        app = OpenAIApp(Failing(), title="t", description="t")
+        port = await app.start("127.0.0.1", 0)
+        proc = type("P", (), {"info": {"http_port": port}})
+        try:
+            failed = await asyncio.to_thread(http, proc, "POST", "/v1/completions", b'{"prompt": [5, 6]}',
+                                             extra=b"X-Request-Id: probe-1\r\n")
+            health = await asyncio.to_thread(http, proc, "GET", "/health")
+        finally:
+            await app.stop()
+        return failed, health
+    with caplog.at_level("ERROR"):
+        (status, headers, body), health = asyncio.run(main())
+    error = json.loads(body)["error"]
+    assert status == 500 and "secret" not in body.decode() and "RuntimeError" not in body.decode(), body
+    assert "probe-1" in error["message"] and headers["x-request-id"] == "probe-1"
+    assert "/srv/secret/weights.bin" in caplog.text and "probe-1" in caplog.text
+    assert health[0] == 200

@@ -26,6 +26,7 @@ DEEP_SCHEMA = '{"type": "array", "items": ' * 1200 + "{}" + "}" * 1200
 HUGE_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(20000))
 DEFAULT_MAX_TOKENS = 16
 MAX_N, MAX_LOGPROBS, MAX_LOGIT_BIAS, MAX_REQUEST_ID = 16, 20, 300, 256
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 TEMPLATE_ROLES = ("system", "user", "assistant", "tool")  # the test model's chat template knows these, no others
 INT32 = (-(2 ** 31), 2 ** 31 - 1)
 INT64 = (-(2 ** 63), 2 ** 63 - 1)
@@ -147,8 +148,9 @@ GRPC_SAMPLING = {
     "presence_penalty": (_opt(st.floats(-2.0, 2.0)), floats(2.0000001, -2.0000001)),
     "frequency_penalty": (_opt(st.floats(-2.0, 2.0)), floats(2.0000001, -2.0000001)),
     "seed": (_opt(st.integers(*INT64)), st.sampled_from(INT64)),  # every int64 is a seed
-    "stop": (st.lists(st.text(min_size=1, max_size=6), max_size=2),
-             st.lists(st.one_of(st.text(max_size=6), st.just("z" * 5000)), min_size=1, max_size=3)),
+    "stop": (st.lists(st.text(min_size=1, max_size=6), max_size=2),  # wrong: empty, over 256 characters, over 16
+             st.one_of(st.lists(st.one_of(st.text(max_size=6), st.just("z" * 5000)), min_size=1, max_size=3),
+                       st.lists(st.text(min_size=1, max_size=3), min_size=MAX_STOP_STRINGS + 1, max_size=40))),
     "stop_token_ids": (st.lists(token_ids_in_vocab, max_size=3), st.lists(token_ids_any, min_size=1, max_size=4)),
     "include_stop_str_in_output": (_opt(st.booleans()), st.booleans()),
     "ignore_eos": (_opt(st.booleans()), st.booleans()),
@@ -241,7 +243,7 @@ def generate_faults(req: pb.GenerateRequest, tokenizer) -> set[str]:
     check("repetition_penalty", not has("repetition_penalty") or _finite_in(sp.repetition_penalty, 0.0, lo_open=True))
     check("presence_penalty", _finite_in(sp.presence_penalty, -2.0, 2.0))
     check("frequency_penalty", _finite_in(sp.frequency_penalty, -2.0, 2.0))
-    check("stop", all(sp.stop))
+    check("stop", all(sp.stop) and len(sp.stop) <= MAX_STOP_STRINGS and all(len(x) <= MAX_STOP_CHARS for x in sp.stop))
     check("stop_token_ids", all(0 <= t < VOCAB for t in sp.stop_token_ids))
     check("logprobs", not has("logprobs") or 0 <= sp.logprobs <= MAX_LOGPROBS)
     check("n", not has("n") or 1 <= sp.n <= MAX_N)
@@ -532,8 +534,10 @@ def http_requests(draw) -> HttpCase:
           lambda v: _is_int(v) and INT64[0] <= v <= INT64[1])
     field("stop", st.one_of(st.sampled_from([ABSENT, None]), st.text(min_size=1, max_size=5),
                             st.lists(st.text(min_size=1, max_size=5), max_size=3)),
-          st.sampled_from(["", [""], ["a", ""], 5, [5], [None], {}]),
-          lambda v: (isinstance(v, str) and v) or (isinstance(v, list) and all(isinstance(s, str) and s for s in v)))
+          st.sampled_from(["", [""], ["a", ""], 5, [5], [None], {}, "s" * (MAX_STOP_CHARS + 1),
+                           ["s"] * (MAX_STOP_STRINGS + 1)]),
+          lambda v: (isinstance(v, str) and 0 < len(v) <= MAX_STOP_CHARS) or (isinstance(v, list) and len(
+              v) <= MAX_STOP_STRINGS and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in v)))
     field("stop_token_ids", st.one_of(st.sampled_from([ABSENT, None]), st.lists(token_ids_in_vocab, max_size=3)),
           st.one_of(st.lists(token_ids_any, min_size=1, max_size=3), wrong_types),
           lambda v: isinstance(v, list) and all(_is_int(t) and 0 <= t < VOCAB for t in v))
