@@ -116,6 +116,7 @@ class OpenAIApp:
                                                  tool_call_parser=parsers.tool_call)
                 return protocol.completion_request(req, tok, render_elsewhere=fe.render_elsewhere)
             ereq = await by_size(raw, build)
+            ereq.cache_salt = req.cache_salt or ""
             if parsers.after_reasoning and "structured" in ereq.sampling:  # a reasoning model's reasoning stays free
                 ereq.sampling["structured"] = {**ereq.sampling["structured"], "after_reasoning": True}
             response_id = protocol.response_id(chat)

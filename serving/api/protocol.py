@@ -11,7 +11,7 @@ import re
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.api import reasoning as reasoning_api
 from serving.api import tools as tools_api
@@ -139,6 +139,8 @@ class _GenerateRequest(_Model):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: int | None = None  # meshserve's: 0 interactive, 1 batch
+    # vLLM's: requests share prefix-cache entries only with requests of the same salt (the instance's HTTP API)
+    cache_salt: str | None = Field(None, max_length=256)
     # vLLM's constrained decoding: exactly one of json (a schema), regex, choice, grammar (Lark), json_object
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -201,6 +203,7 @@ class EngineRequest:
     echo: bool = False
     renames: dict[str, str] = dataclasses.field(default_factory=dict)  # SamplingParams field -> request parameter
     tool_parser: str = ""  # chat with tools to call: the parser that turns the output into tool_calls
+    cache_salt: str = ""  # the request's prefix-cache salt (Request.cache_salt)
 
     @property
     def n(self) -> int:

@@ -12,6 +12,11 @@ from serving.core.request import Request
 ROOT_PREFIX_ID = 0
 
 
+def cache_root(salt: str):
+    """The parent key of a request's first cached block: requests of different salts share no entry."""
+    return ("salt", salt) if salt else ROOT_PREFIX_ID
+
+
 class BlockManager:
     # Whether pages can die before their request ends (a sliding window's: `HybridBlockManager`); the scheduler then
     # calls `slide` as requests advance.
@@ -50,8 +55,9 @@ class BlockManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`); no side effects.
+    def match_prefix(self, token_ids: list[int], max_blocks: int, salt: str = "") -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`) cached under `salt`
+        (Request.cache_salt); no side effects.
 
         Returns (pages, prefix ids), one per matched block.
         """
@@ -59,7 +65,7 @@ class BlockManager:
         ids: list[int] = []
         if not self.enable_prefix_caching:
             return pages, ids
-        parent, ps = ROOT_PREFIX_ID, self.page_size
+        parent, ps = cache_root(salt), self.page_size
         for i in range(min(max_blocks, len(token_ids) // ps)):
             page = self.cache.get((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
             if page is None:
@@ -148,7 +154,7 @@ class BlockManager:
             return
         tokens, table = request.token_ids, request.block_table
         for i in range(len(ids), full):
-            key = (ids[-1] if ids else ROOT_PREFIX_ID, tuple(tokens[i * ps:(i + 1) * ps]))
+            key = (ids[-1] if ids else cache_root(request.cache_salt), tuple(tokens[i * ps:(i + 1) * ps]))
             existing = self.cache.get(key)
             if existing is not None:  # the same prefix was computed elsewhere: chain through that entry
                 ids.append(self.page_prefix_id[existing])

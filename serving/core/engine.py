@@ -191,10 +191,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      priority: int = Priority.INTERACTIVE, deadline: float | None = None,
-                     arrival_time: float | None = None, field: str = "prompt") -> Request:
+                     arrival_time: float | None = None, field: str = "prompt", cache_salt: str = "") -> Request:
         """A request checked against the model, once for the process (serving.params.check_prompt: token ids in the
         vocabulary, the prompt shorter than the context; its grammar compiled or found in the cache), before anything
-        is queued. Raises InvalidArgument naming `field` (the prompt, as the frontend's request names it)."""
+        is queued. Raises InvalidArgument naming `field` (the prompt, as the frontend's request names it). Requests
+        share prefix-cache entries only with requests of the same `cache_salt`."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -207,7 +208,7 @@ class Engine:
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2 ** 31)))
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
         self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is an InvalidSampling here
         return request
 

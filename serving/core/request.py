@@ -88,12 +88,15 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "deadline",
                  "eos_token_ids", "stop_token_ids", "status", "num_computed_tokens", "block_table",
                  "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order",
-                 "num_pending", "sample_index", "group", "grammar")
+                 "num_pending", "sample_index", "group", "grammar", "cache_salt")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, arrival_time: float, priority: int = Priority.INTERACTIVE, deadline: float | None = None,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), cache_salt: str = ""):
         self.request_id = request_id
+        # Prefix-cache entries are shared only between requests of one salt (the tenant, or the client's cache_salt):
+        # cached_tokens must not tell one tenant whether another sent a prompt.
+        self.cache_salt = cache_salt
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.sampling_params = sampling_params
@@ -121,7 +124,7 @@ class Request:
             for i in range(1, sampling_params.n):
                 sample = Request(f"{request_id}#{i}", prompt_token_ids, dataclasses.replace(
                     sampling_params, n=1, seed=sample_seed(sampling_params.seed, i)), arrival_time=arrival_time,
-                    priority=priority, deadline=deadline, eos_token_ids=eos_token_ids)
+                    priority=priority, deadline=deadline, eos_token_ids=eos_token_ids, cache_salt=cache_salt)
                 sample.sample_index, sample.group = i, self.group
                 self.group.samples.append(sample)
 

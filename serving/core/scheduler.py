@@ -451,7 +451,7 @@ class Scheduler:
         n = len(r.token_ids)
         donor = self._prompt_donor(r) if r.group is not None else None
         if donor is None:
-            pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps)  # at least one token is computed
+            pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps, r.cache_salt)  # >= 1 token computed
         else:
             pages, prefix_ids = donor.block_table[:self._shared_pages(r)], []
         cached = len(pages) * ps

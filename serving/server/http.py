@@ -186,7 +186,8 @@ class OpenAIServer:
         for i, p in enumerate(ereq.prompts):
             try:
                 requests.append(self.engine.make_request(response_id if single else f"{response_id}-{i}", p.token_ids,
-                                                         params, priority=ereq.priority, field=p.field))
+                                                         params, priority=ereq.priority, field=p.field,
+                                                         cache_salt=ereq.cache_salt))
                 check_max_tokens(len(p.token_ids), params.max_tokens, self.engine.max_model_len)
             except ContextLengthError as e:
                 raise protocol.api_error(e, ereq.renames, code="context_length_exceeded") from e

@@ -99,8 +99,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         (the engine's make_request) and against the API's context rule; raises ValueError (`status_details`)."""
         call = read_generate(req, self.options.max_request_bytes, tokenizer=self.engine.tokenizer,
                              time_remaining=time_remaining)
+        # The tenant salts the prefix cache: one tenant's cached_tokens say nothing of another's prompts.
         request = self.engine.make_request(request_id, call.prompt_ids, call.params, priority=call.priority,
-                                           deadline=call.deadline, field=call.field)
+                                           deadline=call.deadline, field=call.field, cache_salt=req.tenant)
         check_max_tokens(len(call.prompt_ids), call.params.max_tokens, self.engine.max_model_len)
         return request
 

@@ -679,3 +679,25 @@ def test_a_500_shows_the_client_no_internals(caplog):
     assert "probe-1" in error["message"] and headers["x-request-id"] == "probe-1"
     assert "/srv/secret/weights.bin" in caplog.text and "probe-1" in caplog.text
     assert health[0] == 200
+
+
+def test_the_prefix_cache_is_salted_per_tenant(instance, gateway):
+    """A prompt one tenant sent is cached for it alone: another tenant sending it reads cached_tokens 0 (so it cannot
+    test what others asked); over the instance's HTTP API a request's cache_salt (vLLM's) parts it the same way."""
+    prompt = list(range(20, 20 + 70))  # four full pages of 16
+    with Client(gateway.target, timeout=60) as client:
+        def cached(key):
+            return client.complete(prompt, max_tokens=1, metadata=bearer(key)).cached_prompt_tokens
+        first, other, again = cached(KEYS["alpha"]), cached(KEYS["beta"]), cached(KEYS["alpha"])
+    assert first == 0 and other == 0 and again >= 48, (first, other, again)
+
+    def over_http(salt):
+        body = {"prompt": [p + 100 for p in prompt], "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        status, _, got = http(instance, "POST", "/v1/completions", json.dumps(body).encode(), KEYS["instance"])
+        assert status == 200, got
+        return json.loads(got)["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    results = [over_http(s) for s in ("s1", "s2", "s1", None)]
+    assert results[0] == 0 and results[1] == 0 and results[2] >= 48 and results[3] == 0, results
+    status, _, got = http(instance, "POST", "/v1/completions", json.dumps(
+        {"prompt": "hi", "cache_salt": "x" * 257}).encode(), KEYS["instance"])
+    assert status == 400 and json.loads(got)["error"]["param"] == "cache_salt", got
