@@ -1,12 +1,27 @@
 """Requests protobuf cannot decode (a string field that is not UTF-8, corrupt wire bytes) answered INVALID_ARGUMENT
 naming the field, not gRPC's UNKNOWN: `DecodeErrorInterceptor` gives each unary method a deserializer that keeps the
-error (`bad_string_field` finds the field by walking the wire format) and a handler that reports it. The instance
-server and the gateway install it."""
+error (`bad_string_field` finds the field by walking the wire format) and a handler that reports it; an unexpected
+exception in a handler is INTERNAL with an error id, its text in the log only (gRPC's UNKNOWN would carry it to the
+client). The instance server and the gateway install it."""
 from __future__ import annotations
+
+import logging
+import secrets
 
 import grpc
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
+
+
+log = logging.getLogger(__name__)
+
+
+async def _internal(context, method: str) -> None:
+    """Ends the call INTERNAL for the exception being handled, which goes to the log under an id the client gets."""
+    error_id = secrets.token_hex(8)
+    log.exception("%s failed (error id %s)", method, error_id)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error (error id {error_id}); the server's log has the "
+                        "details")
 
 
 class _Undecodable:
@@ -96,6 +111,7 @@ def tolerant_deserializer(message_cls):
 class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
+        method = handler_call_details.method
         cls = getattr(getattr(handler, "request_deserializer", None), "__self__", None)
         if handler is None or not isinstance(cls, type):
             return handler
@@ -106,8 +122,13 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_stream(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                async for r in inner_stream(request, context):
-                    yield r
+                try:
+                    async for r in inner_stream(request, context):
+                        yield r
+                except (grpc.aio.AbortError, grpc.aio.UsageError):
+                    raise
+                except Exception:  # noqa: BLE001 - unexpected: the client learns nothing of it
+                    await _internal(context, method)
             return grpc.unary_stream_rpc_method_handler(unary_stream, request_deserializer=parse,
                                                         response_serializer=handler.response_serializer)
         if handler.unary_unary is not None:
@@ -116,7 +137,12 @@ class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request, context):
                 if isinstance(request, _Undecodable):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-                return await inner_unary(request, context)
+                try:
+                    return await inner_unary(request, context)
+                except (grpc.aio.AbortError, grpc.aio.UsageError):
+                    raise
+                except Exception:  # noqa: BLE001 - unexpected: the client learns nothing of it
+                    await _internal(context, method)
             return grpc.unary_unary_rpc_method_handler(unary_unary, request_deserializer=parse,
                                                        response_serializer=handler.response_serializer)
         return handler

@@ -701,3 +701,53 @@ def test_the_prefix_cache_is_salted_per_tenant(instance, gateway):
     status, _, got = http(instance, "POST", "/v1/completions", json.dumps(
         {"prompt": "hi", "cache_salt": "x" * 257}).encode(), KEYS["instance"])
     assert status == 400 and json.loads(got)["error"]["param"] == "cache_salt", got
+
+
+def test_an_unexpected_grpc_failure_shows_the_client_no_internals(caplog):
+    """A handler failing with a message naming a path: the client reads INTERNAL with an error id (gRPC's own answer
+    would be UNKNOWN with the exception's text), the log has the text; the server serves the next call. (A real
+    grpc.aio server on 127.0.0.1 with the servers' interceptor over a stand-in servicer.)"""
+    import asyncio
+
+    from serving.wire.decoding import DecodeErrorInterceptor
+
+    class Failing(pb_grpc.InferenceServicer):
+        async def Tokenize(self, request, context):
+            if request.text == "fail":
+                raise RuntimeError("cannot open /srv/secret/tokenizer.json")
+            return pb.TokenizeResponse(token_ids=[1, 2])
+
+        async def Generate(self, request, context):
+            yield pb.GenerateResponse(token_ids=[1])
+            raise KeyError("/srv/secret/engine-state")
+
+    async def main():
+        server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()])
+        pb_grpc.add_InferenceServicer_to_server(Failing(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub, got = pb_grpc.InferenceStub(channel), []
+                try:
+                    await stub.Tokenize(pb.TokenizeRequest(text="fail"))
+                except grpc.aio.AioRpcError as e:
+                    got.append((e.code(), e.details()))
+                stream = stub.Generate(generate_request([5]))
+                try:
+                    async for _ in stream:
+                        pass
+                except grpc.aio.AioRpcError as e:
+                    got.append((e.code(), e.details()))
+                ok = await stub.Tokenize(pb.TokenizeRequest(text="hi"))
+                return got, ok
+        finally:
+            await server.stop(None)
+    with caplog.at_level("ERROR"):
+        got, ok = asyncio.run(main())
+    assert [code for code, _ in got] == [StatusCode.INTERNAL] * 2, got
+    for _, details in got:
+        assert "secret" not in details and "error id" in details, details
+        assert details.split("error id ")[1].split(")")[0] in caplog.text
+    assert "/srv/secret/tokenizer.json" in caplog.text and "/srv/secret/engine-state" in caplog.text
+    assert list(ok.token_ids) == [1, 2]

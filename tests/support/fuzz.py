@@ -708,6 +708,10 @@ def garbage():
             b"GET /" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n",
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"",  # body cut short
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            # Issue 35: bodies past the cap (413 before they are read), and a Content-Length that lies low.
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n" + b"{" * 4096,
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n200000\r\n" + b"a" * (2 << 20),
+            b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 16\r\n\r\n{\"prompt\": \"hi\"}" + b"x" * 100000,
             H2_PREFACE[:10],
             b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + b"\x00" * 64,  # the start of a TLS ClientHello
         ]),

@@ -7,7 +7,8 @@ request set wrongly (tests/support/fuzz.py judges which); afterwards both still 
 and memory did not grow. CI (MESHSERVE_CI=1) draws the same examples every run; locally each run explores new ones
 (MESHSERVE_FUZZ_SCALE=10 draws ten times as many). Bytes protobuf cannot decode (a string that is not UTF-8, a corrupt
 message) are INVALID_ARGUMENT naming the field (serving/wire/decoding.py); messages past the transport's limit are
-refused before they are decoded; grammars over the size and nesting bounds are INVALID_ARGUMENT."""
+refused before they are decoded; grammars over the size and nesting bounds are INVALID_ARGUMENT; HTTP bodies past the
+cap are 413 before they are read, stop strings past their bounds a 400 / INVALID_ARGUMENT naming `stop`."""
 from __future__ import annotations
 
 import http.client
@@ -323,6 +324,10 @@ def exchange(port: int, data: bytes, timeout: float = 10.0) -> bytes:
 @pytest.mark.parametrize("port", ["grpc", "http", "metrics"])
 @fuzzing(25)
 @given(garbage=fuzz.garbage())
+# Issue 35: a body past the HTTP cap (a Content-Length of 100 MiB, 2 MiB chunked) is 413 before it is read.
+@example(garbage=fuzz.Garbage(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 104857600\r\n\r\n{"))
+@example(garbage=fuzz.Garbage(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n200000\r\n"
+                              + b"a" * (2 << 20)))
 def test_garbage_bytes_get_an_error_or_a_closed_connection(fronts, front, port, garbage):
     out = exchange(fronts[front].ports[port], garbage.data)
     assert not re.match(rb"HTTP/1\.[01] 5", out), out[:300]
