@@ -5,6 +5,7 @@ GET /v1/models, GET /health, vLLM's POST /tokenize and /detokenize. Who may call
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from typing import Protocol
 
@@ -44,7 +45,7 @@ class Frontend(Protocol):
 
     def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> Run:
         """Checks what only the engine's side knows (raising ApiError before anything is queued), then starts the
-        engine requests, one per prompt; `headers` carry the trace context."""
+        engine requests, one per prompt; `headers` carry the trace context. May return an awaitable of the Run."""
 
 
 class OpenAIApp:
@@ -121,6 +122,8 @@ class OpenAIApp:
                 ereq.sampling["structured"] = {**ereq.sampling["structured"], "after_reasoning": True}
             response_id = protocol.response_id(chat)
             run = fe.run(ereq, response_id, caller, request.headers.items())
+            if inspect.isawaitable(run):  # the instance compiles grammars off the event loop
+                run = await run
         except ApiError as e:
             fe.count_error(e)
             raise

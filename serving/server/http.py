@@ -4,6 +4,7 @@ metrics and traces; each prompt becomes one engine request (its checks the engin
 goes away aborts its requests. Details: docs/server.md."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 
@@ -174,9 +175,15 @@ class OpenAIServer:
         if self.servicer.metrics is not None:
             self.servicer.metrics.observe_error(ERROR_CODES.get(e.status, str(e.status)))
 
-    def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> _Run:
+    async def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> _Run:
         """One engine request per prompt, each checked by the engine's make_request and the API's context rule (as
-        the gRPC servicer's), before any is queued; raises ApiError naming the request's parameter."""
+        the gRPC servicer's), before any is queued; raises ApiError naming the request's parameter. A grammar is
+        compiled on a worker thread (as the gRPC servicer does): one must not stall every other stream."""
+        if "structured" in ereq.sampling:
+            return _Run(self, await asyncio.to_thread(self._requests, ereq, response_id), ereq, headers)
+        return _Run(self, self._requests(ereq, response_id), ereq, headers)
+
+    def _requests(self, ereq: EngineRequest, response_id: str) -> list[Request]:
         try:
             params = ereq.sampling_params()
         except ValueError as e:
@@ -193,7 +200,7 @@ class OpenAIServer:
                 raise protocol.api_error(e, ereq.renames, code="context_length_exceeded") from e
             except ValueError as e:
                 raise protocol.api_error(e, ereq.renames) from e
-        return _Run(self, requests, ereq, headers)
+        return requests
 
     # ------------------------------------------------------------------ serving
     async def start(self, host: str, port: int, **tls) -> int:

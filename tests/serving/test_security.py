@@ -504,7 +504,7 @@ def test_http_refuses_before_reading_the_body(instance, gateway):
             with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=10) as s:
                 auth = f"Authorization: Bearer {who}\r\n" if who else ""
                 s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {huge}\r\n{auth}\r\n".encode())
-                status, headers, body = read_response(s, 10)  # no body sent: the answer cannot wait for it
+                status, _, body = read_response(s, 10)  # no body sent: the answer cannot wait for it
             assert status == expected, (proc.name, who, status, body)
             if expected == 413:
                 assert f"Content-Length is {huge} bytes" in json.loads(body)["error"]["message"]
@@ -584,7 +584,7 @@ def test_slow_clients_are_cut_off_and_others_served(instance, gateway):
             status = 0
             for _ in range(10):  # a byte a second, until the server answers
                 try:
-                    status, _, body = read_response(s, 1.0)
+                    status = read_response(s, 1.0)[0]
                     break
                 except socket.timeout:
                     s.sendall(b" ")
