@@ -209,3 +209,22 @@ def test_check_invariants_catches_leak_and_bad_sharing():
     m.ref_counts[a.block_table[0]] += 1
     with pytest.raises(AssertionError, match="not cached"):
         m.check_invariants([a, b])
+
+
+def test_a_salt_parts_the_prefix_cache(bm):
+    """Requests share cached blocks only under the same cache_salt (a tenant's): another salt, or none, misses."""
+    m = bm()
+    prompt = list(range(9))
+
+    def prefill(rid, salt):
+        r = Request(rid, prompt, SamplingParams(), arrival_time=0.0, cache_salt=salt)
+        n = len(prompt)
+        pages, ids = m.match_prefix(r.token_ids, (n - 1) // PS, r.cache_salt)
+        m.acquire_cached(r, pages, ids)
+        assert m.allocate(r, n)
+        r.num_computed_tokens = n
+        m.cache_full_blocks(r, n)
+        m.free(r)
+        return len(pages) * PS
+    assert [prefill("a1", "alpha"), prefill("b1", "beta"), prefill("n1", ""), prefill("a2", "alpha"),
+            prefill("n2", "")] == [0, 0, 0, 8, 8]
