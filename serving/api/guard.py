@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health"})
 REQUEST_ID_HEADER = b"x-request-id"
 MAX_CLIENT_REQUEST_ID = 128  # a client's x-request-id longer than this (or not printable) is replaced
+MAX_HEADER_BYTES = 64 << 10  # a request line + headers larger than this close the connection (nginx's 4 x 8K, x2)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,10 +142,12 @@ def _replay(body: bytes, receive):
 
 def guarded_protocol(base: type, header_timeout_s: float) -> type:
     """uvicorn's HTTP protocol class `base` (h11 or httptools) closing a connection whose request headers are not
-    complete `header_timeout_s` after it opened or after its last response: one byte a second holds nothing."""
+    complete `header_timeout_s` after it opened or after its last response (one byte a second holds nothing), or
+    whose headers pass MAX_HEADER_BYTES (a fast client cannot make the parser buffer without end either)."""
 
     class Guarded(base):
         _header_timer: asyncio.TimerHandle | None = None
+        _header_bytes = 0
 
         def _waiting_for_headers(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -173,9 +176,16 @@ def guarded_protocol(base: type, header_timeout_s: float) -> type:
             super().data_received(data)
             if not self._waiting_for_headers():
                 self._disarm()
+                self._header_bytes = 0
+                return
+            self._header_bytes += len(data)  # all of it went to headers not complete yet
+            if self._header_bytes > MAX_HEADER_BYTES and not self.transport.is_closing():
+                log.debug("HTTP: closed %s: request headers past %d bytes", self.client, MAX_HEADER_BYTES)
+                self.transport.close()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._header_bytes = 0
             self._arm()  # the next request's headers are due in time too (the keep-alive timeout closes idle ones)
 
         def connection_lost(self, exc) -> None:

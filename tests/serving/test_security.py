@@ -496,7 +496,7 @@ def test_every_http_route_needs_the_key(instance, gateway):
 def test_http_refuses_before_reading_the_body(instance, gateway):
     """A 100 MiB Content-Length without a key is 401, with a key 413, answered at once with not one byte of the body
     sent; a chunked body is cut off once past the cap (413); a Content-Length smaller than the bytes that follow
-    reads only what it says and the rest ends the connection; the servers' memory does not grow and they serve."""
+    reads only what it says and the rest ends the connection; headers past 64 KiB end it too; the servers' memory does not grow and they serve."""
     huge = 100 << 20
     for proc, key in ((instance, KEYS["instance"]), (gateway, KEYS["alpha"])):
         rss0 = rss_bytes(proc)
@@ -534,6 +534,17 @@ def test_http_refuses_before_reading_the_body(instance, gateway):
         # the rest is no request: refused and the connection closed, never read as a body.
         assert first[0] == 400 or first[0] == 200 and json.loads(first[2])["count"] > 0, first
         assert second[0] in (0, 400), second
+        with socket.create_connection(("127.0.0.1", http_port(proc)), timeout=10) as s:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            sent = 0
+            try:
+                while sent < 64 << 20:  # as fast as the server reads: it must not buffer headers without end
+                    s.sendall(b"a" * (1 << 20))
+                    sent += 1 << 20
+            except OSError:
+                pass
+            headers_cut = read_response(s, 10)[0]
+        assert sent < 64 << 20 and headers_cut in (0, 400, 431), (proc.name, sent, headers_cut)
         assert rss_bytes(proc) - rss0 < 48 << 20, (proc.name, rss0, rss_bytes(proc))
         assert served(proc, key)
 
