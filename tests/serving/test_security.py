@@ -3,7 +3,10 @@ gateway in front of it on 127.0.0.1 (both shared by the module): every instance 
 and with a regular key where an admin key is needed; calls refused before their bytes are decoded (auth first, then
 size); a rotated key file; the gateway serving through the instance with its key; two tenants reusing one
 request_id; token rate limits and the in-flight cap; HTTP/2 stream caps and ping floods; a deeply nested JSON schema
-and an oversized grammar. Also the pieces in-process: key files, the bind warning, config errors that hold secrets."""
+and an oversized grammar. Over HTTP (the same two processes): keys on every route, bodies past the cap (a lying
+Content-Length, chunked), huge headers, slowloris clients, the connection cap, token rate limits, stop-string bounds, the
+prefix cache salted per tenant. Also the pieces in-process: key files, the bind warning, config errors that hold
+secrets, 500s and unexpected gRPC failures that show the client no internals."""
 from __future__ import annotations
 
 import concurrent.futures
