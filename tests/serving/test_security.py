@@ -4,8 +4,8 @@ and with a regular key where an admin key is needed; calls refused before their 
 size); a rotated key file; the gateway serving through the instance with its key; two tenants reusing one
 request_id; token rate limits and the in-flight cap; HTTP/2 stream caps and ping floods; a deeply nested JSON schema
 and an oversized grammar. Over HTTP (the same two processes): keys on every route, bodies past the cap (a lying
-Content-Length, chunked), huge headers, slowloris clients, the connection cap, token rate limits, stop-string bounds, the
-prefix cache salted per tenant. Also the pieces in-process: key files, the bind warning, config errors that hold
+Content-Length, chunked), huge headers, slowloris clients, the connection cap, token rate limits, stop-string bounds,
+the prefix cache salted per tenant. Also the pieces in-process: key files, the bind warning, config errors that hold
 secrets, 500s and unexpected gRPC failures that show the client no internals."""
 from __future__ import annotations
 
@@ -499,7 +499,8 @@ def test_every_http_route_needs_the_key(instance, gateway):
 def test_http_refuses_before_reading_the_body(instance, gateway):
     """A 100 MiB Content-Length without a key is 401, with a key 413, answered at once with not one byte of the body
     sent; a chunked body is cut off once past the cap (413); a Content-Length smaller than the bytes that follow
-    reads only what it says and the rest ends the connection; headers past 64 KiB end it too; the servers' memory does not grow and they serve."""
+    reads only what it says and the rest ends the connection; headers past 64 KiB end it too; the servers' memory
+    does not grow and they serve."""
     huge = 100 << 20
     for proc, key in ((instance, KEYS["instance"]), (gateway, KEYS["alpha"])):
         rss0 = rss_bytes(proc)
