@@ -9,7 +9,7 @@ import transformers as tf
 
 from models.synthetic import make_test_tokenizer
 from serving.process import ServerProcess
-from serving.server.client import Client
+from serving.wire.client import Client
 from tests.support import hf_models
 from tests.support.server import running, wait_idle
 
