@@ -23,6 +23,7 @@ BENCHMARKS = {
     "structured": "structured outputs: tok/s with 0/50/100% of sequences JSON-schema constrained, mask time, compile",
     "quant": "quantized serving: bf16 vs int8 weights (+ int8 KV) vs llama.cpp Q8_0, KV capacity, int8 kernels",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
+    "mla": "multi-head latent attention: DeepSeek-V3's KV per token (ledger), decode vs GQA/MHA, absorbed vs expanded",
 }
 
 
