@@ -23,11 +23,16 @@ SUPPORTED_ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4 (fused qkv_proj and gate_up_proj)
     "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (models/mla.py), DeepSeek MoE
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the larger ones are Gemma3ForConditionalGeneration)
 }
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # MoE routing (models/moe.py): how experts are scored and how the top-k is chosen
 SCORING_FUNCS = ("softmax", "sigmoid")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+# Multimodal checkpoints served as their language model: architecture -> the text config's own architecture.
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# A bare config (no architectures) names its family by model_type.
+MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 log = logging.getLogger(__name__)
 
@@ -109,6 +114,16 @@ class ModelConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gate: bool = True
+    # Gemma 3 (models.gemma3): the MLP's gate activation ("silu": SwiGLU; "gelu_pytorch_tanh": GeGLU), RMSNorm
+    # scaling by (1 + weight), the softmax scale 1 / sqrt(query_pre_attn_scalar) (None: 1 / sqrt(head_dim)), tanh
+    # soft-capping of attention scores / final logits (None: none), and the sliding-window layers' own RoPE
+    # (None: `rope` for every layer)
+    hidden_act: str = "silu"
+    rms_norm_unit_offset: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local: RopeConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -156,6 +171,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
+        if d.get("rope_local") is not None:
+            d["rope_local"] = RopeConfig(**d["rope_local"])
         for k in ("sliding_windows", "moe_layers", "eos_token_ids"):
             d[k] = tuple(d[k])
         return cls(**d)
@@ -266,20 +283,82 @@ def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
     return (int(window),) * num_layers
 
 
+# Gemma3TextConfig's defaults (transformers), which published configs rely on: Gemma 3 4B-27B's text_config names
+# only what differs from them.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, final_logit_softcapping=None,
+    attn_logit_softcapping=None)
+
+
+def _gemma3_text(hf: dict[str, Any], multimodal: bool) -> dict[str, Any]:
+    """A Gemma 3 config as a flat text config with Gemma3TextConfig's defaults filled in; a multimodal one
+    (Gemma3ForConditionalGeneration) by its `text_config`, its top-level eos / dtype / tying winning."""
+    text = hf
+    if multimodal:
+        if not isinstance(hf.get("text_config"), dict):
+            raise _unsupported("Gemma3ForConditionalGeneration without a text_config (meshserve serves its language "
+                               "model only; the vision tower is not implemented)")
+        text = dict(hf["text_config"])
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+            if hf.get(key) is not None:
+                text[key] = hf[key]
+    out = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if multimodal and out.get("final_logit_softcapping") is not None:
+        # transformers' Gemma3ForConditionalGeneration computes its logits without it (Gemma3ForCausalLM caps)
+        raise _unsupported(f"final_logit_softcapping={out['final_logit_softcapping']} in a "
+                           "Gemma3ForConditionalGeneration text_config (transformers does not apply it there; "
+                           "expected null as Gemma 3's checkpoints have)")
+    out["architectures"] = ["Gemma3ForCausalLM"]
+    if out.get("use_bidirectional_attention"):
+        raise _unsupported("use_bidirectional_attention=true (Gemma 3 as an encoder; meshserve decodes causally)")
+    if not out.get("layer_types"):
+        pattern = int(out.get("sliding_window_pattern") or out.get("_sliding_window_pattern") or 6)
+        out["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                              for i in range(int(out["num_hidden_layers"]))]
+    return out
+
+
+def _gemma3_ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3: transformers 5's `rope_parameters` per layer type, or the legacy rope_theta
+    and rope_scaling (the global layers') with rope_local_base_freq (the local ones', unscaled)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+        local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    else:
+        full = {**(hf.get("rope_scaling") or {}), **params, "rope_theta": params.get("rope_theta", hf["rope_theta"])}
+        local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    strip = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    return (_parse_rope({**strip, "rope_parameters": full}, "gemma3"),
+            _parse_rope({**strip, "rope_parameters": local}, "gemma3"))
+
+
 def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
     archs = hf.get("architectures") or []
     if not archs:  # a bare config (no architectures) names its family by model_type
-        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()} | MODEL_TYPES
         archs = [by_type.get(hf.get("model_type"), f"model_type={hf.get('model_type')!r}")]
+    if len(archs) == 1 and archs[0] in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        hf = _gemma3_text(hf, multimodal=archs[0] != "Gemma3ForCausalLM")
+        archs = hf["architectures"]
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise _unsupported(
-            f"architecture {archs!r} (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+        supported = sorted(SUPPORTED_ARCHITECTURES) + list(TEXT_OF_MULTIMODAL)
+        raise _unsupported(f"architecture {archs!r} (supported: {', '.join(supported)})")
     family = SUPPORTED_ARCHITECTURES[archs[0]]
     if family in DEEPSEEK_FAMILIES:
         hf = _deepseek_attention(hf)
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise _unsupported(f"hidden_act={act!r} (only 'silu')")
+    if family == "gemma3":  # Gemma writes hidden_activation (Gemma 1's hidden_act was a misleading "gelu")
+        act = hf.get("hidden_activation") or hf.get("hidden_act")
+        if act != "gelu_pytorch_tanh":
+            raise _unsupported(f"hidden_activation={act!r} for Gemma 3 (only 'gelu_pytorch_tanh')")
+    else:
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise _unsupported(f"hidden_act={act!r} (only 'silu')")
     if hf.get("mlp_bias"):
         raise _unsupported("mlp_bias=true")
     if hf.get("pretraining_tp", 1) != 1:
@@ -302,17 +381,28 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         head_dim=int(head_dim),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(hf, family),
+        rope=_gemma3_ropes(hf)[0] if family == "gemma3" else _parse_rope(hf, family),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
-        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3") and attention_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         sliding_windows=_sliding_windows(hf, family, num_layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=hf.get("pad_token_id"),
         dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
     )
+    if family == "gemma3":
+        if hf.get("attn_logit_softcapping") is not None:
+            # transformers' Gemma3Attention keeps it but never applies it (Gemma 2 did): either choice would differ
+            # from what someone meant by it
+            raise _unsupported(f"attn_logit_softcapping={hf['attn_logit_softcapping']} for Gemma 3 (transformers' "
+                               "Gemma 3 does not apply it; expected null as Gemma 3's checkpoints have)")
+        final_cap = hf.get("final_logit_softcapping")
+        kw.update(hidden_act="gelu_pytorch_tanh", rms_norm_unit_offset=True,
+                  query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+                  final_logit_softcapping=None if final_cap is None else float(final_cap),
+                  rope_local=_gemma3_ropes(hf)[1])
     if family == "mixtral":
         kw.update(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                   moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)

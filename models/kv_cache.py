@@ -164,10 +164,34 @@ def kv_cache_groups(specs: Sequence[KVCacheSpec]) -> dict[KVCacheSpec, tuple[int
     return {spec: tuple(layers) for spec, layers in groups.items()}
 
 
+def window_pools(specs: Sequence[KVCacheSpec]) -> tuple[int, ...]:
+    """The sliding windows whose layers can keep a page pool of their own (a hybrid KV cache, sorted): those of a
+    model that also has layers reading every page (full or latent attention), whose pages are the page table's.
+    () when no layer slides, or every layer does (then the one pool is the page table's, each page kept to the end:
+    not split)."""
+    if all(spec.attention == SLIDING_WINDOW for spec in specs):
+        return ()
+    return tuple(sorted({spec.sliding_window for spec in specs if spec.attention == SLIDING_WINDOW}))
+
+
+def window_pool_pages(window: int, page_size: int, max_seqs: int, max_step_tokens: int) -> int:
+    """Pages a window pool needs at most: each of `max_seqs` sequences holds the blocks its next query reads
+    (ceil((window - 1) / page_size) + 1 of them) and one it is filling, plus the blocks of a step's
+    `max_step_tokens` new tokens (a prefill chunk writes every block it covers)."""
+    return max_seqs * (-(-(window - 1) // page_size) + 2) + -(-max_step_tokens // page_size)
+
+
 def init_kv_caches(specs: Sequence[KVCacheSpec], num_pages: int, page_size: int, mesh: Mesh | None = None,
-                   rules: ShardingRules = DEFAULT_RULES) -> list:
-    """Trace-time. One zeroed cache per layer spec (`KVCacheSpec.zeros`), sharded on `mesh` by the rules."""
-    return [spec.zeros(num_pages, page_size, spec.sharding(mesh, num_pages, rules=rules)) for spec in specs]
+                   rules: ShardingRules = DEFAULT_RULES, window_pages: Mapping[int, int] | None = None) -> list:
+    """Trace-time. One zeroed cache per layer spec (`KVCacheSpec.zeros`), sharded on `mesh` by the rules; `num_pages`
+    pages, or for a sliding-window layer whose window has a pool of its own (`window_pages`: window -> pages), that
+    pool's."""
+    window_pages = window_pages or {}
+    out = []
+    for spec in specs:
+        n = window_pages.get(spec.sliding_window, num_pages) if spec.sliding_window is not None else num_pages
+        out.append(spec.zeros(n, page_size, spec.sharding(mesh, n, rules=rules)))
+    return out
 
 
 def bytes_per_token(specs: Sequence[KVCacheSpec]) -> int:

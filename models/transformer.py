@@ -1,5 +1,5 @@
-"""The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE, Phi-3, DeepSeek-V2 / V3 with
-multi-head latent attention: models/mla.py) in Flax NNX: `DecoderLayer`,
+"""The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE, Phi-3, Gemma 3's layers from
+`models.gemma3`, DeepSeek-V2 / V3 with multi-head latent attention: models/mla.py) in Flax NNX: `DecoderLayer`,
 `CausalLM` (forward over a RaggedBatch, logits, the hooks for the native CPU kernels' weight packing and head screen)
 and the KV cache it declares (`kv_cache_specs`: a `models.kv_cache.KVCacheSpec` per layer). Details: docs/models.md."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ from flax import nnx
 from models.attention import Attention
 from models.batch import RaggedBatch
 from models.config import ModelConfig
+from models.gemma3 import GemmaDecoderLayer, scale_embeddings, soft_cap
 from models.kv_cache import KVCacheSpec
 from models.layers import MLP, RMSNorm, embed_lookup, param
 from models.mla import MLAttention
@@ -48,8 +49,9 @@ class CausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         self.config = cfg
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), (VOCAB, EMBED), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
+        layer = GemmaDecoderLayer if cfg.family == "gemma3" else DecoderLayer
+        self.layers = nnx.List([layer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype, cfg.rms_norm_unit_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), (EMBED, VOCAB), dtype)
         self.head_screen = nnx.data(None)  # int8 screen of the head, set by `add_head_screen` (serving, CPU)
@@ -59,6 +61,8 @@ class CausalLM(nnx.Module):
         """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches (one per
         layer: an array or a `QuantizedKV`, as `models.kv_cache.init_kv_caches` makes them from `kv_cache_specs`)."""
         x = embed_lookup(self.embed_tokens[...], batch.input_ids)
+        if self.config.family == "gemma3":
+            x = scale_embeddings(x, self.config.hidden_size)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
             x, kv = layer(x, batch.positions, kv, batch)
@@ -70,10 +74,12 @@ class CausalLM(nnx.Module):
         return kv_cache_specs(self.config, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
 
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """Pure. Float32 logits [N, vocab] of hidden states [N, E]."""
+        """Pure. Float32 logits [N, vocab] of hidden states [N, E] (soft-capped where the config says)."""
         if self.config.tie_word_embeddings:  # [V, E] used transposed: XLA's dot reads it in place
-            return jnp.dot(hidden, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
-        return matmul(hidden, self.lm_head[...], jnp.float32)
+            logits = jnp.dot(hidden, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
+        else:
+            logits = matmul(hidden, self.lm_head[...], jnp.float32)
+        return soft_cap(logits, self.config.final_logit_softcapping)
 
     def screened_greedy(self, hidden: jax.Array, num_rows: jax.Array) -> jax.Array | None:
         """Pure. int32 [N]: the argmax of each row's logits (lowest id on ties) for the first `num_rows[0]` rows of
@@ -91,7 +97,10 @@ class CausalLM(nnx.Module):
     def add_head_screen(self) -> bool:
         """Builds the int8 screen of the LM head for the native CPU kernels' greedy head
         (`pallas_kernels.matmul.head_screen`); returns whether it could. Call it before `pack_for_cpu_kernels`: it
-        reads the head as loaded."""
+        reads the head as loaded. Not with a final soft-cap: its tanh can round two logits to one value, where the
+        argmax of the raw ones would pick another token than the capped logits' lowest id."""
+        if self.config.final_logit_softcapping is not None:
+            return False
         screen = cpu_weights.head_screen(self._head(), self.config.tie_word_embeddings)
         if screen is None:
             return False

@@ -17,9 +17,9 @@ from flax import nnx
 from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.moe import ExpertCounts, MoE
-from models.kv_cache import init_kv_caches
-from models.transformer import CausalLM
-from models.weights import is_orbax_dir, load_hf_model, load_model
+from models.kv_cache import init_kv_caches, window_pools
+from models.transformer import CausalLM, kv_cache_specs
+from models.weights import is_orbax_dir, load_model, read_config
 from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
@@ -30,7 +30,7 @@ from serving.core.batch import BatchBuilder
 from serving.core.config import DTYPES, EngineConfig
 from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
-from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
+from serving.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
 from sharding.mesh import mesh_context, serving_mesh
 from sharding.multihost import to_global
@@ -63,11 +63,21 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     return path
 
 
+def hybrid_kv_cache(config: EngineConfig, model_config: ModelConfig) -> tuple[int, ...]:
+    """The sliding windows whose layers keep a page pool of their own (`models.kv_cache.window_pools`), or () when
+    the cache is not split (--hybrid_kv_cache off, a pipeline, or no model with both kinds of layers)."""
+    if not config.hybrid_kv_cache or config.pp > 1:
+        return ()
+    return window_pools(kv_cache_specs(model_config, dtype=config.dtype))
+
+
 def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_screen: bool,
                    memory_fraction: float | None = None) -> int:
     """The engine's KV pages (`serving.ledger.kv_cache_pages`): `config.num_pages`, else `memory_fraction` of each
     device's memory when given (the server's --kv_cache_memory_fraction), else `config.kv_cache_memory_gb`; a draft
-    model's cache shares them (same page ids), and the LM head's screen comes out of a fraction's budget."""
+    model's cache shares them (same page ids), and the LM head's screen comes out of a fraction's budget. With a
+    hybrid KV cache (`hybrid_kv_cache`), the page table's pages: each window pool has `ledger.window_pages` beside
+    them."""
     if config.num_pages:
         return config.num_pages
     draft = None
@@ -80,16 +90,18 @@ def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_scre
                                  mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
                                  kv_cache_bytes=gb,
                                  memory_fraction=memory_fraction, draft=draft, head_screen_bytes=screen,
-                                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs)
+                                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                                 hybrid=bool(hybrid_kv_cache(config, model_config)))
 
 
 def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
     if config.spare_expert_slots and not is_orbax_dir(config.model):
-        cfg = ModelConfig.from_pretrained(config.model)
+        cfg = read_config(config.model)
         cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
-        return load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
+        return load_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
     if config.spare_expert_slots:
-        raise ValueError("spare_expert_slots needs an HF checkpoint (Orbax stores the slots it was saved with)")
+        raise ValueError("spare_expert_slots needs an HF or GGUF checkpoint (Orbax stores the slots it was saved "
+                         "with)")
     return load_model(config.model, dtype=dtype, mesh=mesh, quantization=config.quantization)
 
 
@@ -158,6 +170,10 @@ class ModelRunner:
             raise ValueError(f"{config.model}: {reason}")
         cpu_panels = self.choices.native_kernels
         self.num_pages = kv_cache_pages(config, mc, head_screen=self.choices.greedy_head_screen)
+        # Hybrid KV cache: each sliding window's layers index a pool of their own (window -> pages), the block
+        # manager's `HybridBlockManager` keeping its pages; {}: every layer indexes the page table's pages
+        self.window_pages = ledger.window_pages(hybrid_kv_cache(config, mc), self.num_pages, config.page_size,
+                                                config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  self.num_pages * config.page_size)
         self.max_pages = -(-self.max_model_len // config.page_size)
@@ -166,7 +182,8 @@ class ModelRunner:
                 mc, dtype=config.dtype, page_size=config.page_size, num_pages=self.num_pages,
                 kv_dtype=ledger.kv_dtype_of(config.kv_cache_dtype),
                 mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
-                max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
+                max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                window_pages=self.window_pages))
         except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
             log.warning("memory ledger unavailable: %s", e)
         self.buckets = list(self.choices.token_buckets)
@@ -354,7 +371,8 @@ class ModelRunner:
     def reset_kv_caches(self) -> None:
         """Fresh zeroed caches (after a failed step lost the donated ones)."""
         with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(self.kv_cache_specs, self.num_pages, self.config.page_size, self.mesh)
+            self.kv_caches = init_kv_caches(self.kv_cache_specs, self.num_pages, self.config.page_size, self.mesh,
+                                            window_pages=self.window_pages)
 
     # ------------------------------------------------------------------ buckets and warm-up
     def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> RaggedBatch:

@@ -40,6 +40,10 @@ class PipelineModelRunner(ModelRunner):
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
         super().__init__(config, model=model, mesh=mesh)
         mc = self.model_config
+        caches = sorted({f"{s.attention} {s.sliding_window or ''}".strip() for s in self.kv_cache_specs})
+        if len(caches) > 1:  # untested: the hybrid KV cache (window pools) is off under pp, each slot all pages
+            raise ValueError(f"pipeline parallelism with layers of different KV caches ({caches}, e.g. Gemma 3's "
+                             "sliding-window and global layers) is not implemented")
         self.stages = pipeline.stage_layers(mc.num_layers, pp)
         model = nnx.merge(self.graphdef, self.state)
         # A layer's kind is its structure (dense or MoE MLP, its attention's window): slots hold layers of one kind.

@@ -24,7 +24,7 @@ from serving.core.config import DTYPES, SpeculativeConfig
 from serving.core.model_runner import Program
 from sharding.mesh import mesh_context
 from serving.core.request import Request, RequestStatus
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 
 log = logging.getLogger(__name__)
 

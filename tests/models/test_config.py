@@ -11,10 +11,11 @@ from tests.support import hf_models
 def test_parse_each_family(family):
     hf = hf_models.family_configs()[family]()
     d = hf.to_dict()
-    d["architectures"] = [type(hf).__name__.replace("Config", "ForCausalLM")]
+    arch = "Gemma3ForCausalLM" if family == "gemma3" else type(hf).__name__.replace("Config", "ForCausalLM")
+    d["architectures"] = [arch]
     cfg = ModelConfig.from_hf(d)
     assert cfg.family == family
-    assert cfg.num_layers == 2 and cfg.vocab_size == 160
+    assert cfg.num_layers == (3 if family == "gemma3" else 2) and cfg.vocab_size == 160
     assert cfg.is_moe == (family in ("mixtral", "qwen2_moe", "qwen3_moe"))
     assert ModelConfig.from_dict(cfg.to_dict()) == cfg
 

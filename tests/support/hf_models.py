@@ -41,6 +41,13 @@ def family_configs():
                                                             "partial_rotary_factor": 0.75,
                                                             "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0],
                                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}),
+        # Gemma 3: local (window 12) and global layers interleaved, each kind with its RoPE (the global one scaled),
+        # query_pre_attn_scalar 24 (not head_dim 16), a final logit soft-cap, tied embeddings, GeGLU.
+        "gemma3": lambda: tf.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=3.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
         # YaRN from 16 original positions (a 40-token prompt goes 24 past them): Qwen3 with the attention factor
         # from `factor`; Qwen2 with it from mscale / mscale_all_dim, other betas and an untruncated ramp.
         "qwen3_yarn": lambda: tf.Qwen3Config(**{**COMMON, "max_position_embeddings": 64}, head_dim=32, rope_parameters={
@@ -67,17 +74,20 @@ def family_configs():
     }
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
 # Families whose 1-D parameters (norm weights, biases) are moved away from their init values (1, 0), so that a
 # loader or model that ignores them fails parity.
-PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "deepseek_v2", "deepseek_v3")
+PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3", "deepseek_v2", "deepseek_v3")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
-def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
+def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """The family's random model; `overrides` set config fields (e.g. vocab_size for a real tokenizer)."""
     import transformers as tf
     torch.manual_seed(seed)
     cfg = family_configs()[family]()
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     cfg._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     if family in PERTURBED:
@@ -93,8 +103,8 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
     return model
 
 
-def save_hf_model(family: str, out_dir: str, seed: int = 0, dtype=torch.float32, max_shard_size=None):
-    model = build_hf_model(family, seed, dtype)
+def save_hf_model(family: str, out_dir: str, seed: int = 0, dtype=torch.float32, max_shard_size=None, **overrides):
+    model = build_hf_model(family, seed, dtype, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model

@@ -37,6 +37,8 @@ LAYOUTS = {  # (model, EngineConfig options)
     # multi-head latent attention and DeepSeek MoE (the latent kernels; heads split with the latent cache whole)
     "deepseek": ("deepseek", {}),
     "deepseek-tp2-ep2-kv-fp8": ("deepseek", {"tp": 2, "ep": 2, "kv_cache_dtype": "fp8_e4m3"}),
+    # local and global layers, the local ones on the hybrid KV cache's window pool
+    "gemma3": ("gemma3", {}),
 }
 LATENT_KERNEL = {"gpu": "latent_attention_triton", "tpu": "tpu_custom_call"}
 # DeepSeek-V3's shape, small: power-of-two latent (64) and RoPE key (32), as the Triton kernel wants.
@@ -53,7 +55,9 @@ def models(tmp_path_factory):
     out = {}
     for name, config in (("llama", tf.LlamaConfig(**SHAPE)),
                          ("mixtral", tf.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2)),
-                         ("deepseek", tf.DeepseekV3Config(**DEEPSEEK))):
+                         ("deepseek", tf.DeepseekV3Config(**DEEPSEEK)),
+                         ("gemma3", tf.Gemma3TextConfig(**SHAPE, head_dim=64, sliding_window=16,
+                                                        layer_types=["sliding_attention", "full_attention"]))):
         out[name] = hf_models.save_config(config, root / name)
     return out
 
@@ -90,9 +94,13 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
         if program.kind != "sample":
             kernel = (LATENT_KERNEL if model == "deepseek" else KERNEL)[platform]
             assert kernel in text, program.name  # the platform's attention kernel, not XLA's
-            if model in ("mixtral", "deepseek"):  # the expert MLP's grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
+            if model in ("mixtral", "deepseek"):  # the experts' grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
                 assert (megablox_calls(text) > 0) == (platform == "tpu"), program.name
                 assert ("ragged_dot" in text) == (platform == "gpu"), program.name
+            if model == "gemma3":  # the local layer's cache: the window pool's 8 x 3 + 2 pages, not the table's 32
+                assert engine.runner.window_pages == {16: 26}, engine.runner.window_pages
+                dtype = {"bfloat16": "bf16", "float32": "f32"}[engine.config.dtype]
+                assert f"tensor<26x16x4x64x{dtype}>" in text and f"tensor<32x16x4x64x{dtype}>" in text, program.name
             if "quantization" in options:  # the weights stay 8-bit in the program's inputs
                 assert WEIGHT_TYPES[options["quantization"]] in text, program.name
             # the step's token rows are the bucket's (whole tiles), not a CPU height
