@@ -97,6 +97,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
         architectures=["Qwen2ForCausalLM"], hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, max_position_embeddings=32768,
         rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16", tie_word_embeddings=False)),
+    # DeepSeek-V3 (its config.json; block-FP8 weights): 61 layers (3 dense, then MoE) of multi-head latent
+    # attention, whose cache is one row of kv_lora_rank 512 + qk_rope_head_dim 64 per token and layer.
+    "deepseek-v3": ("DeepSeek-V3", dict(
+        architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+        num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
+        max_position_embeddings=163840, rope_theta=10000, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=1,
+        rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                          original_max_position_embeddings=4096, type="yarn"),
+        quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
+                                 weight_block_size=[128, 128]))),
     # The source's example (§1.1): 32 layers, hidden 4096, no GQA, fp16 -> 512 KiB of KV per token. The rest of
     # its shape (MLP 11008, vocab 32000) is Llama-2-7B's, which is exactly such a model.
     "source-example": ("source example (32 layers, hidden 4096, no GQA)",

@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek's MLA): (1) the KV cache from the memory ledger for DeepSeek-V3 (its
-published config, written here: no download) beside standard-attention models of the same shape, and how many
+config.json as the ledger's preset: no download) beside standard-attention models of the same shape, and how many
 32k-token requests fit on 8 devices; (2) a decode step at batch 16 and context 4k on this CPU for a small random MLA
 model beside same-size GQA and MHA models, bytes read per step against the read-bandwidth roofline; (3) prefill
 chunks in the absorbed form (the latent kernel) against K/V expanded from the latent. Details: docs/benchmarks.md.
@@ -21,19 +21,6 @@ _QUICK = flags.DEFINE_bool("quick", False, "short context and few repeats (a smo
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed steps per cell (the median is reported)")
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark models are written")
 
-# DeepSeek-V3's config.json (deepseek-ai/DeepSeek-V3, as published), the fields the ledger reads.
-DEEPSEEK_V3 = dict(
-    architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-    n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
-    qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
-    num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
-    max_position_embeddings=163840, rope_theta=10000, rms_norm_eps=1e-6, tie_word_embeddings=False,
-    torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=1,
-    rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
-                      original_max_position_embeddings=4096, type="yarn"),
-    quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
-                             weight_block_size=[128, 128]))
 REQUEST_TOKENS = 32768
 
 
@@ -64,7 +51,7 @@ def requests_that_fit(mm, devices: int, device_bytes: int, kv_dtype: str) -> tup
 def ledger_part() -> None:
     from models.config import ModelConfig
     from serving import ledger
-    v3 = ModelConfig.from_hf(DEEPSEEK_V3)
+    v3 = ModelConfig.from_hf(ledger.PRESETS["deepseek-v3"][1])
     models = [("DeepSeek-V3, MLA (latent 512 + RoPE key 64)", v3),
               ("same shape, GQA 8 x 128", standard_attention(v3, 8, 128)),
               ("same shape, MHA 128 x 128", standard_attention(v3, 128, 128))]
