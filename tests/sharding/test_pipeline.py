@@ -209,3 +209,12 @@ def test_moe_models_take_pipeline_parallelism(moe_models, name, layout):
         assert nbytes - routing == mm.stage_layer_weight_bytes(layout_, stage), device
     with pytest.raises(ValueError, match="rebalance_experts is not implemented under pipeline parallelism"):
         runner.rebalance_experts()
+
+
+def test_layers_of_different_kv_caches_are_refused(tmp_path):
+    """Gemma 3's sliding-window and global layers under pp: refused by name (not implemented), not run wrong."""
+    path = str(tmp_path / "gemma3")
+    hf_models.save_hf_model("gemma3", path)
+    with pytest.raises(ValueError, match=r"pipeline parallelism with layers of different KV caches \(\['full', "
+                                         r"'sliding_window 12'\]"):
+        Engine(EngineConfig(model=path, **SMALL, pp=2))
