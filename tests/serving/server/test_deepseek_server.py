@@ -1,6 +1,8 @@
 """DeepSeek-V2 / V3 (multi-head latent attention, DeepSeek MoE) served end to end: a real `python -m serving.server`
 process with a small random checkpoint answers HF's greedy tokens over gRPC, again from the prefix cache (latent pages
-reused), and as n = 2 samples through the `openai` package; idle, no page held."""
+reused), as n = 2 samples and under a structured-output regex through the `openai` package; idle, no page held."""
+import re
+
 import openai
 import pytest
 
@@ -12,6 +14,7 @@ from tests.support.server import running, wait_idle
 
 pytestmark = pytest.mark.e2e
 VOCAB = 512  # the test tokenizer's (256 bytes, specials and merges)
+REQUEST_LINE = r"(GET|PUT) /[a-z]{1,5} HTTP/1\.1"
 
 
 @pytest.mark.parametrize("family", hf_models.MLA_FAMILIES)
@@ -32,6 +35,10 @@ def test_deepseek_through_the_server(family, tmp_path_factory):
                            max_retries=0, timeout=120) as oai:
             pair = oai.completions.create(model=family, prompt=prompt[:30], max_tokens=16, temperature=0, n=2,
                                           extra_body={"ignore_eos": True})
+            # structured outputs: the grammar's mask over this model's logits
+            line = oai.completions.create(model=family, prompt=prompt[:20], max_tokens=40, temperature=1.0, seed=3,
+                                          extra_body={"structured_outputs": {"regex": REQUEST_LINE}})
+            assert re.fullmatch(REQUEST_LINE, line.choices[0].text), line.choices[0].text
         texts = [c.text for c in sorted(pair.choices, key=lambda c: c.index)]
         short = client.complete(prompt[:30], max_tokens=16, temperature=0.0, ignore_eos=True)
         assert short.token_ids == hf_models.hf_greedy(hf, prompt[:30], 16) and texts == [short.text] * 2
