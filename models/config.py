@@ -21,8 +21,14 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4 (fused qkv_proj and gate_up_proj)
+    "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (models/mla.py), DeepSeek MoE
+    "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the larger ones are Gemma3ForConditionalGeneration)
 }
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+# MoE routing (models/moe.py): how experts are scored and how the top-k is chosen
+SCORING_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 # Multimodal checkpoints served as their language model: architecture -> the text config's own architecture.
 TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
 # A bare config (no architectures) names its family by model_type.
@@ -92,6 +98,22 @@ class ModelConfig:
     # per `quantization_group` K rows (block-wise fp8 checkpoints)
     quantization: str = ""
     quantization_group: int = 0
+    # Multi-head latent attention (DeepSeek-V2 / V3, models/mla.py), on when kv_lora_rank > 0; head_dim is then the
+    # query/key head (qk_nope_head_dim + qk_rope_head_dim) and num_kv_heads = num_heads (the cache is one latent row)
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries straight from the hidden state (q_proj, V2-Lite); else q_a -> norm -> q_b
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's RoPE values come in pairs (DeepSeek): de-interleaved at load
+    # MoE routing beyond softmax-then-top-k (DeepSeek): scores, expert groups, the routed weights' scale, and whether
+    # a shared expert has a sigmoid gate (Qwen2-MoE) or none (DeepSeek's n_shared_experts)
+    scoring_func: str = "softmax"  # SCORING_FUNCS
+    topk_method: str = "greedy"  # TOPK_METHODS; noaux_tc adds a per-expert score correction bias
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
     # Gemma 3 (models.gemma3): the MLP's gate activation ("silu": SwiGLU; "gelu_pytorch_tanh": GeGLU), RMSNorm
     # scaling by (1 + weight), the softmax scale 1 / sqrt(query_pre_attn_scalar) (None: 1 / sqrt(head_dim)), tanh
     # soft-capping of attention scores / final logits (None: none), and the sliding-window layers' own RoPE
@@ -116,6 +138,16 @@ class ModelConfig:
             object.__setattr__(self, "moe_layers", (self.num_experts > 0,) * self.num_layers)
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, {self.num_experts}]")
+        if self.scoring_func not in SCORING_FUNCS or self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"scoring_func={self.scoring_func!r} / topk_method={self.topk_method!r}: expected one "
+                             f"of {SCORING_FUNCS} / {TOPK_METHODS}")
+        if self.num_experts and (self.n_group < 1 or self.num_experts % self.n_group
+                                 or not 1 <= self.topk_group <= self.n_group):
+            raise ValueError(f"n_group={self.n_group}, topk_group={self.topk_group}: n_group must divide the "
+                             f"{self.num_experts} experts and 1 <= topk_group <= n_group")
+        if self.num_experts and self.topk_group * self.num_experts // self.n_group < self.num_experts_per_tok:
+            raise ValueError(f"topk_group={self.topk_group} groups of {self.num_experts // self.n_group} experts "
+                             f"hold fewer than num_experts_per_tok={self.num_experts_per_tok}")
 
     @property
     def weight_quant(self):
@@ -126,6 +158,11 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (models/mla.py) rather than grouped-query attention."""
+        return self.kv_lora_rank > 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -312,6 +349,8 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         supported = sorted(SUPPORTED_ARCHITECTURES) + list(TEXT_OF_MULTIMODAL)
         raise _unsupported(f"architecture {archs!r} (supported: {', '.join(supported)})")
     family = SUPPORTED_ARCHITECTURES[archs[0]]
+    if family in DEEPSEEK_FAMILIES:
+        hf = _deepseek_attention(hf)
     if family == "gemma3":  # Gemma writes hidden_activation (Gemma 1's hidden_act was a misleading "gelu")
         act = hf.get("hidden_activation") or hf.get("hidden_act")
         if act != "gelu_pytorch_tanh":
@@ -381,6 +420,8 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
             moe_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
                              for i in range(num_layers)),
         )
+    elif family in DEEPSEEK_FAMILIES:
+        kw.update(_deepseek_fields(hf, family, num_layers))
     rope = kw["rope"]
     if rope.rope_type == "longrope" and kw["max_position_embeddings"] > rope.original_max_position_embeddings:
         # Past its original context HF recomputes the whole sequence with long_factor (Phi3ForCausalLM drops its
@@ -392,6 +433,62 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
     kw["quantization"], kw["quantization_group"] = _checkpoint_quantization(hf)
     return ModelConfig(**kw)
+
+
+def _deepseek_attention(hf: dict[str, Any]) -> dict[str, Any]:
+    """A DeepSeek config with the keys the generic parse reads set as multi-head latent attention has them: every
+    query head its own key head (the cache holds one shared latent row; HF's num_key_value_heads is unused), head_dim
+    the query/key head, RoPE over the qk_rope_head_dim values (as HF's rotary embedding, whose head_dim that is)."""
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if not isinstance(hf.get(key), int) or hf[key] <= 0:
+            raise _unsupported(f"{key}={hf.get(key)!r} (multi-head latent attention needs a positive integer)")
+    if hf.get("attention_bias"):
+        raise _unsupported("attention_bias=true for DeepSeek (no released checkpoint has it)")
+    if hf.get("rope_scaling") and "partial_rotary_factor" in hf["rope_scaling"]:
+        raise _unsupported("partial_rotary_factor for DeepSeek (qk_rope_head_dim is the rotated part)")
+    heads = int(hf["num_attention_heads"])
+    return {**hf, "num_key_value_heads": heads, "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"]}
+
+
+def _deepseek_fields(hf: dict[str, Any], family: str, num_layers: int) -> dict[str, Any]:
+    """Multi-head latent attention and DeepSeek MoE (shared experts without a gate, routed weights scaled by
+    routed_scaling_factor; V2: softmax scores, greedy or group_limited_greedy top-k; V3: sigmoid scores with the
+    per-expert correction bias choosing, by groups' top-2 sums, noaux_tc) as HF transformers' modeling_deepseek_v2
+    / v3 compute them. A layer is MoE from first_k_dense_replace on, every moe_layer_freq-th (DeepSeek's rule;
+    HF ignores the frequency, 1 in every released config)."""
+    n = int(hf.get("n_routed_experts") or 0)
+    scoring = hf.get("scoring_func") or ("sigmoid" if family == "deepseek_v3" else "softmax")
+    method = hf.get("topk_method") or ("noaux_tc" if family == "deepseek_v3" else "greedy")
+    if family == "deepseek_v3" and (scoring, method) != ("sigmoid", "noaux_tc"):
+        raise _unsupported(f"DeepSeek-V3 with scoring_func={scoring!r}, topk_method={method!r} (HF's V3 routing is "
+                           f"sigmoid scores with noaux_tc)")
+    if family == "deepseek_v2":
+        if scoring != "softmax" or method not in ("greedy", "group_limited_greedy"):
+            raise _unsupported(f"DeepSeek-V2 with scoring_func={scoring!r}, topk_method={method!r} (supported: "
+                               f"softmax with greedy or group_limited_greedy)")
+        if hf.get("norm_topk_prob"):  # HF's DeepseekV2TopkRouter never normalises; DeepSeek's own code would
+            raise _unsupported("norm_topk_prob=true for DeepSeek-V2 (HF transformers ignores it; every released "
+                               "V2 checkpoint has false)")
+    if hf.get("ep_size", 1) != 1:
+        raise _unsupported(f"ep_size={hf['ep_size']} (expert parallelism is the server's --ep)")
+    grouped = method != "greedy"
+    first_dense, freq = int(hf.get("first_k_dense_replace") or 0), int(hf.get("moe_layer_freq") or 1)
+    return dict(
+        kv_lora_rank=int(hf["kv_lora_rank"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
+        v_head_dim=int(hf["v_head_dim"]),
+        rope_interleave=family == "deepseek_v2" or bool(hf.get("rope_interleave", True)),
+        num_experts=n, num_experts_per_tok=int(hf.get("num_experts_per_tok") or 0) if n else 0,
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(hf.get("moe_intermediate_size") or 0) * int(
+            hf.get("n_shared_experts") or 0),
+        shared_expert_gate=False,
+        moe_layers=tuple(n > 0 and i >= first_dense and i % freq == 0 for i in range(num_layers)),
+        scoring_func=scoring, topk_method=method,
+        n_group=int(hf.get("n_group") or 1) if grouped else 1,
+        topk_group=int(hf.get("topk_group") or 1) if grouped else 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
 
 
 def _checkpoint_quantization(hf: dict[str, Any]) -> tuple[str, int]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import ModelConfig
+from models.config import DEEPSEEK_FAMILIES, ModelConfig
 from models.layers import MLP, linear_param, param
 from models.quant import scale_name
 from pallas_kernels.moe import grouped_expert_mlp
@@ -25,7 +25,10 @@ class ExpertCounts(nnx.Intermediate):
 
 class MoE(nnx.Module):
     """Top-k routed experts (softmax over all experts, then top-k, optionally renormalised), plus an optional
-    sigmoid-gated shared expert (Qwen2-MoE).
+    shared expert, sigmoid-gated (Qwen2-MoE) or not (DeepSeek's shared experts). DeepSeek's routing (`routing`):
+    experts in `n_group` groups of which the best `topk_group` are eligible (V2's group_limited_greedy: a group by
+    its best score; V3's noaux_tc: sigmoid scores plus a learned per-expert correction bias that only chooses, a group
+    by its top-2 sum), the routed weights scaled by `routed_scaling_factor`; the router in float32, as HF keeps it.
 
     Expert weights are stored per physical slot ([num_slots, ...], num_slots >= num_experts; the extra slots
     hold replicas of hot experts). Tokens are dispatched by slot to grouped matmuls
@@ -38,7 +41,13 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, num_slots: int | None = None):
         e, n, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         slots = num_slots or n
-        self.router = param(rngs, (e, n), (EMBED, None), dtype)
+        deepseek = cfg.family in DEEPSEEK_FAMILIES
+        self.router = param(rngs, (e, n), (EMBED, None), jnp.float32 if deepseek else dtype)
+        self.scoring_func, self.topk_method = cfg.scoring_func, cfg.topk_method
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nnx.Param(jnp.zeros((n,), jnp.float32), axes=(None,))
         quant = cfg.weight_quant
         linear_param(self, "gate_proj", rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype, (1,), quant)
         linear_param(self, "up_proj", rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype, (1,), quant)
@@ -50,17 +59,53 @@ class MoE(nnx.Module):
         self.replica_count = ExpertMap(jnp.ones((n,), jnp.int32))
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.has_shared = cfg.shared_expert_intermediate_size > 0
+        self.shared_gated = self.has_shared and cfg.shared_expert_gate
         if self.has_shared:
             self.shared_expert = MLP(e, cfg.shared_expert_intermediate_size, dtype, rngs, quant)
+        if self.shared_gated:
             self.shared_expert_gate = param(rngs, (e, 1), (EMBED, None), dtype)
 
     def routing(self, x) -> tuple[jax.Array, jax.Array]:
         """Pure. Per token: the top-k expert ids [T, k] and their combine weights [T, k] (float32)."""
-        logits = (x @ self.router[...]).astype(jnp.float32)
-        probs = jax.nn.softmax(logits, axis=-1)
-        weights, experts = jax.lax.top_k(probs, self.top_k)
+        router = self.router[...]
+        if router.dtype == jnp.float32:
+            logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
+        else:
+            logits = (x @ router).astype(jnp.float32)
+        if self.scoring_func == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:
+            scores = jax.nn.softmax(logits, axis=-1)
+        if self.topk_method == "greedy":
+            weights, experts = jax.lax.top_k(scores, self.top_k)
+        else:
+            experts, weights = self._grouped_top_k(scores)
         if self.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+            eps = 1e-20 if self.topk_method == "noaux_tc" else 0.0  # HF's V3 router adds it
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + eps)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return experts, weights
+
+    def _grouped_top_k(self, scores) -> tuple[jax.Array, jax.Array]:
+        """Pure. DeepSeek's group-limited top-k: only experts of the `topk_group` best of `n_group` groups are
+        eligible. V2 (group_limited_greedy): a group's score is its best expert's, the others' scores become 0.
+        V3 (noaux_tc): the correction bias is added for the choice only (weights are the unbiased scores), a group's
+        score is the sum of its top two, the others' are excluded."""
+        t, n = scores.shape
+        choice = scores + self.e_score_correction_bias[...] if self.topk_method == "noaux_tc" else scores
+        grouped = choice.reshape(t, self.n_group, n // self.n_group)
+        if self.topk_method == "noaux_tc":
+            group_scores = jnp.sum(jax.lax.top_k(grouped, min(2, n // self.n_group))[0], axis=-1)
+        else:
+            group_scores = jnp.max(grouped, axis=-1)
+        _, best = jax.lax.top_k(group_scores, self.topk_group)  # [T, topk_group]
+        keep = jnp.zeros((t, self.n_group), bool).at[jnp.arange(t)[:, None], best].set(True)
+        keep = jnp.repeat(keep, n // self.n_group, axis=1)
+        if self.topk_method == "noaux_tc":
+            _, experts = jax.lax.top_k(jnp.where(keep, choice, -jnp.inf), self.top_k)
+            return experts, jnp.take_along_axis(scores, experts, axis=-1)
+        weights, experts = jax.lax.top_k(jnp.where(keep, scores, 0.0), self.top_k)
         return experts, weights
 
     def __call__(self, x, valid=None):
@@ -81,9 +126,11 @@ class MoE(nnx.Module):
             scales = tuple(getattr(self, scale_name(n))[...] for n in ("gate_proj", "up_proj", "down_proj"))
         y = expert_mlp(x, slots, weights.astype(x.dtype), self.gate_proj[...], self.up_proj[...],
                        self.down_proj[...], scales, self.quant_group)
-        if self.has_shared:
+        if self.shared_gated:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
             y = y + gate * self.shared_expert(x)
+        elif self.has_shared:
+            y = y + self.shared_expert(x)
         return y
 
 

@@ -1,5 +1,5 @@
 """The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE, Phi-3, Gemma 3's layers from
-`models.gemma3`) in Flax NNX: `DecoderLayer`,
+`models.gemma3`, DeepSeek-V2 / V3 with multi-head latent attention: models/mla.py) in Flax NNX: `DecoderLayer`,
 `CausalLM` (forward over a RaggedBatch, logits, the hooks for the native CPU kernels' weight packing and head screen)
 and the KV cache it declares (`kv_cache_specs`: a `models.kv_cache.KVCacheSpec` per layer). Details: docs/models.md."""
 from __future__ import annotations
@@ -14,6 +14,7 @@ from models.config import ModelConfig
 from models.gemma3 import GemmaDecoderLayer, scale_embeddings, soft_cap
 from models.kv_cache import KVCacheSpec
 from models.layers import MLP, RMSNorm, embed_lookup, param
+from models.mla import MLAttention
 from models.moe import MoE
 from pallas_kernels import matmul as cpu_weights
 from pallas_kernels.matmul import matmul
@@ -23,7 +24,7 @@ from sharding.axes import EMBED, VOCAB
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
-        self.self_attn = Attention(cfg, layer, dtype, rngs)
+        self.self_attn = (MLAttention if cfg.is_mla else Attention)(cfg, layer, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
         if cfg.moe_layers[layer]:
             self.mlp = MoE(cfg, dtype, rngs, num_slots=cfg.num_expert_slots)
@@ -115,7 +116,11 @@ class CausalLM(nnx.Module):
         groups = []  # (owner, fused attribute or None, [param names], rows)
         for layer in self.layers:
             a = layer.self_attn
-            groups += [(a, "qkv_proj", ["q_proj", "k_proj", "v_proj"], e), (a, None, ["o_proj"], cfg.num_heads * d)]
+            if isinstance(a, MLAttention):
+                groups += a.packing_groups()
+            else:
+                groups += [(a, "qkv_proj", ["q_proj", "k_proj", "v_proj"], e),
+                           (a, None, ["o_proj"], cfg.num_heads * d)]
             mlps = [layer.mlp] if isinstance(layer.mlp, MLP) else \
                 ([layer.mlp.shared_expert] if getattr(layer.mlp, "has_shared", False) else [])
             for m in mlps:
@@ -138,5 +143,6 @@ def kv_cache_specs(cfg: ModelConfig, *, dtype, kv_cache_dtype: str = "auto") -> 
     """The KV cache of a model of `cfg`, as each layer's attention declares it (`Attention.kv_cache_spec`): values
     in `dtype` ("auto") or a quantized format of `pallas_kernels.kv_quant`. A config is enough, so the ledger sizes
     a cache without building the model."""
-    return tuple(Attention.kv_cache_spec(cfg, layer, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+    attention = MLAttention if cfg.is_mla else Attention
+    return tuple(attention.kv_cache_spec(cfg, layer, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
                  for layer in range(cfg.num_layers))

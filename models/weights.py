@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from models.config import ModelConfig
+from models.config import DEEPSEEK_FAMILIES, ModelConfig
 from models.gguf import GGUFCheckpoint, GGUFModel, config_from_gguf, is_gguf
 from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, num_groups, quantize, scale_name
 from models.quantized_checkpoint import CheckpointQuantization, QuantizedWeight, element_scales
@@ -52,6 +52,8 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
     if rest[0] in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                    "post_feedforward_layernorm"):
         return [f"{pre}.{rest[0]}.weight"], ident
+    if rest[0] == "self_attn" and cfg.is_mla:
+        return _mla_source(cfg, f"{pre}.self_attn", rest[1])
     if rest[0] == "self_attn":
         a = f"{pre}.self_attn"
         heads = {"q": hq, "k": hkv, "v": hkv}
@@ -84,6 +86,39 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
     raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")
 
 
+def _rope_order(cfg: ModelConfig, width: int) -> np.ndarray:
+    """Row order of a projection's output [.., width] whose last qk_rope_head_dim values are RoPE values: DeepSeek's
+    interleaved pairs (x0, x1), (x2, x3), ... made rotate-half order (x0, x2, ..., x1, x3, ...), as HF's interleaved
+    rotation outputs them; identity for a checkpoint already in rotate-half order."""
+    order = np.arange(width)
+    if cfg.rope_interleave:
+        dr = cfg.qk_rope_head_dim
+        rope = order[width - dr:]
+        order[width - dr:] = np.concatenate([rope[0::2], rope[1::2]])
+    return order
+
+
+def _mla_source(cfg: ModelConfig, a: str, name: str) -> Source:
+    """Multi-head latent attention's weights (models/mla.py layout) from DeepSeek's HF names."""
+    e, h = cfg.hidden_size, cfg.num_heads
+    dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+    if name in ("q_a_layernorm", "kv_a_layernorm"):
+        return [f"{a}.{name}.weight"], lambda w: w
+    if name == "q_a_proj":
+        return [f"{a}.q_a_proj.weight"], lambda w: w.T
+    if name in ("q_proj", "q_b_proj"):  # [H (Dn + Dr), K] -> [K, H, Dn + Dr], each head's RoPE part de-interleaved
+        order = _rope_order(cfg, dn + dr)
+        return [f"{a}.{name}.weight"], lambda w: w.reshape(h, dn + dr, -1)[:, order].transpose(2, 0, 1)
+    if name == "kv_a_proj_with_mqa":  # [R + Dr, E] -> [E, R + Dr]
+        order = _rope_order(cfg, r + dr)
+        return [f"{a}.kv_a_proj_with_mqa.weight"], lambda w: w[order].T
+    if name == "kv_b_proj":  # [H (Dn + Dv), R] -> [R, H, Dn + Dv]
+        return [f"{a}.kv_b_proj.weight"], lambda w: w.reshape(h, dn + dv, r).transpose(2, 0, 1)
+    if name == "o_proj":  # [E, H Dv] -> [H, Dv, E]
+        return [f"{a}.o_proj.weight"], lambda w: w.reshape(e, h, dv).transpose(1, 2, 0)
+    raise CheckpointError(f"no HF source known for multi-head latent attention parameter {name} ({a})")
+
+
 def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
     n = cfg.num_experts
     stack_t = lambda *ws: np.stack([w.T for w in ws])  # noqa: E731
@@ -98,13 +133,16 @@ def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
     name = rest[0]
     if name == "router":
         return [router], lambda w: w.T
+    if name == "e_score_correction_bias":  # DeepSeek-V3's routing bias
+        return [f"{m}.gate.e_score_correction_bias"], lambda b: b
     if name in per_expert:
         # Physical slots beyond the experts start as replicas of experts 0, 1, ... (sharding.experts).
         slots = cfg.num_expert_slots or n
         fill = lambda *ws: stack_t(*ws)[np.arange(slots) % n]  # noqa: E731
         return [f"{m}.experts.{j}.{per_expert[name]}.weight" for j in range(n)], fill
     if name == "shared_expert":
-        return [f"{m}.shared_expert.{rest[1]}.weight"], lambda w: w.T
+        shared = "shared_experts" if cfg.family in DEEPSEEK_FAMILIES else "shared_expert"
+        return [f"{m}.{shared}.{rest[1]}.weight"], lambda w: w.T
     if name == "shared_expert_gate":
         return [f"{m}.shared_expert_gate.weight"], lambda w: w.T
     raise CheckpointError(f"no HF source known for MoE parameter {name} of layer {i}")
@@ -249,7 +287,8 @@ def load_checkpoint(ckpt, cfg: ModelConfig, where: str, *, dtype=jnp.float32, me
                  "text in, text out)", where, len(vision))
     unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n) and not _VISION.search(n)
               and not (n == rename("lm_head.weight") and cfg.tie_word_embeddings)
-              and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
+              and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))
+              and not _next_token_layer(cfg, n)]
     if unused:
         raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "
                               f"{unused[:3]} — an option the config does not declare?")
@@ -260,9 +299,16 @@ def load_checkpoint(ckpt, cfg: ModelConfig, where: str, *, dtype=jnp.float32, me
 
 # Parameters that are HF Linear weights (a pre-quantized checkpoint may hold any of them quantized).
 _LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router",
-           "shared_expert_gate", "lm_head"}
+           "shared_expert_gate", "lm_head", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"}
 # compressed-tensors' static KV-cache scales: our quantized cache keeps a scale per token (--kv_cache_dtype)
 _KV_SCALES = re.compile(r"\.(k_scale|v_scale)$")
+
+
+def _next_token_layer(cfg: ModelConfig, name: str) -> bool:
+    """A DeepSeek-V3 multi-token-prediction layer's tensor (model.layers.<num_layers and past>): a draft module for
+    speculation that serving does not use (HF skips it on load too)."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return cfg.family in DEEPSEEK_FAMILIES and m is not None and int(m.group(1)) >= cfg.num_layers
 
 
 def _checkpoint_quantization(model_dir: str) -> CheckpointQuantization | None:

@@ -1,4 +1,5 @@
-"""The entry points models call, `ragged_paged_attention` and `write_kv` (with `attention_backend`, `kv_storage_dtype`),
+"""The entry points models call, `ragged_paged_attention` and `write_kv` (with `attention_backend`, `kv_storage_dtype`;
+for a multi-head latent attention cache `ragged_paged_latent_attention` and `write_latent`),
 dispatched at trace time to the platform's backend: native C++ or pure JAX on cpu, Triton on gpu, Mosaic on tpu;
 MESHSERVE_ATTENTION forces one. Every backend takes a cache of the model's dtype or a quantized one (`kv_quant`).
 Details: docs/attention.md."""
@@ -6,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from pallas_kernels import cpu, native, reference
+from pallas_kernels import cpu, mla, native, reference
 from pallas_kernels.target import target_platform
 
 BACKENDS = ("reference", "cpu", "gpu", "tpu")
@@ -46,9 +47,36 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
 
 
-def unsupported_reason(backend: str, head_dim: int, page_size: int) -> str | None:
+def ragged_paged_latent_attention(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                                  value_dim):
+    """Pure. Multi-head latent attention in its absorbed form: `q[T, H, D]` over one latent row per token (pages
+    [P, page_size, 1, D], an array or a `kv_quant.QuantizedKV`) -> `[T, H, value_dim]`. Same contract as
+    `mla.latent_attention_reference`; every head reads each row once."""
+    backend = attention_backend()
+    if backend == "cpu":
+        if native.latent_attention_supported(q, latent_pages, value_dim):
+            return native.latent_attention(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                           sm_scale=sm_scale, value_dim=value_dim)
+        mla.check_latent_shapes(q, latent_pages, value_dim)
+        return cpu.ragged_paged_attention_cpu(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs,
+                                              sm_scale=sm_scale, value_dim=value_dim)
+    if backend == "gpu":
+        from pallas_kernels.mla_gpu import latent_attention_gpu as fn
+    elif backend == "tpu":
+        from pallas_kernels.mla_tpu import latent_attention_tpu as fn
+    else:
+        fn = mla.latent_attention_reference
+    return fn(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale, value_dim=value_dim)
+
+
+def unsupported_reason(backend: str, head_dim: int, page_size: int,
+                       latent_dims: tuple[int, int] | None = None) -> str | None:
     """Static. Why `backend`'s kernel cannot take these shapes (None: it can), for a model loader to ask before it
-    builds caches rather than meet a lowering error at the first jit."""
+    builds caches rather than meet a lowering error at the first jit. `latent_dims`: a latent cache's
+    (kv_lora_rank, qk_rope_head_dim), whose kernel is asked instead."""
+    if backend == "gpu" and latent_dims is not None:
+        from pallas_kernels.mla_gpu import unsupported_reason as latent_reason
+        return latent_reason(*latent_dims, page_size)
     if backend == "gpu":
         from pallas_kernels.gpu import unsupported_reason as gpu_reason
         return gpu_reason(head_dim, page_size)
@@ -71,3 +99,13 @@ def write_kv(kv_pages, k, v, slot_mapping):
         from pallas_kernels.tpu import write_kv_tpu
         return write_kv_tpu(kv_pages, k, v, slot_mapping)
     return reference.write_kv(kv_pages, k, v, slot_mapping)
+
+
+def write_latent(latent_pages, rows, slot_mapping):
+    """Pure. Writes each token's latent row `rows[T, 1, D]` (`mla.latent_rows`) into flat slots `slot_mapping[T]`
+    (-1 = padding, dropped); a `QuantizedKV` gets each row quantised with its one scale. In place when donated, as
+    `write_kv`."""
+    if attention_backend() == "tpu":
+        from pallas_kernels.tpu import write_rows_tpu
+        return write_rows_tpu(latent_pages, rows, slot_mapping)
+    return reference.write_rows(latent_pages, rows, slot_mapping)

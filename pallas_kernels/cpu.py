@@ -17,9 +17,11 @@ _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - 
 
 
 def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dtype, rows_per_token,
-                  chunk_pages, sm_scale, sliding_window, logit_soft_cap):
-    """Pure. One query block `[Hkv, R, D]` (rows token*G+g) against its sequence's pages -> `[Hkv, R, D]`."""
+                  chunk_pages, sm_scale, sliding_window, logit_soft_cap, value_dim=None):
+    """Pure. One query block `[Hkv, R, D]` (rows token*G+g) against its sequence's pages -> `[Hkv, R, Dv]`; a latent
+    cache (`value_dim`: one row per token, its first `value_dim` values the value) has Hkv = 1."""
     hkv, r, d = q_blk.shape
+    dv = d if value_dim is None else value_dim
     _, page_size, _, _ = kv_pages.shape
     chunk = chunk_pages * page_size
     q_blk = q_blk.astype(kv_dtype)  # dots in the cache's dtype (q's for a quantized cache), accumulated in f32
@@ -35,8 +37,12 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dt
         pages = lax.dynamic_slice_in_dim(pages_row, c * chunk_pages, chunk_pages)
         # a 16-bit float cache stored as uint16 bits (`reference.kv_storage_dtype`) is bitcast, a QuantizedKV
         # dequantised, only in the pages gathered here
-        kv = reference.read_pages(kv_pages, pages, kv_dtype).reshape(chunk, hkv, 2, d)
-        k, v = kv[:, :, 0], kv[:, :, 1]
+        if value_dim is None:
+            kv = reference.read_pages(kv_pages, pages, kv_dtype).reshape(chunk, hkv, 2, d)
+            k, v = kv[:, :, 0], kv[:, :, 1]
+        else:
+            k = reference.read_pages(kv_pages, pages, kv_dtype).reshape(chunk, 1, d)
+            v = k[:, :, :value_dim]
         s = jnp.einsum("hrd,chd->hrc", q_blk, k, preferred_element_type=jnp.float32) * sm_scale
         if logit_soft_cap is not None:
             s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
@@ -54,18 +60,21 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dt
         return m_new, l, acc
 
     init = (jnp.full((hkv, r), _NEG, jnp.float32), jnp.zeros((hkv, r), jnp.float32),
-            jnp.zeros((hkv, r, d), jnp.float32))
+            jnp.zeros((hkv, r, dv), jnp.float32))
     _, l, acc = lax.fori_loop(c_lo, c_hi, body, init)
     return acc / jnp.where(l == 0, 1.0, l)[..., None]
 
 
 def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                               sliding_window=None, logit_soft_cap=None, block_tokens=64, chunk_tokens=128):
+                               sliding_window=None, logit_soft_cap=None, block_tokens=64, chunk_tokens=128,
+                               value_dim=None):
     """Pure. Same contract as `ragged_paged_attention_reference` (a `QuantizedKV` is dequantised to q's dtype a chunk
-    of pages at a time); fast and memory-sane on XLA:CPU."""
+    of pages at a time); fast and memory-sane on XLA:CPU. `value_dim`: a latent cache [P, page, 1, D] read by every
+    query head, its rows' first `value_dim` values the values (`pallas_kernels.mla`): out [T, Hq, value_dim]."""
     t, hq, d = q.shape
     _, page_size, h2, _ = kv_pages.shape
-    hkv = h2 // 2
+    hkv = 1 if value_dim is not None else h2 // 2
+    dv = d if value_dim is None else value_dim
     g = hq // hkv
     bt = max(1, min(block_tokens, t))
     chunk_pages = max(1, min(chunk_tokens // page_size, page_indices.shape[1]))
@@ -73,7 +82,8 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     pages = plan_lib.pad_page_indices(page_indices, chunk_pages)
     kv_dtype = q.dtype if isinstance(kv_pages, QuantizedKV) or kv_pages.dtype == jnp.uint16 else kv_pages.dtype
     attend = functools.partial(_attend_block, kv_dtype=kv_dtype, rows_per_token=g, chunk_pages=chunk_pages,
-                               sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap)
+                               sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
+                               value_dim=value_dim)
     q_pad = jnp.pad(q, ((0, bt), (0, 0), (0, 0)))  # so a block-sized window never runs off the end
 
     sizes = sorted({1, min(8, bt), bt})  # query-block widths: decodes, short (speculative) chunks, prefill
@@ -81,7 +91,7 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     def run_block(width, out, start, q_len, args):
         q_blk = lax.dynamic_slice_in_dim(q_pad, start, width).reshape(width, hkv, g, d)
         q_blk = q_blk.transpose(1, 0, 2, 3).reshape(hkv, width * g, d)
-        o = attend(q_blk, *args).reshape(hkv, width, g, d).transpose(1, 0, 2, 3).reshape(width, hq, d)
+        o = attend(q_blk, *args).reshape(hkv, width, g, dv).transpose(1, 0, 2, 3).reshape(width, hq, dv)
         o = o.astype(out.dtype)
         if width > 1:  # rows past the item belong to later items: keep what is there
             keep = jnp.arange(width)[:, None, None] < q_len
@@ -99,5 +109,5 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         which = sum((q_len > w).astype(jnp.int32) for w in sizes[:-1])
         return lax.switch(which, branches, out)
 
-    out = lax.fori_loop(0, plan.num_items, item, jnp.zeros_like(q_pad))
+    out = lax.fori_loop(0, plan.num_items, item, jnp.zeros(q_pad.shape[:2] + (dv,), q.dtype))
     return out[:t]

@@ -16,9 +16,14 @@ def write_kv(kv_pages, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     A cache stored as uint16 bits (`kv_storage_dtype`: 16-bit floats on CPU) receives k/v's bits; k/v must then
     be in the cache's logical 16-bit float dtype. A `QuantizedKV` receives each row quantised (`kv_quant.quantize`)
     and its scale."""
-    num_pages, page_size, h2, d = kv_pages.shape
-    t = k.shape[0]
-    kv = jnp.stack([k, v], axis=2).reshape(t, h2, d)
+    _, _, h2, d = kv_pages.shape
+    return write_rows(kv_pages, jnp.stack([k, v], axis=2).reshape(k.shape[0], h2, d), slot_mapping)
+
+
+def write_rows(kv_pages, kv: jax.Array, slot_mapping: jax.Array):
+    """Pure. Writes each token's page row `kv[T, rows, D]` (K/V interleaved, or a latent cache's one row) into flat
+    slots `slot_mapping[T]`; slots < 0 are dropped. Storage as `write_kv`."""
+    num_pages, page_size = kv_pages.shape[:2]
     idx = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     if isinstance(kv_pages, QuantizedKV):
         values, scales = kv_quant.quantize(kv, kv_pages.values.dtype)

@@ -240,9 +240,15 @@ def _write_kernel(slot_ref, *refs, page_size, parts):
 def write_kv_tpu(kv_pages, k, v, slot_mapping, *, interpret=False):
     """Pure. `write_kv` as one Mosaic kernel: a DMA per token straight into its slot, the cache aliased. A
     `QuantizedKV` gets the rows quantised (`kv_quant.quantize`, in XLA) and a second DMA per token for the scales."""
-    _, page_size, h2, d = kv_pages.shape
-    t = k.shape[0]
-    new_kv = jnp.stack([k, v], axis=2).reshape(t, h2, d)
+    _, _, h2, d = kv_pages.shape
+    return write_rows_tpu(kv_pages, jnp.stack([k, v], axis=2).reshape(k.shape[0], h2, d), slot_mapping,
+                          interpret=interpret)
+
+
+def write_rows_tpu(kv_pages, new_kv, slot_mapping, *, interpret=False):
+    """Pure. `reference.write_rows` (each token's page row `new_kv[T, rows, D]`: K/V interleaved, or a latent
+    cache's one row) as `write_kv_tpu`'s aliased DMA kernel."""
+    _, page_size, _, _ = kv_pages.shape
     quantized = isinstance(kv_pages, QuantizedKV)
     if quantized:
         new = list(kv_quant.quantize(new_kv, kv_pages.values.dtype))

@@ -18,7 +18,7 @@ from models.config import ModelConfig
 from models.kv_cache import KVCacheSpec, window_pool_pages, window_pools
 from models.transformer import kv_cache_specs
 from pallas_kernels import kv_quant
-from sharding.pipeline import stage_layers as _stage_layers, stage_slots as _stage_slots
+from sharding.pipeline import SlotPlan, plan_slots, stage_layers as _stage_layers
 from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, partition_spec_for_sizes, shard_shape
 
 GB, GiB, KiB, MiB = 10**9, 2**30, 2**10, 2**20
@@ -97,6 +97,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
         architectures=["Qwen2ForCausalLM"], hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
         num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, max_position_embeddings=32768,
         rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16", tie_word_embeddings=False)),
+    # DeepSeek-V3 (its config.json; block-FP8 weights): 61 layers (3 dense, then MoE) of multi-head latent
+    # attention, whose cache is one row of kv_lora_rank 512 + qk_rope_head_dim 64 per token and layer.
+    "deepseek-v3": ("DeepSeek-V3", dict(
+        architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+        num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True, scoring_func="sigmoid",
+        max_position_embeddings=163840, rope_theta=10000, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        torch_dtype="bfloat16", bos_token_id=0, eos_token_id=1, num_nextn_predict_layers=1,
+        rope_scaling=dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0,
+                          original_max_position_embeddings=4096, type="yarn"),
+        quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
+                                 weight_block_size=[128, 128]))),
     # The source's example (§1.1): 32 layers, hidden 4096, no GQA, fp16 -> 512 KiB of KV per token. The rest of
     # its shape (MLP 11008, vocab 32000) is Llama-2-7B's, which is exactly such a model.
     "source-example": ("source example (32 layers, hidden 4096, no GQA)",
@@ -177,6 +191,7 @@ class ModelMemory:
         params = list(self.top.values()) + [p for i in range(cfg.num_layers) for p in self.layer_kinds[cfg.moe_layers[i]]]
         self.num_params = sum(math.prod(p.shape) for p in params)
         self.weight_bytes = sum(math.prod(p.shape) * p.itemsize for p in params)  # quantized weights at their size
+        self._slot_plans: dict[int, SlotPlan] = {}  # per pipeline degree
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -222,24 +237,29 @@ class ModelMemory:
         num_layers % pp stages one layer more)."""
         return _stage_layers(self.cfg.num_layers, layout.pp)
 
+    def slot_plan(self, layout: Layout) -> SlotPlan:
+        """The pipeline runner's slots (`sharding.pipeline.plan_slots`): layers of one kind (dense or MoE, and
+        their cache) share a slot; a stage with no layer for a slot pads it."""
+        if layout.pp not in self._slot_plans:
+            kinds = [(self.cfg.moe_layers[i], self.kv_specs[i]) for i in range(self.cfg.num_layers)]
+            self._slot_plans[layout.pp] = plan_slots(self.stage_layers(layout), kinds)
+        return self._slot_plans[layout.pp]
+
     def stage_slots(self, layout: Layout) -> int:
-        """Layer slots every stage allocates (weights and a KV buffer each): the longest stage's layer count, as
-        the runner stacks slot j of all stages into one array split evenly over 'pipeline'."""
-        return _stage_slots(self.stage_layers(layout))
+        """Layer slots every stage allocates (weights and a KV buffer each), as the runner stacks slot j of all
+        stages into one array split evenly over 'pipeline'."""
+        return self.slot_plan(layout).num_slots
 
     def stage_padding_layers(self, layout: Layout, stage: int) -> int:
         """Padding slots of `stage` (no-op slots whose zero weights and KV buffer are allocated all the same)."""
-        return self.stage_slots(layout) - len(self.stage_layers(layout)[stage])
+        return self.slot_plan(layout).padding(stage)
 
     def stage_layer_weight_bytes(self, layout: Layout, stage: int) -> int:
-        """Bytes of decoder-layer weights on one device of pipeline stage `stage`: its real layers and its padding
-        slots (each the size of the real layers in that slot on the other stages)."""
-        stages = self.stage_layers(layout)
+        """Bytes of decoder-layer weights on one device of pipeline stage `stage`: a layer of each slot's kind, its
+        real layers and its padding slots alike."""
         per_kind = {kind: sum(self._bytes(p, layout) for p in params) for kind, params in self.layer_kinds.items()}
-        total = sum(per_kind[self.cfg.moe_layers[i]] for i in stages[stage])
-        for j in range(len(stages[stage]), self.stage_slots(layout)):  # padding slots
-            total += per_kind[self.cfg.moe_layers[next(layers[j] for layers in stages if j < len(layers))]]
-        return total
+        plan = self.slot_plan(layout)
+        return sum(per_kind[self.cfg.moe_layers[plan.slot_layer(j)]] for j in range(plan.num_slots))
 
     def stage_weight_bytes(self, layout: Layout, stage: int) -> int:
         """Bytes of weights on one device of pipeline stage `stage`: its layer slots (`stage_layer_weight_bytes`)
@@ -250,9 +270,9 @@ class ModelMemory:
     def stage_kv_bytes_per_token(self, layout: Layout, stage: int) -> int:
         """KV bytes per cached token on one device of `stage`: its slots, padding ones included, each a cache of
         the spec of the layers in that slot (as the pipeline runner stacks them), and its share of their heads."""
-        first = self.stage_layers(layout)[0]  # the longest stage: a layer in every slot
-        return sum(self.kv_specs[first[j]].device_bytes_per_token(layout.axis_sizes, self.rules)
-                   for j in range(self.stage_slots(layout)))
+        plan = self.slot_plan(layout)
+        return sum(self.kv_specs[plan.slot_layer(j)].device_bytes_per_token(layout.axis_sizes, self.rules)
+                   for j in range(plan.num_slots))
 
 
 @functools.lru_cache(maxsize=32)
@@ -349,6 +369,8 @@ def peak_activation_bytes(mm: ModelMemory, layout: Layout, tokens: int, seqs: in
     hq, hkv = local(c.num_heads, "tensor"), local(c.num_kv_heads, "tensor")
     residual = 2 * t * c.hidden_size * a
     attention = t * (2 * hq + 2 * hkv) * c.head_dim * a
+    if c.is_mla:  # per head: q (nope + rope), q in the latent space (latent + rope), the latent output, the value
+        attention = t * hq * (c.head_dim + 2 * c.kv_lora_rank + c.qk_rope_head_dim + c.v_head_dim) * a
     mlp = 3 * t * local(c.intermediate_size, "tensor") * a if not all(c.moe_layers) else 0
     if c.is_moe:
         routed = math.ceil(t * c.num_experts_per_tok * hw.moe_capacity_factor / layout.ep)

@@ -42,6 +42,12 @@ struct AttnShape {
   int64_t window;  // 0: none
 };
 
+// A latent (multi-head latent attention) cache: h query heads, rows of d values, the first dv of them the values.
+struct LatentShape {
+  int64_t h, d, dv, page_size, max_pages;
+  float sm_scale;
+};
+
 // The LM head as the model holds it, for the greedy head's exact recheck.
 struct HeadWeight {
   const void* data;
@@ -84,6 +90,11 @@ struct Kernels {
                       bool packed, const float* scale, int64_t groups, int32_t method, void* o);
   // Whether this path's int8 matmul has the int8 dot-product method on this CPU (AVX512_VNNI; aarch64 dotprod).
   bool (*int8_dot)();
+  // Paged attention over a latent cache (mla.h; pallas_kernels/mla.py): q [T, H, D] and out [T, H, Dv] in `dt`,
+  // cache [P, page, 1, D] in `dt` (kAsQuery) or quantized with kv_scales [P, page, 1] (null for kAsQuery).
+  void (*latent_attention)(const Runner&, Dt dt, KvFormat kv_format, const LatentShape& a, int64_t t, const void* q,
+                           const void* cache, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
+                           const int32_t* cu, int64_t num_seqs, void* out);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

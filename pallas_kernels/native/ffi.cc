@@ -10,7 +10,8 @@
 // a recheck of the rows its error bounds leave open. expert mlp: a mixture-of-experts layer's routed experts
 // (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once (in x's dtype, or int8 with
 // per-channel scales). int8 matmul: x @ w for int8 weights (packed or row-major) times float32 scales per column or
-// per group of rows. Work is split between the XLA intra-op thread pool's threads and the calling thread.
+// per group of rows. latent attention: paged attention over a multi-head latent attention cache (one row per token
+// read by every head). Work is split between the XLA intra-op thread pool's threads and the calling thread.
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
@@ -201,6 +202,55 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// q [T, H, D] (f32 or bf16) over a latent cache [P, page, 1, D] in q's dtype (bf16 also as uint16 bits) with an
+// empty scales operand, or quantized (int8, float8_e4m3fn or its uint8 bits) with float32 scales [P, page, 1];
+// out [T, H, Dv].
+ffi::Error LatentAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer cache, ffi::AnyBuffer scales_buf,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
+                               ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                               ffi::Result<ffi::AnyBuffer> out, float sm_scale, int64_t value_dim, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto qd = q.dimensions(), kd = cache.dimensions(), pd = page_indices.dimensions(), od = out->dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || pd.size() != 2 || od.size() != 3)
+    return ffi::Error::InvalidArgument("latent attention: expected q[T,H,D], pages[P,page,1,D], page_indices[S,M], "
+                                       "out[T,H,Dv]");
+  LatentShape a{qd[1], qd[2], value_dim, kd[1], pd[1], sm_scale};
+  const int64_t t = qd[0], seqs = pd[0];
+  if (kd[2] != 1 || kd[3] != a.d || a.d % 16 || a.dv % 16 || a.dv <= 0 || a.dv > a.d || od[0] != t ||
+      od[1] != a.h || od[2] != a.dv)
+    return ffi::Error::InvalidArgument("latent attention: one row of D per token, D and Dv multiples of 16 with "
+                                       "Dv <= D, out [T, H, Dv]");
+  if (static_cast<int64_t>(kv_lens.element_count()) != seqs ||
+      static_cast<int64_t>(cu_q_lens.element_count()) != seqs + 1)
+    return ffi::Error::InvalidArgument("latent attention: kv_lens[S] and cu_q_lens[S+1] must match page_indices");
+  const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, seqs);
+  auto qt = q.element_type(), kt = cache.element_type();
+  if ((qt != ffi::DataType::F32 && qt != ffi::DataType::BF16) || out->element_type() != qt)
+    return ffi::Error::InvalidArgument("latent attention: q and out must both be f32 or both bf16");
+  const Dt dt = qt == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16;
+  KvFormat format = KvFormat::kAsQuery;
+  if (kt == ffi::DataType::S8)
+    format = KvFormat::kInt8;
+  else if (kt == ffi::DataType::F8E4M3FN || kt == ffi::DataType::U8)
+    format = KvFormat::kE4m3;
+  else if (!(kt == qt || (dt == Dt::kBf16 && kt == ffi::DataType::U16)))
+    return ffi::Error::InvalidArgument("latent attention: the cache must be in q's dtype (bf16 also as uint16 "
+                                       "bits), int8 or float8_e4m3fn (or uint8 bits)");
+  const float* scales = nullptr;
+  if (format != KvFormat::kAsQuery) {
+    auto sd = scales_buf.dimensions();
+    if (scales_buf.element_type() != ffi::DataType::F32 || sd.size() != 3 || sd[0] != kd[0] || sd[1] != kd[1] ||
+        sd[2] != 1)
+      return ffi::Error::InvalidArgument("latent attention: a quantized cache needs float32 scales [P, page, 1]");
+    scales = static_cast<const float*>(scales_buf.untyped_data());
+  }
+  kernels->latent_attention(RunnerFor(pool), dt, format, a, t, q.untyped_data(), cache.untyped_data(), scales,
+                            kv_lens.typed_data(), page_indices.typed_data(), cu_q_lens.typed_data(), n,
+                            out->untyped_data());
+  return ffi::Error::Success();
+}
+
 ffi::Error GreedyHeadImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> q,
                           ffi::Buffer<ffi::F32> bounds, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> num_rows,
                           ffi::Result<ffi::Buffer<ffi::S32>> tokens, ffi::Result<ffi::Buffer<ffi::S32>> candidates,
@@ -354,6 +404,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::Attentio
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")
                                   .Attr<int64_t>("window")
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLatentAttention, meshserve::LatentAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("value_dim")
                                   .Attr<int32_t>("isa"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveMatmulPacked, meshserve::MatmulPackedImpl, MatmulBinding());

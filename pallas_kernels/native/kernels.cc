@@ -7,6 +7,7 @@
 //   matmul.h       packed matmul (any rows) and small-M matmul on row-major weights, AMX where built for it
 //   matmul_int8.h  int8 weights with float32 scales: widened to float32, or int8 dot products where the CPU has them
 //   attention.h    ragged paged attention with an online softmax
+//   mla.h          paged attention over a latent (multi-head latent attention) cache, every head per row read
 //   greedy_head.h  greedy LM head: argmax of the exact logits from an int8 screen plus an exact recheck
 //   moe.h          grouped expert MLP (mixture of experts): each selected expert's weights read once per call
 //   simd.h         the vector operations all of them are written in; parallel.h work sharing and buffers
@@ -81,13 +82,14 @@ namespace {
 #include "matmul.h"
 #include "matmul_int8.h"
 #include "attention.h"
+#include "mla.h"
 #include "greedy_head.h"
 #include "moe.h"
 
 #define MESHSERVE_STR2(x) #x
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
 const Kernels kTable = {MESHSERVE_STR(MESHSERVE_NS), MatmulEntry, MatmulPackedEntry, AttentionEntry,
-                        GreedyHeadEntry, ExpertMlpEntry, MatmulInt8Entry, Int8Dot};
+                        GreedyHeadEntry, ExpertMlpEntry, MatmulInt8Entry, Int8Dot, LatentAttentionEntry};
 
 }  // namespace
 }  // namespace MESHSERVE_NS

@@ -361,6 +361,94 @@ Worst CheckAttention(const Kernels& k) {
   return worst;
 }
 
+// Latent (multi-head latent attention) cache (mla.h; pallas_kernels/mla.py): one row of D values per token that every
+// head reads, scores over the whole row, values its first Dv; token i of sequence s at kv_lens[s] - q_len + i sees
+// the rows at or before it. The cache in q's dtype, or quantized: int8 or float8_e4m3 bits with a scale per row
+// (the reference reads the dequantized values). Heads past kLatentRows (80) make units of head blocks.
+Worst CheckLatentAttention(const Kernels& k) {
+  Worst worst;
+  struct Shape {
+    int64_t h, d, dv;
+  };
+  const int64_t t = 80, num_seqs = 3, page_size = 4, max_pages = 21, num_pages = 72;
+  const std::vector<int32_t> kv_lens = {9, 70, 83, 0}, cu = {0, 1, 71, 76, 76};
+  std::vector<int32_t> perm(num_pages), pages(4 * max_pages, 0);
+  Rng rng{43};
+  for (int64_t i = 0; i < num_pages; ++i) perm[i] = static_cast<int32_t>(i);
+  for (int64_t i = num_pages - 1; i > 0; --i) std::swap(perm[i], perm[rng.Next() % (i + 1)]);
+  for (int64_t i = 0, used = 0; i < 4; ++i)
+    for (int64_t p = 0; p < (kv_lens[i] + page_size - 1) / page_size; ++p) pages[i * max_pages + p] = perm[used++];
+  const int64_t rows = num_pages * page_size;
+  for (const Shape sh : {Shape{4, 48, 32}, Shape{80, 32, 16}})
+    for (Dt dt : {Dt::kF32, Dt::kBf16})
+      for (KvFormat format : {KvFormat::kAsQuery, KvFormat::kInt8, KvFormat::kE4m3}) {
+        const LatentShape a{sh.h, sh.d, sh.dv, page_size, max_pages, static_cast<float>(1 / std::sqrt(48.0))};
+        const Buf q = Random(dt, t * a.h * a.d, rng, 2);
+        Buf cache = Random(dt, rows * a.d, rng, 2);
+        std::vector<int8_t> bytes(rows * a.d);
+        std::vector<float> scales(rows);
+        std::vector<double> value(rows * a.d);  // what the kernel must read
+        for (int64_t r = 0; r < rows; ++r) {
+          scales[r] = rng.Uniform(0.5f, 2.0f) / 64;
+          for (int64_t e = 0; e < a.d; ++e) {
+            const int64_t i = r * a.d + e;
+            if (format == KvFormat::kInt8) {
+              bytes[i] = static_cast<int8_t>(static_cast<int>(rng.Next() % 255) - 127);
+              value[i] = bytes[i] * double{scales[r]};
+            } else if (format == KvFormat::kE4m3) {
+              uint8_t b = static_cast<uint8_t>(rng.Next());
+              if ((b & 0x7F) == 0x7F) b ^= 1;  // never a NaN encoding (quantisation saturates at 448)
+              bytes[i] = static_cast<int8_t>(b);
+              const int mag = b & 0x7F, ex = mag >> 3, man = mag & 7;
+              const double x = ex ? std::ldexp(1 + man / 8.0, ex - 7) : std::ldexp(man / 8.0, -6);
+              value[i] = (b & 0x80 ? -x : x) * scales[r];
+            } else {
+              value[i] = cache.At(i);
+            }
+          }
+        }
+        std::vector<double> want(t * a.h * a.dv, 0.0), s;
+        for (int64_t tok = 0; tok < cu[num_seqs]; ++tok) {
+          int64_t seq = 0;
+          while (cu[seq + 1] <= tok) ++seq;
+          const int64_t kv_len = kv_lens[seq], pos = kv_len - (cu[seq + 1] - cu[seq]) + (tok - cu[seq]);
+          auto row = [&](int64_t p) {
+            return (pages[seq * max_pages + p / page_size] * page_size + p % page_size) * a.d;
+          };
+          for (int64_t h = 0; h < a.h; ++h) {
+            double m = -INFINITY, sum = 0;
+            s.assign(pos + 1, 0.0);
+            for (int64_t p = 0; p <= pos; ++p) {
+              double dot = 0;
+              for (int64_t e = 0; e < a.d; ++e) dot += q.At((tok * a.h + h) * a.d + e) * value[row(p) + e];
+              s[p] = dot * a.sm_scale;
+              m = std::max(m, s[p]);
+            }
+            double* o = &want[(tok * a.h + h) * a.dv];
+            for (int64_t p = 0; p <= pos; ++p) {
+              const double w = std::exp(s[p] - m);
+              sum += w;
+              for (int64_t e = 0; e < a.dv; ++e) o[e] += w * value[row(p) + e];
+            }
+            for (int64_t e = 0; e < a.dv; ++e) o[e] /= sum;
+          }
+        }
+        const void* data = format == KvFormat::kAsQuery ? cache.data() : static_cast<const void*>(bytes.data());
+        const float* sc = format == KvFormat::kAsQuery ? nullptr : scales.data();
+        for (int threads : kThreadCounts) {
+          Buf o(dt, t * a.h * a.dv);
+          Call(threads, [&](const Runner& run) {
+            k.latent_attention(run, dt, format, a, t, q.data(), data, sc, kv_lens.data(), pages.data(), cu.data(),
+                               num_seqs, o.data());
+          });
+          Compare(worst, o, want,
+                  Case("%s cache=%d H=%lld D=%lld Dv=%lld threads=%d", DtName(dt), static_cast<int>(format),
+                       (long long)a.h, (long long)a.d, (long long)a.dv, threads));
+        }
+      }
+  return worst;
+}
+
 // pallas_kernels/native.py `greedy_head_screen` of the head as [N, K]: q [N, Kq] (Kq: K rounded up to 64), each
 // row's scale s_j and bound c_j = (||w_j - s_j q_j|| + gamma ||s_j q_j||)(1 + 1e-6), rounded up to float32.
 struct Screen {
@@ -605,12 +693,13 @@ int main(int argc, char** argv) {
       std::printf("%s: FAIL (table is %s's)\n", name, k->name);
       continue;
     }
-    const char* kernels[] = {"matmul", "matmul_packed", "attention", "greedy_head", "matmul_int8", "expert_mlp"};
-    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k),   CheckAttention(*k),
-                             CheckGreedyHead(*k), CheckInt8(*k), CheckExpertMlp(*k)};
+    const char* kernels[] = {"matmul",      "matmul_packed", "attention",  "greedy_head",
+                             "matmul_int8", "expert_mlp",    "latent_attention"};
+    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k),   CheckAttention(*k),     CheckGreedyHead(*k),
+                             CheckInt8(*k),   CheckExpertMlp(*k), CheckLatentAttention(*k)};
     std::string line = std::string(name) + ":";
     bool ok = true;
-    for (int i = 0; i < 6; ++i) {
+    for (int i = 0; i < 7; ++i) {
       line += std::string(i ? ", " : " ") + kernels[i] + (results[i].ok() ? " ok" : " FAIL (" + results[i].where + ")");
       ok = ok && results[i].ok();
     }

@@ -1,6 +1,6 @@
 """The jit-able calls of the native CPU kernels through the XLA FFI, each with its trace-time check of whether it can
-run here (`*_supported`): `matmul`, `matmul_packed`, `matmul_int8`, `greedy_head`, `expert_mlp` and
-`ragged_paged_attention`."""
+run here (`*_supported`): `matmul`, `matmul_packed`, `matmul_int8`, `greedy_head`, `expert_mlp`,
+`ragged_paged_attention` and `latent_attention`."""
 from __future__ import annotations
 
 import math
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_quant import QuantizedKV
-from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _MATMUL, _MATMUL_INT8,
-                                           _MATMUL_PACKED, _isa_attr, _require, enabled, int8_dot_runs, isa,
-                                           runnable_isas)
+from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _MATMUL,
+                                           _MATMUL_INT8, _MATMUL_PACKED, _isa_attr, _require, enabled, int8_dot_runs,
+                                           isa, runnable_isas)
 from pallas_kernels.native.packing import PANELS, _padded_k, is_packed, is_packed_experts, packed_shape
 
 INT8_ENV_VAR = "MESHSERVE_INT8_KERNEL"  # auto (default) | widen | dot: how the int8 matmul multiplies (INT8_METHODS)
@@ -241,3 +241,36 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     return call(q, values, scales, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
                 jnp.reshape(i32(num_seqs), (1,)), sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(logit_soft_cap or 0.0), window=np.int64(sliding_window or 0), isa=_isa_attr())
+
+
+
+def latent_attention_supported(q: jax.Array, latent_pages, value_dim: int) -> bool:
+    """Trace-time. Whether `latent_attention` can take these operands here: q [T, H, D] f32 or bf16 over a latent
+    cache [P, page, 1, D] in q's dtype (bf16 also as uint16 bits) or a `QuantizedKV` (int8, float8_e4m3fn or its
+    uint8 bits), D and value_dim multiples of 16."""
+    shape = latent_pages.shape
+    if not enabled() or q.ndim != 3 or len(shape) != 4 or shape[2] != 1 or shape[3] != q.shape[2]:
+        return False
+    if q.shape[2] % 16 or value_dim % 16 or not 0 < value_dim <= q.shape[2]:
+        return False
+    if isinstance(latent_pages, QuantizedKV):
+        return (q.dtype in (jnp.float32, jnp.bfloat16) and latent_pages.scales.dtype == jnp.float32
+                and latent_pages.values.dtype in (jnp.int8, jnp.uint8, jnp.float8_e4m3fn))
+    if q.dtype == jnp.float32:
+        return latent_pages.dtype == jnp.float32
+    return q.dtype == jnp.bfloat16 and latent_pages.dtype in (jnp.bfloat16, jnp.uint16)
+
+
+def latent_attention(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, value_dim):
+    """Pure. Same contract as `pallas_kernels.mla.latent_attention_reference` (native/mla.h): out [T, H, value_dim];
+    a `QuantizedKV` is dequantised row by row as its chunk is read."""
+    _require()
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    if isinstance(latent_pages, QuantizedKV):
+        values, scales = latent_pages.values, latent_pages.scales
+    else:
+        values, scales = latent_pages, jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(_LATENT_ATTENTION, jax.ShapeDtypeStruct(q.shape[:2] + (value_dim,), q.dtype))
+    return call(q, values, scales, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
+                jnp.reshape(i32(num_seqs), (1,)), sm_scale=np.float32(sm_scale), value_dim=np.int64(value_dim),
+                isa=_isa_attr())

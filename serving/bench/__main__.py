@@ -25,6 +25,7 @@ BENCHMARKS = {
     "quant": "quantized serving: bf16 vs int8 weights (+ int8 KV) vs llama.cpp Q8_0, KV capacity, int8 kernels",
     "hybrid_kv": "Gemma 3's hybrid KV cache: pages a 32k prompt holds with and without it; 27B's ledger on 8 x 80 GB",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
+    "mla": "multi-head latent attention: DeepSeek-V3's KV per token (ledger), decode vs GQA/MHA, absorbed vs expanded",
 }
 
 

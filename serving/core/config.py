@@ -93,7 +93,7 @@ class EngineConfig:
         1, "Data-parallel replicas inside the instance, each on its own --tp x --ep devices with its own scheduler "
         "and KV pages (--num_pages / --kv_cache_memory_gb are split over them; --max_num_seqs and the queue bounds "
         "are per replica). Not with --pp, speculative decoding or multi-host.")
-    pp: int = option(1, "Pipeline stages (devices on the mesh's 'pipeline' axis; dense models).")
+    pp: int = option(1, "Pipeline stages (devices on the mesh's 'pipeline' axis; with --tp and --ep).")
     micro_batches: int = option(0, "Pipeline micro-batches per step; 0: --pp.")
     spare_expert_slots: int = option(0, "MoE: extra expert slots per layer for replicas of hot experts.")
     speculative_method: str = option(

@@ -164,7 +164,8 @@ class ModelRunner:
         self.model_config: ModelConfig = model.config
         self.load_time_s = time.perf_counter() - t0
         mc = self.model_config
-        reason = unsupported_reason(self.choices.attention_backend, mc.head_dim, config.page_size)
+        reason = unsupported_reason(self.choices.attention_backend, mc.head_dim, config.page_size,
+                                    latent_dims=(mc.kv_lora_rank, mc.qk_rope_head_dim) if mc.is_mla else None)
         if reason:
             raise ValueError(f"{config.model}: {reason}")
         cpu_panels = self.choices.native_kernels

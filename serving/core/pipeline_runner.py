@@ -1,6 +1,7 @@
 """`PipelineModelRunner`: the ModelRunner with its decoder layers split into stages over the mesh's pipeline axis,
-each step's tokens flowing through them as micro-batches (the Engine takes one when config.pp > 1).
-Details: docs/engine.md."""
+each step's tokens flowing through them as micro-batches (the Engine takes one when config.pp > 1); layers of several
+kinds (dense and MoE, as DeepSeek's) on slots of their kind, MoE experts over the expert axis within each stage (pp x
+ep x tp). Details: docs/engine.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ from flax import nnx
 
 from models.batch import RaggedBatch
 from models.layers import embed_lookup
+from models.moe import ExpertCounts, MoE
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.target import tracing_for
 from serving.core.batch import build_layout, micro_batch_tokens, split_micro_batches
@@ -24,42 +26,51 @@ _MD_FIELDS = ("positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens
 
 class PipelineModelRunner(ModelRunner):
     stages: list[range] | None = None  # each stage's layers (set once the model is loaded)
+    slot_plan: pipeline.SlotPlan | None = None  # the layer each stage runs in each slot
 
     def __init__(self, config: EngineConfig, *, model=None, mesh=None):
         pp = config.pp
         self.num_micro = config.micro_batches or pp
-        if config.ep > 1 or config.dp > 1:
-            raise ValueError("pipeline parallelism combines with tensor parallelism only (pp x tp)")
-        mesh = mesh or serving_mesh(pp=pp, tp=config.tp)
+        if config.dp > 1:
+            raise ValueError("pipeline parallelism combines with tensor and expert parallelism (pp x ep x tp), not "
+                             "with data-parallel replicas in one engine")
+        mesh = mesh or serving_mesh(pp=pp, tp=config.tp, ep=config.ep)
         smallest = config.platform_choices().min_token_bucket
         if smallest < self.num_micro:  # a smaller bucket would pad to the same micro-batch height of 1 token
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
         super().__init__(config, model=model, mesh=mesh)
         mc = self.model_config
-        if mc.is_moe:
-            raise ValueError("pipeline parallelism is not implemented for MoE models; use ep (and tp)")
+        caches = sorted({f"{s.attention} {s.sliding_window or ''}".strip() for s in self.kv_cache_specs})
+        if len(caches) > 1:  # untested: the hybrid KV cache (window pools) is off under pp, each slot all pages
+            raise ValueError(f"pipeline parallelism with layers of different KV caches ({caches}, e.g. Gemma 3's "
+                             "sliding-window and global layers) is not implemented")
         self.stages = pipeline.stage_layers(mc.num_layers, pp)
         model = nnx.merge(self.graphdef, self.state)
-        layer_graphdefs = {str(nnx.split(layer)[0]) for layer in model.layers}
-        if len(layer_graphdefs) != 1:
-            raise ValueError("pipeline parallelism needs identical layers (e.g. no per-layer sliding windows)")
-        self.layer_graphdef = nnx.split(model.layers[0])[0]
+        # A layer's kind is its structure (dense or MoE MLP, its attention's window): slots hold layers of one kind.
+        split = [nnx.split(layer) for layer in model.layers]
+        self.slot_plan = pipeline.plan_slots(self.stages, [str(graphdef) for graphdef, _ in split])
+        self.slot_graphdefs = [split[self.slot_plan.slot_layer(j)][0] for j in range(self.slot_plan.num_slots)]
+        self.slot_moe = [isinstance(model.layers[self.slot_plan.slot_layer(j)].mlp, MoE)
+                         for j in range(self.slot_plan.num_slots)]
         self.norm_graphdef = nnx.split(model.norm)[0]
-        layer_states = [nnx.split(layer)[1] for layer in model.layers]
         self.state = {"outer": {"embed": model.embed_tokens.get_value(), "norm": nnx.split(model.norm)[1],
                                 "lm_head": None if mc.tie_word_embeddings else model.lm_head.get_value()},
-                      "slots": pipeline.stack_stage_slots(layer_states, self.stages, mesh)}
+                      "slots": pipeline.stack_stage_slots([state for _, state in split], self.slot_plan, mesh)}
         self.reset_kv_caches()
         self.bubble_fraction = pipeline.bubble_fraction(pp, self.num_micro)
-        self._run = pipeline.pipelined(self._stage, self.stages, self.num_micro)
+        self._expert_slots = (mc.num_expert_slots or mc.num_experts) if mc.is_moe else 0
+        self._run = pipeline.pipelined(self._stage, self.slot_plan, self.num_micro, extra_out=self._expert_slots)
+        # Each MoE layer's (stage, slot): where its expert token counts come out of the pipeline.
+        self._moe_slot_of = [(s, row.index(i)) for i in self.moe_layer_indices()
+                             for s, row in enumerate(self.slot_plan.slot_layers) if i in row]
         del model
 
     def reset_kv_caches(self) -> None:
         """One cache per slot, the spec of the slot's layers with a leading [stages] axis over the pipeline's mesh
         axis (a short stage's padding slots too: the stacked buffer is even; serving.ledger counts them)."""
-        if self.stages is None:  # called by ModelRunner.__init__, before the stages are known
+        if self.slot_plan is None:  # called by ModelRunner.__init__, before the stages are known
             return
-        specs = [self.kv_cache_specs[self.stages[0][j]] for j in range(pipeline.stage_slots(self.stages))]
+        specs = [self.kv_cache_specs[self.slot_plan.slot_layer(j)] for j in range(self.slot_plan.num_slots)]
         n, page_size = self.num_pages, self.config.page_size
         with tracing_for(self.platform):
             self.kv_caches = [spec.zeros(n, page_size, spec.sharding(self.mesh, n, stacked=True),
@@ -67,19 +78,25 @@ class PipelineModelRunner(ModelRunner):
 
     def _stage(self, params, caches, x, md, valid, active):
         """Pure. This device's stage layers on one micro-batch; a padding slot (`active[j]` False) writes no KV
-        and passes `x` through unchanged (whatever its zero weights compute is dropped by the select)."""
-        new = []
+        and passes `x` through unchanged (whatever its zero weights compute is dropped by the select). Also each
+        slot's expert token counts [slots, expert slots] (zero for dense and padding slots)."""
+        new, counts = [], []
         for j, (state, kv) in enumerate(zip(params, caches)):
             attention = AttentionMetadata(slot_mapping=jnp.where(valid & active[j], md["slot_mapping"], -1),
                                           kv_lens=md["kv_lens"], page_indices=md["page_indices"],
                                           cu_q_lens=md["cu_q_lens"], num_seqs=md["num_seqs"])
             batch = RaggedBatch(input_ids=md["positions"], positions=md["positions"], attention=attention,
                                 logits_indices=md["kv_lens"])
-            layer = nnx.merge(self.layer_graphdef, state)
-            y, kv = layer(x, md["positions"], kv, batch)
+            layer = nnx.merge(self.slot_graphdefs[j], state)
+            if self.slot_moe[j]:  # the MoE layer sows its per-slot token counts
+                (y, kv), sown = nnx.capture(layer, ExpertCounts)(x, md["positions"], kv, batch)
+                counts.append(jnp.where(active[j], sown["mlp"]["counts"].get_value()[0], 0))
+            else:
+                y, kv = layer(x, md["positions"], kv, batch)
+                counts.append(jnp.zeros((self._expert_slots,), jnp.int32))
             x = jnp.where(active[j], y, x)
             new.append(kv)
-        return x, new
+        return x, new, jnp.stack(counts) if self._expert_slots else None
 
     @staticmethod
     def _input_ids(batch: dict):
@@ -94,10 +111,17 @@ class PipelineModelRunner(ModelRunner):
         m, tm = micro["positions"].shape
         x = embed_lookup(outer["embed"], arrays["input_ids"])  # [T, E]: the bucket's rows
         x = jnp.pad(x, ((0, m * tm - x.shape[0]), (0, 0))).reshape(m, tm, -1)  # the last micro-batch's padding
-        y, kv_caches = self._run(state["slots"], kv_caches, x, {k: micro[k] for k in _MD_FIELDS})
+        y, kv_caches, counts = self._run(state["slots"], kv_caches, x, {k: micro[k] for k in _MD_FIELDS})
+        if expert_load is not None:  # [stages, slots, expert slots] -> [MoE layers, expert slots]
+            stage, slot = (jnp.asarray(a, jnp.int32) for a in zip(*self._moe_slot_of))
+            expert_load = expert_load + counts[stage, slot]
         hidden = nnx.merge(self.norm_graphdef, outer["norm"])(y.reshape(m * tm, -1))[arrays["logits_indices"]]
         head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
         return jnp.dot(hidden, head, preferred_element_type=jnp.float32), None, kv_caches, expert_load
+
+    def rebalance_experts(self) -> dict[str, float]:
+        raise ValueError("rebalance_experts is not implemented under pipeline parallelism (the expert weights are "
+                         "stacked per stage slot); expert load is still counted (expert_load)")
 
     def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> dict:
         """The whole step's input ids and logits rows (the bucket's), plus per-micro-batch metadata stacked on

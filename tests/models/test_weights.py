@@ -189,3 +189,17 @@ def test_fused_expert_layout(tmp_path):
     prompt = hf_models.random_prompt(16, 160, seed=9)
     np.testing.assert_allclose(_prompt_logits(load_hf_model(d), prompt), hf_models.hf_logits(hf, prompt),
                                atol=1e-4)
+
+
+def test_orbax_round_trip_of_deepseek_v3(tmp_path):
+    """DeepSeek-V3's shape (latent attention with RoPE rows de-interleaved at load, kv_b_proj held in float, MoE with
+    the routing correction bias, a dense first layer) through an Orbax checkpoint: the same config, HF's logits
+    (the restore must not permute the RoPE rows a second time)."""
+    d = str(tmp_path / "deepseek_v3")
+    hf = hf_models.save_hf_model("deepseek_v3", d)
+    model = load_hf_model(d)
+    save_orbax(model, str(tmp_path / "orbax"), hf_dir=d)
+    restored = load_model(str(tmp_path / "orbax"))
+    assert restored.config == model.config and restored.config.is_mla and restored.config.topk_method == "noaux_tc"
+    prompt = hf_models.random_prompt(20, 160, seed=7)
+    np.testing.assert_allclose(_prompt_logits(restored, prompt), hf_models.hf_logits(hf, prompt), atol=1e-4)

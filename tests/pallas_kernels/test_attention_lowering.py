@@ -148,3 +148,61 @@ def test_gpu_kernel_reads_a_step_of_pages_per_loop_iteration(capsys, config, til
     _lower(fn, _abstract_args(**CONFIGS[config]), "cuda")
     kv_tiles = re.findall(r"tt\.addptr [^\n]*: tensor<([0-9x]+)x!tt\.ptr<(?:bf16|f32)>", capsys.readouterr().out)
     assert tile in kv_tiles, kv_tiles
+
+
+# Multi-head latent attention (DeepSeek-V2 / V3's cache: one row of kv_lora_rank 512 + RoPE 64 per token).
+LATENT_CONFIGS = {"v3_decode_h128": dict(t=16, s=16, h=128), "v2lite_prefill_h16": dict(t=64, s=4, h=16),
+                  "f32_small": dict(t=32, s=4, h=4, rank=64, rope=32, dtype=jnp.float32)}
+LATENT_KERNELS = {"cuda": ("latent_attention_gpu", "latent_attention_triton"),
+                  "tpu": ("latent_attention_tpu", "tpu_custom_call")}
+
+
+def _latent_args(*, t, s, h, rank=512, rope=64, ps=16, max_pages=8, dtype=jnp.bfloat16, kv_values=None):
+    d = rank + rope
+    pages = jax.ShapeDtypeStruct((24, ps, 1, d), dtype)
+    if kv_values is not None:
+        pages = QuantizedKV(jax.ShapeDtypeStruct(pages.shape, kv_values),
+                            jax.ShapeDtypeStruct(pages.shape[:-1], jnp.float32))
+    return (jax.ShapeDtypeStruct((t, h, d), dtype), pages, jax.ShapeDtypeStruct((s,), jnp.int32),
+            jax.ShapeDtypeStruct((s, max_pages), jnp.int32), jax.ShapeDtypeStruct((s + 1,), jnp.int32),
+            jax.ShapeDtypeStruct((1,), jnp.int32)), rank
+
+
+@pytest.mark.parametrize("platform", LATENT_KERNELS)
+@pytest.mark.parametrize("config", LATENT_CONFIGS)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_latent_attention_kernel_lowers(platform, config, kv_cache_dtype):
+    from pallas_kernels import mla_gpu, mla_tpu
+    module, name = LATENT_KERNELS[platform]
+    kw = dict(LATENT_CONFIGS[config])
+    if kv_cache_dtype != "auto":
+        kw["kv_values"] = kv_quant.values_dtype(kv_cache_dtype, "gpu" if platform == "cuda" else platform)
+    args, rank = _latent_args(**kw)
+    fn = functools.partial(getattr({"cuda": mla_gpu, "tpu": mla_tpu}[platform], module), sm_scale=0.1,
+                           value_dim=rank)
+    text = _lower(fn, args, platform)
+    assert name in text
+    cache_shape = "x".join(map(str, args[1].shape))
+    assert not re.search(rf"stablehlo\.convert [^\n]*tensor<{cache_shape}x", text)  # the kernel reads the pages
+
+
+@pytest.mark.parametrize("platform,forced", [("cuda", "gpu"), ("tpu", "tpu")])
+def test_latent_entry_points_lower_for_platform(monkeypatch, platform, forced):
+    monkeypatch.setenv("MESHSERVE_ATTENTION", forced)
+    args, rank = _latent_args(t=16, s=4, h=16)
+    text = _lower(functools.partial(pallas_kernels.ragged_paged_latent_attention, sm_scale=0.1, value_dim=rank),
+                  args, platform)
+    assert LATENT_KERNELS[platform][1] in text
+    rows = jax.ShapeDtypeStruct((16, 1, 576), jnp.bfloat16)
+    slots = jax.ShapeDtypeStruct((16,), jnp.int32)
+    text = _lower(functools.partial(pallas_kernels.write_latent), (args[1], rows, slots), platform, donate_argnums=0)
+    if platform == "tpu":  # the aliased DMA kernel writes the rows in place
+        assert "tpu_custom_call" in text and "tf.aliasing_output" in text
+
+
+def test_gpu_latent_kernel_refuses_a_rank_triton_cannot_tile():
+    from pallas_kernels import mla_gpu
+    assert "power-of-two kv_lora_rank >= 16, got 96" in mla_gpu.unsupported_reason(96, 64, 16)
+    assert "power-of-two qk_rope_head_dim >= 16, got 8" in mla_gpu.unsupported_reason(512, 8, 16)
+    assert mla_gpu.unsupported_reason(512, 64, 16) is None
+    assert pallas_kernels.attention.unsupported_reason("gpu", 192, 16, latent_dims=(96, 64))

@@ -1,5 +1,6 @@
 """Memory ledger: the source's figures exactly; predicted per-device weight and KV bytes against sharded arrays
 really allocated on the 8 fake CPU devices, for every layout the sharding tests use."""
+import dataclasses
 import math
 import subprocess
 import sys
@@ -292,3 +293,20 @@ def test_hybrid_kv_cache_counts_a_window_layer_at_its_window():
                                  window_pages=windows)
     assert f"{pages} pages x 16 tokens" in text and f"window pools 64 tokens: {windows[64]} pages" in text
 
+
+
+def test_latent_kv_cache_is_one_row_per_token_replicated_over_tensor():
+    """DeepSeek-V3: each layer caches kv_lora_rank 512 + qk_rope_head_dim 64 values per token (bf16: 1152 B), 61
+    layers; tensor parallelism splits the heads but every device holds the whole latent row; pipeline stages split
+    the layers (each stage the pipeline runner's slots)."""
+    _, cfg = ledger.load_config("deepseek-v3")
+    mm = ModelMemory(cfg, "bfloat16")
+    assert mm.kv_bytes_per_token == 61 * (512 + 64) * 2 == 70272
+    assert mm.stage_kv_bytes_per_token(Layout(tp=8), 0) == mm.stage_kv_bytes_per_token(Layout(tp=4, ep=2), 0) == 70272
+    # pp=2: 31 + 30 layers on 3 dense + 30 MoE slots; each stage allocates every slot's cache, padding ones too
+    assert mm.stage_kv_bytes_per_token(Layout(pp=2, tp=4), 0) == 33 * 1152
+    assert mm.stage_kv_bytes_per_token(Layout(pp=2), 1) == 33 * 1152
+    fp8 = ModelMemory(cfg, "bfloat16", "float8_e4m3fn")
+    assert fp8.kv_bytes_per_token == 61 * (576 + 4)  # fp8 values and a float32 scale per row
+    gqa = ModelMemory(dataclasses.replace(cfg, kv_lora_rank=0, q_lora_rank=0, num_kv_heads=8, head_dim=128), "bfloat16")
+    assert gqa.kv_bytes_per_token == 61 * 2 * 8 * 128 * 2  # the same model with GQA 8 x 128 caches 3.6x more

@@ -10,6 +10,12 @@ COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_l
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# DeepSeek-V2 / V3 (multi-head latent attention, DeepSeek MoE), tiny: latent 32 + RoPE key 16 = a 48-value cache row
+MLA = {**COMMON, "num_key_value_heads": None, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+       "qk_nope_head_dim": 16, "n_routed_experts": 8, "moe_intermediate_size": 32, "num_experts_per_tok": 2,
+       "first_k_dense_replace": 1}
+
+
 def family_configs():
     import transformers as tf
     return {
@@ -49,19 +55,39 @@ def family_configs():
         "qwen2_yarn": lambda: tf.Qwen2Config(**{**COMMON, "max_position_embeddings": 128}, rope_parameters={
             "rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0, "original_max_position_embeddings": 16,
             "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}),
+        # Multi-head latent attention (models/mla.py). V2-Lite's shape: queries straight from the hidden state,
+        # softmax routing, 3 experts of the 2 best of 4 groups, 2 shared experts, a dense first layer; YaRN from
+        # 16 original positions with DeepSeek's mscale = mscale_all_dim (the softmax scale's factor).
+        "deepseek_v2": lambda: tf.DeepseekV2Config(
+            **{**MLA, "max_position_embeddings": 64, "num_experts_per_tok": 3}, q_lora_rank=None, v_head_dim=24,
+            n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 0.707}),
+        # V3's: q_lora_rank, sigmoid scores with the correction bias choosing by groups' top-2 sums, normalised
+        # weights times routed_scaling_factor, one shared expert, RoPE values in interleaved pairs.
+        "deepseek_v3": lambda: tf.DeepseekV3Config(
+            **{**MLA, "max_position_embeddings": 128}, q_lora_rank=48, v_head_dim=32, n_shared_experts=1, n_group=4,
+            topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                             "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
+                             "beta_fast": 32, "beta_slow": 1}),
     }
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
 # Families whose 1-D parameters (norm weights, biases) are moved away from their init values (1, 0), so that a
 # loader or model that ignores them fails parity.
-PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3")
+PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3", "deepseek_v2", "deepseek_v3")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
-def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
+def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
+    """The family's random model; `overrides` set config fields (e.g. vocab_size for a real tokenizer)."""
     import transformers as tf
     torch.manual_seed(seed)
     cfg = family_configs()[family]()
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     cfg._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
     if family in PERTURBED:
@@ -70,12 +96,15 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
             for p in model.parameters():
                 if p.ndim == 1:
                     p.add_(0.2 * torch.randn(p.shape, generator=g))
+            for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: large enough to change choices
+                if name.endswith("e_score_correction_bias"):
+                    b.add_(0.5 * torch.randn(b.shape, generator=g))
     model.eval()
     return model
 
 
-def save_hf_model(family: str, out_dir: str, seed: int = 0, dtype=torch.float32, max_shard_size=None):
-    model = build_hf_model(family, seed, dtype)
+def save_hf_model(family: str, out_dir: str, seed: int = 0, dtype=torch.float32, max_shard_size=None, **overrides):
+    model = build_hf_model(family, seed, dtype, **overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kwargs)
     return model

@@ -34,9 +34,17 @@ LAYOUTS = {  # (model, EngineConfig options)
     "llama-fp8-kv-fp8-tp2": ("llama", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "tp": 2}),
     "mixtral-int8-kv-fp8-ep2": ("mixtral", {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3", "ep": 2}),
     "mixtral-ep2": ("mixtral", {"ep": 2}),
+    # multi-head latent attention and DeepSeek MoE (the latent kernels; heads split with the latent cache whole)
+    "deepseek": ("deepseek", {}),
+    "deepseek-tp2-ep2-kv-fp8": ("deepseek", {"tp": 2, "ep": 2, "kv_cache_dtype": "fp8_e4m3"}),
     # local and global layers, the local ones on the hybrid KV cache's window pool
     "gemma3": ("gemma3", {}),
 }
+LATENT_KERNEL = {"gpu": "latent_attention_triton", "tpu": "tpu_custom_call"}
+# DeepSeek-V3's shape, small: power-of-two latent (64) and RoPE key (32), as the Triton kernel wants.
+DEEPSEEK = {**SHAPE, "num_key_value_heads": None, "kv_lora_rank": 64, "q_lora_rank": 64, "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32, "v_head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_group": 2,
+            "topk_group": 1, "moe_intermediate_size": 64, "first_k_dense_replace": 1}
 KV_VALUES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # a quantized cache's values on GPU / TPU
 WEIGHT_TYPES = {"int8": "xi8>", "fp8": "xf8E4M3FN>"}  # how the quantized weights enter the lowered programs
 
@@ -47,6 +55,7 @@ def models(tmp_path_factory):
     out = {}
     for name, config in (("llama", tf.LlamaConfig(**SHAPE)),
                          ("mixtral", tf.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2)),
+                         ("deepseek", tf.DeepseekV3Config(**DEEPSEEK)),
                          ("gemma3", tf.Gemma3TextConfig(**SHAPE, head_dim=64, sliding_window=16,
                                                         layer_types=["sliding_attention", "full_attention"]))):
         out[name] = hf_models.save_config(config, root / name)
@@ -83,8 +92,9 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
         text = lowered[program.name].as_text()
         assert not cpu_only_pieces(text), (program.name, cpu_only_pieces(text))
         if program.kind != "sample":
-            assert KERNEL[platform] in text, program.name  # the platform's attention kernel, not XLA's
-            if model == "mixtral":  # the expert MLP's grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
+            kernel = (LATENT_KERNEL if model == "deepseek" else KERNEL)[platform]
+            assert kernel in text, program.name  # the platform's attention kernel, not XLA's
+            if model in ("mixtral", "deepseek"):  # the experts' grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
                 assert (megablox_calls(text) > 0) == (platform == "tpu"), program.name
                 assert ("ragged_dot" in text) == (platform == "gpu"), program.name
             if model == "gemma3":  # the local layer's cache: the window pool's 8 x 3 + 2 pages, not the table's 32
