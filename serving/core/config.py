@@ -67,6 +67,10 @@ class EngineConfig:
         "bfloat16; accelerators: 8).")
     max_prefill_chunk: int | None = option(None, "Per-request prefill chunk cap; 0: the token budget.", none_as=0)
     enable_prefix_caching: bool = option(True, "Reuse KV pages of shared prompt prefixes.")
+    host_kv_cache_gb: float = option(
+        0.0, "Host-memory KV tier under the prefix cache, in GiB (0: off): a cached block the device pool evicts is "
+        "copied there and a prefix hit brings it back instead of recomputing it. Needs --enable_prefix_caching; not "
+        "with a hybrid (sliding-window) KV cache, --pp, a draft model, or multi-host.")
     hybrid_kv_cache: bool = option(
         True, "Sliding-window layers of a model that also has full-attention layers (Gemma 3) keep only their "
         "window's pages, in a page pool of their own; false: every layer keeps every page of a sequence (vLLM's "
@@ -127,6 +131,8 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError(f"EngineConfig.host_kv_cache_gb must be >= 0 (0 = off), got {self.host_kv_cache_gb}")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
         if self.speculative_method:

@@ -16,6 +16,8 @@ from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
 from pallas_kernels.target import canonical_platform
 from serving.core.config import EngineConfig
+from serving.core.block_manager import BlockManager
+from serving.core.host_kv import HostKVPool, host_pages_for
 from serving.core.hybrid_block_manager import HybridBlockManager
 from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
@@ -74,6 +76,18 @@ class Engine:
             block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
                                                enable_prefix_caching=config.enable_prefix_caching)
             r.batch_builder.window_maps = block_manager.window_maps
+        self.host_kv: HostKVPool | None = None  # the host tier's pages and transfers (--host_kv_cache_gb)
+        if config.host_kv_cache_gb > 0:
+            self._check_host_tier(config)
+            host_pages = host_pages_for(config.host_kv_cache_gb, r.kv_caches)
+            if host_pages < 1:
+                raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb} holds no KV page of this model")
+            block_manager = BlockManager(r.num_pages, config.page_size, host_pages=host_pages)
+            # a step allocates at most a page per scheduled token's block, plus one per sequence it crosses into
+            per_step = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs
+            self.host_kv = HostKVPool(r, host_pages, per_step)
+            log.info("host KV tier: %d pages (%.2f GiB) under %d device pages", host_pages,
+                     self.host_kv.nbytes / (1 << 30), r.num_pages)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=r.max_model_len, num_pages=r.num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -104,6 +118,17 @@ class Engine:
         self.look_ahead = config.async_scheduling and self.spec is None and r.single_device
         self.look_ahead_steps = 0  # steps launched before the previous step's tokens reached the host
         self._current: SchedulerOutput | None = None  # the step being launched
+
+    def _check_host_tier(self, config: EngineConfig) -> None:
+        why = [reason for reason, bad in (
+            ("--enable_prefix_caching is off", not config.enable_prefix_caching),
+            ("the KV cache is hybrid (sliding-window pools; --hybrid_kv_cache=false keeps every page)",
+             bool(self.runner.window_pages)),
+            ("--pp > 1", config.pp > 1), ("a draft model's cache shares the pages", config.speculative_method == "draft"),
+            ("multi-host", self.runner.multihost)) if bad]
+        if why:
+            raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb}: the host KV tier is not available here: "
+                             f"{'; '.join(why)}")
 
     # ------------------------------------------------------------------ what the server and metrics read
     @property
@@ -162,6 +187,9 @@ class Engine:
         self.runner.warmup()
         if self.spec is not None:
             self.runner.compile_count += self.spec.warmup()
+            self.runner.compile_time_s = time.perf_counter() - t0
+        if self.host_kv is not None:
+            self.runner.compile_count += self.host_kv.warmup()
             self.runner.compile_time_s = time.perf_counter() - t0
         log.info("compiled %d programs for token buckets %s in %.1fs", self.compile_count, self.runner.buckets,
                  self.compile_time_s)
@@ -239,6 +267,10 @@ class Engine:
                 results = self._collect(self._pending)
                 self._pending = None
         sched = self.scheduler.schedule()
+        host = self.scheduler.block_manager.host
+        if host is not None and host.ops:  # copies the books assume, on the device before the step's forward
+            self.host_kv.run(host.ops)
+            host.ops.clear()
         if sched.scheduled:
             self._current = sched
             self._launch(sched, self._older)
@@ -376,6 +408,9 @@ class Engine:
                 outputs.append(self.outputs.final(out))
         if lost:
             self.scheduler.block_manager.reset_prefix_cache()  # cached blocks pointed into the lost pages
+            if self.host_kv is not None:
+                self.host_kv.reset()
+                self.scheduler.block_manager.host.ops.clear()
         return outputs
 
     def run_until_idle(self, on_output: Callable[[StepOutput], None] | None = None) -> None:

@@ -1,0 +1,89 @@
+"""The host KV tier end to end on a real (small) model: a prefix evicted to host memory and hit again gives the same
+greedy tokens and counts a host hit; cycling more prefixes than the device pool holds gives the outputs of an
+unbounded pool with no page leaked in either tier; an int8 cache moves values and scales as stored."""
+import pytest
+import transformers as tf
+
+from serving.core.host_kv import page_bytes
+from serving.core.llm import LLM
+from serving.core.request import FinishReason
+from serving.core.sampling_params import SamplingParams
+from tests.support import hf_models
+
+PS = 8
+BASE = dict(page_size=PS, max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("hostkv") / "llama")
+    hf_models.save_hf_model("llama", d)
+    return d
+
+
+def _prefixes(n: int, length: int = 5 * PS) -> list[list[int]]:
+    return [hf_models.random_prompt(length, 160, seed=1000 + i) for i in range(n)]
+
+
+def _gen(llm: LLM, prompts, max_tokens: int = 6) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate(prompts, [params] * len(prompts))
+    assert all(o.finish_reason is FinishReason.LENGTH for o in outs)
+    return [o.token_ids for o in outs]
+
+
+def _host_gb(pages: int, llm: LLM) -> float:
+    return pages * page_bytes(llm.engine.runner.kv_caches) / (1 << 30)
+
+
+@pytest.fixture(scope="module")
+def reference(llama):
+    """An unbounded device pool, no host tier: the tokens every run below must give."""
+    return LLM(llama, warmup=False, num_pages=512, **BASE)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_evicted_prefix_hits_host_tier(llama, kv_cache_dtype):
+    """A's 5 full blocks are pushed out of a 16-page device pool by 3 other prompts, land in the host tier, and A's
+    next request hits them there: same greedy tokens (HF's for float32), a host hit of its 5 blocks counted, the pages moved both ways, and no
+    compile on the serving path."""
+    opts = dict(BASE, num_pages=16, kv_cache_dtype=kv_cache_dtype)
+    plain = LLM(llama, warmup=False, **opts)
+    llm = LLM(llama, warmup=True, host_kv_cache_gb=_host_gb(64, plain), **opts)
+    engine = llm.engine
+    assert engine.host_kv.num_slots == 64
+    a, *others = _prefixes(4)
+    a = a + [7, 8, 9]
+    first = _gen(llm, [a])
+    compiled = engine.compile_count
+    for p in others:
+        _gen(llm, [p])
+    host = engine.scheduler.block_manager.host
+    assert host.offloaded_pages >= 5 and host.hit_blocks == 0
+    again = _gen(llm, [a])
+    assert again == first == _gen(plain, [a])
+    if kv_cache_dtype == "auto":
+        hf = tf.AutoModelForCausalLM.from_pretrained(llama, attn_implementation="eager").eval()
+        assert first[0] == hf_models.hf_greedy(hf, a, 6)
+    assert host.hit_blocks == 5 and host.loaded_pages == 5
+    assert engine.host_kv.bytes_to_device == 5 * engine.host_kv.page_bytes
+    assert engine.compile_count == compiled  # the transfers were warmed up with the others
+    engine.scheduler.block_manager.check_idle()
+
+
+def test_pressure_cycles_through_host_tier(llama, reference):
+    """8 prefixes of 5 blocks cycled 3 times, 2 at a time, through a 16-page device pool over a 24-page host tier
+    (so the host LRU drops blocks too): every output equals the unbounded pool's; no page leaks in either tier."""
+    llm = LLM(llama, warmup=False, num_pages=16, host_kv_cache_gb=_host_gb(24, reference), **BASE)
+    prefixes = _prefixes(8)
+    rounds = [[p + [r, i] for i, p in enumerate(prefixes)] for r in range(3)]
+    bm = llm.engine.scheduler.block_manager
+    for prompts in rounds:
+        for k in range(0, len(prompts), 2):
+            batch = prompts[k:k + 2]
+            assert _gen(llm, batch) == _gen(reference, batch)
+            bm.check_idle()
+    host = bm.host
+    assert host.hit_blocks > 0 and host.dropped_blocks > 0
+    assert len(host.free) + host.num_used == host.num_slots
+    reference.engine.scheduler.block_manager.check_idle()
