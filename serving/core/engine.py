@@ -166,6 +166,19 @@ class Engine:
     def expert_load(self) -> np.ndarray | None:
         return self.runner.expert_load()
 
+    def host_kv_stats(self) -> dict[str, float]:
+        """The host KV tier's counters and use (`serving.telemetry.metrics.HOST_KV_COUNTERS`); {} when it is off."""
+        pool = self.host_kv
+        if pool is None:
+            return {}
+        host = self.scheduler.block_manager.host
+        return dict(host_prefix_cache_hits=host.hit_blocks * self.config.page_size,
+                    kv_offload_pages_to_host=host.offloaded_pages, kv_offload_pages_to_device=host.loaded_pages,
+                    kv_offload_bytes_to_host=pool.bytes_to_host, kv_offload_bytes_to_device=pool.bytes_to_device,
+                    kv_offload_load_wait_seconds=pool.load_wait_s, host_kv_cache_dropped_blocks=host.dropped_blocks,
+                    host_kv_cache_usage=host.num_used / host.num_slots, host_kv_cache_pages=host.num_slots,
+                    host_kv_cache_bytes=pool.nbytes)
+
     def expert_device_load(self) -> np.ndarray | None:
         return self.runner.expert_device_load()
 

@@ -54,18 +54,14 @@ class HostKVPool:
         self.runner = runner
         leaves = jax.tree.leaves(runner.kv_caches)
         self.treedef = jax.tree.structure(runner.kv_caches)
-        self.shardings = [leaf.sharding for leaf in leaves]
         self.num_slots = num_slots
         self.pages = [np.zeros((num_slots,) + tuple(leaf.shape[1:]), leaf.dtype) for leaf in leaves]
         self.page_bytes = page_bytes(runner.kv_caches)
         self.buckets = transfer_buckets(max_pages_per_step)
         self.num_device_pages = leaves[0].shape[0]
-        donate = (0,) if runner.choices.donate_kv_cache else ()
+        self._donate = (0,) if runner.choices.donate_kv_cache else ()
         self._gather = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves])
-        self._scatter = jax.jit(
-            lambda leaves, idx, data: [leaf.at[idx].set(d.astype(leaf.dtype), mode="drop")
-                                       for leaf, d in zip(leaves, data)],
-            donate_argnums=donate, out_shardings=self.shardings)
+        self._scatters: dict[tuple, object] = {}  # per cache layout: the pages leave as they came (no recompile)
         self._inflight: collections.deque[_Offload] = collections.deque()
         self.bytes_to_host = self.bytes_to_device = 0
         self.load_wait_s = 0.0  # the step thread's time blocked on copies a load needed
@@ -75,7 +71,8 @@ class HostKVPool:
         return next(b for b in self.buckets if b >= n)
 
     def warmup(self) -> int:
-        """Compiles the gather and scatter of every bucket (on page 0 / no page: the cache is unchanged)."""
+        """Compiles the gather and scatter of every bucket (on page 0 / no page: the cache is unchanged), for the
+        layout the caches have now: call after the forward's warm-up (its output layout is the one served)."""
         for b in self.buckets:
             self._launch_gather([0] * b, b)
             self._launch_scatter(np.full(b, self.num_device_pages, np.int32),
@@ -92,10 +89,26 @@ class HostKVPool:
             a.copy_to_host_async()
         return out
 
+    def _scatter(self, leaves: list):
+        """The scatter program for the caches' layout now (the forward's output layout once it ran)."""
+        layout = tuple(leaf.sharding for leaf in leaves)
+        fn = self._scatters.get(layout)
+        if fn is None:
+            fn = self._scatters[layout] = jax.jit(
+                lambda leaves, idx, data: [leaf.at[idx].set(d, mode="drop") for leaf, d in zip(leaves, data)],
+                donate_argnums=self._donate, out_shardings=list(layout))
+        return fn
+
+    @property
+    def compiled_programs(self) -> int:
+        """Gather and scatter programs compiled so far (tests: none on the serving path)."""
+        return self._gather._cache_size() + sum(f._cache_size() for f in self._scatters.values())
+
     def _launch_scatter(self, idx: np.ndarray, data: list[np.ndarray]) -> None:
         r = self.runner
+        leaves = jax.tree.leaves(r.kv_caches)
         with mesh_context(r.mesh), tracing_for(r.platform):
-            leaves = self._scatter(jax.tree.leaves(r.kv_caches), idx, data)
+            leaves = self._scatter(leaves)(leaves, idx, data)
         r.kv_caches = jax.tree.unflatten(self.treedef, leaves)
 
     # ---- the block manager's queued copies

@@ -1,17 +1,20 @@
 """The host KV tier end to end on a real (small) model: a prefix evicted to host memory and hit again gives the same
 greedy tokens and counts a host hit; cycling more prefixes than the device pool holds gives the outputs of an
-unbounded pool with no page leaked in either tier; an int8 cache moves values and scales as stored."""
+unbounded pool with no page leaked in either tier; an int8 cache moves values and scales as stored, a tp=2 cache
+shard by shard; the host tier's metrics."""
 import pytest
 import transformers as tf
+from prometheus_client import generate_latest
 
 from serving.core.host_kv import page_bytes
 from serving.core.llm import LLM
 from serving.core.request import FinishReason
 from serving.core.sampling_params import SamplingParams
+from serving.telemetry.metrics import ServerMetrics
 from tests.support import hf_models
 
 PS = 8
-BASE = dict(page_size=PS, max_num_seqs=4, max_num_batched_tokens=64)
+BASE = dict(page_size=PS, max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=32)  # 2 buckets to warm
 
 
 @pytest.fixture(scope="module")
@@ -42,33 +45,44 @@ def reference(llama):
     return LLM(llama, warmup=False, num_pages=512, **BASE)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_evicted_prefix_hits_host_tier(llama, kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype, tp", [("auto", 1), ("int8", 1), ("auto", 2)])
+def test_evicted_prefix_hits_host_tier(llama, kv_cache_dtype, tp):
     """A's 5 full blocks are pushed out of a 16-page device pool by 3 other prompts, land in the host tier, and A's
-    next request hits them there: same greedy tokens (HF's for float32), a host hit of its 5 blocks counted, the pages moved both ways, and no
-    compile on the serving path."""
-    opts = dict(BASE, num_pages=16, kv_cache_dtype=kv_cache_dtype)
-    plain = LLM(llama, warmup=False, **opts)
-    llm = LLM(llama, warmup=True, host_kv_cache_gb=_host_gb(64, plain), **opts)
-    engine = llm.engine
-    assert engine.host_kv.num_slots == 64
+    next request hits them there: the greedy tokens of a device-tier hit on an engine whose pool never evicts (and
+    HF's for float32), a host hit of its 5 blocks counted, the pages moved both ways (an int8 cache's values and
+    scales; a tp=2 cache's shards), no compile on the serving path after the warm-up, and the host tier's Prometheus series."""
+    opts = dict(BASE, kv_cache_dtype=kv_cache_dtype, tp=tp)
+    plain = LLM(llama, warmup=False, num_pages=512, **opts)
+    warm = kv_cache_dtype == "auto" and tp == 1  # the warm-up's cost once
+    llm = LLM(llama, warmup=warm, num_pages=16, host_kv_cache_gb=_host_gb(64, plain), **opts)
+    engine, pool = llm.engine, llm.engine.host_kv
+    assert pool.num_slots == 64
+    compiled = (pool.compiled_programs, engine.runner._forward_fn._cache_size())
+    assert compiled[0] == 2 * len(pool.buckets) * warm
     a, *others = _prefixes(4)
     a = a + [7, 8, 9]
     first = _gen(llm, [a])
-    compiled = engine.compile_count
     for p in others:
         _gen(llm, [p])
     host = engine.scheduler.block_manager.host
     assert host.offloaded_pages >= 5 and host.hit_blocks == 0
     again = _gen(llm, [a])
-    assert again == first == _gen(plain, [a])
-    if kv_cache_dtype == "auto":
+    assert first == _gen(plain, [a]) and again == _gen(plain, [a])  # plain's second: a device-tier hit
+    if kv_cache_dtype == "auto" and tp == 1:
         hf = tf.AutoModelForCausalLM.from_pretrained(llama, attn_implementation="eager").eval()
         assert first[0] == hf_models.hf_greedy(hf, a, 6)
     assert host.hit_blocks == 5 and host.loaded_pages == 5
-    assert engine.host_kv.bytes_to_device == 5 * engine.host_kv.page_bytes
-    assert engine.compile_count == compiled  # the transfers were warmed up with the others
+    assert pool.bytes_to_device == 5 * pool.page_bytes and pool.bytes_to_host == host.offloaded_pages * pool.page_bytes
+    if warm:  # no program compiled while serving
+        assert (pool.compiled_programs, engine.runner._forward_fn._cache_size()) == compiled
     engine.scheduler.block_manager.check_idle()
+    if tp == 1 and kv_cache_dtype == "auto":
+        metrics = ServerMetrics("m", lambda: {**engine.scheduler.stats(), **engine.host_kv_stats()})
+        metrics.refresh()
+        text = generate_latest(metrics.registry).decode()
+        assert 'meshserve:host_prefix_cache_hits_total{model_name="m"} 40.0' in text
+        assert f'meshserve:kv_offload_bytes_to_device_total{{model_name="m"}} {5.0 * pool.page_bytes}' in text
+        assert f'meshserve:host_kv_cache_pages{{model_name="m"}} 64.0' in text
 
 
 def test_pressure_cycles_through_host_tier(llama, reference):
