@@ -11,6 +11,8 @@ from typing import Iterable
 from serving.core.request import Request
 
 ROOT_PREFIX_ID = 0
+# The tiers as KV events name them (vLLM's medium names: the device's, the host's)
+DEVICE_MEDIUM, HOST_MEDIUM = "GPU", "CPU"
 
 
 def host_hit(slot: int) -> int:
@@ -40,19 +42,22 @@ class HostTier:
     def num_used(self) -> int:
         return len(self.lru)
 
-    def store(self, key: tuple, prefix_id: int, page: int) -> None:
+    def store(self, key: tuple, prefix_id: int, page: int) -> int | None:
         """Device page `page` (idle, cached under `key`) is leaving the device: keep its block here (evicting the
-        host LRU block if full)."""
+        host LRU block if full). Returns the prefix id of the block it dropped, if any."""
+        dropped = None
         if self.free:
             slot = self.free.pop()
         else:
             slot, _ = self.lru.popitem(last=False)
             del self.cache[self.key[slot]]
+            dropped = self.prefix_id[slot]
             self.dropped_blocks += 1
         self.cache[key], self.key[slot], self.prefix_id[slot] = slot, key, prefix_id
         self.lru[slot] = None
         self.ops.append(("offload", page, slot))
         self.offloaded_pages += 1
+        return dropped
 
     def take(self, slot: int) -> tuple[tuple, int]:
         """Removes slot's block from the tier (a hit is loading it); returns (key, prefix id). The slot is free
@@ -69,14 +74,15 @@ class HostTier:
         self.loaded_pages += 1
         self.hit_blocks += 1
 
-    def reset(self) -> int:
-        n = len(self.lru)
+    def reset(self) -> list[int]:
+        """Forgets every block; returns their prefix ids."""
+        out = [self.prefix_id[s] for s in self.lru]
         for slot in self.lru:
             del self.cache[self.key[slot]]
             self.key[slot] = None
             self.free.append(slot)
         self.lru.clear()
-        return n
+        return out
 
     def check_invariants(self) -> None:
         free, used = set(self.free), set(self.lru)
@@ -107,6 +113,8 @@ class BlockManager:
         self._next_prefix_id = itertools.count(ROOT_PREFIX_ID + 1)
         # The host tier under the prefix cache (None: off): an evicted cached block moves there instead of vanishing
         self.host = HostTier(host_pages) if host_pages and enable_prefix_caching else None
+        # KV events (None: off): ("stored", prefix id, parent id | None, tokens, medium), ("removed", id, medium)
+        self.events: list[tuple] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -202,10 +210,13 @@ class BlockManager:
                 out.append(p)
                 continue
             key, prefix_id = taken[p]
+            if self.events is not None:
+                self.events.append(("removed", prefix_id, HOST_MEDIUM))
             page = self.free_pages.pop() if self.free_pages else self._evict_lru()
             self.ref_counts[page] = 1
             self.cache[key], self.page_key[page], self.page_prefix_id[page] = page, key, prefix_id
             host.load(-1 - p, page)
+            self._stored(key, prefix_id, DEVICE_MEDIUM)
             out.append(page)
         return out
 
@@ -240,9 +251,20 @@ class BlockManager:
         key = self.page_key[page]
         del self.cache[key]
         self.page_key[page] = None
+        prefix_id = self.page_prefix_id[page]
+        if self.events is not None:
+            self.events.append(("removed", prefix_id, DEVICE_MEDIUM))
         if self.host is not None:
-            self.host.store(key, self.page_prefix_id[page], page)
+            dropped = self.host.store(key, prefix_id, page)
+            if self.events is not None:
+                if dropped is not None:
+                    self.events.append(("removed", dropped, HOST_MEDIUM))
+                self._stored(key, prefix_id, HOST_MEDIUM)
         return page
+
+    def _stored(self, key: tuple, prefix_id: int, medium: str) -> None:
+        if self.events is not None:
+            self.events.append(("stored", prefix_id, key[0] if key[0] != ROOT_PREFIX_ID else None, key[1], medium))
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks whose K/V is computed (call after the step that wrote them)."""
@@ -273,6 +295,7 @@ class BlockManager:
             self.cache[key] = page
             self.page_key[page] = key
             self.page_prefix_id[page] = prefix_id
+            self._stored(key, prefix_id, DEVICE_MEDIUM)
             ids.append(prefix_id)
 
     def free(self, request: Request) -> None:
@@ -317,12 +340,17 @@ class BlockManager:
         """Forgets every idle cached block (e.g. after new weights are loaded). Returns how many were dropped."""
         n = len(self.evictable)
         for page in self.evictable:
+            if self.events is not None:
+                self.events.append(("removed", self.page_prefix_id[page], DEVICE_MEDIUM))
             del self.cache[self.page_key[page]]
             self.page_key[page] = None
             self.free_pages.append(page)
         self.evictable.clear()
         if self.host is not None:
-            n += self.host.reset()
+            gone = self.host.reset()
+            n += len(gone)
+            if self.events is not None:
+                self.events += [("removed", i, HOST_MEDIUM) for i in gone]
         return n
 
     # ---- invariants (tests) --------------------------------------------------------------------------------

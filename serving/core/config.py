@@ -75,6 +75,14 @@ class EngineConfig:
         True, "Sliding-window layers of a model that also has full-attention layers (Gemma 3) keep only their "
         "window's pages, in a page pool of their own; false: every layer keeps every page of a sequence (vLLM's "
         "--disable-hybrid-kv-cache-manager). Not with --pp.")
+    kv_events_endpoint: str = option(
+        "", "Publish the prefix cache's block stored / removed events, per tier, as vLLM's KV-event stream (msgpack "
+        "KVEventBatch on ZMQ PUB) on this bind address, e.g. tcp://127.0.0.1:5557; empty: off. Loopback or ipc:// "
+        "only unless --kv_events_allow_remote (the events carry prompt token ids).")
+    kv_events_replay_endpoint: str = option(
+        "", "ZMQ ROUTER bind address replaying recent event batches from a sequence number (vLLM's replay socket).")
+    kv_events_allow_remote: bool = option(
+        False, "Let the KV-event sockets bind a non-loopback address (a trusted network only: no authentication).")
     max_waiting_requests: int = option(1024, "Queue bound in requests (RESOURCE_EXHAUSTED beyond it).")
     max_waiting_tokens: int = option(1 << 22, "Queue bound in prompt tokens (RESOURCE_EXHAUSTED beyond it).")
     long_prompt_threshold: int = option(8192, "Prompts longer than this go through the long lane.")

@@ -95,6 +95,14 @@ class Engine:
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
             long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
             priority_ageing_s=config.priority_ageing_s), block_manager)
+        self.kv_events = None  # KVEventPublisher (--kv_events_endpoint)
+        if config.kv_events_endpoint:
+            from serving.core.kv_events import KVEventPublisher  # pyzmq only when the stream is on
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                              allow_remote=config.kv_events_allow_remote)
+            self.scheduler.block_manager.events = []
+            log.info("KV events on %s (replay: %s)", self.kv_events.endpoint,
+                     self.kv_events.replay_endpoint or "off")
         self.outputs = OutputProcessor(
             tokenizer, lambda rid, reason, stop: self.scheduler.finish_request(rid, reason, stop_reason=stop))
         self._seed_rng = np.random.default_rng(config.seed)
@@ -293,6 +301,10 @@ class Engine:
             self._older = None
         outputs = [self.outputs.process(o, row) for o, row in results]
         outputs += [self.outputs.final(o) for o in sched.finished]
+        if self.kv_events is not None:
+            events = self.scheduler.block_manager.events
+            self.kv_events.publish(events)
+            events.clear()
         return outputs
 
     @staticmethod

@@ -1,12 +1,16 @@
 """The host KV tier end to end on a real (small) model: a prefix evicted to host memory and hit again gives the same
 greedy tokens and counts a host hit; cycling more prefixes than the device pool holds gives the outputs of an
 unbounded pool with no page leaked in either tier; an int8 cache moves values and scales as stored, a tp=2 cache
-shard by shard; the host tier's metrics."""
+shard by shard; the host tier's metrics; the KV-event stream (pyzmq subscriber) matches both tiers."""
+import time
+
 import pytest
 import transformers as tf
 from prometheus_client import generate_latest
 
+from serving.core.block_manager import DEVICE_MEDIUM, HOST_MEDIUM
 from serving.core.host_kv import page_bytes
+from serving.core.kv_events import REPLAY_END, check_endpoint
 from serving.core.llm import LLM
 from serving.core.request import FinishReason
 from serving.core.sampling_params import SamplingParams
@@ -101,3 +105,68 @@ def test_pressure_cycles_through_host_tier(llama, reference):
     assert host.hit_blocks > 0 and host.dropped_blocks > 0
     assert len(host.free) + host.num_used == host.num_slots
     reference.engine.scheduler.block_manager.check_idle()
+
+
+def _tiers(events_by_medium: dict, batch: list) -> None:
+    """Applies one KVEventBatch [ts, events, rank] to {medium: {block hash: tokens}}."""
+    _, events, rank = batch
+    assert rank == 0
+    for e in events:
+        if e[0] == "BlockStored":
+            (h,), parent, tokens, size, _, medium = e[1:]
+            assert size == len(tokens) == PS and h not in events_by_medium.setdefault(medium, {})
+            events_by_medium[medium][h] = tuple(tokens)
+        elif e[0] == "BlockRemoved":
+            (h,), medium = e[1:]
+            del events_by_medium[medium][h]
+        else:
+            events_by_medium.clear()
+
+
+def test_kv_events_match_both_tiers(llama, reference):
+    """A pyzmq subscriber of the KV-event stream rebuilds, per tier, exactly the blocks the block manager holds
+    after prefixes cycle through the device pool and the host tier; the replay socket gives the same from 0."""
+    import msgpack
+    import zmq
+    llm = LLM(llama, warmup=False, num_pages=16, host_kv_cache_gb=_host_gb(12, reference),
+              kv_events_endpoint="tcp://127.0.0.1:*", kv_events_replay_endpoint="tcp://127.0.0.1:*", **BASE)
+    pub = llm.engine.kv_events
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(pub.endpoint)
+    time.sleep(0.5)  # PUB/SUB: a subscriber sees only messages sent after it joined
+    prefixes = _prefixes(7)  # 5 of 5 blocks twice (host hits), then 2 more (the host LRU drops): 16 + 12 pages
+    for group in (prefixes[:5], prefixes[:5], prefixes[5:]):
+        for k in range(0, len(group), 2):
+            _gen(llm, [p + [k] for p in group[k:k + 2]])
+    bm = llm.engine.scheduler.block_manager
+    expected = {
+        DEVICE_MEDIUM: {bm.page_prefix_id[p]: k[1] for p, k in enumerate(bm.page_key) if k is not None},
+        HOST_MEDIUM: {bm.host.prefix_id[s]: bm.host.key[s][1] for s in bm.host.lru}}
+    assert bm.host.hit_blocks > 0 and bm.host.dropped_blocks > 0 and expected[HOST_MEDIUM]
+    live, seqs = {}, []
+    while sub.poll(1000):
+        topic, seq, payload = sub.recv_multipart()
+        seqs.append(int.from_bytes(seq, "big", signed=True))
+        _tiers(live, msgpack.unpackb(payload))
+    assert seqs == list(range(len(seqs))) and seqs
+    assert live == expected
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(pub.replay_endpoint)
+    dealer.send_multipart((b"", (0).to_bytes(8, "big", signed=True)))
+    replayed = {}
+    while True:
+        assert dealer.poll(5000)
+        _, seq, payload = dealer.recv_multipart()
+        if int.from_bytes(seq, "big", signed=True) == REPLAY_END:
+            break
+        _tiers(replayed, msgpack.unpackb(payload))
+    assert replayed == expected
+    sub.close(), dealer.close(), ctx.term(), pub.close()
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5557", "tcp://10.1.2.3:1", "udp://127.0.0.1:1", "tcp://x"])
+def test_kv_events_endpoint_refused(endpoint):
+    with pytest.raises(ValueError, match="KV-events endpoint"):
+        check_endpoint(endpoint, allow_remote=False)
