@@ -132,7 +132,8 @@ class Engine:
             ("--enable_prefix_caching is off", not config.enable_prefix_caching),
             ("the KV cache is hybrid (sliding-window pools; --hybrid_kv_cache=false keeps every page)",
              bool(self.runner.window_pages)),
-            ("--pp > 1", config.pp > 1), ("a draft model's cache shares the pages", config.speculative_method == "draft"),
+            ("--pp > 1", config.pp > 1),
+            ("a draft model's cache shares the pages", config.speculative_method == "draft"),
             ("multi-host", self.runner.multihost)) if bad]
         if why:
             raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb}: the host KV tier is not available here: "

@@ -54,7 +54,8 @@ def test_evicted_prefix_hits_host_tier(llama, kv_cache_dtype, tp):
     """A's 5 full blocks are pushed out of a 16-page device pool by 3 other prompts, land in the host tier, and A's
     next request hits them there: the greedy tokens of a device-tier hit on an engine whose pool never evicts (and
     HF's for float32), a host hit of its 5 blocks counted, the pages moved both ways (an int8 cache's values and
-    scales; a tp=2 cache's shards), no compile on the serving path after the warm-up, and the host tier's Prometheus series."""
+    scales; a tp=2 cache's shards), no compile on the serving path after the warm-up, and the host tier's Prometheus
+    series."""
     opts = dict(BASE, kv_cache_dtype=kv_cache_dtype, tp=tp)
     plain = LLM(llama, warmup=False, num_pages=512, **opts)
     warm = kv_cache_dtype == "auto" and tp == 1  # the warm-up's cost once
