@@ -120,6 +120,7 @@ class Engine:
         self.spec = None  # SpeculativeDecoder when speculative decoding is on
         if config.speculative_method:
             self.spec = SpeculativeDecoder(r, self.scheduler, config.speculative_config())
+            self.spec.before_run = self._run_host_copies  # its drafts' pages are allocated after schedule()
         # One step ahead needs the plain program (not the speculative one) on one device: the previous step's
         # tokens then enter the next forward with the same placement as the stand-in every other step passes, so
         # look-ahead steps reuse the warmed-up programs.
@@ -289,10 +290,7 @@ class Engine:
                 results = self._collect(self._pending)
                 self._pending = None
         sched = self.scheduler.schedule()
-        host = self.scheduler.block_manager.host
-        if host is not None and host.ops:  # copies the books assume, on the device before the step's forward
-            self.host_kv.run(host.ops)
-            host.ops.clear()
+        self._run_host_copies()
         if sched.scheduled:
             self._current = sched
             self._launch(sched, self._older)
@@ -307,6 +305,14 @@ class Engine:
             self.kv_events.publish(events)
             events.clear()
         return outputs
+
+    def _run_host_copies(self) -> None:
+        """Runs the host tier's copies the books already assume (offloads of evicted pages, loads of host hits) on
+        the device before the next step's forward, which may overwrite or read those pages."""
+        host = self.scheduler.block_manager.host
+        if host is not None and host.ops:
+            self.host_kv.run(host.ops)
+            host.ops.clear()
 
     @staticmethod
     def _fast_greedy(sched: SchedulerOutput) -> bool:

@@ -171,3 +171,26 @@ def test_kv_events_match_both_tiers(llama, reference):
 def test_kv_events_endpoint_refused(endpoint):
     with pytest.raises(ValueError, match="KV-events endpoint"):
         check_endpoint(endpoint, allow_remote=False)
+
+
+@pytest.mark.parametrize("name, options, params", [
+    ("chunked prefill, n=3", dict(max_prefill_chunk=16),
+     SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, ignore_eos=True)),
+    ("ngram speculation", dict(speculative_method="ngram", num_speculative_tokens=2),
+     SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
+])
+def test_host_tier_under_scheduler_features(llama, reference, name, options, params):
+    """Prefixes cycled through a 16-page device pool and the host tier with 16-token prefill chunks and n=3 seeded
+    samples (forks of the prompt's pages), or n-gram speculation (rolled-back drafts): every sample equals the run
+    with an unbounded pool and the same options; host hits happen; no page leaks."""
+    opts = dict(BASE, **options)
+    ref = LLM(llama, warmup=False, num_pages=512, **opts)
+    llm = LLM(llama, warmup=False, num_pages=16, host_kv_cache_gb=_host_gb(32, reference), **opts)
+    prefixes = _prefixes(5)
+    for r in range(2):
+        for k in range(0, len(prefixes), 2):
+            batch = [p + [r, k] for p in prefixes[k:k + 2]]
+            got = [[o.token_ids for o in c.outputs] for c in llm.generate(batch, params)]
+            assert got == [[o.token_ids for o in c.outputs] for c in ref.generate(batch, params)], name
+            llm.engine.scheduler.block_manager.check_idle()
+    assert llm.engine.scheduler.block_manager.host.hit_blocks > 0
