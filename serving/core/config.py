@@ -141,6 +141,9 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.host_kv_cache_gb < 0:
             raise ValueError(f"EngineConfig.host_kv_cache_gb must be >= 0 (0 = off), got {self.host_kv_cache_gb}")
+        if self.kv_events_endpoint and self.dp > 1:
+            raise ValueError(f"kv_events_endpoint={self.kv_events_endpoint!r} with dp={self.dp}: one KV-event stream "
+                             f"per instance needs dp == 1 (each replica would bind it) in this version")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
         if self.speculative_method:
