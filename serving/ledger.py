@@ -779,10 +779,12 @@ def draft_memory(draft: ModelConfig, *, dtype: str, page_size: int, num_pages: i
 def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape,
                    kv_dtype: str | None = None, max_batched_tokens: int = 2048, max_seqs: int = 256,
                    device_total_bytes: int | None = None, reserve_fraction: float = 0.05,
-                   rules: ShardingRules = DEFAULT_RULES, window_pages: dict[int, int] | None = None) -> str:
+                   rules: ShardingRules = DEFAULT_RULES, window_pages: dict[int, int] | None = None,
+                   host_kv_bytes: int = 0) -> str:
     """A few lines for the server's start-up log: the per-device ledger of the running configuration, with
     `num_pages` the global page count (as returned by `plan_kv_pages`) and, with a hybrid KV cache, each window
-    pool's pages (`window_pages`: window -> pages)."""
+    pool's pages (`window_pages`: window -> pages); `host_kv_bytes`: the host KV tier (host memory, per replica,
+    outside the device total)."""
     mm = ModelMemory(cfg, dtype, kv_dtype, rules, hybrid=bool(window_pages))
     layout = Layout.of(mesh_shape)
     pages_per_replica = num_pages // layout.dp
@@ -810,6 +812,9 @@ def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: i
              f"  peak activations {fmt_bytes(act)} ({max_batched_tokens} tokens, {max_seqs} seqs), comm buffers "
              f"{fmt_bytes(comm)}, runtime reserve {fmt_bytes(reserve)}",
              f"  total {fmt_bytes(total)}" + (f" of {fmt_bytes(device_total_bytes)}" if device_total_bytes else "")]
+    if host_kv_bytes:
+        lines.append(f"  host memory: KV tier {fmt_bytes(host_kv_bytes)} per replica (--host_kv_cache_gb; pages of "
+                     f"every layer, unsharded: {fmt_bytes(page_size * mm.pool_kv_bytes_per_token(None))} per page)")
     if layout.pp > 1:
         sizes = [len(layers) for layers in mm.stage_layers(layout)]
         padded = [s for s in range(layout.pp) if mm.stage_padding_layers(layout, s)]

@@ -1,6 +1,7 @@
 """`BlockManager`: the KV cache's pages (free list, reference counts, per-request block tables, forks sharing a
 request's pages with another) and the prefix cache (full blocks keyed by their parent block's id and their tokens,
-compared exactly on a hit, evicted in LRU order). Details: docs/engine.md."""
+compared exactly on a hit, evicted in LRU order), with an optional host-memory tier under it (`HostTier`: evicted
+blocks go there and come back on a hit). Details: docs/engine.md."""
 from __future__ import annotations
 
 import collections
@@ -10,6 +11,84 @@ from typing import Iterable
 from serving.core.request import Request
 
 ROOT_PREFIX_ID = 0
+# The tiers as KV events name them (vLLM's medium names: the device's, the host's)
+DEVICE_MEDIUM, HOST_MEDIUM = "GPU", "CPU"
+
+
+def host_hit(slot: int) -> int:
+    """match_prefix's entry for a block held in host slot `slot` (negative: never a device page)."""
+    return -1 - slot
+
+
+class HostTier:
+    """The host tier's books (the data lives in `serving.core.host_kv.HostKVPool`): `num_slots` host pages, each
+    free or holding one idle cached block (LRU order); a block lives in one tier at a time. `ops` lists the copies
+    the books already assume, in order, for the engine to run before the step: ("offload", device page, slot) and
+    ("load", slot, device page)."""
+
+    def __init__(self, num_slots: int):
+        if num_slots < 1:
+            raise ValueError(f"a host tier needs >= 1 page, got {num_slots}")
+        self.num_slots = num_slots
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))
+        self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        self.cache: dict[tuple, int] = {}  # (parent_id, tokens) -> slot
+        self.key: list[tuple | None] = [None] * num_slots
+        self.prefix_id: list[int] = [ROOT_PREFIX_ID] * num_slots
+        self.ops: list[tuple[str, int, int]] = []
+        self.hit_blocks = self.offloaded_pages = self.loaded_pages = self.dropped_blocks = 0
+
+    @property
+    def num_used(self) -> int:
+        return len(self.lru)
+
+    def store(self, key: tuple, prefix_id: int, page: int) -> int | None:
+        """Device page `page` (idle, cached under `key`) is leaving the device: keep its block here (evicting the
+        host LRU block if full). Returns the prefix id of the block it dropped, if any."""
+        dropped = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            slot, _ = self.lru.popitem(last=False)
+            del self.cache[self.key[slot]]
+            dropped = self.prefix_id[slot]
+            self.dropped_blocks += 1
+        self.cache[key], self.key[slot], self.prefix_id[slot] = slot, key, prefix_id
+        self.lru[slot] = None
+        self.ops.append(("offload", page, slot))
+        self.offloaded_pages += 1
+        return dropped
+
+    def take(self, slot: int) -> tuple[tuple, int]:
+        """Removes slot's block from the tier (a hit is loading it); returns (key, prefix id). The slot is free
+        once the load listed after this is queued (`load`)."""
+        del self.lru[slot]
+        key = self.key[slot]
+        del self.cache[key]
+        self.key[slot] = None
+        return key, self.prefix_id[slot]
+
+    def load(self, slot: int, page: int) -> None:
+        self.ops.append(("load", slot, page))
+        self.free.append(slot)
+        self.loaded_pages += 1
+        self.hit_blocks += 1
+
+    def reset(self) -> list[int]:
+        """Forgets every block; returns their prefix ids."""
+        out = [self.prefix_id[s] for s in self.lru]
+        for slot in self.lru:
+            del self.cache[self.key[slot]]
+            self.key[slot] = None
+            self.free.append(slot)
+        self.lru.clear()
+        return out
+
+    def check_invariants(self) -> None:
+        free, used = set(self.free), set(self.lru)
+        assert len(free) == len(self.free), "host free list holds a slot twice"
+        assert not free & used and len(free) + len(used) == self.num_slots, "host slots leaked"
+        assert {s: k for k, s in self.cache.items()} == {s: self.key[s] for s in used}, "host index disagrees"
 
 
 def cache_root(salt: str):
@@ -22,7 +101,8 @@ class BlockManager:
     # calls `slide` as requests advance.
     slides = False
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True,
+                 host_pages: int = 0):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
         self.num_pages = num_pages
@@ -36,6 +116,10 @@ class BlockManager:
         self.page_prefix_id: list[int] = [ROOT_PREFIX_ID] * num_pages
         self.forked = [False] * num_pages  # shared by fork() (until no one holds it): may be shared uncached
         self._next_prefix_id = itertools.count(ROOT_PREFIX_ID + 1)
+        # The host tier under the prefix cache (None: off): an evicted cached block moves there instead of vanishing
+        self.host = HostTier(host_pages) if host_pages and enable_prefix_caching else None
+        # KV events (None: off): ("stored", prefix id, parent id | None, tokens, medium), ("removed", id, medium)
+        self.events: list[tuple] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -59,18 +143,22 @@ class BlockManager:
         """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`) cached under `salt`
         (Request.cache_salt); no side effects.
 
-        Returns (pages, prefix ids), one per matched block.
+        Returns (pages, prefix ids), one per matched block; a block in the host tier is `host_hit(slot)`.
         """
         pages: list[int] = []
         ids: list[int] = []
         if not self.enable_prefix_caching:
             return pages, ids
-        parent, ps = cache_root(salt), self.page_size
+        parent, ps, host = cache_root(salt), self.page_size, self.host
         for i in range(min(max_blocks, len(token_ids) // ps)):
-            page = self.cache.get((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
-            if page is None:
+            key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))  # the whole token block is compared
+            page = self.cache.get(key)
+            if page is not None:
+                parent = self.page_prefix_id[page]
+            elif host is not None and (slot := host.cache.get(key)) is not None:
+                parent, page = host.prefix_id[slot], host_hit(slot)
+            else:
                 break
-            parent = self.page_prefix_id[page]
             pages.append(page)
             ids.append(parent)
         return pages, ids
@@ -78,12 +166,13 @@ class BlockManager:
     def num_idle_among(self, pages: Iterable[int]) -> int:
         """How many of `pages` are idle cached pages (taking them shrinks num_free_pages)."""
         refs = self.ref_counts
-        return sum(1 for p in pages if refs[p] == 0)
+        return sum(1 for p in pages if p >= 0 and refs[p] == 0)
 
     def shortfall(self, hit: list[int], num_tokens: int) -> list[int]:
         """Per page pool, the pages missing for a new request that takes the prefix-cache `hit` (match_prefix's
         pages) and grows to `num_tokens` tokens (> 0: that many must be freed first)."""
-        return [self.pages_for(num_tokens) - len(hit) - (self.num_free_pages - self.num_idle_among(hit))]
+        on_device = sum(1 for p in hit if p >= 0)  # a host hit needs a device page like a new block
+        return [self.pages_for(num_tokens) - on_device - (self.num_free_pages - self.num_idle_among(hit))]
 
     def released_by(self, holder, keep: set[int]) -> list[int]:
         """Per page pool, the pages freeing `holder` surely gives back (held by it alone), not counting pages in
@@ -105,12 +194,37 @@ class BlockManager:
         assert not request.block_table, "acquire_cached on a request that already holds pages"
         refs = self.ref_counts
         for p in pages:
+            if p < 0:
+                continue
             if refs[p] == 0:
                 del self.evictable[p]
             refs[p] += 1
+        if any(p < 0 for p in pages):
+            pages = self._load_host_hits(pages)
         request.block_table = list(pages)
         request.block_prefix_ids = list(prefix_ids)
         request.num_computed_tokens = len(pages) * self.page_size
+
+    def _load_host_hits(self, pages: list[int]) -> list[int]:
+        """Gives each host hit of `pages` a device page (queueing its load) and moves its block back to the device
+        prefix cache; the device hits are already held. The caller checked that enough device pages are free."""
+        host = self.host
+        taken = {p: host.take(-1 - p) for p in pages if p < 0}  # out of the host LRU first: evictions spare them
+        out = []
+        for p in pages:
+            if p >= 0:
+                out.append(p)
+                continue
+            key, prefix_id = taken[p]
+            if self.events is not None:
+                self.events.append(("removed", prefix_id, HOST_MEDIUM))
+            page = self.free_pages.pop() if self.free_pages else self._evict_lru()
+            self.ref_counts[page] = 1
+            self.cache[key], self.page_key[page], self.page_prefix_id[page] = page, key, prefix_id
+            host.load(-1 - p, page)
+            self._stored(key, prefix_id, DEVICE_MEDIUM)
+            out.append(page)
+        return out
 
     def fork(self, holder, source, num_pages: int) -> None:
         """Shares the first `num_pages` pages of `source`'s block table with `holder` (an empty Request, or a
@@ -140,9 +254,23 @@ class BlockManager:
     def _evict_lru(self) -> int:
         """Forgets the least recently used idle cached block; returns its page."""
         page, _ = self.evictable.popitem(last=False)
-        del self.cache[self.page_key[page]]
+        key = self.page_key[page]
+        del self.cache[key]
         self.page_key[page] = None
+        prefix_id = self.page_prefix_id[page]
+        if self.events is not None:
+            self.events.append(("removed", prefix_id, DEVICE_MEDIUM))
+        if self.host is not None:
+            dropped = self.host.store(key, prefix_id, page)
+            if self.events is not None:
+                if dropped is not None:
+                    self.events.append(("removed", dropped, HOST_MEDIUM))
+                self._stored(key, prefix_id, HOST_MEDIUM)
         return page
+
+    def _stored(self, key: tuple, prefix_id: int, medium: str) -> None:
+        if self.events is not None:
+            self.events.append(("stored", prefix_id, key[0] if key[0] != ROOT_PREFIX_ID else None, key[1], medium))
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks whose K/V is computed (call after the step that wrote them)."""
@@ -159,6 +287,9 @@ class BlockManager:
             if existing is not None:  # the same prefix was computed elsewhere: chain through that entry
                 ids.append(self.page_prefix_id[existing])
                 continue
+            if self.host is not None and (slot := self.host.cache.get(key)) is not None:
+                ids.append(self.host.prefix_id[slot])  # likewise in the host tier (a block lives in one tier)
+                continue
             page = table[i]
             if self.page_key[page] is not None:
                 # a forked page a sibling sample registered under its own chain (same tokens, the parent block's
@@ -170,6 +301,7 @@ class BlockManager:
             self.cache[key] = page
             self.page_key[page] = key
             self.page_prefix_id[page] = prefix_id
+            self._stored(key, prefix_id, DEVICE_MEDIUM)
             ids.append(prefix_id)
 
     def free(self, request: Request) -> None:
@@ -214,10 +346,17 @@ class BlockManager:
         """Forgets every idle cached block (e.g. after new weights are loaded). Returns how many were dropped."""
         n = len(self.evictable)
         for page in self.evictable:
+            if self.events is not None:
+                self.events.append(("removed", self.page_prefix_id[page], DEVICE_MEDIUM))
             del self.cache[self.page_key[page]]
             self.page_key[page] = None
             self.free_pages.append(page)
         self.evictable.clear()
+        if self.host is not None:
+            gone = self.host.reset()
+            n += len(gone)
+            if self.events is not None:
+                self.events += [("removed", i, HOST_MEDIUM) for i in gone]
         return n
 
     # ---- invariants (tests) --------------------------------------------------------------------------------
@@ -247,6 +386,9 @@ class BlockManager:
                 assert not self.forked[p], f"page {p} is marked forked but no one holds it"
         assert {self.cache[k]: k for k in self.cache} == {p: k for p, k in enumerate(self.page_key)
                                                           if k is not None}, "cache index disagrees with pages"
+        if self.host is not None:
+            self.host.check_invariants()
+            assert not set(self.cache) & set(self.host.cache), "a block is in both tiers"
 
     def check_idle(self) -> None:
         """The idle invariant: with no live request, every page is free or held by the prefix cache."""

@@ -67,10 +67,22 @@ class EngineConfig:
         "bfloat16; accelerators: 8).")
     max_prefill_chunk: int | None = option(None, "Per-request prefill chunk cap; 0: the token budget.", none_as=0)
     enable_prefix_caching: bool = option(True, "Reuse KV pages of shared prompt prefixes.")
+    host_kv_cache_gb: float = option(
+        0.0, "Host-memory KV tier under the prefix cache, in GiB (0: off): a cached block the device pool evicts is "
+        "copied there and a prefix hit brings it back instead of recomputing it (per --dp replica). Needs "
+        "--enable_prefix_caching; not with a hybrid (sliding-window) KV cache, --pp, a draft model, or multi-host.")
     hybrid_kv_cache: bool = option(
         True, "Sliding-window layers of a model that also has full-attention layers (Gemma 3) keep only their "
         "window's pages, in a page pool of their own; false: every layer keeps every page of a sequence (vLLM's "
         "--disable-hybrid-kv-cache-manager). Not with --pp.")
+    kv_events_endpoint: str = option(
+        "", "Publish the prefix cache's block stored / removed events, per tier, as vLLM's KV-event stream (msgpack "
+        "KVEventBatch on ZMQ PUB) on this bind address, e.g. tcp://127.0.0.1:5557; empty: off. Loopback or ipc:// "
+        "only unless --kv_events_allow_remote (the events carry prompt token ids).")
+    kv_events_replay_endpoint: str = option(
+        "", "ZMQ ROUTER bind address replaying recent event batches from a sequence number (vLLM's replay socket).")
+    kv_events_allow_remote: bool = option(
+        False, "Let the KV-event sockets bind a non-loopback address (a trusted network only: no authentication).")
     max_waiting_requests: int = option(1024, "Queue bound in requests (RESOURCE_EXHAUSTED beyond it).")
     max_waiting_tokens: int = option(1 << 22, "Queue bound in prompt tokens (RESOURCE_EXHAUSTED beyond it).")
     long_prompt_threshold: int = option(8192, "Prompts longer than this go through the long lane.")
@@ -127,6 +139,11 @@ class EngineConfig:
         for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "tp", "ep", "dp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.host_kv_cache_gb < 0:
+            raise ValueError(f"EngineConfig.host_kv_cache_gb must be >= 0 (0 = off), got {self.host_kv_cache_gb}")
+        if self.kv_events_endpoint and self.dp > 1:
+            raise ValueError(f"kv_events_endpoint={self.kv_events_endpoint!r} with dp={self.dp}: one KV-event stream "
+                             f"per instance needs dp == 1 (each replica would bind it) in this version")
         if self.num_pages < 0 or self.kv_cache_memory_gb <= 0:
             raise ValueError("EngineConfig.num_pages must be >= 0 and kv_cache_memory_gb > 0")
         if self.speculative_method:

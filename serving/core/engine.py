@@ -16,6 +16,8 @@ from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
 from pallas_kernels.target import canonical_platform
 from serving.core.config import EngineConfig
+from serving.core.block_manager import BlockManager
+from serving.core.host_kv import HostKVPool, host_pages_for
 from serving.core.hybrid_block_manager import HybridBlockManager
 from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
@@ -74,6 +76,18 @@ class Engine:
             block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
                                                enable_prefix_caching=config.enable_prefix_caching)
             r.batch_builder.window_maps = block_manager.window_maps
+        self.host_kv: HostKVPool | None = None  # the host tier's pages and transfers (--host_kv_cache_gb)
+        if config.host_kv_cache_gb > 0:
+            self._check_host_tier(config)
+            host_pages = host_pages_for(config.host_kv_cache_gb, r.kv_caches)
+            if host_pages < 1:
+                raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb} holds no KV page of this model")
+            block_manager = BlockManager(r.num_pages, config.page_size, host_pages=host_pages)
+            # a step allocates at most a page per scheduled token's block, plus one per sequence it crosses into
+            per_step = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs
+            self.host_kv = HostKVPool(r, host_pages, per_step)
+            log.info("host KV tier: %d pages (%.2f GiB) under %d device pages", host_pages,
+                     self.host_kv.nbytes / (1 << 30), r.num_pages)
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=r.max_model_len, num_pages=r.num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
@@ -81,6 +95,14 @@ class Engine:
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
             long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
             priority_ageing_s=config.priority_ageing_s), block_manager)
+        self.kv_events = None  # KVEventPublisher (--kv_events_endpoint)
+        if config.kv_events_endpoint:
+            from serving.core.kv_events import KVEventPublisher  # pyzmq only when the stream is on
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
+                                              allow_remote=config.kv_events_allow_remote)
+            self.scheduler.block_manager.events = []
+            log.info("KV events on %s (replay: %s)", self.kv_events.endpoint,
+                     self.kv_events.replay_endpoint or "off")
         self.outputs = OutputProcessor(
             tokenizer, lambda rid, reason, stop: self.scheduler.finish_request(rid, reason, stop_reason=stop))
         self._seed_rng = np.random.default_rng(config.seed)
@@ -98,12 +120,25 @@ class Engine:
         self.spec = None  # SpeculativeDecoder when speculative decoding is on
         if config.speculative_method:
             self.spec = SpeculativeDecoder(r, self.scheduler, config.speculative_config())
+            self.spec.before_run = self._run_host_copies  # its drafts' pages are allocated after schedule()
         # One step ahead needs the plain program (not the speculative one) on one device: the previous step's
         # tokens then enter the next forward with the same placement as the stand-in every other step passes, so
         # look-ahead steps reuse the warmed-up programs.
         self.look_ahead = config.async_scheduling and self.spec is None and r.single_device
         self.look_ahead_steps = 0  # steps launched before the previous step's tokens reached the host
         self._current: SchedulerOutput | None = None  # the step being launched
+
+    def _check_host_tier(self, config: EngineConfig) -> None:
+        why = [reason for reason, bad in (
+            ("--enable_prefix_caching is off", not config.enable_prefix_caching),
+            ("the KV cache is hybrid (sliding-window pools; --hybrid_kv_cache=false keeps every page)",
+             bool(self.runner.window_pages)),
+            ("--pp > 1", config.pp > 1),
+            ("a draft model's cache shares the pages", config.speculative_method == "draft"),
+            ("multi-host", self.runner.multihost)) if bad]
+        if why:
+            raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb}: the host KV tier is not available here: "
+                             f"{'; '.join(why)}")
 
     # ------------------------------------------------------------------ what the server and metrics read
     @property
@@ -141,6 +176,19 @@ class Engine:
     def expert_load(self) -> np.ndarray | None:
         return self.runner.expert_load()
 
+    def host_kv_stats(self) -> dict[str, float]:
+        """The host KV tier's counters and use (`serving.telemetry.metrics.HOST_KV_COUNTERS`); {} when it is off."""
+        pool = self.host_kv
+        if pool is None:
+            return {}
+        host = self.scheduler.block_manager.host
+        return dict(host_prefix_cache_hits=host.hit_blocks * self.config.page_size,
+                    kv_offload_pages_to_host=host.offloaded_pages, kv_offload_pages_to_device=host.loaded_pages,
+                    kv_offload_bytes_to_host=pool.bytes_to_host, kv_offload_bytes_to_device=pool.bytes_to_device,
+                    kv_offload_load_wait_seconds=pool.load_wait_s, host_kv_cache_dropped_blocks=host.dropped_blocks,
+                    host_kv_cache_usage=host.num_used / host.num_slots, host_kv_cache_pages=host.num_slots,
+                    host_kv_cache_bytes=pool.nbytes)
+
     def expert_device_load(self) -> np.ndarray | None:
         return self.runner.expert_device_load()
 
@@ -162,6 +210,9 @@ class Engine:
         self.runner.warmup()
         if self.spec is not None:
             self.runner.compile_count += self.spec.warmup()
+            self.runner.compile_time_s = time.perf_counter() - t0
+        if self.host_kv is not None:
+            self.runner.compile_count += self.host_kv.warmup()
             self.runner.compile_time_s = time.perf_counter() - t0
         log.info("compiled %d programs for token buckets %s in %.1fs", self.compile_count, self.runner.buckets,
                  self.compile_time_s)
@@ -240,6 +291,7 @@ class Engine:
                 results = self._collect(self._pending)
                 self._pending = None
         sched = self.scheduler.schedule()
+        self._run_host_copies()
         if sched.scheduled:
             self._current = sched
             self._launch(sched, self._older)
@@ -249,7 +301,19 @@ class Engine:
             self._older = None
         outputs = [self.outputs.process(o, row) for o, row in results]
         outputs += [self.outputs.final(o) for o in sched.finished]
+        if self.kv_events is not None:
+            events = self.scheduler.block_manager.events
+            self.kv_events.publish(events)
+            events.clear()
         return outputs
+
+    def _run_host_copies(self) -> None:
+        """Runs the host tier's copies the books already assume (offloads of evicted pages, loads of host hits) on
+        the device before the next step's forward, which may overwrite or read those pages."""
+        host = self.scheduler.block_manager.host
+        if host is not None and host.ops:
+            self.host_kv.run(host.ops)
+            host.ops.clear()
 
     @staticmethod
     def _fast_greedy(sched: SchedulerOutput) -> bool:
@@ -377,6 +441,9 @@ class Engine:
                 outputs.append(self.outputs.final(out))
         if lost:
             self.scheduler.block_manager.reset_prefix_cache()  # cached blocks pointed into the lost pages
+            if self.host_kv is not None:
+                self.host_kv.reset()
+                self.scheduler.block_manager.host.ops.clear()
         return outputs
 
     def run_until_idle(self, on_output: Callable[[StepOutput], None] | None = None) -> None:

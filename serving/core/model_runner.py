@@ -183,7 +183,7 @@ class ModelRunner:
                 kv_dtype=ledger.kv_dtype_of(config.kv_cache_dtype),
                 mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
-                window_pages=self.window_pages))
+                window_pages=self.window_pages, host_kv_bytes=int(config.host_kv_cache_gb * (1 << 30))))
         except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
             log.warning("memory ledger unavailable: %s", e)
         self.buckets = list(self.choices.token_buckets)

@@ -202,6 +202,7 @@ class SpeculativeDecoder:
         self.runner, self.scheduler = runner, scheduler
         self.config = config
         self.steps = 0  # steps this decoder planned (launch calls): the clock of per-request back-off
+        self.before_run = None  # called just before a launch (the engine: the host KV tier's queued copies)
         self.k = config.num_speculative_tokens
         mc = runner.model_config
         self.draft_graphdef = self.draft_state = None
@@ -323,6 +324,8 @@ class SpeculativeDecoder:
 
     def _run(self, verify, draft_batch, spec, st):
         e = self.runner
+        if self.before_run is not None:  # copies the books assume (drafts' pages may evict cached blocks)
+            self.before_run()
         with mesh_context(e.mesh), tracing_for(e.platform):
             packed, e.kv_caches, self.draft_kv = self._step_fn(e.state, e.kv_caches, self.draft_state, self.draft_kv,
                                                                verify, draft_batch, spec, st)

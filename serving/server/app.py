@@ -48,6 +48,7 @@ class InstanceServer:
         def stats() -> dict:
             out = engine.scheduler.stats()
             out.update(engine.structured.stats())
+            out.update(getattr(engine, "host_kv_stats", dict)())
             if spec is not None:
                 out.update(spec.stats())
             out["pipeline_bubble_fraction"] = getattr(engine, "bubble_fraction", 0.0)

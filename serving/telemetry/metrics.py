@@ -33,6 +33,17 @@ STRUCTURED_COUNTERS = {
     "grammar_mask_steps": "Steps that filled token masks.",
 }
 
+# The host KV tier (serving.core.host_kv; Engine.host_kv_stats), mirrored like the counters above; zero when off.
+HOST_KV_COUNTERS = {
+    "host_prefix_cache_hits": "Prompt tokens found in the host KV tier (part of prefix_cache_hits).",
+    "kv_offload_pages_to_host": "KV pages copied device -> host (cached blocks the device pool evicted).",
+    "kv_offload_pages_to_device": "KV pages copied host -> device (host-tier prefix hits).",
+    "kv_offload_bytes_to_host": "Bytes copied device -> host by the host KV tier.",
+    "kv_offload_bytes_to_device": "Bytes copied host -> device by the host KV tier.",
+    "kv_offload_load_wait_seconds": "Step-thread time blocked on a device -> host copy a load needed first.",
+    "host_kv_cache_dropped_blocks": "Cached blocks the host tier's LRU dropped (gone from both tiers).",
+}
+
 
 class ServerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None,
@@ -62,6 +73,12 @@ class ServerMetrics:
                                         "num_waiting_tokens")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage: 1 = every page in use.",
                                          "kv_cache_usage")
+        self.host_kv_cache_usage_perc = gauge("host_kv_cache_usage_perc", "Host KV tier usage: 1 = every host page "
+                                              "holds a cached block (0 when the tier is off).", "host_kv_cache_usage")
+        self.host_kv_cache_pages = gauge("host_kv_cache_pages", "Host KV tier size in pages (0: off).",
+                                         "host_kv_cache_pages")
+        self.host_kv_cache_bytes = gauge("host_kv_cache_bytes", "Host memory the host KV tier holds.",
+                                         "host_kv_cache_bytes")
         if (page_size > 0) != (num_pages > 0):
             raise ValueError(f"ServerMetrics: page_size and num_pages go together, got {page_size}, {num_pages}")
         if page_size > 0:  # vLLM's label names, so routers (GIE / llm-d EPP) read the KV geometry unchanged
@@ -141,9 +158,14 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
         self._mirrored = {"prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0}
-        # Structured outputs (serving.core.structured.StructuredOutputs.stats), mirrored like the counters above.
+        # Structured outputs (serving.core.structured.StructuredOutputs.stats) and the host KV tier
+        # (HOST_KV_COUNTERS), mirrored like the counters above.
         self._structured = {}
         for key, doc in STRUCTURED_COUNTERS.items():
+            self._structured[key] = Counter(PREFIX + key, doc, labels, registry=r)
+            self._structured[key].labels(model_name)
+            self._mirrored[key] = 0
+        for key, doc in HOST_KV_COUNTERS.items():
             self._structured[key] = Counter(PREFIX + key, doc, labels, registry=r)
             self._structured[key].labels(model_name)
             self._mirrored[key] = 0

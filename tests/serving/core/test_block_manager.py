@@ -228,3 +228,37 @@ def test_a_salt_parts_the_prefix_cache(bm):
         return len(pages) * PS
     assert [prefill("a1", "alpha"), prefill("b1", "beta"), prefill("n1", ""), prefill("a2", "alpha"),
             prefill("n2", "")] == [0, 0, 0, 8, 8]
+
+
+def test_host_tier_books(bm):
+    """The host tier under the prefix cache: the device's LRU block moves to a host slot (an offload queued), a hit
+    reaching into it takes a device page back (a load queued), a block is in one tier at a time, the host tier's
+    own LRU drops the oldest block when full, and reset empties both tiers."""
+    m = bm(num_pages=4, host_pages=2)
+    a, b = list(range(1, 9)), list(range(20, 28))  # two blocks each
+    r = req(a + [99])
+    run_prefill(m, r)
+    m.free(r)
+    assert m.host.ops == [] and len(m.evictable) == 2
+    r = req(b + [98])
+    run_prefill(m, r)  # needs 3 pages: 1 free, a's LRU block (its second: tail blocks go first) evicted to host
+    assert [op[0] for op in m.host.ops] == ["offload"] and m.host.num_used == 1
+    m.check_invariants([r])
+    m.free(r)
+    m.host.ops.clear()
+    pages, _ = m.match_prefix(a + [99], 2)
+    assert pages[0] >= 0 and pages[1] < 0  # block 0 on the device, block 1 in the host tier
+    r = req(a + [99])
+    assert run_prefill(m, r) == 2 * PS and m.host.hit_blocks == 1
+    kinds = [op[0] for op in m.host.ops]
+    assert "load" in kinds and kinds.index("load") == len(kinds) - 1 - kinds[::-1].index("load")
+    assert m.match_prefix(a + [99], 2)[0] == r.block_table[:2]  # both back on the device
+    m.check_invariants([r])
+    m.free(r)
+    for i in range(3):  # three new prompts of 2 blocks through 4 device pages: the host tier (2 slots) overflows
+        r = req([100 + 10 * i + j for j in range(8)] + [97], f"x{i}")
+        run_prefill(m, r)
+        m.free(r)
+    assert m.host.dropped_blocks > 0 and m.host.num_used == 2
+    m.check_invariants(())
+    assert m.reset_prefix_cache() > 0 and m.host.num_used == 0 and not m.cache

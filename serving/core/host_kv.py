@@ -1,0 +1,178 @@
+"""`HostKVPool`: the host-memory tier's data under the prefix cache: a bounded pool of KV pages in host memory laid
+out like the device cache (every leaf of it: a quantized cache's values and scales), the bucketed gather (device ->
+staging) and scatter (host -> device pages) programs, and the copies the block manager's `HostTier` queues.
+Details: docs/engine.md ("Host KV tier")."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.target import tracing_for
+from sharding.mesh import mesh_context
+
+log = logging.getLogger(__name__)
+
+
+def page_bytes(kv_caches) -> int:
+    """Bytes of one page over every leaf of the device cache (values and scales), unsharded."""
+    return sum(int(np.prod(leaf.shape[1:])) * leaf.dtype.itemsize for leaf in jax.tree.leaves(kv_caches))
+
+
+def host_pages_for(gb: float, kv_caches) -> int:
+    """Host pages `gb` GiB holds (0: the tier is off)."""
+    return int(gb * (1 << 30)) // page_bytes(kv_caches) if gb > 0 else 0
+
+
+def transfer_buckets(max_pages: int) -> tuple[int, ...]:
+    """Pages per compiled transfer program: powers of 4 up to the first >= `max_pages` (a larger batch of copies
+    runs in several calls)."""
+    out = [1]
+    while out[-1] < max_pages:
+        out.append(out[-1] * 4)
+    return tuple(out)
+
+
+@dataclasses.dataclass(slots=True)
+class _Offload:
+    """A gather whose device -> host copy is under way: lands in `slots` of the pool when its data is on the host."""
+    staging: list  # per leaf, [bucket, ...] jax arrays (copy_to_host_async called)
+    slots: list[int]
+
+
+class HostKVPool:
+    """The host tier's pages ([num_slots, page_size, rows, row_dim] numpy per cache leaf) and its transfers. Plain
+    numpy on every platform in this cut: on CPU the device cache is host memory too, so a transfer is a memcpy; an
+    accelerator's D2H copy runs asynchronously (`copy_to_host_async`) and lands at a later step."""
+
+    def __init__(self, runner, num_slots: int, max_pages_per_step: int):
+        self.runner = runner
+        leaves = jax.tree.leaves(runner.kv_caches)
+        self.treedef = jax.tree.structure(runner.kv_caches)
+        self.num_slots = num_slots
+        self.pages = [np.zeros((num_slots,) + tuple(leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        self.page_bytes = page_bytes(runner.kv_caches)
+        self.buckets = transfer_buckets(max_pages_per_step)
+        self.num_device_pages = leaves[0].shape[0]
+        self._donate = (0,) if runner.choices.donate_kv_cache else ()
+        self._gather = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves])
+        self._scatters: dict[tuple, object] = {}  # per cache layout: the pages leave as they came (no recompile)
+        self._inflight: collections.deque[_Offload] = collections.deque()
+        self.bytes_to_host = self.bytes_to_device = 0
+        self.load_wait_s = 0.0  # the step thread's time blocked on copies a load needed
+
+    # ---- programs
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def warmup(self) -> int:
+        """Compiles the gather and scatter of every bucket (on page 0 / no page: the cache is unchanged), for the
+        layout the caches have now: call after the forward's warm-up (its output layout is the one served)."""
+        for b in self.buckets:
+            self._launch_gather([0] * b, b)
+            self._launch_scatter(np.full(b, self.num_device_pages, np.int32),
+                                 [np.zeros((b,) + p.shape[1:], p.dtype) for p in self.pages])
+        self.flush()
+        return 2 * len(self.buckets)
+
+    def _launch_gather(self, pages: list[int], bucket: int) -> list:
+        idx = np.zeros(bucket, np.int32)
+        idx[:len(pages)] = pages  # padding reads page 0, dropped on landing
+        with mesh_context(self.runner.mesh), tracing_for(self.runner.platform):
+            out = self._gather(jax.tree.leaves(self.runner.kv_caches), idx)
+        for a in out:
+            a.copy_to_host_async()
+        return out
+
+    def _scatter(self, leaves: list):
+        """The scatter program for the caches' layout now (the forward's output layout once it ran)."""
+        layout = tuple(leaf.sharding for leaf in leaves)
+        fn = self._scatters.get(layout)
+        if fn is None:
+            fn = self._scatters[layout] = jax.jit(
+                lambda leaves, idx, data: [leaf.at[idx].set(d, mode="drop") for leaf, d in zip(leaves, data)],
+                donate_argnums=self._donate, out_shardings=list(layout))
+        return fn
+
+    @property
+    def compiled_programs(self) -> int:
+        """Gather and scatter programs compiled so far (tests: none on the serving path)."""
+        return self._gather._cache_size() + sum(f._cache_size() for f in self._scatters.values())
+
+    def _launch_scatter(self, idx: np.ndarray, data: list[np.ndarray]) -> None:
+        r = self.runner
+        leaves = jax.tree.leaves(r.kv_caches)
+        with mesh_context(r.mesh), tracing_for(r.platform):
+            leaves = self._scatter(leaves)(leaves, idx, data)
+        r.kv_caches = jax.tree.unflatten(self.treedef, leaves)
+
+    # ---- the block manager's queued copies
+    def run(self, ops: list[tuple[str, int, int]]) -> None:
+        """Runs the copies `HostTier.ops` queued, in order, before the step that needs them is launched: offloads
+        gather their pages into staging now (the device runs them before that step overwrites the pages) and copy
+        to the host asynchronously; loads scatter host slots into device pages."""
+        i = 0
+        while i < len(ops):
+            kind = ops[i][0]
+            j = i
+            while j < len(ops) and ops[j][0] == kind:
+                j += 1
+            run = ops[i:j]
+            for k in range(0, len(run), self.buckets[-1]):
+                part = run[k:k + self.buckets[-1]]
+                if kind == "offload":
+                    self._offload([p for _, p, _ in part], [s for _, _, s in part])
+                else:
+                    self._load([s for _, s, _ in part], [p for _, _, p in part])
+            i = j
+
+    def _offload(self, pages: list[int], slots: list[int]) -> None:
+        staging = self._launch_gather(pages, self._bucket(len(pages)))
+        self._inflight.append(_Offload(staging, slots))
+        self.bytes_to_host += len(pages) * self.page_bytes
+        self.land(block=False)
+
+    def _load(self, slots: list[int], pages: list[int]) -> None:
+        pending = {s for o in self._inflight for s in o.slots}
+        if pending.intersection(slots):  # evicted and hit again before its copy landed: wait for it
+            t0 = time.perf_counter()
+            self.flush()
+            self.load_wait_s += time.perf_counter() - t0
+        b = self._bucket(len(pages))
+        idx = np.full(b, self.num_device_pages, np.int32)  # padding: out of range, dropped
+        idx[:len(pages)] = pages
+        data = []
+        for pool in self.pages:
+            d = np.zeros((b,) + pool.shape[1:], pool.dtype)
+            d[:len(slots)] = pool[slots]  # a copy: the slots may take new blocks before the scatter runs
+            data.append(d)
+        self._launch_scatter(idx, data)
+        self.bytes_to_device += len(pages) * self.page_bytes
+
+    def land(self, block: bool) -> None:
+        """Writes finished device -> host copies into their slots, oldest first (a slot may be reused: order
+        matters); `block`: waits for all of them."""
+        while self._inflight:
+            o = self._inflight[0]
+            if not block and not all(a.is_ready() for a in o.staging):
+                return
+            self._inflight.popleft()
+            n = len(o.slots)
+            for pool, a in zip(self.pages, o.staging):
+                pool[o.slots] = np.asarray(a)[:n]
+
+    def flush(self) -> None:
+        self.land(block=True)
+
+    def reset(self) -> None:
+        """Drops copies in flight (after the device cache was lost: the books were reset with it)."""
+        self._inflight.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pages)
