@@ -10,7 +10,6 @@ import logging
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.target import tracing_for
