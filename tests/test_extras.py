@@ -59,8 +59,19 @@ def index_reachable():
         pytest.skip(f"package index not reachable: {error}")
 
 
+_RESOLVED: dict[tuple[str, ...], dict[str, dict]] = {}
+
+
 def _resolve(extra: str, tmp_path: Path) -> dict[str, dict]:
-    """pip's resolver, dry run, for `-e ROOT[extra]`: {canonical name: metadata} of what it would install."""
+    """pip's resolver, dry run, for `-e ROOT[extra]`: {canonical name: metadata} of what it would install. Extras
+    with the same requirements (`cuda` is `cuda12`) share one resolution: pip is given the same input."""
+    key = tuple(sorted(EXTRAS[extra]))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _resolve_once(extra, tmp_path)
+    return _RESOLVED[key]
+
+
+def _resolve_once(extra: str, tmp_path: Path) -> dict[str, dict]:
     report = tmp_path / "report.json"
     cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--no-input",
            "--timeout", "30", "--retries", "2", "--report", str(report), "-e", f"{ROOT}[{extra}]"]

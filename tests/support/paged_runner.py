@@ -61,9 +61,11 @@ class PagedRunner:
         logits, self.kv = self._all_logits(self.state, self.kv, self._arrays(chunks, None, None))
         return np.asarray(logits)[:sum(len(c.token_ids) for c in chunks)]
 
-    def generate(self, prompts: list[list[int]], steps: int, chunk: int | None = None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], steps: int, chunk: int | None = None, num_tokens: int | None = None,
+                 num_seqs: int | None = None) -> list[list[int]]:
         """Greedy. Prompts are prefilled in chunks of `chunk` tokens (staggered: sequence i starts one step after
-        i-1, so prefills and decodes share steps)."""
+        i-1, so prefills and decodes share steps). `num_tokens` / `num_seqs`: one padded shape for every step (one
+        compilation) instead of the smallest bucket that fits each step's tokens and sequences."""
         tables = [self.alloc(len(p) + steps) for p in prompts]
         done = [0] * len(prompts)  # tokens in KV
         outs: list[list[int]] = [[] for _ in prompts]
@@ -82,7 +84,7 @@ class PagedRunner:
                     toks = seq[done[i]:done[i] + 1]
                 chunks.append(SeqChunk(toks, done[i], tables[i]))
                 who.append(i)
-            logits = self.step(chunks)
+            logits = self.step(chunks, num_tokens, num_seqs)
             for row, i in enumerate(who):
                 done[i] += len(chunks[row].token_ids)
                 if done[i] >= len(prompts[i]):
