@@ -10,5 +10,7 @@ MLP = "mlp"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
+LORA_SLOTS = "lora_slots"  # the adapter slots of a LoRA stack (serving.core.lora)
+LORA_RANK = "lora_rank"  # a LoRA stack's rank axis
 
-LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS)
+LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, LORA_SLOTS, LORA_RANK)

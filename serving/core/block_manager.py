@@ -12,6 +12,14 @@ from serving.core.request import Request
 ROOT_PREFIX_ID = 0
 
 
+def prefix_root(request: Request) -> int:
+    """The prefix-cache parent of a request's first block: ROOT_PREFIX_ID for the base model, for a LoRA adapter
+    minus its load's uid (never a block's id, which count up from 1): a page computed under one adapter never serves
+    another, nor the base model."""
+    adapter = request.adapter
+    return ROOT_PREFIX_ID if adapter is None else -adapter.uid
+
+
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
         if num_pages < 1 or page_size < 1:
@@ -41,8 +49,10 @@ class BlockManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`); no side effects.
+    def match_prefix(self, token_ids: list[int], max_blocks: int,
+                     root: int = ROOT_PREFIX_ID) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`) under `root`
+        (`prefix_root`); no side effects.
 
         Returns (pages, prefix ids), one per matched block.
         """
@@ -50,7 +60,7 @@ class BlockManager:
         ids: list[int] = []
         if not self.enable_prefix_caching:
             return pages, ids
-        parent, ps = ROOT_PREFIX_ID, self.page_size
+        parent, ps = root, self.page_size
         for i in range(min(max_blocks, len(token_ids) // ps)):
             page = self.cache.get((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
             if page is None:
@@ -118,7 +128,7 @@ class BlockManager:
             return
         tokens, table = request.token_ids, request.block_table
         for i in range(len(ids), full):
-            key = (ids[-1] if ids else ROOT_PREFIX_ID, tuple(tokens[i * ps:(i + 1) * ps]))
+            key = (ids[-1] if ids else prefix_root(request), tuple(tokens[i * ps:(i + 1) * ps]))
             existing = self.cache.get(key)
             if existing is not None:  # the same prefix was computed elsewhere: chain through that entry
                 ids.append(self.page_prefix_id[existing])
