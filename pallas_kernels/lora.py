@@ -11,10 +11,11 @@ import os
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import native
 from pallas_kernels.target import target_platform
 
 LORA_ENV_VAR = "MESHSERVE_LORA_KERNEL"  # auto (default) | native | gather | loop | ragged_dot
-BACKENDS = ("gather", "loop", "ragged_dot")
+BACKENDS = ("native", "gather", "loop", "ragged_dot")
 # Up to this many tokens the XLA paths gather each token's A and B (they read T adapters' worth, not all slots):
 # a decode step of a few sequences.
 GATHER_MAX_TOKENS = 4
@@ -25,8 +26,12 @@ def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
     choice = os.environ.get(LORA_ENV_VAR, "auto").strip().lower()
     if choice not in ("", "auto", *BACKENDS):
         raise ValueError(f"{LORA_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
+    if choice == "native" and not native.lora_supported(x, a, b):
+        choice = "auto"  # (under a mesh, or a dtype the kernel does not take: the automatic choice)
     if choice in BACKENDS:
         return choice
+    if native.lora_supported(x, a, b):
+        return "native"
     if x.shape[0] <= GATHER_MAX_TOKENS:
         return "gather"
     return "loop" if target_platform() == "cpu" else "ragged_dot"
@@ -38,6 +43,8 @@ def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks
     int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this projection).
     Accumulated in float32."""
     backend = lora_backend(x, a, b)
+    if backend == "native":
+        return native.lora(x, slots, a, b, ranks)
     if backend == "gather":
         return gathered_lora(x, slots, a, b)
     if backend == "loop":

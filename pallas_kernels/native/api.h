@@ -84,6 +84,10 @@ struct Kernels {
                       bool packed, const float* scale, int64_t groups, int32_t method, void* o);
   // Whether this path's int8 matmul has the int8 dot-product method on this CPU (AVX512_VNNI; aarch64 dotprod).
   bool (*int8_dot)();
+  // LoRA update (lora.h): y[T, N] = (x[t] @ a[s][:, :r]) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (s < 0
+  // or >= S, or r = 0: zeros); a [S, K, R], b [S, R, N] row-major; x, a, b and y in `dt`.
+  void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
+               const void* b, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

@@ -34,8 +34,9 @@ _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
 _GREEDY_HEAD = "meshserve_cpu_greedy_head"
 _EXPERT_MLP = "meshserve_cpu_expert_mlp"
 _MATMUL_INT8 = "meshserve_cpu_matmul_int8"
+_LORA = "meshserve_cpu_lora"
 # CPU only: never in a GPU/TPU program
-FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8)
+FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8, _LORA)
 
 # Instruction-set paths; the index is the id the library knows them by (native/api.h `Isa`).
 ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx", "neon", "neon_bf16")
@@ -216,6 +217,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_GREEDY_HEAD, jax.ffi.pycapsule(lib.MeshserveGreedyHead), platform="cpu")
     jax.ffi.register_ffi_target(_EXPERT_MLP, jax.ffi.pycapsule(lib.MeshserveExpertMlp), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_INT8, jax.ffi.pycapsule(lib.MeshserveMatmulInt8), platform="cpu")
+    jax.ffi.register_ffi_target(_LORA, jax.ffi.pycapsule(lib.MeshserveLora), platform="cpu")
     _registered = True
     return None
 

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels import native
 
-_ALL_OK = "matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok, expert_mlp ok"
+_ALL_OK = "matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok, expert_mlp ok, lora ok"
 _DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
 
