@@ -76,13 +76,11 @@ def bench_throughput() -> None:
     model_dir = llama_125m(_DTYPE.value, _WORKDIR.value)
     adapters = _adapters(model_dir)
     batches = [int(b) for b in _BATCHES.value]
-    common = dict(model=model_dir, dtype=_DTYPE.value, page_size=16, num_pages=2048, max_num_seqs=max(batches),
-                  max_num_batched_tokens=256)
+    common = dict(model=model_dir, dtype=_DTYPE.value, page_size=16, num_pages=1024, max_num_seqs=max(batches),
+                  max_num_batched_tokens=max(64, max(batches)))
     engines = {"off": Engine(EngineConfig(**common)),
                "on": Engine(EngineConfig(**common, enable_lora=True, max_loras=NUM_ADAPTERS,
                                          max_lora_rank=max(RANKS)))}
-    for engine in engines.values():
-        engine.warmup()
     for r in RANKS:
         for name, path in adapters[r]:
             engines["on"].load_adapter(name, path)
@@ -92,14 +90,17 @@ def bench_throughput() -> None:
         cells[f"1 adapter, r{r}"] = ("on", lambda i, r=r: adapters[r][0][0])
         cells[f"8 adapters, r{r}"] = ("on", lambda i, r=r: adapters[r][i % NUM_ADAPTERS][0])
     rounds, steps = (1, 4) if _QUICK.value else (_ROUNDS.value, _STEPS.value)
-    greedy = SamplingParams(temperature=0.0, max_tokens=8 + 2 * steps + 8, ignore_eos=True)
+    # room for the batch's staggered prefills (64 tokens a step), 8 warm tokens, 2 skipped steps and the timed ones;
+    # decode_step_times aborts what is left
+    greedy = SamplingParams(temperature=0.0, max_tokens=max(batches) // 2 + 16 + steps, ignore_eos=True)
     times = {(cell, b): [] for cell in cells for b in batches}
-    for rnd in range(rounds + 1):  # round 0: warm-up (loads every adapter a cell needs, first touch)
+    # round 0: warm-up (compiles the programs the cells run, loads every adapter a cell needs, first touch)
+    for rnd in range(rounds + 1):
         order = list(cells) if rnd % 2 == 0 else list(cells)[::-1]
         for b in batches:
             for cell in order:
                 engine, adapter_of = engines[cells[cell][0]], cells[cell][1]
-                timed = decode_step_times(engine, random_prompts(b, 64, seed=rnd), greedy, skip_steps=2,
+                timed = decode_step_times(engine, random_prompts(b, 32, seed=rnd), greedy, skip_steps=2,
                                           steps=steps, adapters=[adapter_of(i) for i in range(b)])
                 if rnd:
                     times[cell, b] += timed.times

@@ -163,14 +163,9 @@ class LoRASlots:
         self.pins[slot] -= 1
         if self.pins[slot]:
             return
-        adapter = self.adapters[slot]
-        if not adapter.registered or slot == self.draining:  # taken first
-            if not adapter.registered:
-                self._evict(slot)
-            self._idle[slot] = None
-            self._idle.move_to_end(slot, last=False)
-        else:
-            self._idle[slot] = None
+        self._idle[slot] = None
+        if not self.adapters[slot].registered or slot == self.draining:
+            self._idle.move_to_end(slot, last=False)  # the next load takes it (a waiting request may still pin it)
 
     def check(self, running: Sequence[Request]) -> None:
         """Raises AssertionError if the pins disagree with the running requests' slots (tests)."""
@@ -224,11 +219,10 @@ class LoRASlots:
             self._start_load(adapter, empty)
 
     def forget(self, adapter: Adapter) -> None:
-        """After `adapter` was unregistered: its slot is emptied now if no request runs on it (else at the last
-        one's release)."""
+        """After `adapter` was unregistered: its slot is the next one a load takes once no request runs on it
+        (requests submitted before still run on it; a preempted one reloads it if its slot was taken)."""
         slot = self._slot.get(adapter)
-        if slot is not None and not self.pins[slot] and slot not in self._loading:
-            self._evict(slot)
+        if slot is not None and not self.pins[slot]:
             self._idle.move_to_end(slot, last=False)
 
     @property
@@ -258,9 +252,6 @@ class LoRASlots:
                 self._evict(slot)
                 self._idle.move_to_end(slot, last=False)
                 failed.append((adapter, e))
-                continue
-            if not adapter.registered:
-                self.forget(adapter)
         if self.draining is not None and self.pins[self.draining] == 0:
             self._idle_polls += 1
             if self._idle_polls > 1:  # a whole step went by and no waiting adapter took it
