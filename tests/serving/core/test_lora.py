@@ -282,3 +282,25 @@ def test_unknown_and_mismatched_adapters(families, engines, tmp_path):
     r = engine.make_request("still-serving", prompt(6, 2), greedy(3), adapter="c")
     run(engine, [r])
     assert r.output_token_ids == fam.greedy("c", r.prompt_token_ids, 3)
+
+
+def test_data_parallel_replicas_share_the_adapters(families):
+    """dp=2: one registry, slots per replica; requests on any replica run their adapter (HF + PEFT's tokens), an
+    adapter loaded at run time serves both."""
+    from serving.core.data_parallel import DataParallelEngine
+    fam = families["llama"]
+    engine = DataParallelEngine(EngineConfig(model=fam.dir, lora_modules=fam.modules("ab"), **OPTIONS, dp=2))
+    assert engine.replicas[0].adapters is engine.replicas[1].adapters
+    engine.load_adapter("d", fam.adapter("d"))
+    names = [None, "a", "b", "d", "d", "a"]
+    requests = [engine.make_request(f"dp-{i}", prompt(9, 90 + i), greedy(4), adapter=n) for i, n in enumerate(names)]
+    for r in requests:
+        engine.add_request(r)
+    assert {engine.replica_of(r.request_id) for r in requests} == {0, 1}
+    engine.run_until_idle()
+    for r, n in zip(requests, names):
+        assert r.output_token_ids == fam.greedy(n, r.prompt_token_ids, 4), f"{r.request_id} on adapter {n}"
+    assert engine.unload_adapter("d")["requests_in_flight"] == 0
+    assert [a["name"] for a in engine.list_adapters()] == ["a", "b"]
+    for replica in engine.replicas:
+        replica.scheduler.block_manager.check_idle()

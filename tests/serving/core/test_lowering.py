@@ -34,6 +34,8 @@ LAYOUTS = {  # (model, EngineConfig options)
     "llama-fp8-kv-fp8-tp2": ("llama", {"quantization": "fp8", "kv_cache_dtype": "fp8_e4m3", "tp": 2}),
     "mixtral-int8-kv-fp8-ep2": ("mixtral", {"quantization": "int8", "kv_cache_dtype": "fp8_e4m3", "ep": 2}),
     "mixtral-ep2": ("mixtral", {"ep": 2}),
+    # LoRA adapter slots (docs/lora.md): every program also in its LoRA variant, A and B split as their weights
+    "llama-lora-tp2": ("llama", {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "tp": 2}),
 }
 KV_VALUES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # a quantized cache's values on GPU / TPU
 WEIGHT_TYPES = {"int8": "xi8>", "fp8": "xf8E4M3FN>"}  # how the quantized weights enter the lowered programs
@@ -83,6 +85,8 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
             if model == "mixtral":  # the expert MLP's grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
                 assert (megablox_calls(text) > 0) == (platform == "tpu"), program.name
                 assert ("ragged_dot" in text) == (platform == "gpu"), program.name
+            if program.lora:  # the LoRA update as XLA's grouped matmul (no native kernel, no one-hot over slots)
+                assert "ragged_dot" in text, program.name
             if "quantization" in options:  # the weights stay 8-bit in the program's inputs
                 assert WEIGHT_TYPES[options["quantization"]] in text, program.name
             # the step's token rows are the bucket's (whole tiles), not a CPU height
