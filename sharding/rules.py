@@ -8,7 +8,8 @@ from typing import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, LORA_RANK, LORA_SLOTS, MLP, VOCAB
+from sharding.axes import (EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, LORA_RANK, LORA_SLOTS, MLP,
+                           VOCAB)
 
 MESH_AXES = ("data", "pipeline", "tensor", "expert")
 STAGE_AXIS = MESH_AXES[1]  # pipeline stages: stacked layer slots (and their KV caches) are split over it

@@ -12,6 +12,10 @@
 //      columns with its tokens' xa rows and writes their rows of y (rounded to bfloat16 once, for bf16).
 // Tiles of 4 rows, then single rows (matmul.h WidenTile: float32 x against float32 or widened bfloat16 weights).
 
+// Below this many multiply-adds a call runs on the calling thread alone (a decode step of a few tokens: handing
+// work to the pool cost more than the work).
+constexpr int64_t kLoraSerialMacs = 1 << 18;
+
 template <int RT, typename WT>
 void LoraColumns(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t width, float* out, int64_t ldo) {
   constexpr int CB = CbFor(RT);
@@ -66,6 +70,10 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
   const int64_t used_tokens = start[S];
   if (!used_tokens) return;
+  int64_t macs = 0;
+  for (int64_t t = 0; t < T_; ++t) macs += rank_of(slots[t]) * (K + N);
+  const Runner serial{nullptr, 1, nullptr};
+  const Runner& par = macs < kLoraSerialMacs ? serial : run;
   Zeros<int64_t> order_buf(static_cast<size_t>(used_tokens)), fill_buf(static_cast<size_t>(S));
   int64_t *order = order_buf.get(), *fill = fill_buf.get();
   for (int64_t t = 0; t < T_; ++t)
@@ -78,7 +86,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A
 
   // 1. A: per used slot.
-  ParallelFor(run, num_used, [&](int64_t u) {
+  ParallelFor(par, num_used, [&](int64_t u) {
     const int32_t s = used[u];
     const int64_t m = start[s + 1] - start[s], r = rank_of(s);
     thread_local Scratch rows_buf, ptr_buf;
@@ -93,8 +101,8 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
 
   // 2. B: per chunk of N's columns, every used slot.
   const int64_t unit = V::kLanes * CbFor(4);
-  const int64_t chunk = unit * ChunkUnits(N, unit, run.threads);
-  ParallelFor(run, (N + chunk - 1) / chunk, [&](int64_t c) {
+  const int64_t chunk = unit * ChunkUnits(N, unit, par.threads);
+  ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
     thread_local Scratch out_buf, ptr_buf;
     int64_t most = 0;

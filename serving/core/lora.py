@@ -137,7 +137,7 @@ class LoRASlots:
         self._idle_polls = 0  # polls the draining slot was idle through without a waiting adapter taking it
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshserve-lora")
         self.num_loads = 0  # slots written (counters: metrics, tests)
-        self.num_evictions = 0
+        self.num_evictions = 0  # loaded adapters pushed out of their slot by another's load
 
     # ---- the scheduler's side -----------------------------------------------------------------------------
     def ready(self, request: Request) -> bool:
@@ -186,8 +186,8 @@ class LoRASlots:
             if slot in self._loading:
                 continue
             if self.adapters[slot] is not None:
+                self.num_evictions += self.adapters[slot].registered  # (an unloaded one's slot is no eviction)
                 self._evict(slot)
-                self.num_evictions += 1
             del self._idle[slot]
             self._idle[slot] = None  # (idle until a request pins it)
             self.draining = None  # the waiting adapter has a slot

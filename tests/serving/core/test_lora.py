@@ -4,16 +4,19 @@ transformers + PEFT's logits and greedy tokens (also at tp=2, with int8 base wei
 n > 1 and n-gram speculation); adapters load and unload while requests run on them (those finish on the adapter
 they started with, nothing leaks); the prefix cache never serves one adapter's pages to another; an unknown adapter
 is an error naming it, a mismatched one is refused naming why."""
+import re
+
 import numpy as np
 import pytest
 
 from models.lora import AdapterError
+from models.synthetic import shared_small_llama
 from models.quant import WeightQuant
 from serving.core.batch import SeqChunk
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.core.lora import UnknownAdapterError
-from serving.core.sampling_params import SamplingParams
+from serving.core.sampling_params import SamplingParams, StructuredOutput
 from tests.support import hf_models, quant
 from tests.support import lora as peft_support
 
@@ -24,7 +27,7 @@ ADAPTERS = {  # name -> PEFT LoraConfig
     "c": dict(r=16, alpha=8, targets=["k_proj", "o_proj", "gate_proj", "down_proj"], seed=3),
     "d": dict(r=8, alpha=32, targets=["up_proj", "q_proj"], seed=4),  # loaded at run time
 }
-VOCAB = 160
+VOCAB = 160  # prompts' token ids: below both models' vocabularies
 OPTIONS = dict(page_size=8, num_pages=32, max_num_seqs=8, max_num_batched_tokens=32, min_token_bucket=8,
                max_prefill_chunk=16, enable_lora=True, max_loras=3, max_lora_rank=16)
 
@@ -33,8 +36,12 @@ class Family:
     """A small HF model, its adapters and HF + PEFT's answers (computed once per (adapter, prompt))."""
 
     def __init__(self, root, family: str):
-        self.dir, self.root, self.family = str(root / family), root, family
-        hf_models.save_hf_model(family, self.dir)
+        self.root, self.family = root, family
+        if family == "llama":  # the shared 2-layer Llama with the test tokenizer (structured outputs need one)
+            self.dir = shared_small_llama()
+        else:
+            self.dir = str(root / family)
+            hf_models.save_hf_model(family, self.dir)
         self._adapters, self._models, self._greedy = {}, {}, {}
 
     def adapter(self, name: str) -> str:
@@ -156,8 +163,8 @@ def test_mixed_batch_matches_hf_peft_at_tp2(families):
     """The same mixed step on 2 devices: A and B split as the weights they modify (the XLA paths of the update)."""
     fam = families["llama"]
     engine = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **OPTIONS, tp=2))
-    lora = engine.runner.state["layers"][0]
-    q_b, o_a = lora["self_attn"]["lora"]["q_proj"]["b"].get_value(), lora["self_attn"]["lora"]["o_proj"]["a"].get_value()
+    stacks = engine.runner.state["layers"][0]["self_attn"]["lora"]
+    q_b, o_a = stacks["q_proj"]["b"].get_value(), stacks["o_proj"]["a"].get_value()
     assert q_b.sharding.spec[2] == "tensor" and o_a.sharding.spec[1] == "tensor"  # heads split, as q_proj / o_proj
     names = [None, "a", "b", "c"]
     prompts = [prompt(n, seed) for n, seed in ((7, 1), (10, 2), (5, 3), (10, 4))]
@@ -194,27 +201,27 @@ def test_load_and_unload_while_requests_run(families, engines):
     fam, engine = families["llama"], engines("llama")
     wait_resident(engine, "abc")
     loads0, evictions0 = engine.lora.num_loads, engine.lora.num_evictions
-    started = [(f"run-{n}-{i}", prompt(30, 40 + i), n) for i, n in enumerate("aabbcc")]
-    requests = [engine.make_request(rid, p, greedy(12), adapter=n) for rid, p, n in started]
+    started = [(f"run-{n}-{i}", prompt(33, 40 + i), n) for i, n in enumerate("aabbcc")]
+    requests = [engine.make_request(rid, p, greedy(8), adapter=n) for rid, p, n in started]
     for r in requests:
         engine.add_request(r)
     for _ in range(3):
         engine.step()
     info = engine.load_adapter("d", fam.adapter("d"))  # a fourth adapter, three slots
     assert info["rank"] == 8 and sorted(info["target_modules"]) == ["q_proj", "up_proj"]
-    late = [engine.make_request("late-d", prompt(19, 60), greedy(8), adapter="d"),
-            engine.make_request("late-base", prompt(22, 61), greedy(8)),
-            engine.make_request("late-c", prompt(21, 62), greedy(8, n=2), adapter="c")]
+    late = [engine.make_request("late-d", prompt(19, 60), greedy(6), adapter="d"),
+            engine.make_request("late-base", prompt(22, 61), greedy(6)),
+            engine.make_request("late-c", prompt(21, 62), greedy(6, n=2), adapter="c")]
     gone = engine.unload_adapter("a")  # two requests still run on it
     assert gone["requests_in_flight"] == 2
     with pytest.raises(UnknownAdapterError, match="'a' is not loaded"):
         engine.make_request("after-unload", prompt(5, 1), greedy(2), adapter="a")
     run(engine, late)
     for r, (_, p, n) in zip(requests, started):
-        assert r.output_token_ids == fam.greedy(n, p, 12), f"{r.request_id} on adapter {n}"
+        assert r.output_token_ids == fam.greedy(n, p, 8), f"{r.request_id} on adapter {n}"
     for r, n in zip(late, ["d", None, "c"]):
         for sample in r.samples:
-            assert sample.output_token_ids == fam.greedy(n, r.prompt_token_ids, 8), sample.request_id
+            assert sample.output_token_ids == fam.greedy(n, r.prompt_token_ids, 6), sample.request_id
     assert sum(r.metrics.num_preemptions for r in requests + late) > 0  # 32 pages; the first six alone grow to 36
     assert "a" not in engine.lora.resident() and {a["name"] for a in engine.list_adapters()} == {"b", "c", "d"}
     assert engine.lora.num_loads == loads0 + 1  # d, into the slot a left when its last request finished
@@ -246,6 +253,20 @@ def test_prefix_cache_is_keyed_by_adapter(families, engines):
     engine.unload_adapter("b")
     engine.load_adapter("b", fam.adapter("b"))
     assert one("pc-b-reloaded", "b") == 0
+
+
+def test_structured_output_on_an_adapter(families, engines):
+    """A constrained request on an adapter (the masked sampling program after the LoRA forward) beside an
+    unconstrained one on another: the first matches its regex, the second gives HF + PEFT's greedy tokens."""
+    fam, engine = families["llama"], engines("llama")
+    regex = r"[a-f]{3}-[0-9]{2}"
+    constrained = engine.make_request("so-b", "Give me a code:", SamplingParams(
+        temperature=0.0, max_tokens=16, structured=StructuredOutput(regex=regex)), adapter="b")
+    free = engine.make_request("so-c", prompt(12, 5), greedy(6), adapter="c")
+    assert {"b", "c"} in run(engine, [constrained, free])
+    text = engine.tokenizer.decode([t for t in constrained.output_token_ids if t not in engine.eos_token_ids])
+    assert re.fullmatch(regex, text), text
+    assert free.output_token_ids == fam.greedy("c", free.prompt_token_ids, 6)
 
 
 def test_unknown_and_mismatched_adapters(families, engines, tmp_path):
