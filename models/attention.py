@@ -11,6 +11,7 @@ from flax import nnx
 import pallas_kernels
 from models.batch import RaggedBatch
 from models.config import ModelConfig
+from models.kv_cache import KVCacheSpec, attention_spec
 from models.layers import RMSNorm, linear, linear_param, zeros
 from models.lora import apply_lora
 from models.rope import apply_rope, inverse_frequencies
@@ -35,15 +36,26 @@ class Attention(nnx.Module):
         if cfg.o_bias:
             self.o_bias = zeros((e,), (EMBED,), dtype)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype, cfg.rms_norm_unit_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, HEAD_DIM, dtype, cfg.rms_norm_unit_offset)
         self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.qkv_proj = nnx.data(None)  # q|k|v fused and packed by `pallas_kernels.matmul.pack_groups` (then q/k/v_proj are None)
-        self.sm_scale = 1.0 / math.sqrt(d)
+        self.sm_scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or d)
+        self.logit_soft_cap = cfg.attn_logit_softcapping
         self.sliding_window = cfg.sliding_windows[layer]
-        self.inv_freq = tuple(float(f) for f in inverse_frequencies(cfg.rope, d))
+        # Gemma 3's local layers rotate with their own base (rope_local), its global ones with the scaled `rope`
+        rope = cfg.rope_local if self.sliding_window is not None and cfg.rope_local is not None else cfg.rope
+        self.inv_freq = tuple(float(f) for f in inverse_frequencies(rope, d))
+        self.rope_attention_factor = rope.attention_factor  # yarn / longrope scale cos and sin by it
         self.lora = nnx.data(None)  # adapter slots of q/k/v/o (models.lora.LoRAStacks), set when serving LoRA
+
+    @staticmethod
+    def kv_cache_spec(cfg: ModelConfig, layer: int, *, dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
+        """The cache layer `layer` reads and writes: K and V of every KV head (row 2h: K of head h, 2h + 1: its
+        V), over the layer's sliding window if it has one."""
+        return attention_spec(cfg.num_kv_heads, cfg.head_dim, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              sliding_window=cfg.sliding_windows[layer])
 
     def __call__(self, x, positions, kv_pages, batch: RaggedBatch):
         t, e = x.shape
@@ -66,10 +78,12 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq)
-        k = apply_rope(k, positions, self.inv_freq)
-        out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention, sm_scale=self.sm_scale,
-                                        sliding_window=self.sliding_window)
+        q = apply_rope(q, positions, self.inv_freq, self.rope_attention_factor)
+        k = apply_rope(k, positions, self.inv_freq, self.rope_attention_factor)
+        # a sliding-window layer reads its window's own page pool when the batch carries one (hybrid KV cache)
+        out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention_for(self.sliding_window),
+                                        sm_scale=self.sm_scale, sliding_window=self.sliding_window,
+                                        logit_soft_cap=self.logit_soft_cap)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
         y = linear(out.reshape(t, -1), self, "o_proj", hq * d, g)
         y = apply_lora(self.lora, "o_proj", out, y, slots)
@@ -78,7 +92,7 @@ class Attention(nnx.Module):
         return y, kv_pages
 
 
-def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
+def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window, logit_soft_cap=None):
     """Pure. Writes this step's K/V into the pages (an array, or a `QuantizedKV`: quantised as written), then
     attends. Under a mesh that splits the heads (the rules' mesh axis for HEADS) it runs per shard (heads are
     independent): q heads split; KV heads split too when the degree divides them, else replicated, each shard
@@ -95,7 +109,8 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window):
             first = jax.lax.axis_index(heads_axis) * hq_local // group
             view = kv_quant.slice_heads(kv_pages, 2 * first, 2 * max(1, hq_local // group))
         out = pallas_kernels.ragged_paged_attention(q, view, kv_lens, page_indices, cu_q_lens, num_seqs,
-                                                    sm_scale=sm_scale, sliding_window=sliding_window)
+                                                    sm_scale=sm_scale, sliding_window=sliding_window,
+                                                    logit_soft_cap=logit_soft_cap)
         return out, kv_pages
 
     args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)

@@ -15,8 +15,8 @@ from pallas_kernels.metadata import AttentionMetadata
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["input_ids", "positions", "attention", "logits_indices", "lora_slots"],
-    meta_fields=[],
+    data_fields=["input_ids", "positions", "attention", "logits_indices", "lora_slots", "window_pages"],
+    meta_fields=["windows"],
 )
 @dataclasses.dataclass(frozen=True)
 class RaggedBatch:
@@ -27,6 +27,19 @@ class RaggedBatch:
     # [T] int32: each token's LoRA adapter slot (-1: the base model, and padding); None when no token of the step
     # has an adapter (the step then runs the program without LoRA, whose cost is nil)
     lora_slots: jax.Array | None = None
+    # Hybrid KV cache (serving.core.hybrid_block_manager): per window pool, (slot_mapping [T], page_indices
+    # [S, max_pages]) into the pages of the sliding-window layers of that window (`windows`, static); empty: every
+    # layer reads `attention`'s pages
+    window_pages: tuple = ()
+    windows: tuple[int, ...] = ()
+
+    def attention_for(self, sliding_window: int | None) -> AttentionMetadata:
+        """The metadata a layer of `sliding_window` (None: full attention) reads its pages by: its window pool's
+        slots and page table when the batch carries them, else `attention`'s."""
+        if sliding_window is None or sliding_window not in self.windows:
+            return self.attention
+        slot_mapping, page_indices = self.window_pages[self.windows.index(sliding_window)]
+        return dataclasses.replace(self.attention, slot_mapping=slot_mapping, page_indices=page_indices)
 
     @property
     def num_tokens(self) -> int:
@@ -40,8 +53,11 @@ class RaggedBatch:
     def from_layout(cls, a: dict) -> "RaggedBatch":
         """A ragged batch's arrays (`pallas_kernels.metadata.ragged_layout`; numpy or device arrays) as a
         RaggedBatch."""
+        windows = tuple(a.get("windows", ()))
         return cls(input_ids=a["input_ids"], positions=a["positions"], logits_indices=a["logits_indices"],
                    lora_slots=a.get("lora_slots"),
                    attention=AttentionMetadata(slot_mapping=a["slot_mapping"], kv_lens=a["kv_lens"],
                                                page_indices=a["page_indices"], cu_q_lens=a["cu_q_lens"],
-                                               num_seqs=a["num_seqs"]))
+                                               num_seqs=a["num_seqs"]),
+                   window_pages=tuple((a[f"window_slot_mapping_{w}"], a[f"window_page_indices_{w}"]) for w in windows),
+                   windows=windows)

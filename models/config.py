@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 from typing import Any
 
@@ -18,8 +20,15 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Phi3ForCausalLM": "phi3",  # Phi-3 and Phi-4 (fused qkv_proj and gate_up_proj)
+    "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the larger ones are Gemma3ForConditionalGeneration)
 }
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# Multimodal checkpoints served as their language model: architecture -> the text config's own architecture.
+TEXT_OF_MULTIMODAL = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# A bare config (no architectures) names its family by model_type.
+MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM", "gemma3": "Gemma3ForConditionalGeneration"}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
+log = logging.getLogger(__name__)
 
 
 class UnsupportedModelError(ValueError):
@@ -34,6 +43,18 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn: the ramp between interpolated and extrapolated frequencies (HF modeling_rope_utils)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    mscale_all_dim: float = 0.0  # yarn; kept for attention that scales its softmax by it too (DeepSeek's MLA)
+    # yarn, longrope: the factor cos and sin are scaled by (the attention temperature); 1.0 for the others
+    attention_factor: float = 1.0
+    short_factor: tuple[float, ...] = ()  # longrope: a divisor per frequency, within the original context
+    partial_rotary_factor: float = 1.0  # the share of head_dim that is rotated (the rest passes through)
+
+    def __post_init__(self):
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))  # from JSON lists
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +92,16 @@ class ModelConfig:
     # per `quantization_group` K rows (block-wise fp8 checkpoints)
     quantization: str = ""
     quantization_group: int = 0
+    # Gemma 3 (models.gemma3): the MLP's gate activation ("silu": SwiGLU; "gelu_pytorch_tanh": GeGLU), RMSNorm
+    # scaling by (1 + weight), the softmax scale 1 / sqrt(query_pre_attn_scalar) (None: 1 / sqrt(head_dim)), tanh
+    # soft-capping of attention scores / final logits (None: none), and the sliding-window layers' own RoPE
+    # (None: `rope` for every layer)
+    hidden_act: str = "silu"
+    rms_norm_unit_offset: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    rope_local: RopeConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -96,12 +127,6 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return any(self.moe_layers)
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """KV-cache bytes one token costs over all layers, at the config's stored dtype."""
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 2)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -109,6 +134,8 @@ class ModelConfig:
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
+        if d.get("rope_local") is not None:
+            d["rope_local"] = RopeConfig(**d["rope_local"])
         for k in ("sliding_windows", "moe_layers", "eos_token_ids"):
             d[k] = tuple(d[k])
         return cls(**d)
@@ -130,18 +157,26 @@ def _unsupported(what: str) -> UnsupportedModelError:
     return UnsupportedModelError(f"unsupported model option: {what}")
 
 
-def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
+def _parse_rope(hf: dict[str, Any], family: str) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older configs have `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if family == "phi3" and rope_type in ("su", "yarn"):  # Phi3Config reads both as longrope
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise _unsupported(f"rope scaling type {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _unsupported(f"partial_rotary_factor={hf['partial_rotary_factor']} (only 1.0)")
-    rope = RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor", 1.0)))
+    if family == "phi3" and rope_type not in ("default", "longrope"):
+        raise _unsupported(f"rope scaling type {rope_type!r} for Phi-3 (supported: default, longrope)")
+    partial = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and family != "phi3":  # HF rotates the whole head in the other families
+        raise _unsupported(f"partial_rotary_factor={partial} for {family} (only 1.0)")
+    if not 0.0 < partial <= 1.0:
+        raise _unsupported(f"partial_rotary_factor={partial} (expected 0 < factor <= 1)")
+    rope = RopeConfig(theta=float(theta), rope_type=rope_type, factor=float(merged.get("factor") or 1.0),
+                      partial_rotary_factor=partial)
     if rope_type == "llama3":
         rope = dataclasses.replace(
             rope,
@@ -149,7 +184,46 @@ def _parse_rope(hf: dict[str, Any]) -> RopeConfig:
             high_freq_factor=float(merged["high_freq_factor"]),
             original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
         )
+    elif rope_type in ("yarn", "longrope"):
+        rope = _yarn_or_longrope(hf, merged, rope)
     return rope
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature (its Eq. 21): 0.1 * mscale * ln(factor) + 1, or 1 when not scaling."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_or_longrope(hf: dict[str, Any], merged: dict[str, Any], rope: RopeConfig) -> RopeConfig:
+    """The yarn / longrope parameters as HF transformers reads them (`modeling_rope_utils`): a top-level
+    original_max_position_embeddings (Phi-3) wins over the scaling's own, else max_position_embeddings; a missing
+    factor is max_position_embeddings / original; the attention factor, unless given, from factor (and for yarn
+    mscale / mscale_all_dim when both are set)."""
+    max_pos = int(hf.get("max_position_embeddings", 4096))
+    original = int(hf.get("original_max_position_embeddings")
+                   or merged.get("original_max_position_embeddings") or max_pos)
+    factor = float(merged.get("factor") or max_pos / original)
+    attention_factor = merged.get("attention_factor")
+    if rope.rope_type == "yarn":
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if attention_factor is None:
+            attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                                if mscale and mscale_all_dim else _yarn_mscale(factor))
+        return dataclasses.replace(
+            rope, factor=factor, original_max_position_embeddings=original,
+            beta_fast=float(merged.get("beta_fast") or 32), beta_slow=float(merged.get("beta_slow") or 1),
+            truncate=bool(merged.get("truncate", True)), mscale_all_dim=float(mscale_all_dim or 0.0),
+            attention_factor=float(attention_factor))
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
+    short = merged.get("short_factor")
+    rotated = int(head_dim * rope.partial_rotary_factor) // 2
+    if not isinstance(short, list) or len(short) != rotated:
+        raise _unsupported(f"longrope short_factor {short!r} (expected a list of {rotated} numbers, one per "
+                           f"rotated frequency)")
+    return dataclasses.replace(rope, factor=factor, original_max_position_embeddings=original,
+                               attention_factor=float(attention_factor), short_factor=tuple(short))
 
 
 def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
@@ -172,18 +246,80 @@ def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[
     return (int(window),) * num_layers
 
 
+# Gemma3TextConfig's defaults (transformers), which published configs rely on: Gemma 3 4B-27B's text_config names
+# only what differs from them.
+GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131_072,
+    rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=True,
+    attention_bias=False, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+    rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, final_logit_softcapping=None,
+    attn_logit_softcapping=None)
+
+
+def _gemma3_text(hf: dict[str, Any], multimodal: bool) -> dict[str, Any]:
+    """A Gemma 3 config as a flat text config with Gemma3TextConfig's defaults filled in; a multimodal one
+    (Gemma3ForConditionalGeneration) by its `text_config`, its top-level eos / dtype / tying winning."""
+    text = hf
+    if multimodal:
+        if not isinstance(hf.get("text_config"), dict):
+            raise _unsupported("Gemma3ForConditionalGeneration without a text_config (meshserve serves its language "
+                               "model only; the vision tower is not implemented)")
+        text = dict(hf["text_config"])
+        for key in ("eos_token_id", "bos_token_id", "pad_token_id", "torch_dtype", "dtype", "tie_word_embeddings"):
+            if hf.get(key) is not None:
+                text[key] = hf[key]
+    out = {**GEMMA3_TEXT_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
+    if multimodal and out.get("final_logit_softcapping") is not None:
+        # transformers' Gemma3ForConditionalGeneration computes its logits without it (Gemma3ForCausalLM caps)
+        raise _unsupported(f"final_logit_softcapping={out['final_logit_softcapping']} in a "
+                           "Gemma3ForConditionalGeneration text_config (transformers does not apply it there; "
+                           "expected null as Gemma 3's checkpoints have)")
+    out["architectures"] = ["Gemma3ForCausalLM"]
+    if out.get("use_bidirectional_attention"):
+        raise _unsupported("use_bidirectional_attention=true (Gemma 3 as an encoder; meshserve decodes causally)")
+    if not out.get("layer_types"):
+        pattern = int(out.get("sliding_window_pattern") or out.get("_sliding_window_pattern") or 6)
+        out["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                              for i in range(int(out["num_hidden_layers"]))]
+    return out
+
+
+def _gemma3_ropes(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3: transformers 5's `rope_parameters` per layer type, or the legacy rope_theta
+    and rope_scaling (the global layers') with rope_local_base_freq (the local ones', unscaled)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = params.get("full_attention") or {"rope_type": "default", "rope_theta": hf["rope_theta"]}
+        local = params.get("sliding_attention") or {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    else:
+        full = {**(hf.get("rope_scaling") or {}), **params, "rope_theta": params.get("rope_theta", hf["rope_theta"])}
+        local = {"rope_type": "default", "rope_theta": hf["rope_local_base_freq"]}
+    strip = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+    return (_parse_rope({**strip, "rope_parameters": full}, "gemma3"),
+            _parse_rope({**strip, "rope_parameters": local}, "gemma3"))
+
+
 def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
     archs = hf.get("architectures") or []
     if not archs:  # a bare config (no architectures) names its family by model_type
-        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+        by_type = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()} | MODEL_TYPES
         archs = [by_type.get(hf.get("model_type"), f"model_type={hf.get('model_type')!r}")]
+    if len(archs) == 1 and archs[0] in ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"):
+        hf = _gemma3_text(hf, multimodal=archs[0] != "Gemma3ForCausalLM")
+        archs = hf["architectures"]
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise _unsupported(
-            f"architecture {archs!r} (supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})")
+        supported = sorted(SUPPORTED_ARCHITECTURES) + list(TEXT_OF_MULTIMODAL)
+        raise _unsupported(f"architecture {archs!r} (supported: {', '.join(supported)})")
     family = SUPPORTED_ARCHITECTURES[archs[0]]
-    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
-    if act != "silu":
-        raise _unsupported(f"hidden_act={act!r} (only 'silu')")
+    if family == "gemma3":  # Gemma writes hidden_activation (Gemma 1's hidden_act was a misleading "gelu")
+        act = hf.get("hidden_activation") or hf.get("hidden_act")
+        if act != "gelu_pytorch_tanh":
+            raise _unsupported(f"hidden_activation={act!r} for Gemma 3 (only 'gelu_pytorch_tanh')")
+    else:
+        act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+        if act != "silu":
+            raise _unsupported(f"hidden_act={act!r} (only 'silu')")
     if hf.get("mlp_bias"):
         raise _unsupported("mlp_bias=true")
     if hf.get("pretraining_tp", 1) != 1:
@@ -206,17 +342,28 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         head_dim=int(head_dim),
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope=_parse_rope(hf),
+        rope=_gemma3_ropes(hf)[0] if family == "gemma3" else _parse_rope(hf, family),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
-        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral") and attention_bias,
-        qk_norm=family in ("qwen3", "qwen3_moe"),
+        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3") and attention_bias,
+        qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         sliding_windows=_sliding_windows(hf, family, num_layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids,
         pad_token_id=hf.get("pad_token_id"),
         dtype=str(hf.get("dtype") or hf.get("torch_dtype") or "float32"),
     )
+    if family == "gemma3":
+        if hf.get("attn_logit_softcapping") is not None:
+            # transformers' Gemma3Attention keeps it but never applies it (Gemma 2 did): either choice would differ
+            # from what someone meant by it
+            raise _unsupported(f"attn_logit_softcapping={hf['attn_logit_softcapping']} for Gemma 3 (transformers' "
+                               "Gemma 3 does not apply it; expected null as Gemma 3's checkpoints have)")
+        final_cap = hf.get("final_logit_softcapping")
+        kw.update(hidden_act="gelu_pytorch_tanh", rms_norm_unit_offset=True,
+                  query_pre_attn_scalar=float(hf["query_pre_attn_scalar"]),
+                  final_logit_softcapping=None if final_cap is None else float(final_cap),
+                  rope_local=_gemma3_ropes(hf)[1])
     if family == "mixtral":
         kw.update(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
                   moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True)
@@ -234,6 +381,13 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
             moe_layers=tuple(i not in mlp_only and num_experts > 0 and (i + 1) % step == 0
                              for i in range(num_layers)),
         )
+    rope = kw["rope"]
+    if rope.rope_type == "longrope" and kw["max_position_embeddings"] > rope.original_max_position_embeddings:
+        # Past its original context HF recomputes the whole sequence with long_factor (Phi3ForCausalLM drops its
+        # cache there): a paged cache cannot, so the context served is the original one, where HF uses short_factor.
+        log.warning("longrope: serving %d positions (original_max_position_embeddings), not %d: long_factor is not "
+                    "implemented", rope.original_max_position_embeddings, kw["max_position_embeddings"])
+        kw["max_position_embeddings"] = rope.original_max_position_embeddings
     if kw["dtype"] not in ("float32", "bfloat16", "float16"):
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
     kw["quantization"], kw["quantization_group"] = _checkpoint_quantization(hf)

@@ -68,24 +68,38 @@ def embed_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, axis_name: str, dtype):
-        self.weight = ones((dim,), (axis_name,), dtype)
+    """x / rms(x) * weight in float32; `unit_offset` (Gemma): * (1 + weight), the weight starting at 0."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str, dtype, unit_offset: bool = False):
+        self.weight = (zeros if unit_offset else ones)((dim,), (axis_name,), dtype)
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...].astype(jnp.float32) * xf).astype(x.dtype)
+        scale = self.weight[...].astype(jnp.float32)
+        if self.unit_offset:  # added in float32, as HF's Gemma3RMSNorm does (a bf16 1 + w would round)
+            scale = 1.0 + scale
+        return (scale * xf).astype(x.dtype)
+
+
+# The gate activations of the gated MLP, by HF's name: SwiGLU's silu, GeGLU's tanh-approximated GELU (Gemma).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); act silu (SwiGLU) or tanh GELU (GeGLU)."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, quant: WeightQuant | None = None):
+    def __init__(self, hidden: int, intermediate: int, dtype, rngs: nnx.Rngs, quant: WeightQuant | None = None,
+                 activation: str = "silu"):
+        if activation not in ACTIVATIONS:
+            raise UnsupportedModelError(f"MLP activation {activation!r} (supported: {', '.join(ACTIVATIONS)})")
         linear_param(self, "gate_proj", rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype, (0,), quant)
         linear_param(self, "up_proj", rngs, (hidden, intermediate), (EMBED, MLP_AXIS), dtype, (0,), quant)
         linear_param(self, "down_proj", rngs, (intermediate, hidden), (MLP_AXIS, EMBED), dtype, (0,), quant)
         self.hidden, self.intermediate = hidden, intermediate
+        self.activation = activation
         self.quant_group = quant.group if quant else 0
         self.gate_up_proj = nnx.data(None)  # gate|up fused and packed by `pallas_kernels.matmul.pack_groups` (then gate/up_proj are None)
         self.lora = nnx.data(None)  # adapter slots of gate/up/down (models.lora.LoRAStacks), set when serving LoRA
@@ -93,6 +107,7 @@ class MLP(nnx.Module):
     def __call__(self, x, lora_slots=None):
         """`lora_slots` [T]: each token's adapter slot (< 0: none), or None (no adapter in the step)."""
         e, i, g = self.hidden, self.intermediate, self.quant_group
+        act = ACTIVATIONS[self.activation]
         if self.gate_up_proj is not None:
             gu = linear(x, self, "gate_up_proj", e, g)
             gate, up = gu[:, :i], gu[:, i:]
@@ -101,5 +116,5 @@ class MLP(nnx.Module):
         if self.lora is not None and lora_slots is not None:
             gate = apply_lora(self.lora, "gate_proj", x, gate, lora_slots)
             up = apply_lora(self.lora, "up_proj", x, up, lora_slots)
-        h = jax.nn.silu(gate) * up
+        h = act(gate) * up
         return apply_lora(self.lora, "down_proj", h, linear(h, self, "down_proj", i, g), lora_slots)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF `rotate_half` layout), default / linear / llama3 frequency scaling."""
+"""Rotary position embeddings (HF `rotate_half` layout, over the first `partial_rotary_factor` of each head):
+default / linear / llama3 / yarn / longrope (short factors) frequencies, and yarn's and longrope's attention factor."""
 from __future__ import annotations
 
 import math
@@ -10,9 +11,15 @@ import numpy as np
 from models.config import RopeConfig
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading values of each head are rotated (HF: int(head_dim * partial_rotary_factor))."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Host-side. The `head_dim // 2` inverse frequencies, scaled as `rope.rope_type` says."""
-    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    """Host-side. The `rotary_dim // 2` inverse frequencies, scaled as `rope.rope_type` says."""
+    dim = rotary_dim(rope, head_dim)
+    inv = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if rope.rope_type == "linear":
         inv = inv / rope.factor
     elif rope.rope_type == "llama3":
@@ -25,15 +32,46 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled)
+    elif rope.rope_type == "yarn":
+        inv = _yarn(rope, dim, inv)
+    elif rope.rope_type == "longrope":  # within the original context (models.config caps the context there)
+        inv = inv / np.asarray(rope.short_factor, np.float64)
     return inv.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Pure. Rotates `x[T, H, D]` by `positions[T]` (computed in float32, returned in x's dtype)."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+def _yarn(rope: RopeConfig, dim: int, inv: np.ndarray) -> np.ndarray:
+    """YaRN (HF `_compute_yarn_parameters`): the interpolated frequencies (inv / factor) below the dimension where a
+    wavelength fits `beta_slow` rotations in the original context, the extrapolated ones (inv) above the one where it
+    fits `beta_fast`, a linear ramp between."""
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as HF: no division by zero
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    extrapolated = 1.0 - ramp
+    return inv / rope.factor * (1.0 - extrapolated) + inv * extrapolated
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, attention_factor: float = 1.0) -> jax.Array:
+    """Pure. Rotates the first `2 * len(inv_freq)` values of each head of `x[T, H, D]` by `positions[T]` (the rest
+    pass through), cos and sin scaled by `attention_factor` as HF does; computed in float32, returned in x's
+    dtype."""
+    inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
     cos = jnp.cos(freqs)[:, None, :]
     sin = jnp.sin(freqs)[:, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    rot = 2 * inv_freq.shape[0]
+    x1, x2 = jnp.split(xf[..., :rot], 2, axis=-1)
+    out = [x1 * cos - x2 * sin, x2 * cos + x1 * sin]
+    if rot < x.shape[-1]:
+        out.append(xf[..., rot:])
+    return jnp.concatenate(out, axis=-1).astype(x.dtype)

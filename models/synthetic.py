@@ -1,6 +1,6 @@
-"""Small deterministic models built locally (no hub downloads, no accelerator) for the demo's fallback model,
-benchmarks and tests: `make_test_tokenizer` (an HF-format tokenizer directory), `random_llama` (a random-weight Llama
-with it) and `shared_small_llama` (the 2-layer one, built once per machine). Details: docs/models.md."""
+"""Small deterministic models built locally (no hub downloads, no accelerator) for benchmarks and tests:
+`make_test_tokenizer` (an HF-format tokenizer directory), `random_llama` (a random-weight Llama with it) and
+`shared_small_llama` (the 2-layer one, built once per machine). Details: docs/models.md."""
 from __future__ import annotations
 
 import json

@@ -1,21 +1,19 @@
-"""`Tokenizer`: an HF tokenizer directory behind encode / decode / chat-template rendering, as transformers 5 does
-them; `IncrementalDetokenizer` for streaming text that never emits half a UTF-8 character; `train_byte_level_bpe`.
-Details: docs/models.md."""
+"""`Tokenizer`: an HF tokenizer directory, or the tokenizer a GGUF file describes (`tokenizer_from_gguf`), behind
+encode / decode / chat-template rendering, as transformers 5 does them; `IncrementalDetokenizer` for streaming text
+that never emits half a UTF-8 character; `train_byte_level_bpe`. Details: docs/models.md."""
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
+from tokenizers.models import BPE
+
+from models.chat_template import render_chat_template
+from models.gguf import GGUFModel, gguf_files
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -32,8 +30,6 @@ CHATML_TURNS = (
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# What transformers reads a message's reasoning from; the first is the name templates use.
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -82,15 +78,19 @@ class Tokenizer:
             i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self._shown_ids: frozenset[int] = frozenset()  # special tokens decoded even when skipping special tokens
         self._byte_fallback_ids = _byte_fallback_ids(backend)
-        self._compiled_templates: dict[str, jinja2.Template] = {}
 
     # ----------------------------------------------------------------------------------------- loading
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike) -> "Tokenizer":
+        """The tokenizer of an HF directory, or of a GGUF model (file, split parts, or a directory holding one) from
+        its metadata (`tokenizer_from_gguf`); a directory's own tokenizer.json wins over a GGUF's, with the GGUF's
+        chat template when the directory has none."""
         model_dir = os.fspath(model_dir)
+        tokenizer_path = os.path.join(model_dir, "tokenizer.json")
+        if not (os.path.isdir(model_dir) and os.path.exists(tokenizer_path)) and gguf_files(model_dir):
+            return tokenizer_from_gguf(GGUFModel.open(model_dir).metadata, model_dir)
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
-        tokenizer_path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.exists(tokenizer_path):
             present = ", ".join(sorted(os.listdir(model_dir))) or "nothing"
             raise FileNotFoundError(
@@ -112,14 +112,39 @@ class Tokenizer:
         eos_from_generation = generation_config.get("eos_token_id")
         if isinstance(eos_from_generation, int):
             eos_from_generation = [eos_from_generation]
+        chat_template = _load_chat_template(model_dir, config)
+        if chat_template is None and gguf_files(model_dir):
+            chat_template = gguf_chat_templates(GGUFModel.open(model_dir).metadata)
         return cls(
             backend,
             special_tokens=special_tokens,
-            chat_template=_load_chat_template(model_dir, config),
+            chat_template=chat_template,
             eos_token_ids=tuple(eos_from_generation or ()),
             bos_token_id=None if special_tokens["bos_token"] else generation_config.get("bos_token_id"),
             pad_token_id=None if special_tokens["pad_token"] else generation_config.get("pad_token_id"),
         )
+
+    def save_pretrained(self, out_dir: str | os.PathLike) -> None:
+        """Writes this tokenizer as an HF directory (tokenizer.json, tokenizer_config.json, chat templates,
+        generation_config.json) that `from_pretrained` reads back the same: how a GGUF's tokenizer travels with the
+        Orbax checkpoint `models.convert` makes of it."""
+        out_dir = os.fspath(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        self.backend.save(os.path.join(out_dir, "tokenizer.json"))
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(dict(self.special_tokens), f, indent=1, ensure_ascii=False)
+        with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+            json.dump({"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids),
+                       "pad_token_id": self.pad_token_id}, f, indent=1)
+        templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
+        for name, source in templates.items():
+            if source is None:
+                continue
+            path = os.path.join(out_dir, CHAT_TEMPLATE_FILE) if name == "default" else \
+                os.path.join(out_dir, CHAT_TEMPLATE_DIR, f"{name}.jinja")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(source)
 
     # ----------------------------------------------------------------------------------------- ids
     @property
@@ -235,17 +260,8 @@ class Tokenizer:
                 if not isinstance(document, Mapping):
                     raise TypeError(f"documents must be dicts with 'title' and 'text', got {document!r}")
         source = self.get_chat_template(chat_template, tools)
-        template = self._compiled_templates.get(source)
-        if template is None:
-            template = self._compiled_templates[source] = _JINJA_ENV.from_string(source)
-        variables = {**self.special_tokens, **_plain_data(template_kwargs)}
-        return template.render(
-            messages=_normalize_messages(messages),
-            tools=_plain_data(tools),
-            documents=_plain_data(documents),
-            add_generation_prompt=add_generation_prompt,
-            **variables,
-        )
+        return render_chat_template(source, messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                    documents=documents, variables={**self.special_tokens, **template_kwargs})
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
         """Token ids of the rendered chat; the template supplies BOS itself, so no special tokens are added."""
@@ -256,8 +272,8 @@ def train_byte_level_bpe(texts, vocab_size: int, special_tokens, bos_token: str 
     """A byte-level BPE (GPT-2 pre-tokenisation) trained on `texts`, special tokens first (ids 0..n-1).
     Deterministic. With `bos_token` (one of the special tokens) the post-processor puts it in front of each
     sequence. Used by the test tokenizer and the tiny models' trainer."""
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
-    backend = _BackendTokenizer(models.BPE())
+    from tokenizers import trainers
+    backend = _BackendTokenizer(BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special_tokens),
@@ -420,106 +436,146 @@ def _load_chat_template(model_dir: str, config: Mapping[str, Any]) -> str | dict
     return entry
 
 
-def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    # As transformers: drop None-valued keys (OpenAI's content=None), alias reasoning fields.
-    normalized = []
-    for message in messages:
-        if not isinstance(message, Mapping):
-            raise TypeError(f"chat messages must be dicts, got {type(message).__name__}: {message!r}")
-        message = _plain_data({k: v for k, v in message.items() if v is not None})
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-        if reasoning is not None:
-            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-        normalized.append(message)
-    return normalized
+# --------------------------------------------------------------------------------------------- GGUF
+# tokenizer.ggml.token_type values (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# The splitting regexes of the original tokenizers, by the name llama.cpp's converter gives them in
+# tokenizer.ggml.pre; applied one after another (each splits the pieces of the one before), as llama.cpp does.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          r"|\s+(?!\S)|\s+")
+PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
+    **{name: (_GPT2,) for name in ("gpt-2", "phi-2", "mpt", "olmo", "jais")},
+    **{name: (r"\p{N}", _GPT2) for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")},
+    **{name: (_LLAMA3,) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe")},
+    **{name: (_QWEN2,) for name in ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez")},
+}
+# Pre-tokenizers whose BPE looks a whole piece up in the vocabulary before merging (llama.cpp's ignore_merges)
+_IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")
+_NAMED_IDS = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "sep_token": "seperator",
+              "pad_token": "padding", "cls_token": "cls", "mask_token": "mask"}
 
 
-def _plain_data(value: Any) -> Any:
-    """Rebuild template inputs from plain JSON types, so the sandbox never sees methods of richer objects."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain_data(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain_data(v) for v in value)
-    return f"<{type(value).__name__}>"
+def tokenizer_from_gguf(metadata: Mapping[str, Any], where: str) -> Tokenizer:
+    """The Tokenizer of a GGUF model's metadata (`models.gguf.GGUFModel.metadata`); `where` names it in errors."""
+    kind = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if kind is None or tokens is None:
+        raise FileNotFoundError(f"{where} carries no tokenizer (tokenizer.ggml.model / tokens); put the model's "
+                                "tokenizer.json beside it")
+    types = metadata.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_bpe(metadata, tokens, types, where)
+    elif kind == "llama":
+        backend = _sentencepiece_bpe(metadata, tokens, types)
+    else:
+        raise ValueError(f"{where}: tokenizer.ggml.model {kind!r} is not rebuilt (supported: gpt2, llama); put the "
+                         "model's tokenizer.json beside the GGUF file")
+    # Control tokens are special (skipped when decoding); user-defined ones match whole but decode as text.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == USER_DEFINED])
+    named = {name: tokens[i] for name, key in _NAMED_IDS.items()
+             if isinstance(i := metadata.get(f"tokenizer.ggml.{key}_token_id"), int) and 0 <= i < len(tokens)}
+    bos = metadata.get("tokenizer.ggml.bos_token_id")
+    # BOS in front when the file says so; llama.cpp's defaults otherwise (SentencePiece and Llama 3 vocabularies)
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token",
+                           kind == "llama" or metadata.get("tokenizer.ggml.pre") in _IGNORE_MERGES)
+    add_eos = metadata.get("tokenizer.ggml.add_eos_token", False)
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    ends = [(tokens[i], i) for i, wanted in ((bos, add_bos), (eos, add_eos)) if wanted and i is not None]
+    first = [tokens[bos]] if add_bos and bos is not None else []
+    last = [tokens[eos]] if add_eos and eos is not None else []
+
+    def sequence(piece: str, type_id: int) -> list[str]:
+        return [f"{t}:{type_id}" for t in (*first, piece, *last)]
+
+    backend.post_processor = processors.TemplateProcessing(
+        single=sequence("$A", 0), pair=sequence("$A", 0) + sequence("$B", 1), special_tokens=ends)
+    stop = [metadata.get(f"tokenizer.ggml.{k}_token_id") for k in ("eot", "eom")]
+    return Tokenizer(backend, special_tokens=named, chat_template=gguf_chat_templates(metadata),
+                     eos_token_ids=tuple(i for i in stop if i is not None), bos_token_id=bos,
+                     pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"))
 
 
-# --------------------------------------------------------------------------------------------- jinja
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering ignores it."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
+def gguf_chat_templates(metadata: Mapping[str, Any]) -> str | dict[str, str] | None:
+    """The embedded chat template (`tokenizer.chat_template`), with named ones (`tokenizer.chat_template.<name>`)
+    as a dict whose 'default' is the plain one."""
+    default = metadata.get("tokenizer.chat_template")
+    named = {name: metadata[f"tokenizer.chat_template.{name}"] for name in metadata.get("tokenizer.chat_templates", [])
+             if f"tokenizer.chat_template.{name}" in metadata}
+    if not named:
+        return default
+    return {**({"default": default} if default is not None else {}), **named}
 
 
-def _raise_exception(message: str):
-    raise jinja2.TemplateError(message)
+def _byte_level_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[int], where: str) -> _BackendTokenizer:
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    splits = PRE_TOKENIZERS.get(pre)
+    if splits is None and pre != "default":
+        raise ValueError(f"{where}: pre-tokenizer {pre!r} is not rebuilt (known: {', '.join(sorted(PRE_TOKENIZERS))}"
+                         "); put the model's tokenizer.json beside the GGUF file")
+    merges = metadata.get("tokenizer.ggml.merges")
+    if merges is None:
+        raise ValueError(f"{where}: a byte-level BPE vocabulary without tokenizer.ggml.merges")
+    # Normal tokens are spelled in GPT-2's byte alphabet; added ones (control, user-defined) as their raw text.
+    vocab: dict[str, int] = {}
+    for i, (token, kind) in enumerate(zip(tokens, types)):
+        if kind == NORMAL and not set(token) <= BYTE_LEVEL_ALPHABET.keys():
+            token = "".join(_BYTE_CHARS[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, i)
+    bpe = BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], ignore_merges=pre in _IGNORE_MERGES)
+    backend = _BackendTokenizer(bpe)
+    if splits is None:  # "default": what GPT-2's byte-level pre-tokenizer does
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    return backend
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    # transformers' version: no HTML escaping, json.dumps options exposed.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+_BYTE_CHARS = {b: c for c, b in BYTE_LEVEL_ALPHABET.items()}
 
 
-def _strftime_now(format: str) -> str:
-    return datetime.datetime.now().strftime(format)
+def _sentencepiece_bpe(metadata: Mapping[str, Any], tokens: list[str], types: list[int]) -> _BackendTokenizer:
+    """SentencePiece BPE as Llama 2's tokenizer.json has it: spaces as U+2581 (and one in front of each piece of
+    text, as llama.cpp puts one after every special token), unknown characters as byte tokens <0xNN>."""
+    vocab = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    merges = metadata.get("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ", 1)) for m in merges] if merges is not None else _merges_from_scores(
+        tokens, types, metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    unk = metadata.get("tokenizer.ggml.unknown_token_id")
+    bpe = BPE(vocab, merges, unk_token=tokens[unk] if unk is not None else None, fuse_unk=True,
+                     byte_fallback=True)
+    backend = _BackendTokenizer(bpe)
+    space_prefix = metadata.get("tokenizer.ggml.add_space_prefix", True)
+    backend.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend("\u2581")] if space_prefix else []) + [normalizers.Replace(" ", "\u2581")])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
+    return backend
 
 
-class _TemplateDict:
-    """`dict(...)` for templates without exposing the dict type itself."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace(...)` that refuses underscore attributes, closing a route to CPython internals."""
-
-    def __init__(*args, **kwargs):
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes, got {name!r}")
-
-
-def _make_jinja_env() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    # Same settings as transformers: templates from the Hub are untrusted code, hence the sandbox.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-_JINJA_ENV = _make_jinja_env()
+def _merges_from_scores(tokens: list[str], types: list[int], scores: list[float]) -> list[tuple[str, str]]:
+    """BPE merges for a SentencePiece vocabulary without them: every split of a normal token into two tokens,
+    best-scoring merged token first (what SentencePiece's BPE prefers), then by the parts' ids."""
+    ids = {t: i for i, t in reversed(list(enumerate(tokens)))}
+    found = []
+    for token, kind, score in zip(tokens, types, scores):
+        if kind not in (NORMAL, USER_DEFINED):
+            continue
+        for k in range(1, len(token)):
+            left, right = token[:k], token[k:]
+            if left in ids and right in ids:
+                found.append((-score, ids[left], ids[right], left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]

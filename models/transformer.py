@@ -1,22 +1,22 @@
-"""The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE) in Flax NNX: `DecoderLayer`,
+"""The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE, Phi-3, Gemma 3's layers from
+`models.gemma3`) in Flax NNX: `DecoderLayer`,
 `CausalLM` (forward over a RaggedBatch, logits, the hooks for the native CPU kernels' weight packing and head screen)
-and its paged KV cache (`kv_cache_shape`, `init_kv_caches`). Details: docs/models.md."""
+and the KV cache it declares (`kv_cache_specs`: a `models.kv_cache.KVCacheSpec` per layer). Details: docs/models.md."""
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import pallas_kernels
 from models.attention import Attention
 from models.batch import RaggedBatch
 from models.config import ModelConfig
+from models.gemma3 import GemmaDecoderLayer, scale_embeddings, soft_cap
+from models.kv_cache import KVCacheSpec
 from models.layers import MLP, RMSNorm, embed_lookup, param
 from models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoRAProjection, LoRAStacks, lora_targets
 from models.moe import MoE
-from pallas_kernels import kv_quant
 from pallas_kernels import matmul as cpu_weights
-from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.matmul import matmul
 from sharding.axes import EMBED, VOCAB
 
@@ -49,8 +49,9 @@ class CausalLM(nnx.Module):
         rngs = rngs or nnx.Rngs(0)
         self.config = cfg
         self.embed_tokens = param(rngs, (cfg.vocab_size, cfg.hidden_size), (VOCAB, EMBED), dtype)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
+        layer = GemmaDecoderLayer if cfg.family == "gemma3" else DecoderLayer
+        self.layers = nnx.List([layer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype, cfg.rms_norm_unit_offset)
         if not cfg.tie_word_embeddings:
             self.lm_head = param(rngs, (cfg.hidden_size, cfg.vocab_size), (EMBED, VOCAB), dtype)
         self.head_screen = nnx.data(None)  # int8 screen of the head, set by `add_head_screen` (serving, CPU)
@@ -58,19 +59,27 @@ class CausalLM(nnx.Module):
 
     def __call__(self, batch: RaggedBatch, kv_caches: list) -> tuple[jax.Array, list]:
         """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches (one per
-        layer: an array or a `QuantizedKV`, `init_kv_caches`)."""
+        layer: an array or a `QuantizedKV`, as `models.kv_cache.init_kv_caches` makes them from `kv_cache_specs`)."""
         x = embed_lookup(self.embed_tokens[...], batch.input_ids)
+        if self.config.family == "gemma3":
+            x = scale_embeddings(x, self.config.hidden_size)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
             x, kv = layer(x, batch.positions, kv, batch)
             new_caches.append(kv)
         return self.norm(x), new_caches
 
+    def kv_cache_specs(self, *, dtype, kv_cache_dtype: str = "auto") -> tuple[KVCacheSpec, ...]:
+        """The KV cache this model reads and writes, one spec per layer (`kv_cache_specs`)."""
+        return kv_cache_specs(self.config, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+
     def compute_logits(self, hidden: jax.Array) -> jax.Array:
-        """Pure. Float32 logits [N, vocab] of hidden states [N, E]."""
+        """Pure. Float32 logits [N, vocab] of hidden states [N, E] (soft-capped where the config says)."""
         if self.config.tie_word_embeddings:  # [V, E] used transposed: XLA's dot reads it in place
-            return jnp.dot(hidden, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
-        return matmul(hidden, self.lm_head[...], jnp.float32)
+            logits = jnp.dot(hidden, self.embed_tokens[...].T, preferred_element_type=jnp.float32)
+        else:
+            logits = matmul(hidden, self.lm_head[...], jnp.float32)
+        return soft_cap(logits, self.config.final_logit_softcapping)
 
     def screened_greedy(self, hidden: jax.Array, num_rows: jax.Array) -> jax.Array | None:
         """Pure. int32 [N]: the argmax of each row's logits (lowest id on ties) for the first `num_rows[0]` rows of
@@ -88,7 +97,10 @@ class CausalLM(nnx.Module):
     def add_head_screen(self) -> bool:
         """Builds the int8 screen of the LM head for the native CPU kernels' greedy head
         (`pallas_kernels.matmul.head_screen`); returns whether it could. Call it before `pack_for_cpu_kernels`: it
-        reads the head as loaded."""
+        reads the head as loaded. Not with a final soft-cap: its tanh can round two logits to one value, where the
+        argmax of the raw ones would pick another token than the capped logits' lowest id."""
+        if self.config.final_logit_softcapping is not None:
+            return False
         screen = cpu_weights.head_screen(self._head(), self.config.tie_word_embeddings)
         if screen is None:
             return False
@@ -146,24 +158,10 @@ class CausalLM(nnx.Module):
         return cpu_weights.pack_groups(self.packing_groups()) + cpu_weights.pack_experts(moes)
 
 
-def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
-    """Shape of one layer's KV pages: K and V interleaved on the head axis (of a quantized cache: its values; its
-    scales are this shape less head_dim)."""
-    return (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
 
-
-def init_kv_caches(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.float32, sharding=None,
-                   kv_cache_dtype: str = "auto") -> list[jax.Array | QuantizedKV]:
-    """One zeroed KV cache per layer: for kv_cache_dtype "auto" an array in the storage dtype the attention backend
-    wants for `dtype` (`pallas_kernels.kv_storage_dtype`: uint16 bits for 16-bit floats on CPU); for "int8" or
-    "fp8_e4m3" a `QuantizedKV` (values in that backend's storage dtype, float32 scales). `sharding` is the pages'
-    (`sharding.mesh.kv_cache_sharding`); the scales take it less its head_dim entry."""
-    shape = kv_cache_shape(cfg, num_pages, page_size)
-    storage = pallas_kernels.kv_storage_dtype(dtype, kv_cache_dtype)
-    # Committed to a device from the start, so the step's output caches match its inputs (one compile).
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    if kv_cache_dtype == "auto":
-        return [jnp.zeros(shape, storage, device=sharding) for _ in range(cfg.num_layers)]
-    return [QuantizedKV(jnp.zeros(shape, storage, device=sharding),
-                        jnp.zeros(shape[:-1], jnp.float32, device=kv_quant.scales_sharding(sharding, len(shape))))
-            for _ in range(cfg.num_layers)]
+def kv_cache_specs(cfg: ModelConfig, *, dtype, kv_cache_dtype: str = "auto") -> tuple[KVCacheSpec, ...]:
+    """The KV cache of a model of `cfg`, as each layer's attention declares it (`Attention.kv_cache_spec`): values
+    in `dtype` ("auto") or a quantized format of `pallas_kernels.kv_quant`. A config is enough, so the ledger sizes
+    a cache without building the model."""
+    return tuple(Attention.kv_cache_spec(cfg, layer, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+                 for layer in range(cfg.num_layers))

@@ -1,5 +1,6 @@
-"""Weights: HF safetensors -> model, tensor by tensor onto each parameter's target sharding (`load_hf_model`); Orbax
-save/restore (`save_orbax`, `load_orbax_model`); `load_model` for either. Details: docs/models.md."""
+"""Weights: HF safetensors -> model, tensor by tensor onto each parameter's target sharding (`load_hf_model`,
+`load_checkpoint`); Orbax save/restore (`save_orbax`, `load_orbax_model`); `load_model` and `read_config` for any
+format (HF, GGUF through models.gguf, Orbax). Details: docs/models.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import ModelConfig
+from models.gguf import GGUFCheckpoint, GGUFModel, config_from_gguf, is_gguf
 from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, num_groups, quantize, scale_name
 from models.quantized_checkpoint import CheckpointQuantization, QuantizedWeight, element_scales
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -47,7 +49,8 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
         raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")
     i, rest = int(p[1]), p[2:]
     pre = f"model.layers.{i}"
-    if rest[0] in ("input_layernorm", "post_attention_layernorm"):
+    if rest[0] in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                   "post_feedforward_layernorm"):
         return [f"{pre}.{rest[0]}.weight"], ident
     if rest[0] == "self_attn":
         a = f"{pre}.self_attn"
@@ -55,6 +58,10 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
         name = rest[1]
         if name in ("q_proj", "k_proj", "v_proj"):
             h = heads[name[0]]
+            if cfg.family == "phi3":  # fused qkv_proj [(hq + 2 hkv) d, e]: q rows, then k, then v
+                start = {"q": 0, "k": hq * d, "v": (hq + hkv) * d}[name[0]]
+                return [f"{a}.qkv_proj.weight"], \
+                    lambda w: w[start:start + h * d].reshape(h, d, e).transpose(2, 0, 1)
             return [f"{a}.{name}.weight"], lambda w: w.reshape(h, d, e).transpose(2, 0, 1)
         if name == "o_proj":
             return [f"{a}.o_proj.weight"], lambda w: w.reshape(e, hq, d).transpose(1, 2, 0)
@@ -69,6 +76,9 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
         if not cfg.moe_layers[i]:
             if rest[1] == "shared_expert":
                 raise CheckpointError(f"unexpected shared expert in dense layer {i}")
+            if cfg.family == "phi3" and rest[1] in ("gate_proj", "up_proj"):  # fused gate_up_proj [2I, e]: gate first
+                half = 0 if rest[1] == "gate_proj" else 1
+                return [f"{pre}.mlp.gate_up_proj.weight"], lambda w: np.split(w, 2, axis=0)[half].T
             return [f"{pre}.mlp.{rest[1]}.weight"], transpose
         return _moe_source(cfg, i, rest[1:])
     raise CheckpointError(f"no HF source known for parameter {'/'.join(p)}")
@@ -129,6 +139,23 @@ def _alternative_source(ckpt: SafetensorsCheckpoint, names: list[str], fn, param
     return names, fn
 
 
+# A multimodal checkpoint's parts other than its language model (Gemma 3's SigLIP tower and projector): not loaded.
+_VISION = re.compile(r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+
+def _language_model_names(ckpt: SafetensorsCheckpoint) -> Callable[[str], str]:
+    """How the checkpoint names the language model's tensors, as a map from the text model's names: as they are,
+    or under a multimodal model's `language_model` (Gemma3ForConditionalGeneration: transformers 5 writes
+    model.language_model.X, the published checkpoints language_model.model.X and language_model.lm_head)."""
+    if "model.embed_tokens.weight" in ckpt:
+        return lambda name: name
+    if "model.language_model.embed_tokens.weight" in ckpt:
+        return lambda name: "model.language_model." + name[len("model."):] if name.startswith("model.") else name
+    if "language_model.model.embed_tokens.weight" in ckpt:
+        return lambda name: "language_model." + name
+    return lambda name: name
+
+
 def param_sharding(axes, shape, mesh: Mesh | None, rules: ShardingRules):
     if mesh is None:
         return SingleDeviceSharding(jax.devices()[0])
@@ -157,17 +184,37 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
                   quantization: str | None = None) -> CausalLM:
     """Loads an HF safetensors checkpoint (single file or sharded) into a CausalLM placed on `mesh`; with
     `quantization` ("int8" / "fp8") its float matmul weights are quantized as they load (models.quant)."""
-    t0 = time.perf_counter()
     cfg = with_quantization(config or ModelConfig.from_pretrained(model_dir), quantization)
-    ckpt = SafetensorsCheckpoint(model_dir)
-    ckpt_quant = _checkpoint_quantization(model_dir)
+    return load_checkpoint(SafetensorsCheckpoint(model_dir), cfg, model_dir, dtype=dtype, mesh=mesh, rules=rules,
+                           ckpt_quant=_checkpoint_quantization(model_dir))
+
+
+def load_gguf_model(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,
+                    config: ModelConfig | None = None, quantization: str | None = None) -> CausalLM:
+    """A GGUF model (file, split parts or a directory holding one; models.gguf) as `load_hf_model` loads HF ones: each
+    tensor dequantized as it is read, placed on its parameter's sharding, then quantized as `quantization` asks."""
+    model = GGUFModel.open(path)
+    cfg = with_quantization(config or config_from_gguf(model), quantization)
+    # Weights quantized after loading start from float32, not from a rounding to the serving dtype.
+    ckpt = GGUFCheckpoint(model, cfg, dtype=np.float32 if cfg.quantization else np.dtype(dtype))
+    return load_checkpoint(ckpt, cfg, path, dtype=dtype, mesh=mesh, rules=rules)
+
+
+def load_checkpoint(ckpt, cfg: ModelConfig, where: str, *, dtype=jnp.float32, mesh: Mesh | None = None,
+                    rules: ShardingRules = DEFAULT_RULES, ckpt_quant: CheckpointQuantization | None = None
+                    ) -> CausalLM:
+    """The CausalLM of `cfg` from `ckpt` (HF tensor names and layout: a `SafetensorsCheckpoint`, or a GGUF file seen
+    as one, `models.gguf.GGUFCheckpoint`), parameter by parameter onto `mesh`; `where` names it in errors."""
+    t0 = time.perf_counter()
     graphdef, state, rest = nnx.split(abstract_model(cfg, dtype), nnx.Param, ...)
     used: set[str] = set()
     flat = dict(nnx.to_flat_state(state))
+    rename = _language_model_names(ckpt)
     for path, var in flat.items():
         if str(path[-1]).endswith("_scale") and path[:-1] + (str(path[-1])[:-len("_scale")],) in flat:
             continue  # set with its weight
         names, fn = _hf_source(cfg, path)
+        names = [rename(n) for n in names]
         stored = _stored_quantized(ckpt_quant, ckpt, names, path)
         if stored is not None:
             used.update(t for q in stored for t in q.tensors)
@@ -177,7 +224,7 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
             names, fn = _alternative_source(ckpt, names, fn, str(path[-1]))
         missing = [n for n in names if n not in ckpt]
         if missing:
-            raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint in {model_dir!r} "
+            raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint in {where!r} "
                                   f"(needed for parameter {'/'.join(map(str, path))})")
         used.update(names)
         try:
@@ -196,14 +243,18 @@ def load_hf_model(model_dir: str, *, dtype=jnp.float32, mesh: Mesh | None = None
             host, scale = quantize(host, contracting_axes(cfg, path), cfg.weight_quant)
             _set(scale_var, scale, mesh, rules)
         _set(var, host, mesh, rules)
-    unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n)
-              and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    vision = [n for n in ckpt.names() if _VISION.search(n)]
+    if vision:
+        log.info("%s: %d tensors of the vision tower and projector not loaded (meshserve serves the language model: "
+                 "text in, text out)", where, len(vision))
+    unused = [n for n in ckpt.names() if n not in used and not _IGNORED.search(n) and not _VISION.search(n)
+              and not (n == rename("lm_head.weight") and cfg.tie_word_embeddings)
               and not (ckpt_quant is not None and ckpt_quant.kv_cache and _KV_SCALES.search(n))]
     if unused:
         raise CheckpointError(f"{len(unused)} checkpoint tensors are not used by the {cfg.family} model, e.g. "
                               f"{unused[:3]} — an option the config does not declare?")
     model = nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
-    log.info("loaded %s from %s in %.2fs", cfg.family, model_dir, time.perf_counter() - t0)
+    log.info("loaded %s from %s in %.2fs", cfg.family, where, time.perf_counter() - t0)
     return model
 
 
@@ -345,15 +396,45 @@ def load_orbax_model(ckpt_dir: str, *, dtype=None, mesh: Mesh | None = None,
     return nnx.merge(graphdef, state, _init_routing_state(rest, cfg, mesh))
 
 
+def model_format(path: str) -> str:
+    """"orbax" (a `models.convert` checkpoint), "gguf" (a GGUF file, its split parts, or a directory holding one) or
+    "hf" (a directory with config.json and safetensors) for the model at `path`."""
+    if os.path.isdir(path) and is_orbax_dir(path):
+        return "orbax"
+    return "gguf" if is_gguf(path) else "hf"
+
+
+def read_config(path: str) -> ModelConfig:
+    """The ModelConfig of the model at `path`, in any format `load_model` reads (an HF config.json path too)."""
+    if os.path.isfile(path) and path.endswith(".json"):
+        with open(path) as f:
+            return ModelConfig.from_hf(json.load(f))
+    kind = model_format(path)
+    if kind == "orbax":
+        with open(os.path.join(path, _META)) as f:
+            return ModelConfig.from_dict(json.load(f)["config"])
+    if kind == "gguf":
+        return config_from_gguf(GGUFModel.open(path))
+    return ModelConfig.from_pretrained(path)
+
+
 def load_model(path: str, *, dtype=None, mesh: Mesh | None = None, rules: ShardingRules = DEFAULT_RULES,
-               quantization: str | None = None) -> CausalLM:
-    """An HF directory or an Orbax checkpoint made by `models.convert`; `quantization` as `load_hf_model` (an Orbax
-    checkpoint holds its weights as saved: asking for another quantization fails)."""
-    if is_orbax_dir(path):
+               quantization: str | None = None, config: ModelConfig | None = None) -> CausalLM:
+    """An HF directory, a GGUF model (`models.gguf`) or an Orbax checkpoint made by `models.convert`; `quantization`
+    as `load_hf_model` (an Orbax checkpoint holds its weights as saved: asking for another quantization fails);
+    `config` replaces the checkpoint's own (HF and GGUF only)."""
+    kind = model_format(path)
+    if kind == "orbax":
+        if config is not None:
+            raise ValueError(f"{path} is an Orbax checkpoint: it restores with the config it was saved with")
         model = load_orbax_model(path, dtype=dtype, mesh=mesh, rules=rules)
         with_quantization(model.config, quantization)  # validates
         if quantization and quantization != "none" and not model.config.quantization:
             raise ValueError(f"{path} holds float weights; quantize when converting (python -m models.convert "
                              f"--quantization={quantization}) or load the HF checkpoint with quantization")
         return model
-    return load_hf_model(path, dtype=dtype or jnp.float32, mesh=mesh, rules=rules, quantization=quantization)
+    if kind == "gguf":
+        return load_gguf_model(path, dtype=dtype or jnp.float32, mesh=mesh, rules=rules, config=config,
+                               quantization=quantization)
+    return load_hf_model(path, dtype=dtype or jnp.float32, mesh=mesh, rules=rules, quantization=quantization,
+                         config=config)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+import jax_compat
 from pallas_kernels import kv_quant
 from pallas_kernels import plan as plan_lib
 from pallas_kernels.kv_quant import QuantizedKV
@@ -208,4 +209,5 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
 
 def _triton_params(num_warps: int, num_stages: int):
     from jax.experimental.pallas import triton as pl_triton
+    jax_compat.allow_gpu_lowering_without_gpu()  # lowered from a CPU host (JAX >= 0.11 asks for the GPU model)
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

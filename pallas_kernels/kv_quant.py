@@ -1,6 +1,6 @@
 """The quantized paged KV cache (`QuantizedKV`: int8 or float8_e4m3 values and one float32 scale per token per KV head,
-K and V apart), the quantise / dequantise of its rows every backend shares, and its storage, size and sharding.
-Details: docs/attention.md."""
+K and V apart), the quantise / dequantise of its rows every backend shares, and its storage and sharding (its shape
+and size: `models.kv_cache`). Details: docs/attention.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -118,10 +118,3 @@ def slice_heads(kv, start, size: int):
                            jax.lax.dynamic_slice_in_dim(kv.scales, start, size, axis=2))
     return jax.lax.dynamic_slice_in_dim(kv, start, size, axis=2)
 
-
-def bytes_per_token(num_kv_heads: int, head_dim: int, kv_cache_dtype: str, dtype) -> int:
-    """One layer's KV-cache bytes per token: K and V of every KV head, in `dtype` ("auto") or as one byte per element
-    plus a float32 scale per row (int8, fp8_e4m3)."""
-    if check_kv_cache_dtype(kv_cache_dtype) == "auto":
-        return 2 * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
-    return 2 * num_kv_heads * (head_dim + SCALE_BYTES)

@@ -18,7 +18,7 @@ tree, dtype, model = sys.argv[1:4]
 sys.path.insert(0, tree)
 import numpy as np
 from serving.core.llm import LLM
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 rng = np.random.default_rng(int(time.time() * 1e6) % (1 << 32))
 prompts = lambda n: [rng.integers(10, 30000, 128).tolist() for _ in range(n)]
 greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

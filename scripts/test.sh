@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# Sets up the environment and runs the whole test suite (8 fake CPU devices, see tests/conftest.py).
+# Sets up the environment (scripts/setup.sh's runtime, plus the test extra: torch, transformers, ...) and runs the
+# whole test suite (8 fake CPU devices, see tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# torch goes in first, pinned to the CPU wheel, so nothing pulls a CUDA build. Re-installs when pyproject.toml changed.
+stamp=.venv/.meshserve-test
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[test]"
+  echo "$want" > "$stamp"
+fi
 # The native kernels' aarch64 paths are cross-compiled and run under qemu-user by tests/pallas_kernels/test_native_selftest.py:
 # Debian's cross compiler and qemu, installed here where apt can (as root); elsewhere that test says what it lacks.
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then

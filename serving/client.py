@@ -30,7 +30,7 @@ def define_flags() -> None:
 
 
 def main(argv):
-    from serving.server.client import Client, ClientError
+    from serving.wire.client import Client, ClientError
     prompt = " ".join(argv[1:])
     kw = dict(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature, top_p=FLAGS.top_p, top_k=FLAGS.top_k,
               seed=FLAGS.seed, stop=FLAGS.stop or None, priority=FLAGS.priority, tenant=FLAGS.tenant)
@@ -55,7 +55,7 @@ def main(argv):
         except KeyboardInterrupt:
             return 130
     sys.stdout.write("\n")
-    from serving.server.client import FINISH_REASON_NAMES
+    from serving.wire.client import FINISH_REASON_NAMES
     print(f"[finish_reason={FINISH_REASON_NAMES[last.finish_reason]} prompt_tokens={last.usage.prompt_tokens} "
           f"completion_tokens={last.usage.completion_tokens} ttft={last.timing.time_to_first_token_s * 1e3:.1f}ms "
           f"e2e={last.timing.e2e_latency_s * 1e3:.1f}ms]", file=sys.stderr)

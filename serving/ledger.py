@@ -9,17 +9,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import math
 import os
 import re
 from typing import Sequence
 
 from models.config import ModelConfig
+from models.kv_cache import KVCacheSpec, window_pool_pages, window_pools
+from models.transformer import kv_cache_specs
 from pallas_kernels import kv_quant
 from sharding.pipeline import stage_layers as _stage_layers, stage_slots as _stage_slots
-from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, kv_cache_partition_spec, \
-    partition_spec_for_sizes, shard_shape
+from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules, partition_spec_for_sizes, shard_shape
 
 GB, GiB, KiB, MiB = 10**9, 2**30, 2**10, 2**20
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
@@ -36,6 +36,15 @@ def kv_dtype_of(kv_cache_dtype: str) -> str | None:
     """The ledger's KV dtype for a --kv_cache_dtype value (pallas_kernels.kv_quant: "auto" -> None, the model's
     dtype; a quantized cache -> its values' dtype, each row with a float32 scale beside)."""
     return kv_quant.VALUE_DTYPE_NAMES.get(kv_quant.check_kv_cache_dtype(kv_cache_dtype))
+
+
+def kv_cache_formats(dtype: str, kv_dtype: str) -> dict[str, str]:
+    """A ledger KV dtype as `models.transformer.kv_cache_specs` takes it: a quantized format's values dtype (int8,
+    float8_e4m3fn) -> that format over `dtype` (each row with its scale); any other name -> a cache of that dtype."""
+    formats = {values: name for name, values in kv_quant.VALUE_DTYPE_NAMES.items()}
+    if kv_dtype in formats:
+        return dict(dtype=dtype, kv_cache_dtype=formats[kv_dtype])
+    return dict(dtype=kv_dtype, kv_cache_dtype="auto")
 
 
 def itemsize(dtype: str) -> int:
@@ -75,6 +84,19 @@ PRESETS: dict[str, tuple[str, dict]] = {
         architectures=["MixtralForCausalLM"], hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, vocab_size=32000, max_position_embeddings=32768,
         rope_theta=1e6, num_local_experts=8, num_experts_per_tok=2, torch_dtype="bfloat16", rms_norm_eps=1e-5)),
+    # Gemma 3 27B (its config.json; the text_config names only what differs from Gemma3TextConfig's defaults): 62
+    # layers, every sixth global, the others a 1024-token window (the hybrid KV cache keeps only that).
+    "gemma-3-27b": ("Gemma-3-27B", dict(
+        architectures=["Gemma3ForConditionalGeneration"], eos_token_id=[1, 106], torch_dtype="bfloat16",
+        text_config=dict(head_dim=128, hidden_size=5376, intermediate_size=21504, model_type="gemma3_text",
+                         num_attention_heads=32, num_hidden_layers=62, num_key_value_heads=16,
+                         query_pre_attn_scalar=168, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+                         sliding_window=1024))),
+    # A standard-attention model of about Gemma 3 27B's size (GQA, every layer full).
+    "qwen2.5-32b": ("Qwen2.5-32B", dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=5120, num_hidden_layers=64, num_attention_heads=40,
+        num_key_value_heads=8, intermediate_size=27648, vocab_size=152064, max_position_embeddings=32768,
+        rope_theta=1e6, rms_norm_eps=1e-6, torch_dtype="bfloat16", tie_word_embeddings=False)),
     # The source's example (§1.1): 32 layers, hidden 4096, no GQA, fp16 -> 512 KiB of KV per token. The rest of
     # its shape (MLP 11008, vocab 32000) is Llama-2-7B's, which is exactly such a model.
     "source-example": ("source example (32 layers, hidden 4096, no GQA)",
@@ -84,7 +106,8 @@ SOURCE_70B = "source-70b"  # the source's worked example (§3.4): a budget, not 
 
 
 def load_config(preset: str = "", model: str = "") -> tuple[str, ModelConfig]:
-    """(display name, config) from a preset name or an HF model directory / config.json path."""
+    """(display name, config) from a preset name or a model: an HF directory or config.json path, a GGUF file or
+    directory, an Orbax checkpoint."""
     if bool(preset) == bool(model):
         raise ValueError("give exactly one of --preset and --model")
     if preset:
@@ -92,9 +115,10 @@ def load_config(preset: str = "", model: str = "") -> tuple[str, ModelConfig]:
             raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS) + [SOURCE_70B]}")
         name, hf = PRESETS[preset]
         return name, ModelConfig.from_hf(hf)
-    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
-    with open(path) as f:
-        return os.path.basename(os.path.dirname(os.path.abspath(path))), ModelConfig.from_hf(json.load(f))
+    from models.weights import read_config
+    path = os.path.abspath(model)
+    name = os.path.basename(os.path.dirname(path) if path.endswith(".json") else path).removesuffix(".gguf")
+    return name, read_config(model)
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -138,29 +162,56 @@ class _Param:
 
 class ModelMemory:
     """The model's parameters (shape, logical axes, bytes) read off the abstract CausalLM, so counts match the
-    arrays the loader creates; per-device bytes for any layout follow from the sharding rules."""
+    arrays the loader creates, and its KV cache as the model declares it (`kv_specs`, one per layer, as the engine
+    allocates it; `hybrid`: the sliding-window layers holding only their window, as the engine's hybrid KV cache
+    does, `windows` their pools); per-device bytes for any layout follow from the sharding rules."""
 
     def __init__(self, cfg: ModelConfig, dtype: str, kv_dtype: str | None = None,
-                 rules: ShardingRules = DEFAULT_RULES):
+                 rules: ShardingRules = DEFAULT_RULES, hybrid: bool = True):
         self.cfg, self.dtype, self.kv_dtype, self.rules = cfg, dtype, kv_dtype or dtype, rules
-        self.act_itemsize, self.kv_itemsize = itemsize(dtype), itemsize(self.kv_dtype)
-        # a quantized cache's per-row scale (pallas_kernels.kv_quant)
-        self.kv_scale_bytes = kv_quant.SCALE_BYTES if self.kv_dtype in kv_quant.VALUE_DTYPE_NAMES.values() else 0
+        self.act_itemsize = itemsize(dtype)
+        itemsize(self.kv_dtype)  # a known name
+        self.kv_specs: tuple[KVCacheSpec, ...] = kv_cache_specs(cfg, **kv_cache_formats(dtype, self.kv_dtype))
+        self.windows = window_pools(self.kv_specs) if hybrid else ()
         self.top, self.layer_kinds = _abstract_params(cfg, dtype)
         params = list(self.top.values()) + [p for i in range(cfg.num_layers) for p in self.layer_kinds[cfg.moe_layers[i]]]
         self.num_params = sum(math.prod(p.shape) for p in params)
         self.weight_bytes = sum(math.prod(p.shape) * p.itemsize for p in params)  # quantized weights at their size
 
     @property
-    def kv_row_bytes(self) -> int:
-        """Bytes of one token's K (or V) of one KV head: head_dim values, plus a quantized cache's scale."""
-        return self.cfg.head_dim * self.kv_itemsize + self.kv_scale_bytes
-
-    @property
     def kv_bytes_per_token(self) -> int:
-        """KV bytes one token costs over all layers, unsharded: 2 (K and V) x layers x kv_heads x row bytes."""
-        c = self.cfg
-        return 2 * c.num_layers * c.num_kv_heads * self.kv_row_bytes
+        """KV bytes one token costs over all layers, unsharded (the layers' `KVCacheSpec.bytes_per_token`)."""
+        return sum(spec.bytes_per_token for spec in self.kv_specs)
+
+    def kv_describe(self) -> str:
+        """The KV bytes per token as products, layers of one page-row layout together, e.g. "80 layers x 2 x 8 kv
+        heads x (128 x 2 B)"."""
+        counts: dict[str, int] = {}
+        for spec in self.kv_specs:
+            counts[spec.describe()] = counts.get(spec.describe(), 0) + 1
+        return " + ".join(f"{n} layers x {text}" for text, n in counts.items())
+
+    def pool_kv_bytes_per_token(self, window: int | None, layout: Layout | None = None) -> int:
+        """KV bytes per token of one page pool's layers (`window` one of `windows`; None: the page table's, every
+        other layer), unsharded or on one device of `layout`."""
+        return sum(spec.bytes_per_token if layout is None else
+                   spec.device_bytes_per_token(layout.axis_sizes, self.rules)
+                   for spec in self.kv_specs if (spec.sliding_window if spec.sliding_window in self.windows
+                                                 else None) == window)
+
+    def window_tokens(self, window: int, seq_len: int, page_size: int) -> int:
+        """Tokens of a `seq_len` sequence a window pool holds: at most the blocks its next query reads,
+        min(seq_len, about window + page_size - 1) rounded up to pages."""
+        return min(-(-seq_len // page_size), -(-(window - 1) // page_size) + 1) * page_size
+
+    def stage_kv_bytes_per_request(self, layout: Layout, stage: int, seq_len: int, page_size: int) -> int:
+        """KV bytes one `seq_len`-token request holds on one device of `stage` (a window pool's layers only its
+        window; not split under a pipeline, whose stages need identical layers)."""
+        tokens = -(-seq_len // page_size) * page_size
+        if not self.windows or layout.pp > 1:
+            return tokens * self.stage_kv_bytes_per_token(layout, stage)
+        return tokens * self.pool_kv_bytes_per_token(None, layout) + sum(
+            self.window_tokens(w, seq_len, page_size) * self.pool_kv_bytes_per_token(w, layout) for w in self.windows)
 
     def _bytes(self, p: _Param, layout: Layout) -> int:
         spec = partition_spec_for_sizes(self.rules, p.axes, p.shape, layout.axis_sizes)
@@ -196,16 +247,12 @@ class ModelMemory:
         (replicated over 'pipeline': the first stage embeds, the last one samples, and one program serves all)."""
         return self.stage_layer_weight_bytes(layout, stage) + sum(self._bytes(p, layout) for p in self.top.values())
 
-    def kv_heads_per_device(self, layout: Layout) -> int:
-        spec = kv_cache_partition_spec(self.cfg.num_kv_heads, layout.axis_sizes, self.rules)
-        shape = (1, 1, 2 * self.cfg.num_kv_heads, self.cfg.head_dim)
-        return shard_shape(spec, shape, layout.axis_sizes)[2] // 2
-
     def stage_kv_bytes_per_token(self, layout: Layout, stage: int) -> int:
-        """KV bytes per cached token on one device of `stage` (its slots, padding ones included, and its share of
-        the heads)."""
-        slots = self.stage_slots(layout)
-        return 2 * slots * self.kv_heads_per_device(layout) * self.kv_row_bytes
+        """KV bytes per cached token on one device of `stage`: its slots, padding ones included, each a cache of
+        the spec of the layers in that slot (as the pipeline runner stacks them), and its share of their heads."""
+        first = self.stage_layers(layout)[0]  # the longest stage: a layer in every slot
+        return sum(self.kv_specs[first[j]].device_bytes_per_token(layout.axis_sizes, self.rules)
+                   for j in range(self.stage_slots(layout)))
 
 
 @functools.lru_cache(maxsize=32)
@@ -330,10 +377,10 @@ def device_ledger(mm: ModelMemory, work: Workload, layout: Layout, hw: Hardware)
     act = peak_activation_bytes(mm, layout, tokens, seqs, hw)
     comm = comm_buffer_bytes(mm, layout, tokens, hw)
     reserve = int(hw.reserve_fraction * hw.device_memory)
-    kv_tokens = work.requests_per_replica(layout) * work.pages_per_request * work.page_size
     best = None
     for s in range(layout.pp):
-        kv = kv_tokens * mm.stage_kv_bytes_per_token(layout, s)
+        kv = work.requests_per_replica(layout) * mm.stage_kv_bytes_per_request(layout, s, work.avg_seq_len,
+                                                                               work.page_size)
         led = DeviceLedger(layout, s, mm.stage_weight_bytes(layout, s), kv, act, comm, reserve, hw.device_memory)
         if best is None or led.total > best.total:
             best = led
@@ -372,6 +419,9 @@ def latency_cost(mm: ModelMemory, work: Workload, layout: Layout, hw: Hardware, 
     n_layers = mm.stage_slots(layout)  # every stage runs all its slots each tick (a padding slot masked)
     n_moe = sum(c.moe_layers[i] for i in mm.stage_layers(layout)[led.stage])
     kv_read = b * work.avg_seq_len * mm.stage_kv_bytes_per_token(layout, led.stage)
+    if mm.windows and layout.pp == 1:  # a window layer reads its window's tokens, not the whole context
+        kv_read = b * (work.avg_seq_len * mm.pool_kv_bytes_per_token(None, layout) + sum(
+            min(w, work.avg_seq_len) * mm.pool_kv_bytes_per_token(w, layout) for w in mm.windows))
     reads = (led.weights + kv_read) / hw.hbm_bandwidth
     row = b * c.hidden_size * a
     tp = (n_layers * 2 * (hw.link_latency + 2 * (layout.tp - 1) / layout.tp * row / hw.link_bandwidth)
@@ -502,7 +552,7 @@ def render_report(name: str, mm: ModelMemory, work: Workload, hw: Hardware, link
                   micro_batches: int = 0, show: int = 12) -> str:
     c = mm.cfg
     fit, no_fit = plan_layouts(mm, work, hw, micro_batches)
-    per_req = work.pages_per_request * work.page_size * mm.kv_bytes_per_token
+    per_req = mm.stage_kv_bytes_per_request(Layout(), 0, work.avg_seq_len, work.page_size)
     lines = [
         f"meshserve memory ledger: {name} ({c.family}, {mm.num_params / 1e9:.2f}e9 parameters"
         f"{f', {c.num_experts} experts top-{c.num_experts_per_tok}' if c.is_moe else ''}), "
@@ -519,10 +569,17 @@ def render_report(name: str, mm: ModelMemory, work: Workload, hw: Hardware, link
         + (f" ({c.quantization} matmul weights with their scales, the rest {mm.dtype})" if c.quantization
            else f" x {mm.act_itemsize} B"),
         f"  KV cache  {fmt_bytes(per_req * work.concurrency)}  = {mm.kv_bytes_per_token / KiB:g} KiB/token "
-        f"(2 x {c.num_layers} layers x {c.num_kv_heads} kv heads x ({c.head_dim} x {mm.kv_itemsize} B"
-        f"{f' + {mm.kv_scale_bytes} B scale' if mm.kv_scale_bytes else ''})) x "
+        f"({mm.kv_describe()}) x "
         f"{work.pages_per_request * work.page_size} tokens = {per_req / GiB:.3f} GiB/request, x {work.concurrency}",
     ]
+    if mm.windows:  # the hybrid KV cache: a window layer holds its window's tokens only
+        lines[-1] = (f"  KV cache  {fmt_bytes(per_req * work.concurrency)}  = {per_req / GiB:.3f} GiB/request x "
+                     f"{work.concurrency} ({mm.kv_describe()})")
+        lines.append("            a request: " + " + ".join(
+            [f"{mm.pool_kv_bytes_per_token(None) / KiB:g} KiB/token x {work.pages_per_request * work.page_size} "
+             "tokens (full attention)"] + [f"{mm.pool_kv_bytes_per_token(w) / KiB:g} KiB/token x "
+                                           f"{mm.window_tokens(w, work.avg_seq_len, work.page_size)} tokens "
+                                           f"(window {w})" for w in mm.windows]))
     naive = mm.weight_bytes + per_req * work.concurrency
     lines.append(f"  weights + KV alone need ceil({naive / GB:.1f} / {hw.device_memory / GB:.0f}) = "
                  f"{-(-naive // hw.device_memory)} devices before activations, buffers and reserve")
@@ -594,15 +651,35 @@ def device_memory(device=None, fallback_bytes: int | None = None) -> DeviceMemor
                         "memory stats)")
 
 
+def window_pages(windows: Sequence[int], num_pages: int, page_size: int, max_seqs: int,
+                 max_batched_tokens: int) -> dict[int, int]:
+    """Each window pool's pages beside `num_pages` of the page table's (the hybrid KV cache's `windows`): what its
+    sequences can hold at most (`models.kv_cache.window_pool_pages`), never more than num_pages."""
+    return {w: min(num_pages, window_pool_pages(w, page_size, max_seqs, max_batched_tokens)) for w in windows}
+
+
+def _pages_within(budget: float, page_bytes: int, windows: Sequence[tuple[int, int]] = ()) -> int:
+    """The most pages P with P x page_bytes + sum(min(P, cap) x window_page_bytes) <= budget, `windows` as
+    (window_page_bytes, cap): past its cap a window pool costs nothing more."""
+    fixed, per_page = 0, page_bytes + sum(b for b, _ in windows)
+    for b, cap in sorted(windows, key=lambda w: w[1]):
+        if (budget - fixed) // per_page <= cap:
+            break
+        fixed, per_page = fixed + b * cap, per_page - b
+    return int((budget - fixed) // per_page)
+
+
 def plan_kv_pages(cfg: ModelConfig, *, dtype: str, page_size: int, free_bytes: int, mesh_shape,
                   weights_loaded: bool, kv_dtype: str | None = None, reserve_fraction: float = 0.05,
                   total_bytes: int | None = None, max_batched_tokens: int = 2048, max_seqs: int = 256,
-                  rules: ShardingRules = DEFAULT_RULES) -> int:
-    """How many KV pages (the global page axis of `kv_cache_shape`, a multiple of dp) fit in `free_bytes` per
+                  rules: ShardingRules = DEFAULT_RULES, hybrid: bool = True) -> int:
+    """How many KV pages (the global page axis of `KVCacheSpec.shape`, a multiple of dp) fit in `free_bytes` per
     device, after the runtime reserve (`reserve_fraction` of `total_bytes`, else of `free_bytes`), the largest
     step's activations and communication buffers, and the weights unless `weights_loaded` (free memory was
-    measured with them resident). Uses the fullest pipeline stage. Raises ValueError if not one page fits."""
-    mm = ModelMemory(cfg, dtype, kv_dtype, rules)
+    measured with them resident). Uses the fullest pipeline stage. With `hybrid` (the engine's hybrid KV cache),
+    the page table's pages: each window pool beside them has `window_pages`. Raises ValueError if not one page
+    fits."""
+    mm = ModelMemory(cfg, dtype, kv_dtype, rules, hybrid=hybrid and Layout.of(mesh_shape).pp == 1)
     layout = Layout.of(mesh_shape)
     hw = Hardware(device_memory=total_bytes or free_bytes, reserve_fraction=reserve_fraction)
     reserve = int(reserve_fraction * (total_bytes or free_bytes))
@@ -611,7 +688,12 @@ def plan_kv_pages(cfg: ModelConfig, *, dtype: str, page_size: int, free_bytes: i
     pages = None
     for s in range(layout.pp):
         budget = free_bytes - reserve - act - comm - (0 if weights_loaded else mm.stage_weight_bytes(layout, s))
-        n = budget // (page_size * mm.stage_kv_bytes_per_token(layout, s))
+        if mm.windows:
+            n = _pages_within(budget, page_size * mm.pool_kv_bytes_per_token(None, layout),
+                              [(page_size * mm.pool_kv_bytes_per_token(w, layout),
+                                window_pool_pages(w, page_size, max_seqs, max_batched_tokens)) for w in mm.windows])
+        else:
+            n = budget // (page_size * mm.stage_kv_bytes_per_token(layout, s))
         pages = n if pages is None else min(pages, n)
     if pages < 1:
         raise ValueError(
@@ -625,16 +707,24 @@ def plan_kv_pages(cfg: ModelConfig, *, dtype: str, page_size: int, free_bytes: i
 def kv_cache_pages(cfg: ModelConfig, *, dtype: str, page_size: int, mesh_shape=None,
                    kv_cache_bytes: float | None = None, memory_fraction: float | None = None,
                    draft: ModelConfig | None = None, head_screen_bytes: int = 0, max_batched_tokens: int = 2048,
-                   max_seqs: int = 256, kv_dtype: str | None = None) -> int:
+                   max_seqs: int = 256, kv_dtype: str | None = None, hybrid: bool = True) -> int:
     """An engine's KV pages, the one place they are sized (the engine and the server both call it). Either
     `kv_cache_bytes` for the whole cache (every layer, every device, the draft's pages too: a draft's cache uses the
     same page ids), or `memory_fraction` of each device's memory (vLLM's gpu_memory_utilization; at most what is
     free now) after the weights, the largest step's activations and buffers, the draft's weights and
     `head_screen_bytes` (the LM head's int8 screen), each page then paying for both caches. Raises ValueError if
-    not one page fits. `kv_dtype`: a quantized cache's (`kv_dtype_of`), the draft's too; None: `dtype`."""
-    mm = ModelMemory(cfg, dtype, kv_dtype)
+    not one page fits. `kv_dtype`: a quantized cache's (`kv_dtype_of`), the draft's too; None: `dtype`. `hybrid`:
+    the page table's pages of the engine's hybrid KV cache (each window pool has `window_pages` beside them)."""
+    mm = ModelMemory(cfg, dtype, kv_dtype, hybrid=hybrid and Layout.of(mesh_shape or {}).pp == 1)
     if kv_cache_bytes is not None:
-        per_token = mm.kv_bytes_per_token + (ModelMemory(draft, dtype, kv_dtype).kv_bytes_per_token if draft else 0)
+        draft_per_token = ModelMemory(draft, dtype, kv_dtype).kv_bytes_per_token if draft else 0
+        if mm.windows:
+            return max(1, _pages_within(kv_cache_bytes, page_size * (mm.pool_kv_bytes_per_token(None)
+                                                                     + draft_per_token),
+                                        [(page_size * mm.pool_kv_bytes_per_token(w),
+                                          window_pool_pages(w, page_size, max_seqs, max_batched_tokens))
+                                         for w in mm.windows]))
+        per_token = mm.kv_bytes_per_token + draft_per_token
         return max(1, int(kv_cache_bytes // (page_size * per_token)))
     if memory_fraction is None:
         raise ValueError("kv_cache_pages: give kv_cache_bytes or memory_fraction")
@@ -650,7 +740,8 @@ def kv_cache_pages(cfg: ModelConfig, *, dtype: str, page_size: int, mesh_shape=N
         share = target_kv / (target_kv + one_page["kv_cache"] / page_size)
     return int(share * plan_kv_pages(cfg, dtype=dtype, page_size=page_size, free_bytes=budget,
                                      mesh_shape=mesh_shape or {}, weights_loaded=False, reserve_fraction=0.0,
-                                     max_batched_tokens=max_batched_tokens, max_seqs=max_seqs, kv_dtype=kv_dtype))
+                                     max_batched_tokens=max_batched_tokens, max_seqs=max_seqs, kv_dtype=kv_dtype,
+                                     hybrid=hybrid))
 
 
 def draft_memory(draft: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape=None,
@@ -666,10 +757,11 @@ def draft_memory(draft: ModelConfig, *, dtype: str, page_size: int, num_pages: i
 def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: int, mesh_shape,
                    kv_dtype: str | None = None, max_batched_tokens: int = 2048, max_seqs: int = 256,
                    device_total_bytes: int | None = None, reserve_fraction: float = 0.05,
-                   rules: ShardingRules = DEFAULT_RULES) -> str:
+                   rules: ShardingRules = DEFAULT_RULES, window_pages: dict[int, int] | None = None) -> str:
     """A few lines for the server's start-up log: the per-device ledger of the running configuration, with
-    `num_pages` the global page count (as returned by `plan_kv_pages`)."""
-    mm = ModelMemory(cfg, dtype, kv_dtype, rules)
+    `num_pages` the global page count (as returned by `plan_kv_pages`) and, with a hybrid KV cache, each window
+    pool's pages (`window_pages`: window -> pages)."""
+    mm = ModelMemory(cfg, dtype, kv_dtype, rules, hybrid=bool(window_pages))
     layout = Layout.of(mesh_shape)
     pages_per_replica = num_pages // layout.dp
     hw = Hardware(device_memory=device_total_bytes or 0, reserve_fraction=reserve_fraction)
@@ -677,6 +769,13 @@ def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: i
                 + pages_per_replica * page_size * mm.stage_kv_bytes_per_token(layout, s))
     weights = mm.stage_weight_bytes(layout, stage)
     kv = pages_per_replica * page_size * mm.stage_kv_bytes_per_token(layout, stage)
+    pools = ""
+    if mm.windows:
+        kv = pages_per_replica * page_size * mm.pool_kv_bytes_per_token(None, layout) + sum(
+            n // layout.dp * page_size * mm.pool_kv_bytes_per_token(w, layout) for w, n in window_pages.items())
+        pools = "; window pools " + ", ".join(f"{w} tokens: {n // layout.dp} pages x "
+                                              f"{mm.pool_kv_bytes_per_token(w) / KiB:g} KiB/token"
+                                              for w, n in window_pages.items())
     act = peak_activation_bytes(mm, layout, max_batched_tokens, max_seqs, hw)
     comm = comm_buffer_bytes(mm, layout, max_batched_tokens, hw)
     reserve = int(reserve_fraction * device_total_bytes) if device_total_bytes else 0
@@ -684,7 +783,8 @@ def ledger_summary(cfg: ModelConfig, *, dtype: str, page_size: int, num_pages: i
     lines = [f"memory ledger per device ({layout}, fullest stage {stage}; GB = 1e9 B, GiB = 2^30 B):",
              f"  weights {fmt_bytes(weights)} ({mm.num_params:,} params, {dtype})",
              f"  KV cache {fmt_bytes(kv)}: {pages_per_replica} pages x {page_size} tokens per replica = "
-             f"{pages_per_replica * page_size:,} tokens, {mm.kv_bytes_per_token / KiB:g} KiB/token ({mm.kv_dtype})",
+             f"{pages_per_replica * page_size:,} tokens, {mm.pool_kv_bytes_per_token(None) / KiB:g} KiB/token "
+             f"({mm.kv_dtype}){pools}",
              f"  peak activations {fmt_bytes(act)} ({max_batched_tokens} tokens, {max_seqs} seqs), comm buffers "
              f"{fmt_bytes(comm)}, runtime reserve {fmt_bytes(reserve)}",
              f"  total {fmt_bytes(total)}" + (f" of {fmt_bytes(device_total_bytes)}" if device_total_bytes else "")]
@@ -724,7 +824,7 @@ def _report_from_flags(f) -> str:
     if f.quantization != "none":
         cfg = dataclasses.replace(cfg, quantization=f.quantization)
     kv_dtype = f.kv_dtype or kv_dtype_of(f.kv_cache_dtype) or dtype
-    mm = ModelMemory(cfg, dtype, kv_dtype)
+    mm = ModelMemory(cfg, dtype, kv_dtype, hybrid=f.hybrid_kv_cache)
     return render_report(name, mm, work, hw, f.link, f.micro_batches, f.show)
 
 
@@ -732,7 +832,8 @@ def _define_flags() -> None:
     from absl import flags
     flags.DEFINE_string("preset", "", f"Built-in model: {', '.join(sorted(PRESETS))}, or {SOURCE_70B} (the "
                         "source's worked 70B example).")
-    flags.DEFINE_string("model", "", "HF model directory or config.json path (instead of --preset).")
+    flags.DEFINE_string("model", "", "HF model directory or config.json path, GGUF file or directory, or Orbax "
+                        "checkpoint (instead of --preset).")
     flags.DEFINE_string("dtype", "", "Weight/activation dtype (default: the checkpoint's, float32 -> bfloat16).")
     flags.DEFINE_enum("kv_cache_dtype", "auto", list(kv_quant.KV_CACHE_DTYPES), "KV-cache dtype, as the server's flag: "
                       "auto (--dtype) or a quantized cache (int8, fp8_e4m3: 1 B per value + a 4 B scale per row).")
@@ -757,6 +858,8 @@ def _define_flags() -> None:
     flags.DEFINE_float("reserve_fraction", 0.05, "Runtime reserve per device, as a fraction of its memory.")
     flags.DEFINE_float("moe_capacity_factor", 2.0, "Routed tokens per expert device over the mean.")
     flags.DEFINE_integer("show", 12, "How many fitting layouts to list.")
+    flags.DEFINE_bool("hybrid_kv_cache", True, "As the server's flag: sliding-window layers of a model that also has "
+                      "full-attention ones (Gemma 3) hold only their window's tokens (not with pipeline stages).")
 
 
 if __name__ == "__main__":

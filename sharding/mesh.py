@@ -1,14 +1,14 @@
-"""The one place device meshes are built (`make_mesh`, `serving_mesh`, `mesh_context`) and the KV cache gets its
-sharding (`kv_cache_sharding`); `mesh_axis` and `axis_size` tell code inside `shard_map` which mesh axis a logical
-axis maps to and how many ways it is split. Details: docs/sharding.md."""
+"""The one place device meshes are built (`make_mesh`, `serving_mesh`, `mesh_context`); `mesh_axis` and `axis_size`
+tell code inside `shard_map` which mesh axis a logical axis maps to and how many ways it is split. Details:
+docs/sharding.md."""
 from __future__ import annotations
 
 import contextlib
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from sharding.rules import DEFAULT_RULES, MESH_AXES, STAGE_AXIS, ShardingRules, kv_cache_partition_spec
+from sharding.rules import DEFAULT_RULES, MESH_AXES, ShardingRules
 
 
 def make_mesh(dp: int = 1, pp: int = 1, tp: int = 1, ep: int = 1, devices=None, *, auto: bool = False) -> Mesh:
@@ -40,19 +40,6 @@ def axis_size(logical: str, rules: ShardingRules = DEFAULT_RULES) -> int:
     if axis is None or mesh.empty or axis not in mesh.axis_names:
         return 1
     return mesh.shape[axis]
-
-
-def kv_cache_sharding(num_kv_heads: int, mesh: Mesh | None, *, stacked: bool = False,
-                      rules: ShardingRules = DEFAULT_RULES) -> NamedSharding | None:
-    """One layer's KV pages [pages, page_size, 2*kv_heads, head_dim] on `mesh` (`kv_cache_partition_spec`: heads
-    split when the degree divides them); `stacked`: a leading [stages] axis over the pipeline's mesh axis
-    (pipeline slots). None without a mesh."""
-    if mesh is None:
-        return None
-    spec = kv_cache_partition_spec(num_kv_heads, dict(mesh.shape), rules)
-    if stacked:
-        spec = PartitionSpec(STAGE_AXIS, *spec)
-    return NamedSharding(mesh, spec)
 
 
 def mesh_context(mesh: Mesh | None):

@@ -1,6 +1,6 @@
 """Logical-axis -> mesh-axis rules, as data (`ShardingRules`, `DEFAULT_RULES`, `MESH_AXES`), and the PartitionSpecs and
-shard shapes they give parameters and the KV cache (`partition_spec_for_sizes`, `shard_shape`,
-`kv_cache_partition_spec`). Details: docs/sharding.md."""
+shard shapes they give parameters and the KV cache (`partition_spec_for_sizes`, `shard_shape`; the cache's axes are
+declared by `models.kv_cache`). Details: docs/sharding.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +8,8 @@ from typing import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.axes import (EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LOGICAL_AXES, LORA_RANK, LORA_SLOTS, MLP,
-                           VOCAB)
+from sharding.axes import (EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, KV_PAGES, LAYERS, LOGICAL_AXES, LORA_RANK,
+                           LORA_SLOTS, MLP, VOCAB)
 
 MESH_AXES = ("data", "pipeline", "tensor", "expert")
 STAGE_AXIS = MESH_AXES[1]  # pipeline stages: stacked layer slots (and their KV caches) are split over it
@@ -53,7 +53,7 @@ class ShardingRules:
 # their slot and rank axes are never split (a rank is 8-64: too small to divide).
 DEFAULT_RULES = ShardingRules({
     EMBED: None, HEAD_DIM: None, LAYERS: None, LORA_SLOTS: None, LORA_RANK: None,
-    HEADS: "tensor", KV_HEADS: "tensor", MLP: "tensor", VOCAB: "tensor", EXPERT: "expert",
+    HEADS: "tensor", KV_HEADS: "tensor", MLP: "tensor", VOCAB: "tensor", EXPERT: "expert", KV_PAGES: "data",
 })
 
 
@@ -82,15 +82,3 @@ def shard_shape(spec: PartitionSpec, shape: Sequence[int], axis_sizes: Mapping[s
         out.append(-(-int(dim) // parts))  # an uneven split pads the last shard up to the others
     return tuple(out)
 
-
-def kv_cache_partition_spec(num_kv_heads: int, axis_sizes: Mapping[str, int],
-                            rules: ShardingRules = DEFAULT_RULES) -> PartitionSpec:
-    """Layout of one layer's KV pages [num_pages, page_size, 2*kv_heads, head_dim]: pages split over 'data'
-    (each replica owns its own pool), K/V heads over the kv-head mesh axis when it divides `num_kv_heads`
-    (checked on the head count, not 2*heads, so a head's K and V never land on different devices), else
-    replicated."""
-    head_axis = rules.rules.get(KV_HEADS)
-    if head_axis is not None and (axis_sizes.get(head_axis, 1) == 1 or num_kv_heads % axis_sizes[head_axis]):
-        head_axis = None
-    data = "data" if axis_sizes.get("data", 1) > 1 else None
-    return PartitionSpec(data, None, head_axis, None)

@@ -1,25 +1,39 @@
 """The import graph, read from the source with ast (every import, those inside functions too, so none can hide a
 loop): the one-way direction of ARCHITECTURE.md between packages, no cycle between packages or between modules,
-`serving.core` free of gRPC and HTTP, the gateway and the shared API schema (`serving.api`) free of `serving.core`."""
+`serving.core` free of gRPC and HTTP, the request contract (`serving.params`) on the bottom floor, the OpenAI app
+(`serving.api`) and the wire (`serving.wire`) free of both frontends, and the gateway reaching the instances only
+through the wire (never `serving.server` or `serving.core`)."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("models", "pallas_kernels", "sharding", "serving")
+PACKAGES = ("models", "pallas_kernels", "sharding", "serving", "jax_compat")
 # Which packages each package may import (ARCHITECTURE.md: serving -> models, sharding, pallas_kernels;
-# models -> sharding and pallas_kernels; sharding and pallas_kernels import neither).
-MAY_IMPORT = {"serving": {"models", "sharding", "pallas_kernels"}, "models": {"sharding", "pallas_kernels"},
-              "sharding": set(), "pallas_kernels": set()}
+# models -> sharding and pallas_kernels; sharding and pallas_kernels import neither). jax_compat (where JAX releases
+# differ) is below them all and imports none of them.
+MAY_IMPORT = {"serving": {"models", "sharding", "pallas_kernels", "jax_compat"},
+              "models": {"sharding", "pallas_kernels", "jax_compat"},
+              "sharding": {"jax_compat"}, "pallas_kernels": {"jax_compat"}, "jax_compat": set()}
 # Module prefixes a part of the tree must not import.
 FORBIDDEN = {
     "serving.core": ("grpc", "grpc_health", "serving.server", "serving.gateway", "serving.bench", "serving.api", "http",
                      "fastapi", "starlette", "uvicorn"),
-    "serving.gateway": ("serving.core",),
-    # The schema both frontends share: the gateway uses it too, so it knows the engine only by duck typing.
-    "serving.api": ("serving.core", "serving.server", "serving.gateway", "grpc"),
+    "serving.gateway": ("serving.core", "serving.server"),
+    # The OpenAI app both frontends implement: the gateway uses it too, so it knows the engine only by duck typing.
+    "serving.api": ("serving.core", "serving.server", "serving.gateway", "serving.wire", "grpc"),
+    # meshserve.v1 and its client: both sides of the process boundary import it, so it imports neither.
+    "serving.wire": ("serving.core", "serving.server", "serving.gateway", "serving.api"),
+    # The request contract under everything: pure Python, no engine, wire or web framework.
+    "serving.params": ("serving", "models", "sharding", "pallas_kernels", "grpc", "google", "numpy", "jax",
+                       "fastapi", "starlette", "pydantic"),
 }
+# Everything of the project a part of the tree may import (besides itself): the gateway talks to instances over the
+# network only, so it has the wire, the OpenAI app, telemetry, the request contract, the key store and transport
+# options both servers share, and a tokenizer.
+ONLY = {"serving.gateway": ("serving.api", "serving.wire", "serving.telemetry", "serving.params", "serving.auth",
+                            "serving.transport", "models.tokenizer")}
 
 
 def _modules(root: Path, packages) -> dict[str, Path]:
@@ -111,6 +125,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+def _within(module: str, part: str) -> bool:
+    return module == part or module.startswith(part + ".")
+
+
 def violations(graph: dict[str, set[str]], packages=PACKAGES) -> list[str]:
     """Every edge against MAY_IMPORT or FORBIDDEN, and every module cycle, as a line a person can act on."""
     out = []
@@ -121,9 +139,13 @@ def violations(graph: dict[str, set[str]], packages=PACKAGES) -> list[str]:
             if dep_top in packages and dep_top != top and dep_top not in MAY_IMPORT.get(top, set()):
                 out.append(f"{module} imports {dep}: package {top} must not import {dep_top}")
             for part, banned in FORBIDDEN.items():
-                if (module == part or module.startswith(part + ".")) and any(
-                        dep == b or dep.startswith(b + ".") for b in banned):
+                if _within(module, part) and dep != part and not _within(dep, part) and any(
+                        _within(dep, b) for b in banned):
                     out.append(f"{module} imports {dep}: {part} must not import {dep}")
+            for part, allowed in ONLY.items():
+                if _within(module, part) and dep_top in packages and not _within(dep, part) and not any(
+                        _within(dep, a) for a in allowed):
+                    out.append(f"{module} imports {dep}: {part} imports only {', '.join(allowed)} of the project")
     out += [f"import cycle: {' -> '.join(c)}" for c in cycles(graph)]
     return out
 
@@ -146,6 +168,12 @@ def test_the_checker_catches_cycles_and_wrong_directions(tmp_path):
         "serving/__init__.py": "",
         "serving/core/__init__.py": "",
         "serving/core/e.py": "import grpc\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import serving.server\n",
+        "serving/server/__init__.py": "",
+        "serving/server/client.py": "",
+        "serving/gateway/__init__.py": "",
+        "serving/gateway/g.py": "from serving.server import client\nimport serving.wire\n",
+        "serving/wire/__init__.py": "",
+        "serving/params.py": "import numpy\nfrom serving import wire\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -154,4 +182,11 @@ def test_the_checker_catches_cycles_and_wrong_directions(tmp_path):
     assert "sharding.b imports models.x: package sharding must not import models" in found
     assert "serving.core.e imports grpc: serving.core must not import grpc" in found
     assert any(line.startswith("import cycle: ") and "sharding.a" in line and "sharding.b" in line for line in found)
-    assert not any("serving.server" in line for line in found)  # under TYPE_CHECKING: not a dependency
+    assert not any(line.startswith("serving.core.e imports serving.server") for line in found)  # TYPE_CHECKING only
+    assert "serving.gateway.g imports serving.server.client: serving.gateway must not import serving.server.client" \
+        in found
+    assert any(line.startswith("serving.gateway.g imports serving.server.client: serving.gateway imports only")
+               for line in found)
+    assert not any(line.startswith("serving.gateway.g imports serving.wire") for line in found)
+    assert "serving.params imports numpy: serving.params must not import numpy" in found
+    assert "serving.params imports serving.wire: serving.params must not import serving.wire" in found

@@ -1,8 +1,8 @@
 """OpenAI's /v1/chat/completions and /v1/completions requests as pydantic models (unknown fields ignored, types
-strict), mapped onto one engine request (`EngineRequest`: token ids per prompt, SamplingParams keywords, priority);
-chat rendering shared with meshserve.v1 (`encode_chat`); OpenAI error bodies (`ApiError`). Value ranges are checked
-by serving.validation when the server builds SamplingParams, so both APIs reject the same values for the same
-reasons; `api_error` turns such a ValueError into a 400 naming the request's parameter."""
+strict), mapped onto one engine request (`EngineRequest`: token ids per prompt, SamplingParams keywords, priority; the
+sampling parameters pass through by name, as serving.params lists them); OpenAI error bodies (`ApiError`). Values are
+checked by serving.params when SamplingParams is made, so both APIs reject the same values for the same reasons;
+`api_error` turns such a ValueError into a 400 naming the request's parameter."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,14 +11,13 @@ import re
 import uuid
 from typing import Any
 
-import jinja2
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from serving.api import reasoning as reasoning_api
 from serving.api import tools as tools_api
-from serving.validation import InvalidArgument, check_context
+from serving.params import (INT32_FIELDS, PRIORITIES, InvalidArgument, SamplingParams, StructuredOutput,
+                            check_token_ids, encode_chat, openai_fields)
 
-KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 TEXT_PART_TYPES = ("text", "input_text")
 UNION_TYPES = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
                "stop": "a string or a list of strings"}
@@ -45,7 +44,7 @@ _FIELD = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
 def api_error(e: ValueError, renames: dict[str, str] | None = None, *, code: str | None = None) -> ApiError:
-    """A 400 from a ValueError whose message starts with the field's name (serving.validation's convention),
+    """A 400 from a ValueError whose message starts with the field's name (serving.params' convention),
     with meshserve's names (`sampling.max_tokens`, `logprobs`) renamed to the request's (`renames`)."""
     message = str(e).removeprefix("sampling.")
     m = _FIELD.match(message)
@@ -115,7 +114,8 @@ class ChatMessage(_Model):
 
 
 class _GenerateRequest(_Model):
-    """The fields both requests share. None: the default (OpenAI's, else SamplingParams')."""
+    """The fields both requests share. None: the default (OpenAI's, else SamplingParams'). Every SamplingParams field
+    is here by its name (serving.params.openai_fields), except those serving.params.OPENAI_BY_HAND lists."""
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -134,6 +134,7 @@ class _GenerateRequest(_Model):
     min_tokens: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -181,7 +182,7 @@ class DetokenizeRequest(_Model):
 @dataclasses.dataclass(slots=True)
 class Prompt:
     token_ids: list[int] | None  # None: not tokenized here (`text` or `messages` go to an instance that does)
-    text: str | None  # what an echo repeats (the prompt as sent, or its token ids decoded); the text to tokenize
+    text: str | None  # a text prompt as sent: what an echo repeats, the text to tokenize (None: token ids, a chat)
     field: str  # the request parameter it came from: "messages", "prompt", "prompt[2]"
     messages: list[dict] | None = None  # a chat not rendered here (the gateway without a tokenizer)
     add_special_tokens: bool = True
@@ -205,18 +206,19 @@ class EngineRequest:
     def n(self) -> int:
         return self.sampling.get("n", 1)
 
-
-_PASSED_THROUGH = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "seed", "n", "min_tokens", "ignore_eos", "include_stop_str_in_output",
-                   "skip_special_tokens")
-# meshserve.v1's integer widths: the gateway sends the request on as a GenerateRequest, so a value that does not fit is
-# a 400 naming the parameter (on the instance too: both APIs take the same values). Unlisted integers are 64-bit.
-_INT32_FIELDS = ("max_tokens", "min_tokens", "top_k", "n", "logprobs")
+    def sampling_params(self) -> SamplingParams:
+        """`sampling` as the engine's SamplingParams; raises ValueError (`api_error` names the parameter)."""
+        kw = dict(self.sampling)
+        if "structured" in kw:
+            kw["structured"] = StructuredOutput(**kw["structured"])
+        return SamplingParams(**kw)
 
 
 def _check_widths(kw: dict, renames: dict[str, str]) -> None:
+    """meshserve.v1's integer widths (serving.params.INT32_FIELDS; other integers are 64-bit): a value that does not
+    fit is a 400 naming the parameter."""
     for name, value in kw.items():
-        bits = 32 if name in _INT32_FIELDS else 64
+        bits = 32 if name in INT32_FIELDS else 64
         lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
         for v in value if name in ("stop_token_ids", "logit_bias") else (value,):  # logit_bias: its token ids
             if isinstance(v, int) and not isinstance(v, bool) and not lo <= v <= hi:
@@ -278,15 +280,10 @@ def structured_output(req: _GenerateRequest, renames: dict[str, str]) -> dict | 
 
 def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | None,
               renames: dict[str, str] | None = None) -> dict:
-    kw = {name: getattr(req, name) for name in _PASSED_THROUGH if getattr(req, name) is not None}
+    """SamplingParams keywords: every field of the same name the request sets, and those mapped by hand."""
+    kw = {name: getattr(req, name) for name in openai_fields() if getattr(req, name) is not None}
     kw["max_tokens"] = max_tokens
     kw["logprobs"] = logprobs
-    if req.stop is not None:
-        kw["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
-    if req.stop_token_ids is not None:
-        kw["stop_token_ids"] = tuple(req.stop_token_ids)
-    if req.logit_bias:
-        kw["logit_bias"] = dict(req.logit_bias)
     _check_widths(kw, renames if renames is not None else {})
     structured = structured_output(req, renames if renames is not None else {})
     if structured is not None:
@@ -294,9 +291,9 @@ def _sampling(req: _GenerateRequest, max_tokens: int | None, logprobs: int | Non
     return kw
 
 
-def _common(req: _GenerateRequest, priorities) -> tuple[int, bool, bool]:
+def _common(req: _GenerateRequest) -> tuple[int, bool, bool]:
     priority = 0 if req.priority is None else req.priority
-    if priority not in priorities:
+    if priority not in PRIORITIES:
         raise ApiError(400, f"priority: unknown value {priority}; use 0 (interactive) or 1 (batch)", param="priority")
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:
@@ -351,31 +348,6 @@ def _message_dict(i: int, m: ChatMessage) -> dict:
     return d
 
 
-def encode_chat(tokenizer, messages: list[dict], *, field: str, add_generation_prompt: bool = True,
-                **template_kwargs) -> list[int]:
-    """The conversation rendered with the model's chat template and tokenized; raises InvalidArgument naming
-    `field` (`chat.messages` for meshserve.v1, `messages` for OpenAI) or the message whose role is bad."""
-    if not messages:
-        raise InvalidArgument(f"{field}: the conversation is empty")
-    if tokenizer is None:
-        raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
-    for i, m in enumerate(messages):
-        if not m.get("role"):
-            raise InvalidArgument(f"{field}[{i}].role: empty; use one of {', '.join(KNOWN_ROLES)}")
-    try:
-        return tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-    except (jinja2.TemplateError, ValueError, TypeError) as e:
-        bad = next((i for i, m in enumerate(messages) if m["role"] not in KNOWN_ROLES), None)
-        where = f"{field}[{bad}].role" if bad is not None else field
-        raise InvalidArgument(f"{where}: the model's chat template rejected the conversation: {e}") from e
-
-
-def check_token_ids(field: str, ids, vocab_size: int) -> None:
-    for i, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(f"{field}: token id {t} at position {i} is outside the vocabulary [0, {vocab_size})")
-
-
 # chat_template_kwargs names refused: a request's own template (its loops are unbounded and it renders on the event
 # loop, so one request could stall the server), and the names the rendering passes itself (a clash was a TypeError).
 _RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "add_generation_prompt", "tokenizer", "field",
@@ -414,12 +386,12 @@ def _tools(req: ChatCompletionRequest, tokenizer, tool_call_parser: str, samplin
     return tool_call_parser
 
 
-def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_elsewhere: bool = False,
+def chat_request(req: ChatCompletionRequest, tokenizer, *, render_elsewhere: bool = False,
                  tool_call_parser: str = "") -> EngineRequest:
     """Raises ApiError (400) naming the parameter. render_elsewhere (the gateway): without a tokenizer, the messages
     go on as they are, for the instance to render. tool_call_parser: the model's tool-call format (serving.api.tools),
     which parses calls and forces them for tool_choice `required` or a named function."""
-    priority, stream, include_usage = _common(req, priorities)
+    priority, stream, include_usage = _common(req)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError(400, "top_logprobs: requires logprobs=true", param="top_logprobs")
     renames = {"logprobs": "top_logprobs"}
@@ -458,11 +430,11 @@ def chat_request(req: ChatCompletionRequest, tokenizer, priorities, *, render_el
                          tool_parser=parser)
 
 
-def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, priorities, *,
-                       render_elsewhere: bool = False) -> EngineRequest:
-    """Raises ApiError (400) naming the parameter. vocab_size 0: not known (ids are checked where the model is).
-    render_elsewhere (the gateway): without a tokenizer, text prompts go on as text, for the instance to tokenize."""
-    priority, stream, include_usage = _common(req, priorities)
+def completion_request(req: CompletionRequest, tokenizer, *, render_elsewhere: bool = False) -> EngineRequest:
+    """Raises ApiError (400) naming the parameter; token ids are checked where the model is known (the engine's
+    make_request, the gateway's check). render_elsewhere (the gateway): without a tokenizer, text prompts go on as
+    text, for the instance to tokenize."""
+    priority, stream, include_usage = _common(req)
     if req.best_of is not None and req.best_of != (req.n or 1):
         raise ApiError(400, f"best_of: only best_of = n is supported, got best_of={req.best_of}", param="best_of")
     if req.echo and req.logprobs is not None:
@@ -489,13 +461,10 @@ def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, prior
                     raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
                 prompts.append(Prompt(tokenizer.encode(item, add_special_tokens=add_special), item, field))
             else:
-                if vocab_size:
-                    check_token_ids(field, item, vocab_size)
                 if req.echo and tokenizer is None and render_elsewhere:
                     raise InvalidArgument("echo: echoing token ids needs their text, and the gateway has no "
                                           "tokenizer; set `tokenizer:` in its configuration")
-                text = tokenizer.decode(item, skip_special_tokens=False) if req.echo and tokenizer else None
-                prompts.append(Prompt(list(item), text, field))
+                prompts.append(Prompt(list(item), None, field))
     except InvalidArgument as e:
         raise api_error(e) from e
     renames: dict[str, str] = {}
@@ -503,15 +472,13 @@ def completion_request(req: CompletionRequest, tokenizer, vocab_size: int, prior
     return EngineRequest(prompts, sampling, priority, stream, include_usage, echo=bool(req.echo), renames=renames)
 
 
-def check_fits(ereq: EngineRequest, max_tokens: int | None, max_model_len: int) -> None:
-    """Every tokenized prompt (and max_tokens) against the model's context: a 400 saying both lengths."""
-    for p in ereq.prompts:
-        if p.token_ids is None or not max_model_len:
-            continue
-        try:
-            check_context(p.field, len(p.token_ids), max_tokens, max_model_len)
-        except ValueError as e:
-            raise api_error(e, ereq.renames, code="context_length_exceeded") from e
+def echo_texts(ereq: EngineRequest, tokenizer) -> list[str | None] | None:
+    """What an echo repeats of each prompt (None without echo): the text sent, or the token ids decoded (once the
+    engine's side has checked them)."""
+    if not ereq.echo:
+        return None
+    return [p.text if p.text is not None or tokenizer is None or p.token_ids is None
+            else tokenizer.decode(p.token_ids, skip_special_tokens=False) for p in ereq.prompts]
 
 
 def tokenize_request(req: TokenizeRequest, tokenizer) -> list[int]:

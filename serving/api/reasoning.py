@@ -9,8 +9,9 @@ from typing import ClassVar
 Deltas = tuple[str | None, str | None]
 
 
-def _held(buf: str, marker: str) -> int:
-    """Length of the longest end of `buf` that could begin `marker`: text to hold back until the next delta."""
+def held(buf: str, marker: str) -> int:
+    """Length of the longest end of `buf` that could begin `marker`: streamed text to hold back until the next delta
+    (the reasoning and tool-call parsers' markers)."""
     for k in range(min(len(marker) - 1, len(buf)), 0, -1):
         if buf.endswith(marker[:k]):
             return k
@@ -101,7 +102,7 @@ class ReasoningParser:
                 self._consume(end + len(self.END))
                 self._pending_ws, self._mode, self.content_start = "", "content", self._offset
                 return True
-            keep = 0 if final else _held(buf, self.END)
+            keep = 0 if final else held(buf, self.END)
             self._add_reasoning(buf[:len(buf) - keep])
             self._consume(len(buf) - keep)
             return False

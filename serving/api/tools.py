@@ -16,6 +16,8 @@ import string
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, ClassVar
 
+from serving.api.reasoning import held
+
 CALL_ID_ALPHABET = string.ascii_letters + string.digits
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -79,14 +81,6 @@ def _call_of(obj: Any) -> tuple[str, str] | None:
     if not isinstance(args, dict):
         return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-def _held(buf: str, marker: str) -> int:
-    """Length of the longest end of `buf` that could begin `marker`: text to hold back until the next delta."""
-    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
-        if buf.endswith(marker[:k]):
-            return k
-    return 0
 
 
 def _skip_ws(s: str, i: int) -> int:
@@ -191,7 +185,7 @@ class ToolParser:
             self._text(self._buf[:i])
             self._consume(i)
             return True
-        keep = 0 if final else _held(self._buf, marker)
+        keep = 0 if final else held(self._buf, marker)
         self._text(self._buf[:len(self._buf) - keep])
         self._consume(len(self._buf) - keep)
         return False

@@ -17,12 +17,14 @@ BENCHMARKS = {
     "paths": "batch-1 decode step vs its bytes' roofline on every CPU path (native ISAs, XLA, XLA at AVX2), 2 models",
     "layouts": "decode step of every tested parallel layout on 8 fake CPU devices (regression only)",
     "load": "load time of the ~125M Llama from HF safetensors and from Orbax",
+    "gguf": "a GGUF model (the demo's SmolLM2): load time and peak RSS, file -> SERVING, tok/s vs llama.cpp",
     "speculative": "speculative decoding (draft model, prompt lookup) on the shipped tiny target/draft pair",
     "host_overhead": "host time per engine step with N running decodes, the device stubbed out",
     "chaos": "faults injected into a gateway + instances under load: overload, kill -9, hang, cancels, restarts",
     "structured": "structured outputs: tok/s with 0/50/100% of sequences JSON-schema constrained, mask time, compile",
     "quant": "quantized serving: bf16 vs int8 weights (+ int8 KV) vs llama.cpp Q8_0, KV capacity, int8 kernels",
     "lora": "LoRA adapters: decode tok/s and TPOT at batch 1 and 32, no adapter / 1 / 8 mixed (ranks 8, 64)",
+    "hybrid_kv": "Gemma 3's hybrid KV cache: pages a 32k prompt holds with and without it; 27B's ledger on 8 x 80 GB",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
 }
 

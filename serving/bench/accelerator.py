@@ -1,8 +1,9 @@
-"""Acceptance run for a machine with a GPU or TPU: one `PASS <stage>: ...` / `FAIL <stage>: ...` line per stage, then
-`accelerator acceptance: N passed, M failed`; the exit status is non-zero when a stage failed (a stage that raises
-fails with the exception's first line, and the run goes on). Stages:
+"""Acceptance run for a machine with a GPU or TPU, in one process, the stages in order of value: one `PASS <stage>:
+...` line per stage (or FAIL, SKIP: cannot run here, TIMEOUT: its budget ran out, NOT REACHED: the run's did), then
+`accelerator acceptance: N passed, M failed, ...`; the exit status is non-zero unless every stage passed or was
+skipped (a stage that raises fails with the exception's first line, and the run goes on). Stages:
 
-  environment          jax/jaxlib, the devices, the engine's platform choices (bf16)
+  environment          jax/jaxlib and the packages beside them, the devices, the engine's platform choices (bf16)
   attention            the platform's attention kernel (Triton / Mosaic, compiled) on the named ragged cases and
                        engine-shaped bf16 cases, vs the float64 NumPy oracle (max error per case group)
   kv_write             write_kv on the device vs a NumPy expectation
@@ -10,19 +11,26 @@ fails with the exception's first line, and the run goes on). Stages:
   decode_roofline      a Llama-3.2-1B-shaped random bf16 model: decode step at batch 1 and 64 (~1k context) vs
                        (weight + KV bytes a step reads) / the copy bandwidth measured in the run
   attention_bandwidth  decode attention GB/s: ours vs JAX's Pallas paged attention and the XLA reference
+  moe                  a Mixtral-shaped random model's decode step at batch 1 and 64 vs its roofline
+  quantized            the 1B-shaped model with int8 weights and an int8 KV cache: step times vs bf16's
+  structured           JSON-schema-constrained decoding (llguidance, from the device bundle): validity and tok/s
+
+--budget_s (default 420 on an accelerator): the run's time budget. A stage starts while time is left and stops at
+its own budget (STAGE_BUDGET_S), keeping the figures it reached; every figure goes to --out/accelerator.json as it
+arrives, and if the budget runs out inside a stage a watchdog writes the report and ends the run (status 3).
 
 --smoke (automatic on a CPU host): tiny shapes, the GPU and TPU kernels in interpret mode on CPU, JAX's own kernels
-skipped; well under a minute on 2 cores. `run(smoke=True)` is the same in-process (tests).
+skipped, no budget. `run(smoke=True)` is the same in-process (tests).
 
-    python -m serving.bench accelerator [--smoke] [--stages=attention,kv_write] [--workdir=DIR]
+    python -m serving.bench accelerator [--smoke] [--stages=attention,kv_write] [--workdir=DIR] [--out=DIR]
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -34,19 +42,40 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
+import jax_compat
 import pallas_kernels
 from pallas_kernels import reference
 from pallas_kernels.cases import NAMED_CASES, TOLERANCES, dense_attention, make_case
 from pallas_kernels.target import canonical_platform, tracing_for
-from serving.bench.harness import BENCH_WORKDIR, copy_bandwidth, decode_step_times, hf_checkpoint, median_time
+from serving.bench.accelerator_models import (TINY_MODEL, stage_decode_roofline, stage_moe, stage_quantized,
+                                              stage_structured)
+from serving.bench.accelerator_models import TOKEN_BUDGET, write_llama  # noqa: F401 - re-exported (tests)
+from serving.bench.accelerator_run import (Budget, Context, Report, StageFailure, StageOutOfTime, StageResult,
+                                           StageSkipped, Watchdog, exit_status, first_line)
+from serving.bench.accelerator_run import summary  # noqa: F401 - re-exported
+from serving.bench.harness import BENCH_WORKDIR, median_time
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "tiny shapes, kernels in interpret mode on CPU (automatic on a CPU host)")
 _STAGES = flags.DEFINE_list("stages", [], "stages to run (default: all, in order)")
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark models are written (and reused)")
+_OUT = flags.DEFINE_string("out", "", "directory for accelerator.json (every figure, rewritten as each arrives) and "
+                           "accelerator_summary.txt; empty: print only")
+_BUDGET = flags.DEFINE_float("budget_s", None, "the run's time budget in seconds (default: 420 on an accelerator, "
+                             "none in smoke mode; 0: none)")
 
-STAGES = ("environment", "attention", "kv_write", "greedy_parity", "decode_roofline", "attention_bandwidth")
+STAGES = ("environment", "attention", "kv_write", "greedy_parity", "decode_roofline", "attention_bandwidth", "moe",
+          "quantized", "structured")
+# Seconds each stage may take on an accelerator (its checkpoints stop it there; compiles included). In order of
+# value: the first six take ~350 s of the default 420 s run; moe, quantized and structured get what remains.
+STAGE_BUDGET_S = {"environment": 20, "attention": 90, "kv_write": 20, "greedy_parity": 60, "decode_roofline": 100,
+                  "attention_bandwidth": 60, "moe": 60, "quantized": 60, "structured": 40}
+DEFAULT_BUDGET_S = 420.0  # the run's: with the install, inside the 8 minutes scripts/device_accept.sh allows
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY_MODEL = os.path.join(REPO_ROOT, "models", "tiny", "target")
+# The packages whose versions the environment stage records (what the device image brings).
+REPORTED_PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu", "flax", "orbax-checkpoint",
+                     "optax", "numpy", "ml-dtypes", "triton", "grpcio", "protobuf", "tokenizers", "safetensors",
+                     "transformers", "torch", "llguidance")
+
 
 def _decodes(n: int, longest: int) -> Callable[[np.random.Generator], list]:
     """n decodes with random contexts up to `longest`, the first ones on and just past a page boundary."""
@@ -77,6 +106,14 @@ LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num
 LLAMA_SMOKE = dict(LLAMA_1B, vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
 
+# ~0.5B parameters, 8 experts of which 2 per token (Mixtral's routing), 64-wide heads.
+MIXTRAL_SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                     num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_local_experts=8,
+                     num_experts_per_tok=2, max_position_embeddings=4096, tie_word_embeddings=False,
+                     bos_token_id=1, eos_token_id=2)
+MIXTRAL_SMOKE = dict(MIXTRAL_SHAPE, vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4)
+
 PARITY_PROMPTS = ("def main():\n", "import os\nimport sys\n\n", 'class Config:\n    """', "for i in range(10):\n")
 
 
@@ -95,6 +132,9 @@ class Sizes:
     bandwidth_shapes: tuple[tuple[int, int], ...]  # (batch, context) of the decode-attention timing
     bandwidth_heads: tuple[int, int, int, int]  # (q heads, kv heads, head_dim, page_size)
     repeats: int  # timed calls per measurement (the median is reported)
+    moe: dict  # the MoE stage's Mixtral config
+    structured_batch: int  # sequences per structured-outputs cell
+    structured_tokens: int  # max_tokens of each
 
 
 FULL = Sizes(
@@ -104,49 +144,14 @@ FULL = Sizes(
                     dict(pages=8, ps=16, hkv=8, d=64, t=8, dtype="bfloat16", all_padding=True)),
     parity_tokens=32, parity_required=16, llama=LLAMA_1B, decode_batches=(1, 64), decode_context=1024,
     decode_steps=32, copy_bytes=1 << 30, bandwidth_shapes=((1, 1024), (1, 8192), (64, 1024), (64, 8192)),
-    bandwidth_heads=(32, 8, 128, 16), repeats=10)
+    bandwidth_heads=(32, 8, 128, 16), repeats=10, moe=MIXTRAL_SHAPE, structured_batch=16, structured_tokens=48)
 SMOKE = Sizes(
     named_cases=("decode_only", "mixed_gqa8"), engine_cases=SMOKE_ENGINE_CASES,
     kv_write_cases=(dict(pages=5, ps=8, hkv=2, d=64, t=12, dtype="float32"),
                     dict(pages=8, ps=16, hkv=2, d=128, t=16, dtype="bfloat16")),
     parity_tokens=12, parity_required=8, llama=LLAMA_SMOKE, decode_batches=(1, 8), decode_context=48,
     decode_steps=6, copy_bytes=1 << 24, bandwidth_shapes=((1, 256), (4, 64)), bandwidth_heads=(8, 2, 64, 16),
-    repeats=3)
-
-
-class StageFailure(Exception):
-    """A stage's check failed; the message is the FAIL line's detail."""
-
-
-@dataclasses.dataclass(frozen=True)
-class StageResult:
-    stage: str
-    passed: bool
-    detail: str
-    seconds: float
-
-    @property
-    def line(self) -> str:
-        return f"{'PASS' if self.passed else 'FAIL'} {self.stage}: {self.detail} [{self.seconds:.1f}s]"
-
-
-@dataclasses.dataclass
-class Context:
-    smoke: bool
-    sizes: Sizes
-    workdir: str
-    parity_subprocess: bool
-    out: Callable[[str], None]
-
-    def note(self, text: str) -> None:
-        """An information line under the stage's PASS/FAIL line's stage (indented)."""
-        self.out(f"  {text}")
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    text = text.splitlines()[0] if text else ""
-    return text if isinstance(e, StageFailure) else f"{type(e).__name__}: {text}" if text else type(e).__name__
+    repeats=3, moe=MIXTRAL_SMOKE, structured_batch=4, structured_tokens=48)
 
 
 # ------------------------------------------------------------------------------------------------ 1. environment
@@ -157,18 +162,31 @@ def stage_environment(ctx: Context) -> str:
     devices = jax.devices()
     platform = canonical_platform()
     kinds = sorted({d.device_kind for d in devices})
-    ctx.note(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.version.split()[0]}")
+    ctx.note(f"jax {jax.__version__}, jaxlib {jaxlib.__version__}, python {sys.version.split()[0]} (meshserve "
+             f"tested on jax {', '.join(jax_compat.TESTED_JAX)})")
+    versions = {}
+    for name in REPORTED_PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    ctx.note("packages: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    ctx.figure("python", sys.version.split()[0])
+    ctx.figure("packages", versions)
     ctx.note(f"devices: {len(devices)} x {', '.join(kinds)} (platform {devices[0].platform}, default backend "
              f"{jax.default_backend()})")
+    ctx.figure("devices", dict(count=len(devices), kinds=kinds, platform=devices[0].platform))
     try:
         limit = (devices[0].memory_stats() or {}).get("bytes_limit")
         if limit:
             ctx.note(f"device memory: {limit / 2**30:.1f} GiB")
+            ctx.figure("device_memory_GiB", round(limit / 2**30, 1))
     except Exception:  # noqa: BLE001 - memory_stats is optional per backend
         pass
     choices = platform_choices(None, dtype="bfloat16")
     ctx.note("platform_choices(None, dtype='bfloat16'): " + ", ".join(
         f"{k}={v}" for k, v in dataclasses.asdict(choices).items()))
+    ctx.figure("platform_choices", dataclasses.asdict(choices))
     detail = (f"{platform} ({', '.join(kinds)} x{len(devices)}), jax {jax.__version__}, attention "
               f"{choices.attention_backend}, KV {choices.kv_storage_dtype}")
     if platform in ("gpu", "tpu"):
@@ -218,28 +236,34 @@ def stage_attention(ctx: Context) -> str:
     device = jax.devices("cpu")[0] if ctx.smoke else jax.devices()[0]
     groups = [("named", "float32", {n: NAMED_CASES[n] for n in ctx.sizes.named_cases}),
               ("engine-shaped", "bfloat16", ctx.sizes.engine_cases)]
-    failures, summary = [], []
-    for kname, kernel in attention_kernels(ctx.smoke).items():
+    failures, parts = [], []
+    kernels = attention_kernels(ctx.smoke)
+    total, done = len(kernels) * sum(len(c) for _, _, c in groups), 0
+    for kname, kernel in kernels.items():
         for group, dtype_name, cases in groups:
             worst = 0.0
             for name, spec in cases.items():
+                ctx.check_time(done, total, "cases")
+                done += 1
                 try:
                     case, options = _build_case(name, spec, jnp.dtype(dtype_name))
                     err, ok = _case_error(kernel, case, options, dtype_name, device)
                 except Exception as e:  # noqa: BLE001 - one broken case must not hide the others
                     failures.append(f"{kname} {name}: {first_line(e)}")
                     ctx.note(f"{kname} {name}: raised {first_line(e)}")
+                    ctx.figure(f"{kname}/{name}", dict(raised=first_line(e)))
                     continue
                 worst = max(worst, err)
                 ctx.note(f"{kname} {name} ({dtype_name}, {len(case.q_lens)} seqs, {sum(case.q_lens)} tokens, "
                          f"KV up to {max(case.kv_lens)}): max |err| {err:.2e}{'' if ok else '  OUT OF TOLERANCE'}")
+                ctx.figure(f"{kname}/{name}", dict(dtype=dtype_name, max_err=err, within_tolerance=ok))
                 if not ok:
                     failures.append(f"{kname} {name} max |err| {err:.2e} > tol {TOLERANCES[dtype_name][0]:g}")
-            summary.append(f"{kname} {len(cases)} {group} {dtype_name} max err {worst:.1e} "
+            parts.append(f"{kname} {len(cases)} {group} {dtype_name} max err {worst:.1e} "
                            f"(tol {TOLERANCES[dtype_name][0]:g})")
     if failures:
         raise StageFailure(f"{len(failures)} case(s) failed: " + "; ".join(failures[:3]))
-    return "; ".join(summary)
+    return "; ".join(parts)
 
 
 # ------------------------------------------------------------------------------------------------ 3. KV write
@@ -304,6 +328,7 @@ def _kv_write_checks(ctx: Context, device) -> str:
                           f"{int(bad.sum())} slots wrong ({bad_real} of the written, {int(bad.sum()) - bad_real} "
                           "that should be untouched)"))
                 ctx.note(f"{label}: {msg}")
+                ctx.figure(label, dict(real_tokens=len(real), wrong_slots=int(bad.sum())))
                 if bad.any():
                     failures.append(f"{label}: {msg}")
             except Exception as e:  # noqa: BLE001
@@ -321,7 +346,7 @@ _PARITY_SNIPPET = """
 import json, sys
 import jax
 from serving.core.llm import LLM
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 model, prompts, n, options = json.loads(sys.argv[1])
 with jax.default_matmul_precision("highest"):
     llm = LLM(model, warmup=False, **options)
@@ -330,25 +355,38 @@ print("TOKENS " + json.dumps([[int(t) for t in o.token_ids] for o in outs]))
 """
 
 
-def greedy_tokens(model: str, prompts: Sequence[str], n: int, *, subprocess_cpu: bool) -> list[list[int]]:
-    """Greedy token ids (float32, highest matmul precision) of `prompts`: in this process on the default device,
-    or in a subprocess on CPU (JAX_PLATFORMS=cpu)."""
-    if not subprocess_cpu:
-        from serving.core.llm import LLM
-        from serving.core.sampling_params import SamplingParams
-        with jax.default_matmul_precision("highest"):
-            llm = LLM(model, warmup=False, **PARITY_OPTIONS)
-            outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        return [[int(t) for t in o.token_ids] for o in outs]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def greedy_tokens(model: str, prompts: Sequence[str], n: int) -> list[list[int]]:
+    """Greedy token ids (float32, highest matmul precision) of `prompts` in this process, on the default device."""
+    from serving.core.llm import LLM
+    from serving.params import SamplingParams
+    with jax.default_matmul_precision("highest"):
+        llm = LLM(model, warmup=False, **PARITY_OPTIONS)
+        outs = llm.generate(list(prompts), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return [[int(t) for t in o.token_ids] for o in outs]
+
+
+def start_cpu_greedy_tokens(model: str, prompts: Sequence[str], n: int) -> subprocess.Popen:
+    """`greedy_tokens` in a CPU subprocess (JAX_PLATFORMS=cpu) started now, to run beside the device side. XLA's CPU
+    kernels (MESHSERVE_CPU_KERNELS=xla: the same results) spare a device machine the native kernels' C++ build."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", MESHSERVE_CPU_KERNELS="xla")
     env.pop("MESHSERVE_ATTENTION", None)
     arg = json.dumps([model, list(prompts), n, PARITY_OPTIONS])
-    proc = subprocess.run([sys.executable, "-c", _PARITY_SNIPPET, arg], capture_output=True, text=True, env=env,
-                          cwd=REPO_ROOT, timeout=300)
-    for line in proc.stdout.splitlines():
+    return subprocess.Popen([sys.executable, "-c", _PARITY_SNIPPET, arg], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT)
+
+
+def cpu_greedy_tokens(proc: subprocess.Popen, timeout_s: float) -> list[list[int]]:
+    """The tokens of a `start_cpu_greedy_tokens` subprocess (killed past `timeout_s`)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise StageFailure(f"the CPU subprocess did not finish in {timeout_s:.0f}s") from None
+    for line in stdout.splitlines():
         if line.startswith("TOKENS "):
             return json.loads(line[len("TOKENS "):])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    tail = (stderr.strip().splitlines() or ["no output"])[-1]
     raise RuntimeError(f"the CPU subprocess exited {proc.returncode}: {tail}")
 
 
@@ -358,75 +396,28 @@ def agreeing_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 def stage_greedy_parity(ctx: Context) -> str:
     n, need = ctx.sizes.parity_tokens, ctx.sizes.parity_required
-    device = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n, subprocess_cpu=False)
-    cpu = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n, subprocess_cpu=ctx.parity_subprocess)
+    proc = start_cpu_greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n) if ctx.parity_subprocess else None
+    try:
+        device = greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n)
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.communicate()
+        raise
+    # the CPU side: whatever is left of the stage's budget (at least a minute: it is the reference)
+    cpu = (cpu_greedy_tokens(proc, max(60.0, min(300.0, ctx.budget.stage_left()))) if proc is not None
+           else greedy_tokens(TINY_MODEL, PARITY_PROMPTS, n))
     where = "CPU subprocess" if ctx.parity_subprocess else "CPU in-process (this host is the CPU)"
     agree = [agreeing_prefix(a, b) for a, b in zip(device, cpu)]
     for prompt, a, b, k in zip(PARITY_PROMPTS, device, cpu, agree):
         ctx.note(f"{prompt!r}: {k}/{n} agree; {jax.default_backend()} {a[:8]}... vs cpu {b[:8]}...")
+    ctx.figure("agreeing_prefix", dict(per_prompt=agree, of=n, need=need))
+    ctx.figure("tokens", dict(device=device, cpu=cpu))
     detail = (f"models/tiny/target float32 greedy, {jax.default_backend()} vs {where}: tokens agreeing from the "
               f"start per prompt {agree} of {n} (need {need})")
     if len(device) != len(PARITY_PROMPTS) or len(cpu) != len(PARITY_PROMPTS) or min(agree) < need:
         raise StageFailure(detail)
     return detail
-
-
-# ------------------------------------------------------------------------------------------------ 5. decode roofline
-TOKEN_BUDGET = 512  # the decode-roofline engine's max_num_batched_tokens
-
-
-SKIP_STEPS = 2  # whole-batch decode steps not timed (the first runs the decode bucket's compile)
-
-
-def _decode_max_tokens(batch: int, context: int, steps: int) -> int:
-    """Output tokens per request: enough that no sequence finishes before the last one's prefill is done (the
-    first ones decode during the others' prefill) and the whole-batch decode steps follow."""
-    prefill_steps = -(-batch * context // max(1, TOKEN_BUDGET - batch)) + 2
-    return prefill_steps + SKIP_STEPS + steps + 4
-
-
-def _bytes(n: float) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
-
-
-def stage_decode_roofline(ctx: Context) -> str:
-    from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
-    s = ctx.sizes
-    cfg = s.llama
-    name = "llama1b-shape" if cfg is LLAMA_1B else "llama-smoke"
-    model_dir = hf_checkpoint(os.path.join(ctx.workdir, f"{name}-bfloat16"), "Llama", cfg, "bfloat16")
-    bw = copy_bandwidth(s.copy_bytes)
-    ctx.note(f"copy bandwidth: {bw / 1e9:.1f} GB/s (jitted copy of {s.copy_bytes / 2**20:.0f} MiB, 2x bytes)")
-    max_batch, ps = max(s.decode_batches), 16
-    max_len = s.decode_context + _decode_max_tokens(max_batch, s.decode_context, s.decode_steps) + 16
-    llm = LLM(model_dir, warmup=False, dtype="bfloat16", page_size=ps, num_pages=max_batch * -(-max_len // ps) + 16,
-              max_num_seqs=max_batch, max_num_batched_tokens=TOKEN_BUDGET, max_model_len=max_len)
-    eng = llm.engine
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(eng.runner.state))
-    caches = eng.runner.kv_caches  # bytes per cached token, every layer (a quantized cache's scales too)
-    kv_token_bytes = sum(x.nbytes for x in jax.tree.leaves(caches)) / (eng.num_pages * ps)
-    rng = np.random.default_rng(0)
-    parts = []
-    for batch in s.decode_batches:
-        prompts = [rng.integers(10, cfg["vocab_size"], s.decode_context).tolist() for _ in range(batch)]
-        params = SamplingParams(temperature=0.0, max_tokens=_decode_max_tokens(batch, s.decode_context, s.decode_steps),
-                                ignore_eos=True)
-        timed = decode_step_times(eng, prompts, params, warm_tokens=0, skip_steps=SKIP_STEPS, steps=s.decode_steps)
-        if len(timed.times) < 3:
-            raise StageFailure(f"batch {batch}: {len(timed.times)} whole-batch decode steps (need 3 or more)")
-        step = statistics.median(timed.times)
-        kv_tokens = statistics.mean(timed.kv_tokens)
-        kv_bytes = kv_tokens * kv_token_bytes
-        roof = (weight_bytes + kv_bytes) / bw
-        ctx.note(f"batch {batch}, context ~{kv_tokens / batch:.0f}: {step * 1e3:.2f} ms/step "
-                 f"(median of {len(timed.times)}), "
-                 f"roofline {roof * 1e3:.3f} ms (weights {_bytes(weight_bytes)} + KV {_bytes(kv_bytes)} at "
-                 f"{bw / 1e9:.0f} GB/s), roofline/step {roof / step:.2f}, {batch / step:.0f} tok/s")
-        parts.append(f"b{batch} {step * 1e3:.2f} ms vs roofline {roof * 1e3:.3f} ms ({roof / step:.2f})")
-    del llm, eng
-    shape = f"{cfg['num_hidden_layers']}L h{cfg['hidden_size']}"
-    return f"{shape} bf16: " + "; ".join(parts) + f"; copy {bw / 1e9:.0f} GB/s"
 
 
 # ------------------------------------------------------------------------------------------------ 6. attention GB/s
@@ -495,12 +486,12 @@ def decode_attention_impls(platform: str, shape: DecodeShape, *, include_jax: bo
                           "ragged"),
     }
     if include_jax and platform == "gpu":
-        from jax.experimental.pallas.ops.gpu import paged_attention as jax_gpu
+        jax_compat.allow_gpu_lowering_without_gpu()  # the lowering tests (JAX >= 0.11 asks for the GPU model)
         pps = shape.pages_per_seq
         k_splits = min(16, pps)
 
         def jax_gpu_fn(q, k_pages, v_pages, lengths, block_tables):
-            return jax_gpu.paged_attention(q, k_pages, v_pages, block_tables, lengths, k_splits=k_splits)
+            return jax_compat.jax_gpu_paged_attention(q, k_pages, v_pages, block_tables, lengths, k_splits=k_splits)
         impls["jax-pallas-gpu"] = (jax.jit(jax_gpu_fn), "jax")
     elif include_jax and platform == "tpu":
         from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention as jax_tpu
@@ -515,6 +506,7 @@ def stage_attention_bandwidth(ctx: Context) -> str:
     atol, rtol = TOLERANCES["bfloat16"]
     parts, failures = [], []
     for i, (batch, context) in enumerate(ctx.sizes.bandwidth_shapes):
+        ctx.check_time(i, len(ctx.sizes.bandwidth_shapes), "shapes")
         shape = DecodeShape(batch, context, hq, hkv, d, ps)
         ragged = jax.jit(decode_inputs, static_argnums=1)(jax.random.PRNGKey(i), shape)
         jax_args = jax.block_until_ready(jax.jit(functools.partial(to_jax_layout, sm_scale=d ** -0.5))(*ragged))
@@ -540,6 +532,9 @@ def stage_attention_bandwidth(ctx: Context) -> str:
                           for n, r in rates.items())
         ctx.note(f"b={batch} ctx={context} Hq={hq} Hkv={hkv} D={d} page={ps} bf16, KV {shape.kv_bytes / 1e6:.1f} MB: "
                  f"{cells}")
+        ctx.figure(f"b{batch}_ctx{context}", dict(kv_bytes=shape.kv_bytes, GBps={n: round(r / 1e9, 2) for n, r in
+                                                                                 rates.items()},
+                                                  max_diff_vs_reference=errs))
         parts.append(f"b{batch}/ctx{context} " + "/".join(f"{rates[n] / 1e9:.0f}" for n in rates))
     names = list(decode_attention_impls(platform, DecodeShape(1, 16, hq, hkv, d, ps), include_jax=not ctx.smoke))
     if failures:
@@ -560,14 +555,21 @@ STAGE_FUNCTIONS: dict[str, Callable[[Context], str]] = {
     "greedy_parity": stage_greedy_parity,
     "decode_roofline": stage_decode_roofline,
     "attention_bandwidth": stage_attention_bandwidth,
+    "moe": stage_moe,
+    "quantized": stage_quantized,
+    "structured": stage_structured,
 }
 
 
 def run(smoke: bool = False, stages: Sequence[str] | None = None, *, workdir: str = BENCH_WORKDIR,
-        parity_subprocess: bool | None = None, out: Callable[[str], None] | None = None) -> list[StageResult]:
-    """Runs `stages` (default all, in order), printing each one's information lines and its PASS/FAIL line, then
-    the summary line; returns the results. Smoke mode is forced on a CPU host. `parity_subprocess`: the greedy
-    parity's CPU side in a subprocess (default: unless this host is the CPU)."""
+        parity_subprocess: bool | None = None, out: Callable[[str], None] | None = None, out_dir: str = "",
+        budget_s: float | None = None, stage_budgets: dict[str, float] | None = None) -> list[StageResult]:
+    """Runs `stages` (default all, in order), printing each one's information lines and its result line, then the
+    summary line; returns the results, and with `out_dir` writes accelerator.json / accelerator_summary.txt as it
+    goes. Smoke mode is forced on a CPU host. `budget_s`: the run's budget (None: DEFAULT_BUDGET_S on an
+    accelerator, none in smoke mode; 0: none); `stage_budgets`: per stage (default STAGE_BUDGET_S; none in smoke
+    mode). `parity_subprocess`: the greedy parity's CPU side in a subprocess (default: unless this host is the
+    CPU)."""
     out = out or (lambda line: print(line, flush=True))
     stages = list(stages or STAGES)
     unknown = [s for s in stages if s not in STAGE_FUNCTIONS]
@@ -577,38 +579,55 @@ def run(smoke: bool = False, stages: Sequence[str] | None = None, *, workdir: st
     smoke = smoke or platform == "cpu"
     if parity_subprocess is None:
         parity_subprocess = platform != "cpu"
-    ctx = Context(smoke, SMOKE if smoke else FULL, workdir, parity_subprocess, out)
+    if budget_s is None:
+        budget_s = None if smoke else DEFAULT_BUDGET_S
+    if stage_budgets is None:
+        stage_budgets = {} if smoke else STAGE_BUDGET_S
+    budget = Budget(budget_s or None)
+    report = Report(out_dir, dict(platform=platform, device_kind=jax.devices()[0].device_kind, smoke=smoke,
+                                  stages=stages, budget_s=budget.total_s, jax=jax.__version__,
+                                  started=time.strftime("%Y-%m-%dT%H:%M:%S%z")))
+    ctx = Context(smoke, SMOKE if smoke else FULL, workdir, parity_subprocess, out, report, budget)
     os.makedirs(workdir, exist_ok=True)
     out(f"accelerator acceptance on {platform} ({jax.devices()[0].device_kind})"
-        f"{', smoke mode' if smoke else ''}: {', '.join(stages)}")
-    t_all = time.perf_counter()
+        f"{', smoke mode' if smoke else ''}{f', budget {budget.total_s:.0f}s' if budget.total_s else ''}: "
+        f"{', '.join(stages)}")
+    watchdog = Watchdog(report, budget, out)
+    watchdog.start()
     results = []
-    for name in stages:
-        t0 = time.perf_counter()
-        try:
-            result = StageResult(name, True, STAGE_FUNCTIONS[name](ctx), time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - a failing stage is reported and the run goes on
-            result = StageResult(name, False, first_line(e), time.perf_counter() - t0)
-        results.append(result)
-        out(result.line)
-    out(summary(results) + f" [{time.perf_counter() - t_all:.1f}s]")
+    try:
+        for name in stages:
+            t0 = time.perf_counter()
+            if not budget.begin_stage(stage_budgets.get(name)):
+                result = StageResult(name, "not_reached", f"the run's budget of {budget.total_s:.0f}s was spent",
+                                     0.0)
+            else:
+                ctx.stage = name
+                watchdog.current = (name, budget.clock())
+                report.stage(name, status="running", budget_s=budget.stage_budget_s)
+                try:
+                    result = StageResult(name, "pass", STAGE_FUNCTIONS[name](ctx), time.perf_counter() - t0)
+                except Exception as e:  # noqa: BLE001 - a failing stage is reported and the run goes on
+                    status = ("skip" if isinstance(e, StageSkipped) else "timeout" if isinstance(e, StageOutOfTime)
+                              else "fail")
+                    result = StageResult(name, status, first_line(e), time.perf_counter() - t0)
+                watchdog.current = None
+            results.append(result)
+            watchdog.results = list(results)
+            report.result(result, budget.stage_budget_s)
+            out(result.line)
+    finally:
+        watchdog.stop()
+    out(report.finish(results, budget.clock() - budget.start))
     return results
-
-
-def summary(results: Sequence[StageResult]) -> str:
-    passed = sum(r.passed for r in results)
-    return f"accelerator acceptance: {passed} passed, {len(results) - passed} failed"
-
-
-def exit_status(results: Sequence[StageResult]) -> int:
-    return 0 if results and all(r.passed for r in results) else 1
 
 
 def main() -> None:
     unknown = [s for s in _STAGES.value if s not in STAGES]
     if unknown:
         raise app.UsageError(f"--stages: unknown {unknown}; expected some of {', '.join(STAGES)}")
-    results = run(smoke=_SMOKE.value, stages=_STAGES.value or None, workdir=_WORKDIR.value)
+    results = run(smoke=_SMOKE.value, stages=_STAGES.value or None, workdir=_WORKDIR.value, out_dir=_OUT.value,
+                  budget_s=_BUDGET.value)
     status = exit_status(results)
     if status:
         sys.exit(status)

@@ -110,7 +110,7 @@ class Cluster:
     def books(self, timeout: float = 30.0) -> list[dict]:
         """Each live instance's books once it is idle: pages still used, requests running or waiting, and the
         scheduler's invariant check."""
-        from serving.server.client import Client
+        from serving.wire.client import Client
         out = []
         for p in self.instances:
             if p.proc.poll() is not None:
@@ -188,7 +188,7 @@ async def request(client, tally: Tally, seed: int, *, max_tokens: int = 8, deadl
                   expect: list[int] | None = None, cancel_after: int | None = None) -> list[int]:
     """One streamed greedy request through the gateway, its end added to `tally`; cancel_after: leave after that
     many responses (a cancel, not counted)."""
-    from serving.server.client import ClientError
+    from serving.wire.client import ClientError
     tally.sent += 1
     tokens: list[int] = []
     finished = False
@@ -235,7 +235,7 @@ async def request(client, tally: Tally, seed: int, *, max_tokens: int = 8, deadl
 async def open_loop(target: str, rate: float, seconds: float, tally: Tally, *, max_tokens: int = 8,
                     deadline_s: float = 30.0, during=None) -> None:
     """Poisson arrivals at `rate` per second for `seconds`; `during(elapsed)` is called every 50 ms (a fault)."""
-    from serving.server.client import AsyncClient
+    from serving.wire.client import AsyncClient
     rng = random.Random(1)
     # Many clients, as in production, each on its own connection.
     clients = [AsyncClient(target, channel=grpc.aio.insecure_channel(  # its own connection (no shared subchannel)
@@ -259,7 +259,7 @@ async def open_loop(target: str, rate: float, seconds: float, tally: Tally, *, m
 
 async def closed_loop(target: str, concurrency: int, seconds: float, *, max_tokens: int = 8) -> float:
     """Requests completed per second with `concurrency` always in flight."""
-    from serving.server.client import AsyncClient
+    from serving.wire.client import AsyncClient
     tally = Tally()
     async with AsyncClient(target) as client:
         t0 = time.monotonic()
@@ -365,7 +365,7 @@ def hang_instance(cluster: Cluster, rate: float, seconds: float, hang_s: float, 
 def cancel_storm(cluster: Cluster, streams: int, max_tokens: int = 64, in_flight: int = 96) -> Row:
     """`streams` long streams, `in_flight` at a time, each cancelled after a random number of responses, then the
     same prompts' greedy answers compared with those computed before the storm."""
-    from serving.server.client import AsyncClient
+    from serving.wire.client import AsyncClient
     tally, check = Tally(), Tally()
     rng = random.Random(7)
 
@@ -395,7 +395,7 @@ def restart_gateway_with_jobs(cluster: Cluster, jobs: int, max_tokens: int = 32)
     database: every job ends SUCCEEDED exactly once with a whole answer."""
     from serving.gateway.proto import gateway_pb2 as gpb
     from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
-    from serving.server.client import generate_request
+    from serving.wire.client import generate_request
     tally = Tally()
     md = list(METADATA)
     ids = []

@@ -78,7 +78,7 @@ def _stream(seed: int, n: int):
 
 
 async def _replay(target: str, stream) -> list[tuple[float, float, str]]:
-    from serving.server.client import AsyncClient, ClientError
+    from serving.wire.client import AsyncClient, ClientError
     results = []
     async with AsyncClient(target, timeout=120) as client:
         t0 = time.monotonic()
@@ -115,7 +115,7 @@ def _pct(values, q):
 
 async def _keep_stuck(target: str, stop: asyncio.Event) -> None:
     """scenario=stuck: keeps `stuck_requests` very long requests running on the bad instance."""
-    from serving.server.client import AsyncClient, ClientError
+    from serving.wire.client import AsyncClient, ClientError
     async with AsyncClient(target) as client:
         async def worker(k):
             while not stop.is_set():

@@ -20,9 +20,11 @@ LLAMA_125M = dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num
                   tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 
 
-def hf_checkpoint(directory: str, hf_class: str, config: dict, dtype: str = "float32") -> str:
-    """`directory`, holding transformers' `{hf_class}ForCausalLM` of `{hf_class}Config(**config)` with random weights
-    (seed 0, drawn in float32) in `dtype`: written once (beside it, then moved in), reused while it holds that."""
+def hf_checkpoint(directory: str, hf_class: str, config: dict, dtype: str = "float32",
+                  config_class: str = "") -> str:
+    """`directory`, holding transformers' `{hf_class}ForCausalLM` of `{hf_class}Config(**config)` (or `config_class`:
+    Gemma 3's is Gemma3TextConfig) with random weights (seed 0, drawn in float32) in `dtype`: written once (beside it,
+    then moved in), reused while it holds that."""
     marker = os.path.join(directory, "meshserve_bench.json")
     wanted = {"hf_class": hf_class, "config": config, "dtype": dtype}
     try:
@@ -36,7 +38,8 @@ def hf_checkpoint(directory: str, hf_class: str, config: dict, dtype: str = "flo
     import torch
     import transformers as tf
     torch.manual_seed(0)
-    model = getattr(tf, f"{hf_class}ForCausalLM")(getattr(tf, f"{hf_class}Config")(**config)).to(getattr(torch, dtype))
+    model = getattr(tf, f"{hf_class}ForCausalLM")(getattr(tf, config_class or f"{hf_class}Config")(**config))
+    model = model.to(getattr(torch, dtype))
     tmp = f"{directory}.tmp{os.getpid()}"
     model.save_pretrained(tmp)
     del model

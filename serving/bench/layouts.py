@@ -35,7 +35,7 @@ def _models(root):
 def _rows():
     """A table row per layout, as each is measured: the median decode step after the first 3 steps."""
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     models = _models(tempfile.mkdtemp())
     prompts = [[(7 * i + j) % 150 + 3 for j in range(24)] for i in range(8)]
     for name, layout in LAYOUTS:

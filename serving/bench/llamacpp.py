@@ -1,17 +1,15 @@
-"""llama.cpp side by side with meshserve on the same checkpoint, for `offline --only=llamacpp` and `moe`:
-`write_gguf` (an HF Llama, Mixtral or Qwen3-MoE as a GGUF file of the same weights) and `LlamaCpp` (greedy batched
-generation and prompt logits through llama-cpp-python, the optional `llamacpp` extra). Details: docs/benchmarks.md."""
+"""llama.cpp side by side with meshserve on the same checkpoint, for `offline --only=llamacpp` and `moe`: `LlamaCpp`
+(greedy batched generation and prompt logits through llama-cpp-python, the optional `llamacpp` extra) over a GGUF file
+from `models.gguf_writer.write_gguf` (re-exported here). Details: docs/benchmarks.md."""
 from __future__ import annotations
 
 import ctypes
 import os
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
-from models.config import ModelConfig
-from models.safetensors_io import SafetensorsCheckpoint
+from models.gguf_writer import write_gguf  # noqa: F401  (the benchmarks' GGUF files)
 
 
 def available() -> bool:
@@ -21,133 +19,6 @@ def available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
-    """HF rotate-half rows (per head: first half, second half) -> interleaved pairs (x0, x_half, x1, ...)."""
-    out_dim = w.shape[0]
-    return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# meshserve's model family -> llama.cpp's architecture
-GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe"}
-# HF names of an expert's gate, up and down projections per family (per-expert checkpoints)
-_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
-
-
-def _stacked_experts(tensors: SafetensorsCheckpoint, layer: int, family: str, n: int) -> tuple[np.ndarray, ...]:
-    """Layer `layer`'s experts' gate, up and down weights, each stacked [n, out, in], from per-expert tensors (under
-    `block_sparse_moe.` or `mlp.`) or from transformers 5's fused experts (gate_up_proj [n, 2I, E], gate rows
-    first, and down_proj [n, E, I])."""
-    for module in ("block_sparse_moe", "mlp"):
-        m = f"model.layers.{layer}.{module}.experts."
-        if f"{m}0.{_EXPERT_NAMES[family][0]}.weight" in tensors:
-            return tuple(np.stack([tensors.get(f"{m}{j}.{name}.weight") for j in range(n)])
-                         for name in _EXPERT_NAMES[family])
-    m = f"model.layers.{layer}.mlp.experts."
-    gate, up = np.split(tensors.get(m + "gate_up_proj"), 2, axis=1)
-    return gate, up, tensors.get(m + "down_proj")
-
-
-def _router(tensors: SafetensorsCheckpoint, layer: int) -> np.ndarray:
-    mixtral = f"model.layers.{layer}.block_sparse_moe.gate.weight"
-    return tensors.get(mixtral if mixtral in tensors else f"model.layers.{layer}.mlp.gate.weight")
-
-
-def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False) -> Path:
-    """Writes `model_dir` (a LlamaForCausalLM, MixtralForCausalLM or Qwen3MoeForCausalLM in safetensors) as GGUF at
-    `path`: Llama and Mixtral as llama.cpp's "llama" architecture (q/k rows reordered for its interleaved RoPE),
-    Qwen3-MoE as "qwen3moe" (NEOX RoPE as HF's: rows as stored; q/k norms as attn_{q,k}_norm); experts stacked as
-    ffn_{gate,up,down}_exps [n_expert, out, in] and the router as ffn_gate_inp. Returns the path. `q8_0`: every
-    matrix in llama.cpp's Q8_0 (int8 in blocks of 32 with an f16 scale each, what `llama-quantize ... Q8_0` writes),
-    the norms float32."""
-    import gguf
-    model_dir, path = Path(model_dir), Path(path)
-    cfg = ModelConfig.from_pretrained(str(model_dir))
-    arch = GGUF_ARCHITECTURES.get(cfg.family)
-    if arch is None:
-        raise ValueError(f"write_gguf handles {', '.join(GGUF_ARCHITECTURES)} checkpoints, not {cfg.family!r}")
-    if cfg.rope.rope_type != "default":
-        raise ValueError(f"write_gguf writes plain RoPE only, not {cfg.rope.rope_type!r}")
-    if any(cfg.sliding_windows):
-        raise ValueError(f"write_gguf writes full attention only, not sliding windows {cfg.sliding_windows}")
-    if cfg.family == "qwen3_moe" and not (cfg.norm_topk_prob and all(cfg.moe_layers)):
-        # llama.cpp's qwen3moe renormalises the top-k weights and has a sparse MLP in every layer
-        raise ValueError(f"write_gguf writes Qwen3-MoE with norm_topk_prob and every layer sparse, not "
-                         f"norm_topk_prob={cfg.norm_topk_prob}, moe_layers={cfg.moe_layers}")
-    tensors = SafetensorsCheckpoint(str(model_dir))
-    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-    dtype = tensors.get("model.embed_tokens.weight").dtype
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_layers)
-    # llama's MoE (Mixtral) sizes its experts by feed_forward_length, qwen3moe by expert_feed_forward_length
-    w.add_feed_forward_length(cfg.moe_intermediate_size if cfg.family == "mixtral" else cfg.intermediate_size)
-    if cfg.num_experts:
-        w.add_expert_count(cfg.num_experts)
-        w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch == "qwen3moe":
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
-    w.add_rope_freq_base(cfg.rope.theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8_0 else
-                    gguf.LlamaFileType.MOSTLY_BF16 if dtype == ml_dtypes.bfloat16 else gguf.LlamaFileType.ALL_F32)
-    vocab = cfg.vocab_size
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    tokens += [f"t{i}" for i in range(len(tokens), vocab)]
-    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens[:vocab])
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types(types[:vocab])
-    w.add_bos_token_id(1 if cfg.bos_token_id is None else cfg.bos_token_id)
-    w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
-
-    def add(name: str, a: np.ndarray) -> None:
-        if q8_0 and a.ndim > 1:
-            w.add_tensor(name, gguf.quants.quantize(np.asarray(a, np.float32), gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # the shape from the blocks' bytes
-        elif a.ndim == 1 or a.dtype == np.float32:
-            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
-        else:  # bfloat16 bits as stored
-            w.add_tensor(name, np.ascontiguousarray(a).view(np.uint16), raw_shape=a.shape,
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
-
-    rope_rows = _rope_pairs if arch == "llama" else lambda a, _: a
-    add("token_embd.weight", tensors.get("model.embed_tokens.weight"))
-    add("output_norm.weight", tensors.get("model.norm.weight"))
-    add("output.weight", tensors.get("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"))
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
-        add(f"blk.{i}.attn_q.weight", rope_rows(tensors.get(p + "self_attn.q_proj.weight"), heads))
-        add(f"blk.{i}.attn_k.weight", rope_rows(tensors.get(p + "self_attn.k_proj.weight"), kv_heads))
-        add(f"blk.{i}.attn_v.weight", tensors.get(p + "self_attn.v_proj.weight"))
-        add(f"blk.{i}.attn_output.weight", tensors.get(p + "self_attn.o_proj.weight"))
-        if cfg.qk_norm:
-            add(f"blk.{i}.attn_q_norm.weight", tensors.get(p + "self_attn.q_norm.weight"))
-            add(f"blk.{i}.attn_k_norm.weight", tensors.get(p + "self_attn.k_norm.weight"))
-        add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
-        if cfg.moe_layers[i]:  # [n_expert, out, in] per projection (GGUF lists dimensions innermost first)
-            add(f"blk.{i}.ffn_gate_inp.weight", _router(tensors, i))
-            for name, a in zip(("gate", "up", "down"), _stacked_experts(tensors, i, cfg.family, cfg.num_experts)):
-                add(f"blk.{i}.ffn_{name}_exps.weight", a)
-            continue
-        add(f"blk.{i}.ffn_gate.weight", tensors.get(p + "mlp.gate_proj.weight"))
-        add(f"blk.{i}.ffn_up.weight", tensors.get(p + "mlp.up_proj.weight"))
-        add(f"blk.{i}.ffn_down.weight", tensors.get(p + "mlp.down_proj.weight"))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def instruction_sets() -> str:

@@ -72,7 +72,7 @@ def _adapters(model_dir: str) -> dict[int, list[tuple[str, str]]]:
 def bench_throughput() -> None:
     from serving.core.config import EngineConfig
     from serving.core.engine import Engine
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     model_dir = llama_125m(_DTYPE.value, _WORKDIR.value)
     adapters = _adapters(model_dir)
     batches = [int(b) for b in _BATCHES.value]

@@ -139,7 +139,7 @@ def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[float]:
 def bench_throughput(model: TinyMoE, bw: float):
     paths = tuple(p for p in PATHS if p in _PATHS.value)
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     n_in, n_out = 128, (32 if _QUICK.value else 128)
     singles = 2 if _QUICK.value else 4
     greedy = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)

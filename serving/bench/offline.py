@@ -44,7 +44,7 @@ def _llm(dtype: str, **options):
 
 
 def _greedy(max_tokens: int):
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
@@ -217,7 +217,7 @@ def bench_batching():
     rng = np.random.default_rng(1)
     lengths = rng.integers(16, 513 if not _QUICK.value else 129, n).tolist()
     prompts = random_prompts(n, 32, seed=2)
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
     dtype = _DTYPES.value[0]
     llm = _llm(dtype)

@@ -63,7 +63,7 @@ def _measure(path: str) -> list[list]:
     import numpy as np
 
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     bw = read_bandwidth()
     n_out = 24 if _QUICK.value else 48
     rows = []

@@ -35,7 +35,7 @@ def _prompts(n: int, length: int) -> list[list[int]]:
 def bench_throughput() -> None:
     from serving.bench import llamacpp
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     n_in, n_out = 128, (32 if _QUICK.value else 128)
     hf_dir = llama_125m("bfloat16", _WORKDIR.value)
     greedy = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
@@ -95,7 +95,7 @@ def bench_roofline() -> None:
     """Batch-1 and batch-16 decode steps of each meshserve cell against the read-bandwidth roofline of the bytes of
     weights the step reads (quantized weights at their size, the LM head's int8 screen at batch 1)."""
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     bw = read_bandwidth()
     hf_dir = llama_125m("bfloat16", _WORKDIR.value)
     n_in, n_out = 128, 128  # the throughput section's batch-1 request
@@ -129,7 +129,7 @@ def bench_roofline() -> None:
 
 def _prefill_time(llm, n_in: int, rounds: int = 5) -> float:
     """Median seconds of a fresh `n_in`-token prompt's prefill on its own (one output token)."""
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     llm.generate(_prompts(1, n_in), one)
     times = []
@@ -170,7 +170,8 @@ def bench_capacity() -> None:
     import jax
 
     from models.config import ModelConfig
-    from models.transformer import init_kv_caches
+    from models.kv_cache import init_kv_caches
+    from models.transformer import kv_cache_specs
     from serving import ledger
     cfg = ModelConfig.from_pretrained(llama_125m("bfloat16", _WORKDIR.value))
     page_size, budget, seq = 16, 1 << 30, 2048
@@ -178,7 +179,7 @@ def bench_capacity() -> None:
     for kv in ("auto", "int8", "fp8_e4m3"):
         pages = ledger.kv_cache_pages(cfg, dtype="bfloat16", page_size=page_size, kv_cache_bytes=budget,
                                       kv_dtype=ledger.kv_dtype_of(kv))
-        caches = init_kv_caches(cfg, 64, page_size, jax.numpy.bfloat16, kv_cache_dtype=kv)
+        caches = init_kv_caches(kv_cache_specs(cfg, dtype="bfloat16", kv_cache_dtype=kv), 64, page_size)
         measured = sum(x.nbytes for x in jax.tree.leaves(caches)) / 64  # bytes per page, every layer
         rows.append(["bfloat16" if kv == "auto" else kv, measured, (1 << 30) / measured, pages,
                      pages // (seq // page_size), int(budget / measured) // (seq // page_size)])

@@ -541,7 +541,7 @@ def load_requests(target: str, dataset: str, num_prompts: int, *, seed: int = 0,
                   output_len: int = 128, range_ratio: float = 0.0, prefix_len: int = 0, dataset_path: str = "",
                   sharegpt_output_len: int = 0) -> list[SampleRequest]:
     """The dataset's requests, sized for the server at `target` (its vocabulary, EOS ids, context, tokenizer)."""
-    from serving.server.client import Client
+    from serving.wire.client import Client
     with Client(target, timeout=60) as c:
         info = c.model_info()
         if dataset == "random":
@@ -653,7 +653,7 @@ def compare_n(target: str, requests: Sequence[SampleRequest], separate_requests:
     neither run reuses pages the other cached) each sent k times at its arrival time, with k times the concurrency
     cap (the same sequences in flight). With `metrics_url`, each run's prefill work read from the server's counters
     (prefill_work). Returns {"runs": {"n": ..., "separate": ...}, settings} (n_run_summary each)."""
-    from serving.server.client import Client
+    from serving.wire.client import Client
     if k < 2:
         raise ValueError(f"compare_n needs k >= 2 samples, got {k}")
     if len(separate_requests) != len(requests):

@@ -92,7 +92,7 @@ class GrpcBackend:
         self.client = None
 
     async def __aenter__(self) -> "GrpcBackend":
-        from serving.server.client import AsyncClient
+        from serving.wire.client import AsyncClient
         self.client = AsyncClient(self.address)
         return self
 
@@ -103,7 +103,7 @@ class GrpcBackend:
         pass  # token ids and text go as they are
 
     async def send(self, req: SampleRequest, t0: float) -> RequestOutput:
-        from serving.server.client import ClientError
+        from serving.wire.client import ClientError
         out = RequestOutput(req.prompt_len, req.output_len * self.n, num_samples=self.n)
         clock = _Clock(out, t0)
         try:

@@ -46,7 +46,7 @@ def prompts(tokenizer, workload: str, n: int) -> list[list[int]]:
 
 
 def measure(llm, batch, max_tokens: int, rounds: int) -> dict:
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     best = None
     for _ in range(rounds):

@@ -84,7 +84,7 @@ NUMBER: /[0-9]{1,4}/
 
 
 def _cell(engine, batch: int, fraction: float, seconds: float, max_tokens: int, ids) -> dict:
-    from serving.core.sampling_params import SamplingParams, StructuredOutput
+    from serving.params import SamplingParams, StructuredOutput
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
     so = engine.structured
     constrained_every = 0 if fraction == 0 else round(1 / fraction)
@@ -127,7 +127,7 @@ def _cell(engine, batch: int, fraction: float, seconds: float, max_tokens: int, 
 
 def _compile_times(engine) -> list[list]:
     """Cold compile (source to a matcher) and a cache hit, per schema of the structured-outputs tests."""
-    from serving.core.sampling_params import StructuredOutput
+    from serving.params import StructuredOutput
     from serving.core.structured import StructuredOutputs
     rows = []
     cases = [(name, StructuredOutput(json_schema=json.dumps(s))) for name, s in SCHEMAS.items()]

@@ -34,7 +34,7 @@ def _server_flags() -> list[str]:
 def offline_throughput(model: str, requests: list[serve.SampleRequest]) -> dict:
     """The requests all at once through LLM.generate (after one warm-up request), as the gRPC run at rate inf."""
     from serving.core.llm import LLM
-    from serving.core.sampling_params import SamplingParams
+    from serving.params import SamplingParams
     llm = LLM(model, **ENGINE_OPTIONS)
     params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate([requests[0].prompt], params[:1])

@@ -3,7 +3,7 @@ speculative), scheduler, KV block manager + prefix cache, requests, sampling. Re
 from serving.core.batch import BatchBuilder, SeqChunk, build_batch, build_layout
 from serving.core.block_manager import BlockManager
 from serving.core.request import FinishReason, Priority, Request, RequestMetrics, RequestStatus
-from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.params import MAX_LOGPROBS, SamplingParams
 from serving.core.scheduler import (PromptTooLongError, QueueFullError, RequestOutput, ScheduledSequence,
                                     Scheduler, SchedulerConfig, SchedulerOutput)
 

@@ -1,6 +1,6 @@
 """`AsyncEngine`: the engine on a background thread that alone touches it, with an asyncio interface for servers
-(`generate` streams one request's StepOutputs, all its samples' when n > 1; `abort`, `call`, `shutdown`, `kill`);
-`EngineDeadError` once that thread is gone. Details: docs/engine.md."""
+(`stream` / `generate` yield one request's StepOutputs, all its samples' when n > 1; `abort`, `call`, `shutdown`,
+`kill`); `EngineDeadError` once that thread is gone. Details: docs/engine.md."""
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +13,8 @@ from typing import AsyncIterator, Callable, Sequence
 
 from serving.core.interface import ServingEngine
 from serving.core.output_processor import StepOutput
-from serving.core.request import FinishReason, Priority
-from serving.core.sampling_params import SamplingParams
+from serving.core.request import FinishReason, Priority, Request
+from serving.params import SamplingParams
 
 log = logging.getLogger(__name__)
 # How long a failed multi-host step waits for the follower watchdog to report a lost peer (see _peer_lost).
@@ -45,9 +45,19 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        priority: int = Priority.INTERACTIVE, deadline: float | None = None
                        ) -> AsyncIterator[StepOutput]:
-        """Admits the request (raising ValueError / QueueFullError at once) and yields its outputs (every sample's,
-        told apart by StepOutput.index, until all have finished)."""
-        request = self.engine.make_request(request_id, prompt, params, priority=priority, deadline=deadline)
+        """Makes the request (the engine's make_request: raising ValueError at once), then streams it (`stream`)."""
+        outputs = self.stream(self.engine.make_request(request_id, prompt, params, priority=priority,
+                                                       deadline=deadline))
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            await outputs.aclose()
+
+    async def stream(self, request: Request) -> AsyncIterator[StepOutput]:
+        """Admits a request the engine's make_request made (raising QueueFullError at once) and yields its outputs
+        (every sample's, told apart by StepOutput.index, until all have finished)."""
+        request_id = request.request_id
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         admitted = await asyncio.wrap_future(self._call(lambda: self._admit(request, loop, queue)))

@@ -31,6 +31,9 @@ class BatchBuilder:
 
     def __init__(self, *, page_size: int, max_pages: int, max_seqs: int):
         self.page_size, self.max_pages = page_size, max_pages
+        # Hybrid KV cache: (window, primary page -> window page) per window pool, the block manager's (updated in
+        # place); each step's arrays then carry every pool's slots and page table (`window_arrays`)
+        self.window_maps: list[tuple[int, np.ndarray]] = []
         self.tables = np.zeros((max_seqs, max_pages), np.int32)
         self._entries: dict[int, list] = {}  # id(block_table) -> [block_table (kept alive), row, pages copied]
         self._free_rows = list(range(max_seqs - 1, -1, -1))
@@ -72,13 +75,15 @@ class BatchBuilder:
         for entry in old.values():
             free_rows.append(entry[1])
         self._entries = new
-        out = ragged_layout(ids, np.array(starts, np.int64), np.array(lens, np.int64), tables[np.array(rows, np.int64)],
-                            np.array(table_lens, np.int64), page_size=self.page_size, num_tokens=num_tokens,
-                            num_seqs=num_seqs)
+        arrays = ragged_layout(ids, np.array(starts, np.int64), np.array(lens, np.int64),
+                               tables[np.array(rows, np.int64)], np.array(table_lens, np.int64),
+                               page_size=self.page_size, num_tokens=num_tokens, num_seqs=num_seqs)
+        if self.window_maps:
+            window_arrays(arrays, self.window_maps, self.page_size)
         token_slots = lora_token_slots(lora_slots, lens, num_tokens)
         if token_slots is not None:
-            out["lora_slots"] = token_slots
-        return out
+            arrays["lora_slots"] = token_slots
+        return arrays
 
     def _steal_row(self, old: dict) -> int:
         """All rows are taken: reuse the row of a sequence not seen yet this step (it is re-copied if it shows)."""
@@ -98,6 +103,21 @@ def lora_token_slots(lora_slots: Sequence[int] | None, lens: Sequence[int], num_
     per_token = np.repeat(np.asarray(lora_slots, np.int32), np.asarray(lens, np.int64))
     out[:len(per_token)] = per_token
     return out
+
+
+def window_arrays(arrays: dict[str, np.ndarray], window_maps, page_size: int) -> None:
+    """Adds to a step's arrays, per window pool, its slot mapping and page table (`RaggedBatch.window_pages`): the
+    primary pages' window pages; a block without one (no query of the step reads it) points at page 0, which the
+    kernels never read for it (before the window), and a token whose block has none writes nothing (-1)."""
+    pages, slots = arrays["page_indices"], arrays["slot_mapping"]
+    valid = slots >= 0
+    block, offset = np.where(valid, slots // page_size, 0), slots % page_size
+    for window, page_of in window_maps:
+        arrays[f"window_page_indices_{window}"] = np.maximum(page_of[pages], 0)
+        window_page = page_of[block]
+        arrays[f"window_slot_mapping_{window}"] = np.where(valid & (window_page >= 0),
+                                                            window_page * page_size + offset, -1).astype(np.int32)
+    arrays["windows"] = tuple(window for window, _ in window_maps)
 
 
 def build_layout(chunks: Sequence, *, page_size: int, num_tokens: int, num_seqs: int,

@@ -21,6 +21,10 @@ def prefix_root(request: Request) -> int:
 
 
 class BlockManager:
+    # Whether pages can die before their request ends (a sliding window's: `HybridBlockManager`); the scheduler then
+    # calls `slide` as requests advance.
+    slides = False
+
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = True):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"num_pages and page_size must be >= 1, got {num_pages}, {page_size}")
@@ -45,6 +49,11 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_pages / self.num_pages
+
+    @property
+    def num_growable_blocks(self) -> int:
+        """Blocks the request tables can grow by now (every pool gives each new block a page)."""
+        return len(self.free_pages) + len(self.evictable)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -74,6 +83,25 @@ class BlockManager:
         """How many of `pages` are idle cached pages (taking them shrinks num_free_pages)."""
         refs = self.ref_counts
         return sum(1 for p in pages if refs[p] == 0)
+
+    def shortfall(self, hit: list[int], num_tokens: int) -> list[int]:
+        """Per page pool, the pages missing for a new request that takes the prefix-cache `hit` (match_prefix's
+        pages) and grows to `num_tokens` tokens (> 0: that many must be freed first)."""
+        return [self.pages_for(num_tokens) - len(hit) - (self.num_free_pages - self.num_idle_among(hit))]
+
+    def released_by(self, holder, keep: set[int]) -> list[int]:
+        """Per page pool, the pages freeing `holder` surely gives back (held by it alone), not counting pages in
+        `keep` (a hit about to be taken again)."""
+        refs = self.ref_counts
+        return [sum(1 for p in holder.block_table if refs[p] == 1 and p not in keep)]
+
+    def can_fork(self, source, num_pages: int) -> bool:
+        """Whether `source` holds what `fork(holder, source, num_pages)` shares (its first `num_pages` pages)."""
+        return len(source.block_table) >= num_pages
+
+    def slide(self, holder, position: int) -> None:
+        """Before a step whose first query of `holder` is at `position`: releases what no query from there on
+        reads. One pool of full-attention pages: nothing."""
 
     # ---- mutations -----------------------------------------------------------------------------------------
     def acquire_cached(self, request: Request, pages: list[int], prefix_ids: list[int]) -> None:
@@ -108,15 +136,17 @@ class BlockManager:
             return False
         table, refs = request.block_table, self.ref_counts
         for _ in range(need):
-            if self.free_pages:
-                page = self.free_pages.pop()
-            else:  # evict the least recently used idle cached block
-                page, _ = self.evictable.popitem(last=False)
-                del self.cache[self.page_key[page]]
-                self.page_key[page] = None
+            page = self.free_pages.pop() if self.free_pages else self._evict_lru()
             refs[page] = 1
             table.append(page)
         return True
+
+    def _evict_lru(self) -> int:
+        """Forgets the least recently used idle cached block; returns its page."""
+        page, _ = self.evictable.popitem(last=False)
+        del self.cache[self.page_key[page]]
+        self.page_key[page] = None
+        return page
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks whose K/V is computed (call after the step that wrote them)."""

@@ -9,7 +9,7 @@ from pallas_kernels.target import canonical_platform
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from serving.config_flags import option
 from serving.core.platform import DTYPES, PlatformChoices, platform_choices
-from serving.reasoning_formats import REASONING_FORMATS
+from serving.params import REASONING_FORMATS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 QUANTIZATIONS = ("none",) + WEIGHT_QUANTIZATIONS
@@ -45,7 +45,8 @@ class SpeculativeConfig:
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
     # A field made with `option` is also the server's flag of that name (serving.config_flags); its help is the flag's.
-    model: str = option(help="HF model directory or Orbax checkpoint (models.convert).")
+    model: str = option(help="HF model directory, GGUF file (a split one's part, or a directory holding one), or Orbax "
+                        "checkpoint (models.convert).")
     dtype: str = option("float32", "Parameter and activation dtype (and the KV cache's with --kv_cache_dtype=auto).",
                         choices=tuple(DTYPES))
     quantization: str = option(
@@ -66,6 +67,10 @@ class EngineConfig:
         "bfloat16; accelerators: 8).")
     max_prefill_chunk: int | None = option(None, "Per-request prefill chunk cap; 0: the token budget.", none_as=0)
     enable_prefix_caching: bool = option(True, "Reuse KV pages of shared prompt prefixes.")
+    hybrid_kv_cache: bool = option(
+        True, "Sliding-window layers of a model that also has full-attention layers (Gemma 3) keep only their "
+        "window's pages, in a page pool of their own; false: every layer keeps every page of a sequence (vLLM's "
+        "--disable-hybrid-kv-cache-manager). Not with --pp.")
     max_waiting_requests: int = option(1024, "Queue bound in requests (RESOURCE_EXHAUSTED beyond it).")
     max_waiting_tokens: int = option(1 << 22, "Queue bound in prompt tokens (RESOURCE_EXHAUSTED beyond it).")
     long_prompt_threshold: int = option(8192, "Prompts longer than this go through the long lane.")

@@ -16,17 +16,17 @@ from models.tokenizer import Tokenizer
 from models.transformer import CausalLM
 from pallas_kernels.target import canonical_platform
 from serving.core.config import EngineConfig
+from serving.core.hybrid_block_manager import HybridBlockManager
 from serving.core.lora import AdapterRegistry, LoRASlots, UnknownAdapterError, slot_values
 from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
 from serving.core.pipeline_runner import PipelineModelRunner
 from serving.core.platform import DTYPES
 from serving.core.request import FinishReason, Priority, Request
-from serving.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.params import MAX_LOGPROBS, InvalidArgument, ModelLimits, SamplingParams, check_prompt
 from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from serving.core.speculative import SpeculativeDecoder
 from serving.core.structured import StructuredOutputs
-from serving.validation import check_vocabulary
 from sharding.multihost import local_value
 
 log = logging.getLogger(__name__)
@@ -87,13 +87,18 @@ class Engine:
                     self.adapters.add(name, path)
             for adapter in self.adapters.adapters():
                 self.lora.prefetch(adapter)
+        block_manager = None
+        if r.window_pages:  # sliding-window layers keep only their window (models.kv_cache.window_pools)
+            block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
+                                               enable_prefix_caching=config.enable_prefix_caching)
+            r.batch_builder.window_maps = block_manager.window_maps
         self.scheduler = Scheduler(SchedulerConfig(
             max_model_len=r.max_model_len, num_pages=r.num_pages, page_size=config.page_size,
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_prefill_chunk=config.max_prefill_chunk, enable_prefix_caching=config.enable_prefix_caching,
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
             long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
-            priority_ageing_s=config.priority_ageing_s), adapters=self.lora)
+            priority_ageing_s=config.priority_ageing_s), block_manager, adapters=self.lora)
         self.outputs = OutputProcessor(
             tokenizer, lambda rid, reason, stop: self.scheduler.finish_request(rid, reason, stop_reason=stop))
         self._seed_rng = np.random.default_rng(config.seed)
@@ -204,22 +209,21 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      priority: int = Priority.INTERACTIVE, deadline: float | None = None,
-                     arrival_time: float | None = None, adapter: str | None = None) -> Request:
-        """A request for `prompt`; `adapter`: the name of a loaded LoRA adapter to run it on (None: the base
-        model; an unknown one: UnknownAdapterError)."""
+                     arrival_time: float | None = None, field: str = "prompt",
+                     adapter: str | None = None) -> Request:
+        """A request checked against the model, once for the process (serving.params.check_prompt: token ids in the
+        vocabulary, the prompt shorter than the context; its grammar compiled or found in the cache), before anything
+        is queued. Raises InvalidArgument naming `field` (the prompt, as the frontend's request names it). `adapter`:
+        the name of a loaded LoRA adapter to run it on (None: the base model; an unknown one: UnknownAdapterError)."""
         params = params or SamplingParams()
         lora = self._adapter(adapter) if adapter is not None else None
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; send token ids")
+                raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        check_vocabulary(params, vocab)
+        check_prompt(field, prompt_ids, params, ModelLimits(self.model_config.vocab_size, self.max_model_len))
         if params.seed is None:  # (an n > 1 request's samples derive theirs from it: request.sample_seed)
             params = dataclasses.replace(params, seed=int(self._seed_rng.integers(0, 2 ** 31)))
         now = time.monotonic() if arrival_time is None else arrival_time
@@ -227,7 +231,7 @@ class Engine:
                           eos_token_ids=self.eos_token_ids)
         for sample in request.samples:
             sample.adapter = lora
-        self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is a ValueError here
+        self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is an InvalidSampling here
         return request
 
     def _adapter(self, name: str):

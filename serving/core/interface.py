@@ -1,5 +1,5 @@
 """ServingEngine: what the async engine, the gRPC server, the offline LLM and the metrics use of an engine, the
-interface Engine and DataParallelEngine both provide; `build_engine` picks the one a config asks for."""
+interface Engine and DataParallelEngine both provide (serving.core.factory.build_engine picks one)."""
 from __future__ import annotations
 
 from typing import Callable, Protocol, Sequence
@@ -9,11 +9,10 @@ import numpy as np
 from models.config import ModelConfig
 from models.tokenizer import Tokenizer
 from serving.core.config import EngineConfig
-from serving.core.data_parallel import DataParallelEngine
-from serving.core.engine import Engine, StepRecord
+from serving.core.engine import StepRecord
 from serving.core.output_processor import StepOutput
 from serving.core.request import FinishReason, Request
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 
 
 class ServingEngine(Protocol):
@@ -46,7 +45,7 @@ class ServingEngine(Protocol):
 
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      priority: int = ..., deadline: float | None = None,
-                     arrival_time: float | None = None, adapter: str | None = None) -> Request: ...
+                     arrival_time: float | None = None, field: str = ..., adapter: str | None = None) -> Request: ...
     def add_request(self, request: Request) -> None: ...
     def abort(self, request_id: str, reason: FinishReason = ...) -> list[StepOutput]: ...
     def has_unfinished(self) -> bool: ...
@@ -64,11 +63,3 @@ class ServingEngine(Protocol):
     def unload_adapter(self, name: str) -> dict: ...
     def list_adapters(self) -> list[dict]: ...
     def lora_requests_info(self) -> dict: ...
-
-
-def build_engine(config: EngineConfig, tokenizer: Tokenizer | None = None) -> ServingEngine:
-    """Data-parallel replicas when config.dp > 1 (they refuse pp and speculation with a clear error), else one
-    Engine (pipelined when config.pp > 1)."""
-    if config.dp > 1:
-        return DataParallelEngine(config, tokenizer=tokenizer)
-    return Engine(config, tokenizer=tokenizer)

@@ -7,10 +7,10 @@ import itertools
 from typing import Sequence
 
 from serving.core.config import EngineConfig
-from serving.core.interface import build_engine
+from serving.core.factory import build_engine
 from serving.core.output_processor import Logprob, StepOutput
 from serving.core.request import FinishReason, Priority, RequestMetrics
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 from serving.core.scheduler import QueueFullError
 
 

@@ -18,8 +18,9 @@ from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.lora import ATTENTION_TARGETS
 from models.moe import ExpertCounts, MoE
-from models.transformer import CausalLM, init_kv_caches
-from models.weights import is_orbax_dir, load_hf_model, load_model, param_sharding
+from models.kv_cache import init_kv_caches, window_pools
+from models.transformer import CausalLM, kv_cache_specs
+from models.weights import is_orbax_dir, load_model, param_sharding, read_config
 from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
@@ -30,9 +31,9 @@ from serving.core.batch import BatchBuilder
 from serving.core.config import DTYPES, EngineConfig
 from serving.core.platform import default_compilation_cache_dir
 from serving.core.request import Request
-from serving.core.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
+from serving.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
-from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
+from sharding.mesh import mesh_context, serving_mesh
 from sharding.multihost import to_global
 from sharding.rules import DEFAULT_RULES
 
@@ -64,11 +65,21 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     return path
 
 
+def hybrid_kv_cache(config: EngineConfig, model_config: ModelConfig) -> tuple[int, ...]:
+    """The sliding windows whose layers keep a page pool of their own (`models.kv_cache.window_pools`), or () when
+    the cache is not split (--hybrid_kv_cache off, a pipeline, or no model with both kinds of layers)."""
+    if not config.hybrid_kv_cache or config.pp > 1:
+        return ()
+    return window_pools(kv_cache_specs(model_config, dtype=config.dtype))
+
+
 def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_screen: bool,
                    memory_fraction: float | None = None) -> int:
     """The engine's KV pages (`serving.ledger.kv_cache_pages`): `config.num_pages`, else `memory_fraction` of each
     device's memory when given (the server's --kv_cache_memory_fraction), else `config.kv_cache_memory_gb`; a draft
-    model's cache shares them (same page ids), and the LM head's screen comes out of a fraction's budget."""
+    model's cache shares them (same page ids), and the LM head's screen comes out of a fraction's budget. With a
+    hybrid KV cache (`hybrid_kv_cache`), the page table's pages: each window pool has `ledger.window_pages` beside
+    them."""
     if config.num_pages:
         return config.num_pages
     draft = None
@@ -81,16 +92,18 @@ def kv_cache_pages(config: EngineConfig, model_config: ModelConfig, *, head_scre
                                  mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
                                  kv_cache_bytes=gb,
                                  memory_fraction=memory_fraction, draft=draft, head_screen_bytes=screen,
-                                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs)
+                                 max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                                 hybrid=bool(hybrid_kv_cache(config, model_config)))
 
 
 def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
     if config.spare_expert_slots and not is_orbax_dir(config.model):
-        cfg = ModelConfig.from_pretrained(config.model)
+        cfg = read_config(config.model)
         cfg = dataclasses.replace(cfg, num_expert_slots=cfg.num_experts + config.spare_expert_slots)
-        return load_hf_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
+        return load_model(config.model, dtype=dtype, mesh=mesh, config=cfg, quantization=config.quantization)
     if config.spare_expert_slots:
-        raise ValueError("spare_expert_slots needs an HF checkpoint (Orbax stores the slots it was saved with)")
+        raise ValueError("spare_expert_slots needs an HF or GGUF checkpoint (Orbax stores the slots it was saved "
+                         "with)")
     return load_model(config.model, dtype=dtype, mesh=mesh, quantization=config.quantization)
 
 
@@ -162,6 +175,10 @@ class ModelRunner:
             raise ValueError(f"{config.model}: {reason}")
         cpu_panels = self.choices.native_kernels
         self.num_pages = kv_cache_pages(config, mc, head_screen=self.choices.greedy_head_screen)
+        # Hybrid KV cache: each sliding window's layers index a pool of their own (window -> pages), the block
+        # manager's `HybridBlockManager` keeping its pages; {}: every layer indexes the page table's pages
+        self.window_pages = ledger.window_pages(hybrid_kv_cache(config, mc), self.num_pages, config.page_size,
+                                                config.max_num_seqs, config.max_num_batched_tokens)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings,
                                  self.num_pages * config.page_size)
         self.max_pages = -(-self.max_model_len // config.page_size)
@@ -170,7 +187,8 @@ class ModelRunner:
                 mc, dtype=config.dtype, page_size=config.page_size, num_pages=self.num_pages,
                 kv_dtype=ledger.kv_dtype_of(config.kv_cache_dtype),
                 mesh_shape={"tensor": config.tp, "expert": config.ep, "pipeline": config.pp},
-                max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs))
+                max_batched_tokens=config.max_num_batched_tokens, max_seqs=config.max_num_seqs,
+                window_pages=self.window_pages))
         except Exception as e:  # noqa: BLE001 - the ledger is a report; it must never stop the engine
             log.warning("memory ledger unavailable: %s", e)
         self.buckets = list(self.choices.token_buckets)
@@ -196,11 +214,11 @@ class ModelRunner:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
             self.packed_weights = model.pack_for_cpu_kernels()
             log.info("packed %d weight matrices into native CPU panels", self.packed_weights)
+        # The cache the model declares, one spec per layer (the ledger sized the pages from the same declaration).
+        self.kv_cache_specs = model.kv_cache_specs(dtype=dtype, kv_cache_dtype=config.kv_cache_dtype)
         self.graphdef, self.state = nnx.split(model)
-        self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh)
-        with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(mc, self.num_pages, config.page_size, dtype, self.kv_sharding,
-                                            kv_cache_dtype=config.kv_cache_dtype)
+        self.kv_caches: list = []
+        self.reset_kv_caches()
         donate = (1, 5) if self.choices.donate_kv_cache else ()
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=donate, static_argnames=("greedy_only",))
         self._lora_write_fn = jax.jit(self._write_slot, donate_argnums=(0,))
@@ -370,9 +388,8 @@ class ModelRunner:
     def reset_kv_caches(self) -> None:
         """Fresh zeroed caches (after a failed step lost the donated ones)."""
         with tracing_for(self.platform):
-            self.kv_caches = init_kv_caches(self.model_config, self.num_pages, self.config.page_size,
-                                            DTYPES[self.config.dtype], self.kv_sharding,
-                                            kv_cache_dtype=self.config.kv_cache_dtype)
+            self.kv_caches = init_kv_caches(self.kv_cache_specs, self.num_pages, self.config.page_size, self.mesh,
+                                            window_pages=self.window_pages)
 
     # ------------------------------------------------------------------ buckets and warm-up
     def step_batch(self, chunks, num_tokens: int, num_seqs: int, lora_slots=None) -> RaggedBatch:

@@ -11,7 +11,7 @@ import numpy as np
 from models.tokenizer import Tokenizer
 from serving.core.request import FinishReason, Request
 from serving.core.sampling import unpack_row
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 from serving.core.scheduler import RequestOutput
 
 

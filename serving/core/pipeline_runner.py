@@ -5,25 +5,26 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from models.batch import RaggedBatch
 from models.layers import embed_lookup
-from pallas_kernels import kv_quant
 from pallas_kernels.metadata import AttentionMetadata
+from pallas_kernels.target import tracing_for
 from serving.core.batch import build_layout, micro_batch_tokens, split_micro_batches
 from serving.core.config import EngineConfig
 from serving.core.model_runner import ModelRunner
 from sharding import pipeline
-from sharding.mesh import kv_cache_sharding, serving_mesh
+from sharding.mesh import serving_mesh
 
 _MD_FIELDS = ("positions", "slot_mapping", "kv_lens", "page_indices", "cu_q_lens", "num_seqs")
 
 
 class PipelineModelRunner(ModelRunner):
+    stages: list[range] | None = None  # each stage's layers (set once the model is loaded)
+
     def __init__(self, config: EngineConfig, *, model=None, mesh=None):
         pp = config.pp
         self.num_micro = config.micro_batches or pp
@@ -48,22 +49,21 @@ class PipelineModelRunner(ModelRunner):
         self.state = {"outer": {"embed": model.embed_tokens.get_value(), "norm": nnx.split(model.norm)[1],
                                 "lm_head": None if mc.tie_word_embeddings else model.lm_head.get_value()},
                       "slots": pipeline.stack_stage_slots(layer_states, self.stages, mesh)}
-        # One KV buffer per slot: [pp, pages, page_size, 2*kv_heads, head_dim], the stage axis over the pipeline's
-        # (a short stage's padding slots too: the stacked buffer is even; serving.ledger counts them).
-        self.kv_sharding = kv_cache_sharding(mc.num_kv_heads, mesh, stacked=True)
-        # the template of one slot's stacked cache: (shape, dtype, sharding) per array (a quantized cache: two)
-        self._cache_template = jax.tree.map(
-            lambda a: ((pp,) + a.shape, a.dtype, self.kv_sharding if a.ndim == 4 else
-                       kv_quant.scales_sharding(self.kv_sharding, 5)), self.kv_caches[0])
         self.reset_kv_caches()
         self.bubble_fraction = pipeline.bubble_fraction(pp, self.num_micro)
         self._run = pipeline.pipelined(self._stage, self.stages, self.num_micro)
         del model
 
     def reset_kv_caches(self) -> None:
-        self.kv_caches = [jax.tree.map(lambda t: jnp.zeros(t[0], t[1], device=t[2]), self._cache_template,
-                                       is_leaf=lambda t: isinstance(t, tuple))
-                          for _ in range(pipeline.stage_slots(self.stages))]
+        """One cache per slot, the spec of the slot's layers with a leading [stages] axis over the pipeline's mesh
+        axis (a short stage's padding slots too: the stacked buffer is even; serving.ledger counts them)."""
+        if self.stages is None:  # called by ModelRunner.__init__, before the stages are known
+            return
+        specs = [self.kv_cache_specs[self.stages[0][j]] for j in range(pipeline.stage_slots(self.stages))]
+        n, page_size = self.num_pages, self.config.page_size
+        with tracing_for(self.platform):
+            self.kv_caches = [spec.zeros(n, page_size, spec.sharding(self.mesh, n, stacked=True),
+                                         leading=(len(self.stages),)) for spec in specs]
 
     def _stage(self, params, caches, x, md, valid, active):
         """Pure. This device's stage layers on one micro-batch; a padding slot (`active[j]` False) writes no KV

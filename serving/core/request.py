@@ -7,7 +7,7 @@ import dataclasses
 import enum
 from typing import Sequence
 
-from serving.core.sampling_params import SamplingParams, stop_token_set
+from serving.params import SamplingParams, stop_token_set
 
 
 class Priority(enum.IntEnum):

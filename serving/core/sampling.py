@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 from sharding.axes import VOCAB
 from sharding.mesh import mesh_axis
 

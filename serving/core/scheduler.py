@@ -14,6 +14,7 @@ import numpy as np
 
 from serving.core.block_manager import BlockManager, prefix_root
 from serving.core.request import FinishReason, Request, RequestStatus, SampleGroup
+from serving.params import ContextLengthError, check_prompt_length
 
 
 # The input token of a decode scheduled while the step that samples it is still on the device (look-ahead): the
@@ -25,8 +26,7 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at its bound: the instance is busy (gRPC RESOURCE_EXHAUSTED); retry elsewhere/later."""
 
 
-class PromptTooLongError(ValueError):
-    """The prompt does not fit the model's context (gRPC INVALID_ARGUMENT)."""
+PromptTooLongError = ContextLengthError  # the prompt does not fit the model's context (gRPC INVALID_ARGUMENT)
 
 
 @dataclasses.dataclass(slots=True)
@@ -153,21 +153,19 @@ class Scheduler:
 
     # ---- admission and cancellation ------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queues a request, and the other samples of an n > 1 one. Raises ValueError (bad parameters, prompt too
-        long) or QueueFullError (busy)."""
+        """Queues a request, and the other samples of an n > 1 one. Raises ValueError (a request id in flight, a
+        prompt too long) or QueueFullError (busy)."""
         cfg = self.config
         samples = request.samples
         for r in samples:
             if r.request_id in self.requests or r.request_id in self.groups:
                 raise ValueError(f"request_id {r.request_id!r} is already in flight")
-        request.sampling_params.validate()
         n = request.num_prompt_tokens
+        # The engine's make_request checked the request (serving.params.check_prompt); these keep the queue's
+        # invariants for a Request made any other way.
         if n == 0:
             raise ValueError("prompt_token_ids must not be empty")
-        if n >= cfg.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {n} tokens but the model's context is {cfg.max_model_len} tokens; at most "
-                f"{cfg.max_model_len - 1} prompt tokens leave room to generate")
+        check_prompt_length("prompt_token_ids", n, cfg.max_model_len)
         if request.priority < 0:
             raise ValueError(f"priority must be >= 0 (0 = interactive, 1 = batch), got {request.priority}")
         if request.adapter is not None and self.adapters is None:
@@ -250,6 +248,7 @@ class Scheduler:
 
         # 1. Running decodes, in rank order; a missing page preempts from the tail (lowest priority, newest).
         prefills: list[Request] = []
+        slides = self.block_manager.slides  # sliding-window pages die as requests advance (hybrid KV cache)
         i = 0
         while i < len(running):
             r = running[i]
@@ -265,6 +264,8 @@ class Scheduler:
                 continue
             else:
                 token = r.token_ids[-1]
+            if slides:
+                self.block_manager.slide(r, pos)
             if pos >= len(r.block_table) * ps and not self._allocate_or_preempt(r, pos + 1):
                 continue  # r itself was preempted; running[i] is now the next request
             step[r.request_id] = ScheduledSequence(r, [token], pos, r.block_table, True)
@@ -442,8 +443,10 @@ class Scheduler:
         chunk = min(len(r.token_ids) - start, self._budget, self.config.prefill_chunk)
         if chunk <= 0:
             return  # its last step was never update()d (the engine must finish_request it); nothing to feed
+        if bm.slides:
+            bm.slide(r, start)
         while not bm.allocate(r, start + chunk):
-            room = (len(r.block_table) + bm.num_free_pages) * ps - start
+            room = (len(r.block_table) + bm.num_growable_blocks) * ps - start
             if room > 0:  # a smaller chunk fits in the pages there are
                 chunk = min(chunk, room)
                 continue
@@ -474,8 +477,8 @@ class Scheduler:
             pages, prefix_ids = donor.block_table[:self._shared_pages(r)], []
         cached = len(pages) * ps
         chunk = min(n - cached, self._budget, cfg.prefill_chunk)
-        need = bm.pages_for(cached + chunk) - len(pages)
-        if need > bm.num_free_pages - bm.num_idle_among(pages) and not self._preempt_for_admission(r, pages, need):
+        short = bm.shortfall(pages, cached + chunk)
+        if max(short) > 0 and not self._preempt_for_admission(r, pages, short):
             return False
         self._dequeue(r)
         if r.adapter is not None:
@@ -531,7 +534,7 @@ class Scheduler:
         if group.block_table and group.hold_step != self._num_steps:
             return group
         for other in group.samples:
-            if other is not r and other.status is RequestStatus.RUNNING and len(other.block_table) >= full:
+            if other is not r and other.status is RequestStatus.RUNNING and self.block_manager.can_fork(other, full):
                 seq = self._step.get(other.request_id)
                 if (other.num_computed_tokens if seq is None else seq.start) >= full * self.config.page_size:
                     return other
@@ -561,20 +564,21 @@ class Scheduler:
             self.block_manager.free(group)
         return bool(held)
 
-    def _preempt_for_admission(self, r: Request, pages: list[int], need: int) -> bool:
-        """Preempts running requests of a lower class than `r` if that frees enough pages for it."""
+    def _preempt_for_admission(self, r: Request, pages: list[int], short: list[int]) -> bool:
+        """Preempts running requests of a lower class than `r` if that frees enough pages for it (`short`: the
+        pages missing per page pool, `BlockManager.shortfall`)."""
         if not self.config.preempt_for_priority:
             return False
         bm = self.block_manager
         victims = []
-        short = need - (bm.num_free_pages - bm.num_idle_among(pages))
+        short = list(short)
         hit = set(pages)
         for v in reversed(self.running):
-            if v.priority <= r.priority or short <= 0:
+            if v.priority <= r.priority or max(short) <= 0:
                 break
             victims.append(v)
-            short -= sum(1 for p in v.block_table if bm.ref_counts[p] == 1 and p not in hit)
-        if short > 0:
+            short = [s - n for s, n in zip(short, bm.released_by(v, hit))]
+        if max(short) > 0:
             return False
         for v in victims:
             self._preempt(v)

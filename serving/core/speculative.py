@@ -14,7 +14,7 @@ from flax import nnx
 from jax import lax
 
 from models.batch import RaggedBatch
-from models.transformer import init_kv_caches
+from models.kv_cache import init_kv_caches
 from models.weights import load_model
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.target import tracing_for
@@ -22,9 +22,9 @@ from serving.core import sampling
 from serving.core.batch import BatchBuilder, build_batch
 from serving.core.config import DTYPES, SpeculativeConfig
 from serving.core.model_runner import Program
-from sharding.mesh import kv_cache_sharding, mesh_context
+from sharding.mesh import mesh_context
 from serving.core.request import Request, RequestStatus
-from serving.core.sampling_params import SamplingParams
+from serving.params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class SpeculativeDecoder:
                                  f"{runner.max_model_len}")
             self.draft_config = dc
             self.draft_graphdef, self.draft_state = nnx.split(draft)
-            self._draft_kv_sharding = kv_cache_sharding(dc.num_kv_heads, runner.mesh)
+            self.draft_kv_specs = draft.kv_cache_specs(dtype=dtype, kv_cache_dtype=runner.config.kv_cache_dtype)
             self._init_draft_kv()
             draft_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(self.draft_state))
             cost += draft_bytes / max(1, target_bytes)
@@ -243,9 +243,7 @@ class SpeculativeDecoder:
     def _init_draft_kv(self) -> None:
         e = self.runner
         with tracing_for(e.platform):
-            self.draft_kv = init_kv_caches(self.draft_config, e.num_pages, e.config.page_size,
-                                           DTYPES[e.config.dtype], self._draft_kv_sharding,
-                                           kv_cache_dtype=e.config.kv_cache_dtype)
+            self.draft_kv = init_kv_caches(self.draft_kv_specs, e.num_pages, e.config.page_size, e.mesh)
 
     @property
     def draft_kv_bytes(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import re
 import threading
 import time
 import weakref
@@ -20,10 +21,40 @@ import numpy as np
 
 # How a reasoning model marks its reasoning, {name: (start marker, end marker, whether the output starts inside it)}:
 # the reasoning parsers' own table, so the grammar and the text split agree. The markers must be single tokens.
-from serving.reasoning_formats import REASONING_FORMATS
-from serving.core.sampling_params import StructuredOutput
+from serving.params import REASONING_FORMATS, InvalidSampling, StructuredOutput
 
 log = logging.getLogger(__name__)
+
+# Bounds checked before anything parses or compiles a grammar: its text (a schema, regex, Lark grammar, or the choices
+# together) and a JSON schema's nesting (Python's json would raise RecursionError, a 500, past ~1,000 levels; OpenAI
+# allows 10 levels of schema, about 20 of brackets). llguidance's own fuel limits bound the compile past these.
+MAX_GRAMMAR_CHARS = 128 << 10
+MAX_SCHEMA_DEPTH = 64
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deeply the brackets of JSON text nest (strings skipped), without parsing it."""
+    depth = deepest = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if m.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def check_bounds(spec: StructuredOutput) -> None:
+    """InvalidSampling naming the field when `spec` is over MAX_GRAMMAR_CHARS or, as a JSON schema,
+    MAX_SCHEMA_DEPTH."""
+    field = f"structured.{spec.kind}"
+    text = spec.choice if spec.choice is not None else (spec.json_schema or spec.regex or spec.grammar or "",)
+    size = sum(len(t) for t in text)
+    if size > MAX_GRAMMAR_CHARS:
+        raise InvalidSampling(f"{field}: {size} characters, more than the {MAX_GRAMMAR_CHARS} a grammar may have")
+    if spec.json_schema is not None:
+        depth = json_depth(spec.json_schema)
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidSampling(f"{field}: nested {depth} levels deep, more than {MAX_SCHEMA_DEPTH}")
 
 
 class GrammarState:
@@ -104,7 +135,7 @@ class StructuredOutputs:
         if self._llg_tokenizer is None:
             import llguidance
             if self.tokenizer is None:
-                raise ValueError("structured: this model has no tokenizer, which constrained decoding needs")
+                raise InvalidSampling("structured: this model has no tokenizer, which constrained decoding needs")
             self._llg_tokenizer = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                                                          eos_token=list(self.eos_token_ids))
         return self._llg_tokenizer
@@ -117,9 +148,12 @@ class StructuredOutputs:
             try:
                 schema = json.loads(spec.json_schema)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{field}: not valid JSON: {e}") from e
+                raise InvalidSampling(f"{field}: not valid JSON: {e}") from e
+            except RecursionError:  # check_bounds refuses such depths first; never a 500
+                raise InvalidSampling(f"{field}: nested too deeply") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError(f"{field}: a JSON schema is an object or a boolean, got {type(schema).__name__}")
+                raise InvalidSampling(f"{field}: a JSON schema is an object or a boolean, got "
+                                      f"{type(schema).__name__}")
             body = {"json_schema": _compact(schema)}
         elif spec.json_object:
             body = {"json_schema": _compact({"type": "object"})}
@@ -137,9 +171,11 @@ class StructuredOutputs:
         return json.dumps({"grammars": [{"lark_grammar": lark}, {**body, "name": "body"}]})
 
     def compile(self, spec: StructuredOutput):
-        """The pristine matcher of `spec`, compiled on the first sight of it, then from the cache; raises ValueError
-        naming the field when the grammar is bad. The front ends call it while parsing a request (a bad grammar is
-        refused before anything is queued); `attach` then finds it here."""
+        """The pristine matcher of `spec`, compiled on the first sight of it, then from the cache; raises
+        InvalidSampling naming the field when the grammar is bad (the engine's make_request, so a bad grammar is
+        refused before anything is queued); `attach` then finds it here. Callers on an event loop run it in a thread:
+        a compile takes up to tens of milliseconds within the bounds (`check_bounds`, llguidance's fuel)."""
+        check_bounds(spec)
         with self._lock:
             matcher = self._cache.get(spec)
             if matcher is not None:
@@ -147,11 +183,12 @@ class StructuredOutputs:
                 return matcher
         import llguidance
         if spec.after_reasoning and self.reasoning is None:
-            raise ValueError("structured.after_reasoning: this server has no reasoning parser (--reasoning_parser)")
+            raise InvalidSampling("structured.after_reasoning: this server has no reasoning parser "
+                                  "(--reasoning_parser)")
         t0 = time.perf_counter()
         matcher = llguidance.LLMatcher(self._llg(), self.grammar(spec))
         if matcher.is_error():
-            raise ValueError(f"structured.{spec.kind}: the grammar does not compile: {matcher.get_error()}")
+            raise InvalidSampling(f"structured.{spec.kind}: the grammar does not compile: {matcher.get_error()}")
         with self._lock:
             self.compiles += 1
             self.compile_time_s += time.perf_counter() - t0
@@ -162,7 +199,7 @@ class StructuredOutputs:
         return matcher
 
     def attach(self, request) -> None:
-        """Gives every sample of `request` its own grammar state (None when unconstrained). Raises ValueError."""
+        """Gives every sample of `request` its own grammar state (None when unconstrained). Raises InvalidSampling."""
         spec = request.sampling_params.structured
         if spec is None:
             return

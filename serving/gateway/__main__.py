@@ -26,6 +26,11 @@ flags.DEFINE_string("tls_cert", "", "PEM certificate chain: serve TLS (with --tl
 flags.DEFINE_string("tls_key", "", "PEM private key for --tls_cert.")
 flags.DEFINE_string("tls_client_ca", "", "PEM CA: require client certificates signed by it (mutual TLS).")
 flags.DEFINE_string("otlp_endpoint", "", "OTLP/gRPC collector for traces (host:port); empty: no tracing.")
+flags.DEFINE_string("otlp_ca_file", "", "PEM CA of the OTLP collector: export over TLS; empty: plaintext.")
+flags.DEFINE_integer("max_request_bytes", 1 << 20,
+                     "Largest gRPC request read (with 64 KiB for a job's envelope); larger ones are refused before "
+                     "they are decoded (RESOURCE_EXHAUSTED).")
+flags.DEFINE_integer("max_concurrent_streams", 1024, "gRPC streams at once per client connection.")
 flags.DEFINE_string("service_name", "meshserve-gateway", "service.name of the traces.")
 flags.DEFINE_float("drain_grace_s", 30.0, "On SIGTERM: how long running requests may take to finish.")
 flags.DEFINE_enum("log_format", "text", ["text", "json"], "Log line format.")
@@ -38,15 +43,23 @@ async def _serve() -> int:
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from serving.gateway.app import SERVER_OPTIONS, Gateway
+    from serving.gateway.app import Gateway
     from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
-    from serving.gateway.security import server_credentials
+    from serving.gateway.security import GatewayAuthInterceptor, server_credentials
     from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
-    from serving.server.decoding import DecodeErrorInterceptor
-    from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+    from serving.transport import server_options
+    from serving.wire import meshserve_pb2_grpc as pb_grpc
+    from serving.wire.decoding import DecodeErrorInterceptor
 
-    gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, service_name=FLAGS.service_name)
-    server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()], options=list(SERVER_OPTIONS))
+    gateway = Gateway(FLAGS.config, FLAGS.jobs_db, otlp_endpoint=FLAGS.otlp_endpoint, otlp_ca_file=FLAGS.otlp_ca_file,
+                      service_name=FLAGS.service_name)
+
+    def refused(method, code):  # counted as the servicer counts the Generate calls it ends
+        if method == "/meshserve.v1.Inference/Generate":
+            gateway.metrics.requests.labels(code.name).inc()
+    # Keys first (a call without one is refused before its request is read), then the decoder's own errors.
+    server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gateway.auth, refused), DecodeErrorInterceptor()],
+                             options=server_options(FLAGS.max_request_bytes, FLAGS.max_concurrent_streams))
     inference = InferenceServicer(gateway)
     pb_grpc.add_InferenceServicer_to_server(inference, server)
     gpb_grpc.add_JobsServicer_to_server(JobsServicer(gateway), server)

@@ -1,10 +1,11 @@
 """Admission: bounded waiting queues per class (interactive, long, batch) for requests no instance can take yet,
-served in that order whenever capacity frees; a full queue is RESOURCE_EXHAUSTED at once. Per-tenant token-bucket
-rate limits."""
+served in that order whenever capacity frees; a full queue is RESOURCE_EXHAUSTED at once. Token buckets for the
+per-tenant rate limits (requests, and tokens)."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from typing import Callable, TypeVar
 
@@ -78,21 +79,41 @@ class Admission:
 
 
 class RateLimiter:
-    """Token bucket per tenant: `requests_per_s` refill, `burst` capacity. `allow` returns 0 when the request may
-    go, else the seconds until a token is available."""
+    """Token buckets by key: `rate` refilled per second up to `burst` (default max(1, rate)). `wait` says how long
+    until `cost` is in the bucket (0: now; inf: never, the cost is over the burst) without taking it; `take` takes it,
+    so several buckets can be checked before any is charged. A rate of 0 is unlimited."""
 
     def __init__(self):
-        self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (tokens, last refill)
+        self._buckets: dict[object, tuple[float, float]] = {}  # key -> (level, last refill)
 
-    def allow(self, tenant: str, requests_per_s: float, burst: int, now: float | None = None) -> float:
-        if requests_per_s <= 0:
+    @staticmethod
+    def _capacity(rate: float, burst: float) -> float:
+        return float(burst or max(1.0, rate))
+
+    def _level(self, key, rate: float, cap: float, now: float) -> float:
+        level, last = self._buckets.get(key, (cap, now))
+        return min(cap, level + (now - last) * rate)
+
+    def wait(self, key, rate: float, burst: float, cost: float = 1.0, now: float | None = None) -> float:
+        if rate <= 0 or cost <= 0:
             return 0.0
         now = time.monotonic() if now is None else now
-        cap = float(burst or max(1.0, requests_per_s))
-        tokens, last = self._buckets.get(tenant, (cap, now))
-        tokens = min(cap, tokens + (now - last) * requests_per_s)
-        if tokens >= 1.0:
-            self._buckets[tenant] = (tokens - 1.0, now)
-            return 0.0
-        self._buckets[tenant] = (tokens, now)
-        return (1.0 - tokens) / requests_per_s
+        cap = self._capacity(rate, burst)
+        if cost > cap:
+            return math.inf
+        level = self._level(key, rate, cap, now)
+        return 0.0 if level >= cost else (cost - level) / rate
+
+    def take(self, key, rate: float, burst: float, cost: float = 1.0, now: float | None = None) -> None:
+        if rate <= 0 or cost <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        self._buckets[key] = (self._level(key, rate, self._capacity(rate, burst), now) - cost, now)
+
+    def allow(self, key, rate: float, burst: float, now: float | None = None, cost: float = 1.0) -> float:
+        """Takes `cost` if it is there (returns 0), else returns the seconds until it will be."""
+        now = time.monotonic() if now is None else now
+        wait = self.wait(key, rate, burst, cost, now)
+        if wait == 0:
+            self.take(key, rate, burst, cost, now)
+        return wait

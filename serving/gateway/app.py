@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
+import math
 import os
 import time
 import uuid
-from typing import AsyncIterator
+from typing import AsyncIterator, Sequence
 
 import grpc
 from opentelemetry import trace
@@ -24,26 +26,20 @@ from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pools import Instance, InstancePools
 from serving.gateway.routing import Router, prompt_blocks
 from serving.gateway.security import Authenticator
-from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate, estimate_prompt_tokens
-from serving.server.proto import meshserve_pb2 as pb
+from serving.gateway.validation import check_generate, estimate_prompt_tokens
+from serving.params import MAX_REQUEST_ID_CHARS, InvalidArgument, ModelLimits
 from serving.telemetry.tracing import make_tracer_provider
+from serving.wire import meshserve_pb2 as pb
+from serving.wire.client import RETRY_PUSHBACK_KEY
 
 log = logging.getLogger(__name__)
 
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNKNOWN,
              grpc.StatusCode.INTERNAL, grpc.StatusCode.ABORTED)
 MAX_ATTEMPTS = 2  # the first try and one retry on another instance
 PROBE_PROMPT = (3, 4, 5, 6, 7, 8, 9, 10)
 CONFIG_POLL_S = 1.0
-# The gRPC server's options (serving.gateway's entry point). gRPC core drops calls the event loop has not taken yet once
-# more than `grpc.server.max_pending_requests` (default 1,000) wait: CANCELLED, no retry hint, never seen by the
-# servicer (issue 22). Overload must be answered by admission (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms), so the
-# limit sits far above any backlog a deadline leaves alive (as serving.server.app.PENDING_CALL_OPTIONS).
-PENDING_CALLS_LIMIT = 1 << 16
-SERVER_OPTIONS = (("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-                  ("grpc.so_reuseport", 0), ("grpc.server.max_pending_requests", PENDING_CALLS_LIMIT),
-                  ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_LIMIT))
+TOKEN_BURST_S = 10.0  # a token rate limit's default bucket: this many seconds of its rate
 
 
 class GatewayError(Exception):
@@ -56,12 +52,26 @@ class GatewayError(Exception):
 
 @dataclasses.dataclass(slots=True)
 class Prepared:
-    request: pb.GenerateRequest  # as forwarded: max_tokens capped, tenant and priority set
+    request: pb.GenerateRequest  # as forwarded: max_tokens capped, tenant, priority and the instance's request_id set
     tenant: str
     cls: str  # interactive | long | batch (admission queue)
     long: bool
     pools: tuple[str, ...]
     blocks: list
+    client_request_id: str = ""  # the id the client sent (or the gateway made): what its responses carry
+    tokens: int = 0  # prompt + max_tokens x n: what it counts against the tenant's token rate limit
+
+
+def instance_request_id(tenant: str, client_id: str) -> str:
+    """The request_id an instance sees: `<tenant>/<client's id>/<random>`, so ids that two tenants (or one tenant's
+    concurrent retries) reuse never collide on an instance (tenant names have no `/`); past the length limit the
+    client's id is hashed."""
+    suffix = uuid.uuid4().hex[:16]
+    rid = f"{tenant}/{client_id}/{suffix}"
+    if len(rid) > MAX_REQUEST_ID_CHARS:
+        digest = hashlib.sha256(f"{tenant}/{client_id}".encode()).hexdigest()[:48]
+        rid = f"{tenant[:64]}/#{digest}/{suffix}"
+    return rid
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,7 +83,7 @@ class Slot:
 
 class Gateway:
     def __init__(self, config_path: str, jobs_db: str, *, span_exporter=None, otlp_endpoint: str = "",
-                 service_name: str = "meshserve-gateway"):
+                 otlp_ca_file: str = "", service_name: str = "meshserve-gateway"):
         self.watcher = ConfigWatcher(config_path)
         cfg = self.watcher.config
         self.metrics = GatewayMetrics()
@@ -81,6 +91,7 @@ class Gateway:
         self.health = HealthTracker(cfg.isolation)
         self.admission = Admission(on_change=self._queue_gauges)
         self.rate_limiter = RateLimiter()
+        self.tenant_inflight: dict[str, int] = {}  # tenant -> its requests in the gateway (queued or streaming)
         self.auth = Authenticator(cfg)
         self.pools = InstancePools(self._on_report, self._on_failure)
         self.limits = ModelLimits()
@@ -89,7 +100,8 @@ class Gateway:
         self.tokenizer = None
         self._tokenizer_dir = None
         self.long_inflight = 0
-        self.provider = make_tracer_provider(service_name, otlp_endpoint=otlp_endpoint, exporter=span_exporter)
+        self.provider = make_tracer_provider(service_name, otlp_endpoint=otlp_endpoint, otlp_ca_file=otlp_ca_file,
+                                             exporter=span_exporter)
         self.tracer = self.provider.get_tracer("meshserve.gateway") if self.provider else None
         self.jobs = JobManager(JobStore(jobs_db), self._job_stream, lambda: self.config,
                                on_state=lambda s: self.metrics.jobs.labels(s).inc())
@@ -183,7 +195,7 @@ class Gateway:
             self.limits = ModelLimits(vocab_size=mi.vocab_size, max_model_len=mi.max_model_len,
                                       max_request_bytes=mi.max_request_bytes or self.limits.max_request_bytes)
             self.model_name = mi.served_model_name or os.path.basename(os.path.normpath(mi.model)) or "model"
-            if not self._tokenizer_dir and mi.has_tokenizer and os.path.isdir(mi.model):
+            if not self._tokenizer_dir and mi.has_tokenizer and os.path.exists(mi.model):
                 # No tokenizer configured: the instances' own, where this host can read their model directory.
                 self._load_tokenizer(mi.model, f"the model directory instance {inst.name} reports")
         self.admission.notify()
@@ -268,7 +280,8 @@ class Gateway:
                 req.sampling.temperature = 0.0
                 req.sampling.ignore_eos = True
                 try:
-                    async for _ in inst.stub.Generate(req, timeout=max(2.0, 4 * iso.window_s)):
+                    async for _ in inst.stub.Generate(req, timeout=max(2.0, 4 * iso.window_s),
+                                                      metadata=inst.metadata()):
                         now = time.monotonic()
                         if last is not None:
                             gaps.append(now - last)
@@ -281,7 +294,8 @@ class Gateway:
 
     # ------------------------------------------------------------------ request path
     def prepare(self, request: pb.GenerateRequest, tenant: TenantConfig | None) -> Prepared:
-        """Validates every field (the server's codes and messages), caps max_tokens, picks lane and class."""
+        """Validates every field (the server's codes and messages), caps max_tokens, scopes the request_id to the
+        tenant, counts its tokens, picks lane and class."""
         cfg = self.config
         req = pb.GenerateRequest()
         req.CopyFrom(request)
@@ -299,26 +313,52 @@ class Gateway:
             req.tenant = tenant.name
             if tenant.priority == "batch":
                 req.priority = pb.PRIORITY_BATCH
-        if not req.request_id:
-            req.request_id = "gw-" + uuid.uuid4().hex
+        client_id = req.request_id or "gw-" + uuid.uuid4().hex
+        req.request_id = instance_request_id(req.tenant, client_id)
         lane = cfg.long_lane
         prompt_tokens = len(ids) if ids is not None else estimate_prompt_tokens(req, self.tokenizer)
         long = bool(lane.threshold_tokens) and prompt_tokens + (sampling.max_tokens or 0) > lane.threshold_tokens
         cls = "long" if long else ("batch" if req.priority == pb.PRIORITY_BATCH else "interactive")
         blocks = prompt_blocks(req, cfg.routing.prefix_block_chars) if cfg.routing.policy == "load_aware" else []
-        return Prepared(req, req.tenant, cls, long, tenant.pools if tenant is not None else (), blocks)
+        tokens = prompt_tokens + (sampling.max_tokens or 0) * sampling.n
+        return Prepared(req, req.tenant, cls, long, tenant.pools if tenant is not None else (), blocks, client_id,
+                        tokens)
 
-    def check_rate(self, tenant: TenantConfig | None) -> None:
+    def check_rate(self, tenant: TenantConfig | None, prepared: Sequence[Prepared] = (), *,
+                   starts: bool = True) -> None:
+        """The tenant's rate limits, one request and the tokens of its `prepared` prompts (prompt + max_tokens x n
+        each), and when it `starts` now (not a job), its in-flight cap. Raises GatewayError (RESOURCE_EXHAUSTED; a
+        retry hint when waiting helps), charging nothing then."""
         if tenant is None:
             return
-        rl = tenant.rate_limit
-        wait = self.rate_limiter.allow(tenant.name, rl.requests_per_s, rl.burst)
-        if wait > 0:
-            self.metrics.rate_limited.labels(tenant.name).inc()
-            ms = max(1, int(wait * 1000))
-            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {tenant.name!r} is over its rate limit "
-                               f"of {rl.requests_per_s:g} requests/s; retry in {wait:.2f}s",
-                               ((RETRY_PUSHBACK_KEY, str(ms)),))
+        name, rl = tenant.name, tenant.rate_limit
+        inflight = self.tenant_inflight.get(name, 0)
+        if starts and tenant.max_inflight and inflight + max(1, len(prepared)) > tenant.max_inflight:
+            self.metrics.rate_limited.labels(name).inc()
+            ms = self.config.admission.retry_pushback_ms
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {name!r} has {inflight} requests in "
+                               f"flight, its limit is {tenant.max_inflight} (max_inflight); retry when one has "
+                               "finished", ((RETRY_PUSHBACK_KEY, str(ms)),))
+        tokens = sum(p.tokens for p in prepared)
+        token_burst = rl.token_burst or max(1.0, rl.tokens_per_s * TOKEN_BURST_S)
+        now = time.monotonic()
+        wait_requests = self.rate_limiter.wait(("requests", name), rl.requests_per_s, rl.burst, 1, now)
+        wait_tokens = self.rate_limiter.wait(("tokens", name), rl.tokens_per_s, token_burst, tokens, now)
+        if wait_requests == 0 and wait_tokens == 0:
+            self.rate_limiter.take(("requests", name), rl.requests_per_s, rl.burst, 1, now)
+            self.rate_limiter.take(("tokens", name), rl.tokens_per_s, token_burst, tokens, now)
+            return
+        self.metrics.rate_limited.labels(name).inc()
+        if wait_tokens == math.inf:
+            raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"this request counts {tokens} tokens (prompt + "
+                               f"max_tokens x n, over its prompts), more than tenant {name!r} may use at once "
+                               f"({token_burst:g}, rate_limit.token_burst); lower max_tokens or n, or send fewer "
+                               "prompts")
+        wait = max(wait_requests, wait_tokens)
+        limit = (f"{rl.requests_per_s:g} requests/s" if wait_requests >= wait_tokens else
+                 f"{rl.tokens_per_s:g} tokens/s (this request counts {tokens}: prompt + max_tokens x n)")
+        raise GatewayError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"tenant {name!r} is over its rate limit of {limit}; "
+                           f"retry in {wait:.2f}s", ((RETRY_PUSHBACK_KEY, str(max(1, int(wait * 1000)))),))
 
     def _lane_members(self, p: Prepared, pool: str, now: float) -> list[Instance]:
         stale = self.config.routing.stale_after_s
@@ -395,16 +435,20 @@ class Gateway:
         for c in CLASSES:
             self.metrics.queue_depth.labels(c).set(admission.depth(c))
 
-    async def stream(self, p: Prepared, deadline: float, parent=None) -> AsyncIterator[pb.GenerateResponse]:
-        """Routes and streams; retries once on another instance if the first fails before its first token.
-        Raises GatewayError."""
+    async def stream(self, p: Prepared, deadline: float, parent=None, *, count: bool = True
+                     ) -> AsyncIterator[pb.GenerateResponse]:
+        """Routes and streams; retries once on another instance if the first fails before its first token; responses
+        carry the client's request_id. `count`: in the tenant's requests in flight (jobs are not). Raises
+        GatewayError."""
         exclude: set[str] = set()
         span = None
         if self.tracer is not None:
             span = self.tracer.start_span("gateway.generate", context=parent, kind=SpanKind.SERVER, attributes={
-                "meshserve.request_id": p.request.request_id, "meshserve.tenant": p.tenant,
-                "meshserve.class": p.cls})
+                "meshserve.request_id": p.client_request_id, "meshserve.instance_request_id": p.request.request_id,
+                "meshserve.tenant": p.tenant, "meshserve.class": p.cls})
         error = None
+        if count:
+            self.tenant_inflight[p.tenant] = self.tenant_inflight.get(p.tenant, 0) + 1
         try:
             for attempt in range(1, MAX_ATTEMPTS + 1):
                 slot = await self._acquire(p, exclude, deadline)
@@ -418,8 +462,9 @@ class Gateway:
                 started, last, call = False, None, None
                 try:
                     call = inst.stub.Generate(p.request, timeout=max(0.001, deadline - time.monotonic()),
-                                              metadata=metadata)
+                                              metadata=inst.metadata(metadata))
                     async for r in call:
+                        r.request_id = p.client_request_id
                         now = time.monotonic()
                         if last is not None:
                             gap = now - last
@@ -456,6 +501,12 @@ class Gateway:
             error = e
             raise
         finally:
+            if count:
+                left = self.tenant_inflight.get(p.tenant, 1) - 1
+                if left > 0:
+                    self.tenant_inflight[p.tenant] = left
+                else:
+                    self.tenant_inflight.pop(p.tenant, None)
             if span is not None:
                 if error is not None:
                     span.set_status(Status(StatusCode.ERROR, error.details))
@@ -470,7 +521,7 @@ class Gateway:
         try:
             p = self.prepare(request, tenant)
             deadline = time.monotonic() + self.config.admission.request_timeout_s
-            async for r in self.stream(p, deadline):
+            async for r in self.stream(p, deadline, count=False):
                 yield r
         except GatewayError as e:
             raise JobError(e.code, e.details) from None

@@ -1,7 +1,8 @@
 """The gateway's configuration file (the configuration centre), YAML or JSON: `parse_config` / `load_config` ->
 `GatewayConfig` (pools, routing, isolation, long lane, admission, tenants with keys, rate limits and priorities, admin
-keys, jobs, callbacks, instance TLS) and `ConfigWatcher`, which re-reads it when it changes and refuses a reload that
-would turn authentication off or empty every pool unless the file says so. Format: docs/gateway.md."""
+keys, jobs, callbacks, instance TLS and key) and `ConfigWatcher`, which re-reads it when it changes and refuses a
+reload that would turn authentication off or empty every pool unless the file says so. Errors never show a secret.
+Format: docs/gateway.md."""
 from __future__ import annotations
 
 import base64
@@ -16,6 +17,7 @@ from typing import Any
 import yaml
 
 from serving.api.reasoning import REASONING_PARSERS
+from serving.auth import read_keys
 from serving.api.tools import TOOL_PARSERS
 
 log = logging.getLogger(__name__)
@@ -99,15 +101,19 @@ class AdmissionConfig:
 class RateLimit:
     requests_per_s: float = 0.0  # 0: unlimited
     burst: int = 0  # bucket size (default: max(1, requests_per_s))
+    # Tokens a request may use: its prompt + max_tokens x n, summed over its prompts; 0: unlimited
+    tokens_per_s: float = 0.0
+    token_burst: int = 0  # bucket size (default: 10 s of tokens_per_s); a request over it is refused outright
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class TenantConfig:
     name: str
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     priority: str = "interactive"  # the highest class its requests get (a request may ask for batch)
     pools: tuple[str, ...] = ()  # preference order; spill-over to the next when one is full; () = all pools
     rate_limit: RateLimit = RateLimit()
+    max_inflight: int = 0  # its requests at the gateway at once (queued or running); more: RESOURCE_EXHAUSTED; 0: none
     webhook_secret: str = dataclasses.field(default="", repr=False)  # whsec_<base64>: signs its job callbacks
 
 
@@ -141,7 +147,7 @@ class GatewayConfig:
     long_lane: LongLaneConfig = LongLaneConfig()
     admission: AdmissionConfig = AdmissionConfig()
     tenants: tuple[TenantConfig, ...] = ()  # none: auth off, requests name their tenant
-    admin_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = dataclasses.field(default=(), repr=False)
     callbacks: CallbackConfig = CallbackConfig()
     jobs: JobsConfig = JobsConfig()
     # A reload may turn authentication off, or leave no instance, only when the file says so (else it is refused)
@@ -149,6 +155,7 @@ class GatewayConfig:
     allow_no_instances: bool = False
     tokenizer: str = ""  # optional tokenizer directory: exact prompt lengths for the long lane
     instance_tls: tuple[tuple[str, str], ...] = ()  # ca / cert / key files for (mutual) TLS to instances
+    instance_key_file: str = ""  # the key the gateway sends to its instances (their --api_key_file); re-read on change
     # The chat parsers of the HTTP API (serving.api.tools / serving.api.reasoning); "": the instances' (ModelInfo)
     tool_call_parser: str = ""
     reasoning_parser: str = ""
@@ -175,19 +182,21 @@ def _build(cls, raw: dict, path: str, **fixed):
         if key not in fields or key in fixed:
             known = sorted(set(fields) - set(fixed))
             raise ConfigError(f"{path}.{key}: unknown key; known: {', '.join(known)}")
+        # A secret (a field kept out of reprs): its errors say what type it is, never what it is.
+        shown = repr(value) if fields[key].repr else f"a {type(value).__name__} (not shown: a secret)"
         default = fields[key].default
         if isinstance(default, bool):
             if not isinstance(value, bool):
-                raise ConfigError(f"{path}.{key}: expected true or false, got {value!r}")
+                raise ConfigError(f"{path}.{key}: expected true or false, got {shown}")
         elif isinstance(default, int) and not isinstance(default, bool):
             if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{path}.{key}: expected an integer, got {value!r}")
+                raise ConfigError(f"{path}.{key}: expected an integer, got {shown}")
         elif isinstance(default, float):
             if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ConfigError(f"{path}.{key}: expected a number, got {value!r}")
+                raise ConfigError(f"{path}.{key}: expected a number, got {shown}")
             value = float(value)
         elif isinstance(default, str) and not isinstance(value, str):
-            raise ConfigError(f"{path}.{key}: expected a string, got {value!r}")
+            raise ConfigError(f"{path}.{key}: expected a string, got {shown}")
         kw[key] = value
     return cls(**kw)
 
@@ -197,11 +206,12 @@ def _positive(path: str, value, *, zero_ok: bool = False) -> None:
         raise ConfigError(f"{path}: must be {'>= 0' if zero_ok else '> 0'}, got {value}")
 
 
-def _str_list(raw, path: str) -> tuple[str, ...]:
+def _str_list(raw, path: str, *, secret: bool = False) -> tuple[str, ...]:
     if raw is None:
         return ()
     if isinstance(raw, str) or not isinstance(raw, list) or not all(isinstance(x, str) and x for x in raw):
-        raise ConfigError(f"{path}: expected a list of non-empty strings, got {raw!r}")
+        shown = f"a {type(raw).__name__} (not shown: keys are secrets)" if secret else repr(raw)
+        raise ConfigError(f"{path}: expected a list of non-empty strings, got {shown}")
     return tuple(raw)
 
 
@@ -212,8 +222,8 @@ def parse_config(raw: Any) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
     known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks", "jobs",
-             "tokenizer", "instance_tls", "tool_call_parser", "reasoning_parser", "allow_unauthenticated",
-             "allow_no_instances"}
+             "tokenizer", "instance_tls", "instance_key_file", "tool_call_parser", "reasoning_parser",
+             "allow_unauthenticated", "allow_no_instances"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
@@ -299,7 +309,7 @@ def parse_config(raw: Any) -> GatewayConfig:
     tenants_raw = raw.get("tenants") or []
     if not isinstance(tenants_raw, list):
         raise ConfigError("tenants: expected a list of {name, api_keys, priority, pools, rate_limit}")
-    admin_keys = _str_list(raw.get("admin_keys"), "admin_keys")
+    admin_keys = _str_list(raw.get("admin_keys"), "admin_keys", secret=True)
     for i, t in enumerate(tenants_raw):
         path = f"tenants[{i}]"
         if not isinstance(t, dict):
@@ -308,7 +318,9 @@ def parse_config(raw: Any) -> GatewayConfig:
         rl = _build(RateLimit, t.pop("rate_limit", None) or {}, f"{path}.rate_limit")
         _positive(f"{path}.rate_limit.requests_per_s", rl.requests_per_s, zero_ok=True)
         _positive(f"{path}.rate_limit.burst", rl.burst, zero_ok=True)
-        api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys")
+        _positive(f"{path}.rate_limit.tokens_per_s", rl.tokens_per_s, zero_ok=True)
+        _positive(f"{path}.rate_limit.token_burst", rl.token_burst, zero_ok=True)
+        api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys", secret=True)
         tpools = _str_list(t.pop("pools", None), f"{path}.pools")
         tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl)
         if not _NAME.match(tc.name or ""):
@@ -317,6 +329,7 @@ def parse_config(raw: Any) -> GatewayConfig:
             raise ConfigError(f"{path}.name: {tc.name!r} is reserved (admin keys act as it); choose another name")
         if tc.name in {x.name for x in tenants}:
             raise ConfigError(f"{path}.name: tenant {tc.name!r} is defined twice")
+        _positive(f"{path}.max_inflight", tc.max_inflight, zero_ok=True)
         if tc.webhook_secret:
             webhook_key(tc.webhook_secret, f"{path}.webhook_secret")
         if tc.priority not in PRIORITY_CLASSES:
@@ -347,6 +360,14 @@ def parse_config(raw: Any) -> GatewayConfig:
     for k, v in tls.items():
         if not isinstance(v, str) or not os.path.isfile(v):
             raise ConfigError(f"instance_tls.{k}: not a readable file: {v!r}")
+    instance_key_file = raw.get("instance_key_file") or ""
+    if not isinstance(instance_key_file, str):
+        raise ConfigError(f"instance_key_file: expected a file path, got a {type(instance_key_file).__name__}")
+    if instance_key_file:
+        try:
+            read_keys(instance_key_file, "instance_key_file")  # its errors name the file and line, not the key
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     tokenizer = raw.get("tokenizer") or ""
     if not isinstance(tokenizer, str):
         raise ConfigError("tokenizer: expected a directory path")
@@ -358,7 +379,7 @@ def parse_config(raw: Any) -> GatewayConfig:
     return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
                          long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
                          callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
-                         **parsers, **flags)
+                         instance_key_file=instance_key_file, **parsers, **flags)
 
 
 def webhook_key(secret: str, path: str) -> bytes:

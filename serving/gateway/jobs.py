@@ -24,7 +24,7 @@ import grpc
 from serving.gateway.callbacks import CallbackRefused, Deliverer, check_url, resolve, sign
 from serving.gateway.config import ConfigError, GatewayConfig, webhook_key
 from serving.gateway.proto import gateway_pb2 as gpb
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,7 @@
-"""Instances and pools at run time: one gRPC channel per instance, a WatchLoad stream keeping its latest load
-report, the gateway's own counters (in flight, routed), and `InstancePools.apply` reconciling the set with a new
-configuration (instances removed from the file keep their channel until their running requests finish)."""
+"""Instances and pools at run time: one gRPC channel per instance (every call carrying the instance key, when the
+configuration names one), a WatchLoad stream keeping its latest load report, the gateway's own counters (in flight,
+routed), and `InstancePools.apply` reconciling the set with a new configuration (instances removed from the file keep
+their channel until their running requests finish)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +12,12 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from serving.auth import KeyFile
 from serving.gateway.config import GatewayConfig, InstanceConfig
 from serving.gateway.routing import InstanceView
 from serving.gateway.security import instance_channel_credentials
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
@@ -24,8 +26,10 @@ LATENCY_EWMA_ALPHA = 0.2
 
 
 class Instance:
-    def __init__(self, config: InstanceConfig, credentials: grpc.ChannelCredentials | None):
+    def __init__(self, config: InstanceConfig, credentials: grpc.ChannelCredentials | None,
+                 key: Callable[[], str] = lambda: ""):
         self.config = config
+        self._key = key
         self.name = config.name
         if credentials is None:
             self.channel = grpc.aio.insecure_channel(config.target, options=_CHANNEL_OPTIONS)
@@ -45,6 +49,11 @@ class Instance:
         self.removed = False
         self.model_info: pb.ModelInfoResponse | None = None
 
+    def metadata(self, extra=()) -> list[tuple[str, str]]:
+        """Metadata for a call to this instance: `extra` and the instance key (which the file may have rotated)."""
+        key = self._key()
+        return [*extra, ("authorization", f"Bearer {key}")] if key else list(extra)
+
     def view(self, now: float, capacity: int) -> InstanceView:
         return InstanceView(self.name, inflight=self.inflight, sent_since_report=self.sent_since_report,
                             report=self.report,
@@ -62,7 +71,8 @@ class Instance:
 
     async def health_check(self, timeout: float) -> bool:
         try:
-            resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            resp = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout,
+                                                metadata=self.metadata())
             return resp.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
@@ -79,6 +89,7 @@ class InstancePools:
         self._interval_ms = 200
         self._credentials = None
         self._tls = ()
+        self._key_file: KeyFile | None = None
 
     def apply(self, config: GatewayConfig) -> tuple[list[Instance], list[Instance]]:
         """Adds, replaces and removes instances to match `config`; returns (added, removed)."""
@@ -88,6 +99,12 @@ class InstancePools:
             recreate = True
         else:
             recreate = False
+        if config.instance_key_file != (self._key_file.path if self._key_file else ""):
+            try:
+                self._key_file = KeyFile(config.instance_key_file, "instance_key_file") \
+                    if config.instance_key_file else None
+            except ValueError as e:  # checked at load; gone since: the key in force stays
+                log.error("%s; keeping the instance key in force", e)
         self._interval_ms = config.routing.load_interval_ms
         wanted = {i.name: i for i in config.instances}
         added, removed = [], []
@@ -99,7 +116,7 @@ class InstancePools:
                 inst.config = new  # labels, pool or lane changed: same connection
         for name, cfg in wanted.items():
             if name not in self.instances:
-                inst = Instance(cfg, self._credentials)
+                inst = Instance(cfg, self._credentials, self.instance_key)
                 self.instances[name] = inst
                 inst.watch_task = asyncio.ensure_future(self._watch(inst))
                 added.append(inst)
@@ -110,6 +127,9 @@ class InstancePools:
             asyncio.ensure_future(self._close_when_idle(inst))
         self.pools = config.pools
         return added, removed
+
+    def instance_key(self) -> str:
+        return self._key_file.first() if self._key_file is not None else ""
 
     async def _close_when_idle(self, inst: Instance) -> None:
         while inst.inflight > 0:
@@ -129,8 +149,10 @@ class InstancePools:
         while not inst.removed:
             try:
                 if inst.model_info is None:
-                    inst.model_info = await inst.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0)
-                call = inst.stub.WatchLoad(pb.WatchLoadRequest(interval_ms=self._interval_ms))
+                    inst.model_info = await inst.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0,
+                                                                metadata=inst.metadata())
+                call = inst.stub.WatchLoad(pb.WatchLoadRequest(interval_ms=self._interval_ms),
+                                           metadata=inst.metadata())
                 async for report in call:
                     inst.report = report
                     inst.report_time = time.monotonic()

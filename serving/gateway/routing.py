@@ -12,7 +12,7 @@ import statistics
 from typing import Sequence
 
 from serving.gateway.config import RoutingConfig, ScoreWeights
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 
 PROMPT_BLOCK_TOKENS = 16  # affinity granularity of token-id prompts
 MAX_SLOWNESS = 10.0

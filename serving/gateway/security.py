@@ -1,12 +1,13 @@
 """Authentication and TLS: API keys (metadata `authorization: Bearer <key>` or `x-api-key`) mapped to tenants,
-admin keys for GatewayAdmin, server TLS (optionally requiring client certificates) and (mutual) TLS to instances.
-Keys are compared in constant time."""
+admin keys for GatewayAdmin, checked before a request is decoded (`GatewayAuthInterceptor`), server TLS (optionally
+requiring client certificates) and (mutual) TLS to instances. Keys are compared in constant time."""
 from __future__ import annotations
 
 import hmac
 
 import grpc
 
+from serving.auth import api_key_from_metadata
 from serving.gateway.config import GatewayConfig, TenantConfig
 
 
@@ -20,15 +21,6 @@ class AuthError(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
-
-
-def api_key_from_metadata(metadata) -> str:
-    for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.lower().startswith("bearer "):
-            return value[7:].strip()
-        if key == "x-api-key" and isinstance(value, str):
-            return value.strip()
-    return ""
 
 
 class Authenticator:
@@ -78,6 +70,36 @@ class Authenticator:
             if self._match(key) is None:
                 raise AuthError(grpc.StatusCode.UNAUTHENTICATED, "unknown API key")
             raise AuthError(grpc.StatusCode.PERMISSION_DENIED, "this RPC needs an admin key")
+
+
+ADMIN_METHODS = ("/meshserve.gateway.v1.GatewayAdmin/", "/meshserve.v1.Inference/Drain")
+OPEN_METHODS = ("/grpc.health.v1.Health/",)  # readiness probes send no credentials
+
+
+class GatewayAuthInterceptor(grpc.aio.ServerInterceptor):
+    """A call without a known key (or an admin RPC without an admin key) is refused from its metadata alone, before
+    its request is read or decoded; the servicers then map the key to its tenant as before."""
+
+    def __init__(self, auth: Authenticator, on_refused=None):
+        self.auth = auth
+        self._on_refused = on_refused or (lambda method, code: None)  # metrics: refused Generate calls
+
+    async def intercept_service(self, continuation, details):
+        method = details.method or ""
+        if self.auth.config.auth_enabled and not method.startswith(OPEN_METHODS):
+            try:
+                if method.startswith(ADMIN_METHODS):
+                    self.auth.check_admin(details.invocation_metadata)
+                else:
+                    self.auth.tenant(details.invocation_metadata)
+            except AuthError as e:
+                code, message = e.code, e.details
+                self._on_refused(method, code)
+
+                async def refuse(request_iterator, context):  # a stream handler: the request is never read
+                    await context.abort(code, message)
+                return grpc.stream_stream_rpc_method_handler(refuse)
+        return await continuation(details)
 
 
 def _read(path: str) -> bytes:

@@ -14,8 +14,8 @@ from serving.gateway.jobs import JobError
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
 from serving.gateway.security import ADMIN, AuthError
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             except AuthError as e:
                 raise GatewayError(e.code, e.details) from None
             p = gw.prepare(request, tenant)
-            gw.check_rate(tenant)
+            gw.check_rate(tenant, [p])
             remaining = context.time_remaining()
             deadline = t0 + (remaining if remaining is not None else gw.config.admission.request_timeout_s)
             gen = gw.stream(p, deadline, gw.parent_context(metadata))
@@ -86,7 +86,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         last = None
         for inst in candidates[:2]:
             try:
-                return await getattr(inst.stub, method)(request, timeout=context.time_remaining() or 30.0)
+                return await getattr(inst.stub, method)(request, timeout=context.time_remaining() or 30.0,
+                                                        metadata=inst.metadata())
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                     await _abort(context, e.code(), e.details() or "")
@@ -171,8 +172,8 @@ class JobsServicer(gpb_grpc.JobsServicer):
         gw = self.gw
         try:
             tenant = gw.auth.tenant(context.invocation_metadata())
-            gw.prepare(request.request, tenant)  # every field checked now, not when the job runs
-            gw.check_rate(tenant)
+            p = gw.prepare(request.request, tenant)  # every field checked now, not when the job runs
+            gw.check_rate(tenant, [p], starts=False)
             name = tenant.name if tenant is not None else request.request.tenant
             return await gw.jobs.submit(request.request, request.callback_url, name, request.idempotency_key)
         except (AuthError, GatewayError, JobError) as e:

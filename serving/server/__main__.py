@@ -33,7 +33,7 @@ def define_flags(fv: flags.FlagValues = FLAGS) -> None:
         define(*args, flag_values=fv)
     for define, *args in flag_definitions(EngineConfig) + flag_definitions(ServerConfig):
         d(define, *args)
-    d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory (default: the model directory).")
+    d(flags.DEFINE_string, "tokenizer", "", "Tokenizer directory or GGUF file (default: the model's).")
     d(flags.DEFINE_float, "kv_cache_memory_fraction", 0.0,
       "If > 0 (and --num_pages=0): this instance may use this fraction of the device's memory (at most what is "
       "free); the KV cache gets what the weights and activations leave (vLLM's gpu_memory_utilization; sized "
@@ -80,7 +80,7 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
         sizing = EngineConfig(model=f.model, dtype=f.dtype, page_size=f.page_size, kv_cache_dtype=f.kv_cache_dtype,
                               max_num_batched_tokens=f.max_num_batched_tokens, max_num_seqs=f.max_num_seqs,
                               tp=f.tp, ep=f.ep, speculative_method=f.speculative_method,
-                              speculative_model=f.speculative_model)
+                              speculative_model=f.speculative_model, hybrid_kv_cache=f.hybrid_kv_cache)
         try:
             model_config = with_quantization(ledger.load_config(model=f.model)[1], f.quantization)
             num_pages = f.dp * kv_cache_pages(sizing, model_config,
@@ -92,6 +92,11 @@ def configs_from_flags(f: flags.FlagValues = FLAGS):
                                                  f.kv_cache_memory_fraction, num_pages)
     engine_config = from_flags(EngineConfig, f, num_pages=num_pages)
     server_config = from_flags(ServerConfig, f)
+    try:  # a bad key file fails now, not once the model has loaded
+        from serving.auth import InstanceKeys
+        InstanceKeys(f.api_key_file, f.admin_key_file)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
     return engine_config, server_config
 
 
@@ -111,7 +116,7 @@ def _distributed_config():
 
 def _follow(dist) -> int:
     """A follower process: the same engine, running the steps the leader sends, no gRPC."""
-    from serving.server.app import build_engine
+    from serving.core.factory import build_engine
     from sharding.multihost import shutdown
     engine_config, _ = configs_from_flags(FLAGS)
     engine = build_engine(engine_config, FLAGS.tokenizer)
@@ -121,7 +126,8 @@ def _follow(dist) -> int:
 
 
 async def _serve(dist=None) -> int:
-    from serving.server.app import InstanceServer, build_engine
+    from serving.core.factory import build_engine
+    from serving.server.app import InstanceServer
     log = logging.getLogger("serving.server")
     loop = asyncio.get_running_loop()
     stop_requested = asyncio.Event()

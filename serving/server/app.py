@@ -1,6 +1,6 @@
 """`InstanceServer` (with `ServerConfig`): one engine behind a grpc.aio server and, with `http_port`, the OpenAI HTTP
 API on the same event loop (serving.server.http), with health, Prometheus metrics and traces, its start-up (warm-up
-before SERVING) and graceful shutdown; `build_engine` with a tokenizer, `expert_stats`. Details: docs/server.md."""
+before SERVING) and graceful shutdown; `expert_stats`. Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio
@@ -13,33 +13,24 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from serving.core.async_engine import AsyncEngine
-from models.tokenizer import Tokenizer
 from serving.api.protocol import parser_markers
 from serving.api.tools import resolve_tool_call_parser
-from serving.core import interface
-from serving.core.config import EngineConfig
+from serving.core.async_engine import AsyncEngine
 from serving.core.interface import ServingEngine
+from serving.auth import AuthInterceptor, InstanceKeys, bind_warning
 from serving.server.config import ServerConfig
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
-from serving.server.decoding import DecodeErrorInterceptor
-from serving.server.servicer import InferenceServicer, LoadTracker, ServingOptions
+from serving.server.servicer import InferenceServicer, ServingOptions
+from serving.telemetry.load import LoadTracker
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer, make_tracer_provider
+from serving.transport import server_options
+from serving.wire import meshserve_pb2_grpc as pb_grpc
+from serving.wire.decoding import DecodeErrorInterceptor
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "meshserve.v1.Inference"
 
-# gRPC core keeps the calls its transport has accepted but the application has not taken yet (grpc.aio takes them one
-# at a time, from the event loop, so a busy loop falls behind). Past `grpc.server.max_pending_requests` of them (default
-# 1,000) core drops new calls at random, and every one past the hard limit (default 3,000): each ends CANCELLED
-# ("CANCELLED") with no retry hint, before any handler runs (issue 22). Overload is for our admission control to answer
-# (RESOURCE_EXHAUSTED with grpc-retry-pushback-ms), so core's limit sits far above any backlog a deadline leaves alive
-# (65,536 calls: over 30 s of arrivals at 2,000/s); it only bounds memory. The gateway's server sets the same.
-PENDING_CALLS_LIMIT = 1 << 16
-PENDING_CALL_OPTIONS = (("grpc.server.max_pending_requests", PENDING_CALLS_LIMIT),
-                        ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS_LIMIT))
 
 
 class InstanceServer:
@@ -48,8 +39,10 @@ class InstanceServer:
         self.config = config
         self.instance_id = config.instance_id or f"{socket.gethostname()}:{os.getpid()}"
         self.aengine = AsyncEngine(engine)
+        self.keys = InstanceKeys(config.api_key_file, config.admin_key_file)  # raises ValueError naming the file
         self.tracer = RequestTracer(make_tracer_provider(config.service_name, otlp_endpoint=config.otlp_endpoint,
-                                                         exporter=span_exporter))
+                                                         otlp_ca_file=config.otlp_ca_file, exporter=span_exporter),
+                                    trace_content=config.trace_content)
         spec = getattr(engine, "spec", None)
 
         def stats() -> dict:
@@ -100,12 +93,10 @@ class InstanceServer:
 
     async def start(self) -> None:
         cfg = self.config
-        # gRPC's own limit sits well above ours so an oversized prompt gets our INVALID_ARGUMENT naming it.
-        transport_limit = max(64 << 20, 4 * cfg.max_request_bytes)
-        self.server = grpc.aio.server(interceptors=[DecodeErrorInterceptor()],
-                                      options=[("grpc.max_receive_message_length", transport_limit),
-                                               ("grpc.max_send_message_length", transport_limit),
-                                               ("grpc.so_reuseport", 0), *PENDING_CALL_OPTIONS])
+        # Keys are checked first, before any handler or decoder runs; messages over the limit never reach either.
+        self.server = grpc.aio.server(
+            interceptors=[AuthInterceptor(self.keys, on_refused=self.metrics.observe_error), DecodeErrorInterceptor()],
+            options=server_options(cfg.max_request_bytes, cfg.max_concurrent_streams))
         pb_grpc.add_InferenceServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if cfg.tls_cert:
@@ -121,6 +112,9 @@ class InstanceServer:
             self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {cfg.host}:{cfg.port}")
+        warning = bind_warning(cfg.host, self.port, self.keys)
+        if warning:
+            log.warning("%s", warning)
         await self._set_health(False)
         await self.server.start()
         if cfg.metrics_port >= 0:
@@ -204,10 +198,3 @@ def expert_stats(engine: ServingEngine) -> dict:
     layers = engine.moe_layer_indices()
     return {"expert_tokens": {(layers[i], slot): int(v) for i, row in enumerate(load) for slot, v in enumerate(row)},
             "expert_load_variance": float(per_device.var(axis=1).mean())}
-
-
-def build_engine(engine_config: EngineConfig, tokenizer_dir: str = "") -> ServingEngine:
-    """The engine the config asks for (`serving.core.interface.build_engine`), with the tokenizer of
-    `tokenizer_dir` when given (else the model's)."""
-    tokenizer = Tokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else None
-    return interface.build_engine(engine_config, tokenizer)

@@ -1,5 +1,5 @@
-"""`ServerConfig`: the instance server's own settings (ports, TLS, drain, limits, tracing, the HTTP API's model name
-and tool-call parser), each field also the server's flag of its name (serving.config_flags); light to import, so the
+"""`ServerConfig`: the instance server's own settings (ports, TLS, keys, drain, limits, tracing, the HTTP API's model
+name and tool-call parser), each field also the server's flag of its name (serving.config_flags); light to import, so the
 flags are defined without loading the server."""
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import dataclasses
 
 from serving.api.tools import TOOL_PARSERS
 from serving.config_flags import option
+from serving.transport import MAX_CONCURRENT_STREAMS
 
 
 @dataclasses.dataclass(slots=True)
 class ServerConfig:
     # A field made with `option` is also the server's flag of that name (serving.config_flags); its help is the flag's.
-    # The command line listens on every interface; servers built in-process (tests, benchmarks) stay on loopback.
-    host: str = option("127.0.0.1", "Address to listen on.", flag_default="0.0.0.0")
+    # Loopback unless told otherwise: an instance open to the network is a choice (with keys: docs/security.md).
+    host: str = option("127.0.0.1", "Address to listen on (gRPC, HTTP, metrics); 0.0.0.0: every interface (with "
+                       "--api_key_file: docs/security.md).")
     port: int = option(50051, "gRPC port; 0: any free port.")
     metrics_port: int = option(9090, "Prometheus port; 0: any free port; -1: none.")
     warmup: bool = option(True, "Compile every bucket before SERVING (never turn off in production).")
@@ -38,6 +40,15 @@ class ServerConfig:
         "", "The format of the model's tool calls, parsed into OpenAI tool_calls; empty: the one its chat template "
         "shows (<tool_call>: hermes, [TOOL_CALLS]: mistral, <|python_tag|>: llama3_json), else none.",
         choices=("",) + tuple(TOOL_PARSERS))
+    api_key_file: str = option(
+        "", "Keys (one a line, >= 16 characters, re-read when the file changes) every caller must send as "
+        "`authorization: Bearer <key>`, except health checks; empty: no key needed.")
+    admin_key_file: str = option(
+        "", "Keys for Drain and GetLoad(check_invariants) (a regular key gets PERMISSION_DENIED); empty: with "
+        "--api_key_file nobody may call them, without it anyone.")
+    max_concurrent_streams: int = option(MAX_CONCURRENT_STREAMS, "gRPC streams at once per client connection.")
+    trace_content: bool = option(False, "Trace span events carry the generated token ids.")
+    otlp_ca_file: str = option("", "PEM CA of the OTLP collector: export over TLS; empty: plaintext.")
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
@@ -46,3 +57,5 @@ class ServerConfig:
             raise ValueError("TLS: tls_cert and tls_key go together; tls_client_ca needs them")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        if self.max_concurrent_streams < 1:
+            raise ValueError(f"max_concurrent_streams must be >= 1, got {self.max_concurrent_streams}")

@@ -1,32 +1,24 @@
-"""`OpenAIServer`: the OpenAI-compatible HTTP API of an instance server, a FastAPI app that uvicorn serves on the gRPC
-server's own event loop: POST /v1/chat/completions and /v1/completions (JSON, or Server-Sent Events with `stream`),
-GET /v1/models, GET /health (503 while starting or draining), vLLM's POST /tokenize and /detokenize. Requests share
-the gRPC servicer's engine, in-flight books (drain), metrics and traces; a client that goes away aborts its request.
-Details: docs/server.md."""
+"""`OpenAIServer`: the instance server's frontend of the OpenAI-compatible HTTP API (serving.api.app.OpenAIApp), served
+by uvicorn on the gRPC server's own event loop. Requests share the gRPC servicer's engine, in-flight books (drain),
+metrics and traces; each prompt becomes one engine request (its checks the engine's make_request), and a client that
+goes away aborts its requests. Details: docs/server.md."""
 from __future__ import annotations
 
 import logging
 import math
-import time
-
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 
 from serving.api import protocol
-from serving.api.asgi import (ERROR_CODES, HttpServer, MergedRun, by_size, check_size, install_error_handlers, parse,
-                              respond)
-from serving.api.protocol import ApiError
-from serving.api.responses import Delta, ResponseBuilder
+from serving.api.app import ChatParsers, OpenAIApp
+from serving.api.asgi import ERROR_CODES, MergedRun
+from serving.api.protocol import ApiError, EngineRequest
+from serving.api.responses import Delta
 from serving.core.async_engine import EngineDeadError
-from serving.core.request import FinishReason, Priority
-from serving.core.sampling_params import SamplingParams, StructuredOutput
+from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
+from serving.params import ContextLengthError, ModelLimits, check_max_tokens
 from serving.server.servicer import InferenceServicer
-from serving.validation import check_vocabulary
 
 log = logging.getLogger(__name__)
-
-PRIORITIES = tuple(p.value for p in Priority)
 
 
 def delta(out) -> Delta:
@@ -43,21 +35,19 @@ class _Run(MergedRun):
     outputs merged as they come, and ended exactly once by `close` (unfinished samples aborted, their pages freed),
     with the servicer's books, metrics and traces kept as for a gRPC request."""
 
-    def __init__(self, server: OpenAIServer, base_id: str, ereq: protocol.EngineRequest, params: SamplingParams,
-                 headers):
-        super().__init__(len(ereq.prompts), params.n)
+    def __init__(self, server: OpenAIServer, requests: list[Request], ereq: EngineRequest, headers):
+        super().__init__(len(requests), requests[0].sampling_params.n)
         self.server, self.servicer, self.ereq = server, server.servicer, ereq
-        single = len(ereq.prompts) == 1
-        self.rids = [base_id if single else f"{base_id}-{i}" for i in range(len(ereq.prompts))]
+        self.rids = [r.request_id for r in requests]
         self.last = [None] * len(self.rids)  # each prompt's last request state
         self.failure: str | None = None
         self.arrivals, self.spans = [], []
-        for i, (rid, p) in enumerate(zip(self.rids, ereq.prompts)):
-            self.arrivals.append(self.servicer.begin(rid))
-            self.spans.append(self.servicer.tracer.start(rid, headers, {
-                "meshserve.request_id": rid, "meshserve.priority": ereq.priority,
-                "meshserve.prompt_tokens": len(p.token_ids), "meshserve.api": "openai"}))
-            self.start(i, self.servicer.aengine.generate(rid, p.token_ids, params, priority=ereq.priority))
+        for i, r in enumerate(requests):
+            self.arrivals.append(self.servicer.begin(r.request_id))
+            self.spans.append(self.servicer.tracer.start(r.request_id, headers, {
+                "meshserve.request_id": r.request_id, "meshserve.priority": ereq.priority,
+                "meshserve.prompt_tokens": r.num_prompt_tokens, "meshserve.api": "openai"}, start_time=r.arrival_time))
+            self.start(i, self.servicer.aengine.stream(r))
 
     def take(self, i: int, out) -> Delta:
         if isinstance(out, Exception):
@@ -94,7 +84,7 @@ class _Run(MergedRun):
                             headers={"Retry-After": str(max(1, math.ceil(retry)))})
         if isinstance(e, EngineDeadError):
             return self._fail(503, str(e))
-        if isinstance(e, ValueError):  # e.g. the scheduler's PromptTooLongError
+        if isinstance(e, ValueError):  # the scheduler's (a request id in flight): the engine checked the rest
             self.failure = str(e)
             return ApiError(400, f"{self.ereq.prompts[i].field}: {e}", param=self.ereq.prompts[i].field)
         return self._fail(500, f"{type(e).__name__}: {e}")
@@ -114,7 +104,9 @@ class _Run(MergedRun):
 
 
 class OpenAIServer:
-    """The HTTP app over the gRPC servicer's engine; `start` serves it on the running loop, `stop` closes it."""
+    """The instance's frontend of the OpenAI app (serving.api.app.Frontend) over the gRPC servicer's engine; `start`
+    serves the app on the running loop, `stop` closes it."""
+    render_elsewhere = False  # the instance tokenizes everything itself
 
     def __init__(self, servicer: InferenceServicer, *, model_name: str, max_request_bytes: int = 1 << 20,
                  retry_after_s: float = 1.0, tool_call_parser: str = ""):
@@ -122,124 +114,75 @@ class OpenAIServer:
         engine's (EngineConfig.reasoning_parser)."""
         self.servicer = servicer
         self.engine = servicer.engine
-        self.model_name = model_name
+        self.served_model_name = model_name
         self.tool_call_parser = tool_call_parser
         self.max_request_bytes = max_request_bytes
         self.retry_after_s = retry_after_s
-        self.created = int(time.time())
-        self.app = self._build_app()
-        self.http = HttpServer(self.app)
+        self.api = OpenAIApp(self, title="meshserve", description="OpenAI-compatible API of a meshserve instance")
+        self.app = self.api.app
 
-    def _build_app(self) -> FastAPI:
-        app = FastAPI(title="meshserve", description="OpenAI-compatible API of a meshserve instance")
-        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
-        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
-        install_error_handlers(app)
-        return app
+    # ------------------------------------------------------------------ the frontend
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
 
-    # ------------------------------------------------------------------ checks
-    def _check_serving(self) -> None:
+    def model_name(self) -> str:
+        return self.served_model_name
+
+    def model_card(self) -> dict:
+        return dict(root=self.engine.config.model, max_model_len=self.engine.max_model_len)
+
+    def limits(self) -> ModelLimits:
+        return ModelLimits(self.engine.model_config.vocab_size, self.engine.max_model_len, self.max_request_bytes)
+
+    def parsers(self) -> ChatParsers:
+        reasoning = self.engine.config.reasoning_parser
+        return ChatParsers(self.tool_call_parser, reasoning, after_reasoning=bool(reasoning))
+
+    def refusal(self) -> ApiError | None:
         s = self.servicer
         if not s.ready:
-            raise ApiError(503, "the server is starting (warming up); retry")
+            return ApiError(503, "the server is starting (warming up); retry")
         if s.draining:
-            raise ApiError(503, "the server is draining and admits no new requests; send it elsewhere")
+            return ApiError(503, "the server is draining and admits no new requests; send it elsewhere")
         if not s.aengine.is_alive:
-            raise ApiError(503, "the engine is not running; send it elsewhere")
+            return ApiError(503, "the engine is not running; send it elsewhere")
+        return None
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise protocol.model_not_found(model, self.model_name)
+    def unhealthy(self) -> ApiError | None:
+        return self.refusal()
 
-    def _count(self, e: ApiError) -> None:
+    def authorize(self, request) -> None:
+        return None  # the instance's HTTP port trusts its network (docs/security.md)
+
+    def count_error(self, e: ApiError) -> None:
         if self.servicer.metrics is not None:
             self.servicer.metrics.observe_error(ERROR_CODES.get(e.status, str(e.status)))
 
-    def _params(self, ereq: protocol.EngineRequest) -> SamplingParams:
-        """The engine's SamplingParams: serving.validation's checks, the gRPC servicer's reasons."""
+    def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> _Run:
+        """One engine request per prompt, each checked by the engine's make_request and the API's context rule (as
+        the gRPC servicer's), before any is queued; raises ApiError naming the request's parameter."""
         try:
-            kw = dict(ereq.sampling)
-            if "structured" in kw:  # a reasoning model's reasoning stays free: the grammar applies after it
-                kw["structured"] = StructuredOutput(**kw["structured"],
-                                                    after_reasoning=bool(self.engine.config.reasoning_parser))
-            params = SamplingParams(**kw)
-            check_vocabulary(params, self.engine.model_config.vocab_size)
-            if params.structured is not None:  # compiled (or found in the cache) before anything is queued
-                self.engine.structured.compile(params.structured)
+            params = ereq.sampling_params()
         except ValueError as e:
             raise protocol.api_error(e, ereq.renames) from e
-        return params
-
-    # ------------------------------------------------------------------ generation
-    async def chat_completions(self, request: Request):
-        return await self._generate(request, chat=True)
-
-    async def completions(self, request: Request):
-        return await self._generate(request, chat=False)
-
-    async def _generate(self, request: Request, *, chat: bool):
-        tok = self.engine.tokenizer
-        try:
-            self._check_serving()
-            raw = await request.body()
-            req = parse(raw, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest)
-            self._check_model(req.model)
-            check_size(raw, self.max_request_bytes, chat)
-
-            def build():
-                if chat:
-                    return protocol.chat_request(req, tok, PRIORITIES, tool_call_parser=self.tool_call_parser)
-                return protocol.completion_request(req, tok, self.engine.model_config.vocab_size, PRIORITIES)
-            ereq = await by_size(raw, build)
-            params = self._params(ereq)
-            protocol.check_fits(ereq, params.max_tokens, self.engine.max_model_len)
-        except ApiError as e:
-            self._count(e)
-            raise
-        response_id = protocol.response_id(chat)
-        run = _Run(self, response_id, ereq, params, request.headers.items())
-        builder = ResponseBuilder(
-            chat=chat, response_id=response_id, model=self.model_name, created=int(time.time()), n=params.n,
-            prompt_lengths=[len(p.token_ids) for p in ereq.prompts], tokenizer=tok, logprobs=params.logprobs,
-            echo_texts=[p.text for p in ereq.prompts] if ereq.echo else None, include_usage=ereq.include_usage,
-            reasoning_parser=self.engine.config.reasoning_parser, tool_parser=ereq.tool_parser)
-        return await respond(request, run, builder, stream=ereq.stream, count_error=self._count)
-
-    # ------------------------------------------------------------------ other endpoints
-    async def models(self):
-        return protocol.model_list(self.model_name, self.created, root=self.engine.config.model,
-                                   max_model_len=self.engine.max_model_len)
-
-    async def health(self):
-        try:
-            self._check_serving()
-        except ApiError as e:
-            return JSONResponse(e.body(), status_code=e.status)
-        return Response(status_code=200)
-
-    async def tokenize(self, request: Request):
-        raw = await request.body()
-        req = parse(raw, protocol.TokenizeRequest)
-        self._check_model(req.model)
-        check_size(raw, self.max_request_bytes, req.messages is not None)  # 16 MiB took 19 s on the event loop
-
-        def tokenize():
-            return protocol.tokenize_response(req, self.engine.tokenizer, self.engine.max_model_len)
-        return await by_size(raw, tokenize)
-
-    async def detokenize(self, request: Request):
-        req = parse(await request.body(), protocol.DetokenizeRequest)
-        self._check_model(req.model)
-        return protocol.detokenize_response(req, self.engine.tokenizer, self.engine.model_config.vocab_size)
+        single = len(ereq.prompts) == 1
+        requests = []
+        for i, p in enumerate(ereq.prompts):
+            try:
+                requests.append(self.engine.make_request(response_id if single else f"{response_id}-{i}", p.token_ids,
+                                                         params, priority=ereq.priority, field=p.field))
+                check_max_tokens(len(p.token_ids), params.max_tokens, self.engine.max_model_len)
+            except ContextLengthError as e:
+                raise protocol.api_error(e, ereq.renames, code="context_length_exceeded") from e
+            except ValueError as e:
+                raise protocol.api_error(e, ereq.renames) from e
+        return _Run(self, requests, ereq, headers)
 
     # ------------------------------------------------------------------ serving
     async def start(self, host: str, port: int, **tls) -> int:
         """Serves the app on the running loop at host:port (0: a free port); returns the port. TLS: HttpServer.start."""
-        return await self.http.start(host, port, **tls)
+        return await self.api.start(host, port, **tls)
 
     async def stop(self, timeout_s: float = 10.0) -> None:
-        await self.http.stop(timeout_s)
+        await self.api.stop(timeout_s)

@@ -1,29 +1,27 @@
-"""The meshserve.v1.Inference servicer (`InferenceServicer`): requests in, validated and tokenized, through the
-AsyncEngine, tokens streamed back, every request ending in a last response or an explicit status; load reports
-(`LoadTracker`), drain. Details: docs/server.md."""
+"""The meshserve.v1.Inference servicer (`InferenceServicer`): requests in, read and checked (serving.wire.requests, then
+the engine's make_request), through the AsyncEngine, tokens streamed back, every request ending in a last response or
+an explicit status; load reports, drain. Details: docs/server.md."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
-import threading
 import time
 import uuid
 
 import grpc
 
-from serving.api.protocol import check_token_ids, encode_chat
 from serving.core.async_engine import AsyncEngine, EngineDeadError
-from serving.core.request import FinishReason, Priority
-from serving.core.sampling_params import SamplingParams, StructuredOutput
-from serving.core.scheduler import PromptTooLongError, QueueFullError
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.core.request import FinishReason, Request
+from serving.core.scheduler import QueueFullError
+from serving.params import InvalidArgument, check_max_tokens
+from serving.telemetry.load import LoadTracker
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer
-from serving.validation import (InvalidArgument, check_context, check_request_header, check_vocabulary,
-                                sampling_fields)
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import RETRY_PUSHBACK_KEY
+from serving.wire.requests import read_generate, status_details, tokenize_prompt
 
 log = logging.getLogger(__name__)
 
@@ -32,27 +30,7 @@ FINISH_REASONS = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT, FinishReason.TIMEOUT: pb.FINISH_REASON_TIMEOUT,
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
-RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"  # gRPC's standard server retry hint
-STEP_WINDOW_S = 10.0
 LARGE_REQUEST_BYTES = 32 << 10  # parsed and tokenized off the event loop
-
-
-def structured_output(sp: pb.SamplingParameters) -> StructuredOutput | None:
-    """meshserve.v1's StructuredOutput as the engine's (None when unset); raises ValueError naming the field."""
-    if not sp.HasField("structured"):
-        return None
-    so = sp.structured
-    kind = so.WhichOneof("kind")
-    if kind is None:
-        raise ValueError("structured: set one of json_schema, json_object, regex, grammar, choice")
-    value = getattr(so, kind)
-    if kind == "choice":
-        value = tuple(value.values)
-    elif kind == "json_object" and not value:
-        raise ValueError("structured.json_object: set it to true, or leave structured unset")
-    elif isinstance(value, str) and not value:
-        raise ValueError(f"structured.{kind}: empty")
-    return StructuredOutput(**{kind: value}, after_reasoning=so.after_reasoning)
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,52 +38,6 @@ class ServingOptions:
     instance_id: str = ""
     max_request_bytes: int = 1 << 20  # larger GenerateRequests get INVALID_ARGUMENT naming the prompt field
     retry_after_s: float = 1.0  # the hint sent with RESOURCE_EXHAUSTED
-
-
-class LoadTracker:
-    """Engine step listener (runs on the engine thread): per-step metrics, trace chunk records, and a rolling
-    window of steps for tokens/s and step-time percentiles in load reports."""
-
-    def __init__(self, metrics: ServerMetrics | None, tracer: RequestTracer | None):
-        self.metrics = metrics
-        self.tracer = tracer
-        self.steps = 0
-        self.device_step_times_s: dict[str, float] = {}
-        self._window: collections.deque[tuple[float, float, int, int]] = collections.deque()
-        self._last = None
-        self._lock = threading.Lock()
-
-    def __call__(self, engine, wall_s: float) -> None:
-        record = engine.last_step
-        if record is None or record is self._last:
-            return
-        self._last = record
-        step_time = max(record.device_step_times_s.values(), default=record.end_time - record.start_time)
-        num_sampled = sum(1 for s in record.scheduled if s.sample)
-        with self._lock:
-            self.steps += 1
-            self.device_step_times_s = dict(record.device_step_times_s)
-            self._window.append((record.end_time, step_time, record.num_scheduled_tokens, num_sampled))
-            while self._window and self._window[0][0] < record.end_time - STEP_WINDOW_S:
-                self._window.popleft()
-        if self.metrics is not None:
-            self.metrics.observe_step(record.num_scheduled_tokens, record.device_step_times_s)
-        if self.tracer is not None:
-            self.tracer.on_step(record.scheduled, record.start_time, record.end_time)
-
-    def snapshot(self, now: float) -> dict:
-        with self._lock:
-            window = list(self._window)
-            devices = dict(self.device_step_times_s)
-            steps = self.steps
-        recent = [w for w in window if w[0] >= now - 1.0]
-        times = sorted(w[1] for w in window if w[0] >= now - STEP_WINDOW_S)
-
-        def pct(q):
-            return times[min(len(times) - 1, int(q * len(times)))] if times else 0.0
-        return dict(tokens_per_s=float(sum(w[2] for w in recent)), generation_tokens_per_s=float(
-            sum(w[3] for w in recent)), step_time_p50_s=pct(0.5), step_time_p99_s=pct(0.99),
-            device_step_times_s=devices, steps=steps)
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -162,48 +94,15 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         return len(self.inflight)
 
     # ------------------------------------------------------------------ parsing
-    def _tokenize_prompt(self, which: str, req) -> list[int]:
-        tok = self.engine.tokenizer
-        if which == "text":
-            if not req.text:
-                raise InvalidArgument("text: the prompt is empty")
-            if tok is None:
-                raise InvalidArgument("text: this model has no tokenizer; send token_ids")
-            add = req.add_special_tokens if req.HasField("add_special_tokens") else True
-            return tok.encode(req.text, add_special_tokens=add)
-        if which == "token_ids":
-            ids = list(req.token_ids.ids)
-            if not ids:
-                raise InvalidArgument("token_ids: the prompt is empty")
-            check_token_ids("token_ids", ids, self.engine.model_config.vocab_size)
-            return ids
-        if which == "chat":
-            chat = req.chat
-            add_gen = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-            return encode_chat(tok, [{"role": m.role, "content": m.content} for m in chat.messages],
-                               field="chat.messages", add_generation_prompt=add_gen)
-        raise InvalidArgument("prompt: empty; set one of text, token_ids or chat")
-
-    def _sampling_params(self, sp: pb.SamplingParameters) -> SamplingParams:
-        """The shared checks (serving.validation), then token ids against the vocabulary, as the gateway runs them."""
-        try:
-            params = SamplingParams(**sampling_fields(sp), structured=structured_output(sp))
-            check_vocabulary(params, self.engine.model_config.vocab_size)
-            if params.structured is not None:  # compiled (or found in the cache) before anything is queued
-                self.engine.structured.compile(params.structured)
-        except ValueError as e:
-            raise InvalidArgument(f"sampling.{e}") from e
-        return params
-
-    def parse_generate(self, req: pb.GenerateRequest) -> tuple[list[int], SamplingParams, int]:
-        which = check_request_header(req, self.options.max_request_bytes, [p.value for p in Priority])
-        params = self._sampling_params(req.sampling)
-        ids = self._tokenize_prompt(which, req)
-        field = "chat.messages" if which == "chat" else which  # the name its other errors give it
-        if not ids:
-            raise InvalidArgument(f"{field}: the prompt has no tokens")
-        check_context(field, len(ids), params.max_tokens, self.engine.max_model_len)
-        return ids, params, int(req.priority)
+    def make_request(self, req: pb.GenerateRequest, request_id: str, time_remaining: float | None) -> Request:
+        """The engine's request for a GenerateRequest: read (serving.wire.requests), checked against the model
+        (the engine's make_request) and against the API's context rule; raises ValueError (`status_details`)."""
+        call = read_generate(req, self.options.max_request_bytes, tokenizer=self.engine.tokenizer,
+                             time_remaining=time_remaining)
+        request = self.engine.make_request(request_id, call.prompt_ids, call.params, priority=call.priority,
+                                           deadline=call.deadline, field=call.field)
+        check_max_tokens(len(call.prompt_ids), call.params.max_tokens, self.engine.max_model_len)
+        return request
 
     # ------------------------------------------------------------------ Generate
     async def _refuse(self, context, code: grpc.StatusCode, details: str, trailing=()) -> None:
@@ -217,25 +116,26 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         if self.draining:
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
                                "the server is draining and admits no new requests; send it elsewhere")
-        try:
-            if request.ByteSize() > LARGE_REQUEST_BYTES:  # tokenizing it would stall every other stream
-                prompt_ids, params, priority = await asyncio.to_thread(self.parse_generate, request)
-            else:
-                prompt_ids, params, priority = self.parse_generate(request)
-        except ValueError as e:
-            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         rid = request.request_id or uuid.uuid4().hex
+        try:
+            # Tokenizing a large prompt, or compiling a grammar, would stall every other stream.
+            if request.ByteSize() > LARGE_REQUEST_BYTES or request.sampling.HasField("structured"):
+                ereq = await asyncio.to_thread(self.make_request, request, rid, context.time_remaining())
+            else:
+                ereq = self.make_request(request, rid, context.time_remaining())
+        except ValueError as e:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, status_details(e))
         if rid in self.inflight:
             await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
+        num_prompt_tokens, params, deadline = ereq.num_prompt_tokens, ereq.sampling_params, ereq.deadline
         span = self.tracer.start(rid, context.invocation_metadata(), {
             "meshserve.request_id": rid, "meshserve.tenant": request.tenant or None,
-            "meshserve.priority": priority, "meshserve.prompt_tokens": len(prompt_ids)})
+            "meshserve.priority": ereq.priority, "meshserve.prompt_tokens": num_prompt_tokens},
+            start_time=ereq.arrival_time)  # the engine's request was made while parsing: its queue span starts there
         arrival = self.begin(rid)
         last_request, final, failure = None, None, None  # failure: (code, details, trailing)
         remaining = params.n  # samples not finished
-        stream = self.aengine.generate(rid, prompt_ids, params, priority=priority, deadline=deadline)
+        stream = self.aengine.stream(ereq)
         try:
             first = True
             async for out in stream:
@@ -263,10 +163,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             ms = int(self.options.retry_after_s * 1000)
             failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry in {self.options.retry_after_s:g}s",
                        ((RETRY_PUSHBACK_KEY, str(ms)),))
-        except PromptTooLongError as e:
-            failure = (grpc.StatusCode.INVALID_ARGUMENT, f"token_ids: {e}", ())
         except ValueError as e:
-            failure = (grpc.StatusCode.INVALID_ARGUMENT, str(e), ())
+            failure = (grpc.StatusCode.INVALID_ARGUMENT, status_details(e), ())
         except EngineDeadError as e:
             failure = (grpc.StatusCode.UNAVAILABLE, str(e), ())  # the instance cannot serve: retry elsewhere
         finally:
@@ -283,7 +181,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await stream.aclose()
             self.end(rid)
             if remaining and failure is None:  # cancelled: count it, with what it had got
-                self.record_abort(last_request, reason, num_prompt_tokens=len(prompt_ids), arrival_time=arrival)
+                self.record_abort(last_request, reason, num_prompt_tokens=num_prompt_tokens, arrival_time=arrival)
             label = "rejected" if final is None and failure is not None else reason.value
             self.tracer.finish(span, rid, last_request, finish_reason=label,
                                error=None if failure is None else failure[1])
@@ -353,7 +251,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         try:
             if which is None:
                 raise InvalidArgument("prompt: empty; set text or chat")
-            ids = self._tokenize_prompt(which, request)
+            ids = tokenize_prompt(which, request, self.engine.tokenizer)
         except ValueError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         resp = pb.TokenizeResponse(token_ids=ids, max_model_len=self.engine.max_model_len)

@@ -1,6 +1,6 @@
 """`RequestTracer`: OpenTelemetry traces of requests (a `generate` span with `queue`, `prefill_chunk` and `decode`
-children), written when the request ends; `make_tracer_provider` exports them over OTLP/gRPC or to a test exporter.
-Details: docs/metrics.md."""
+children), written when the request ends; `make_tracer_provider` exports them over OTLP/gRPC (TLS with a CA file) or
+to a test exporter. Token ids go into spans only when asked (`trace_content`). Details: docs/metrics.md."""
 from __future__ import annotations
 
 import threading
@@ -24,10 +24,10 @@ def epoch_ns(monotonic_s: float) -> int:
     return int(monotonic_s * 1e9) + _MONO_TO_EPOCH_NS
 
 
-def make_tracer_provider(service_name: str, *, otlp_endpoint: str = "", exporter: SpanExporter | None = None,
-                         max_events: int = 8192) -> TracerProvider | None:
-    """A provider that exports to `exporter` (synchronously: tests) or to an OTLP/gRPC collector (batched);
-    None when neither is given (tracing off)."""
+def make_tracer_provider(service_name: str, *, otlp_endpoint: str = "", otlp_ca_file: str = "",
+                         exporter: SpanExporter | None = None, max_events: int = 8192) -> TracerProvider | None:
+    """A provider that exports to `exporter` (synchronously: tests) or to an OTLP/gRPC collector (batched; over TLS
+    checked against `otlp_ca_file` when given, else plaintext); None when neither is given (tracing off)."""
     if exporter is None and not otlp_endpoint:
         return None
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
@@ -36,15 +36,25 @@ def make_tracer_provider(service_name: str, *, otlp_endpoint: str = "", exporter
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+        if otlp_ca_file:
+            import grpc
+            with open(otlp_ca_file, "rb") as f:
+                credentials = grpc.ssl_channel_credentials(root_certificates=f.read())
+            otlp = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=False, credentials=credentials)
+        else:
+            otlp = OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)
+        provider.add_span_processor(BatchSpanProcessor(otlp))
     return provider
 
 
 class RequestTracer:
-    """Collects prefill-chunk timings from engine steps and writes each request's spans when it ends."""
+    """Collects prefill-chunk timings from engine steps and writes each request's spans when it ends. Decode events
+    carry each token's index and time; its id only with `trace_content` (traces often leave the trust boundary of
+    the prompts: a shared collector, a vendor)."""
 
-    def __init__(self, provider: TracerProvider | None):
+    def __init__(self, provider: TracerProvider | None, *, trace_content: bool = False):
         self.provider = provider
+        self.trace_content = trace_content
         self._tracer = provider.get_tracer("meshserve.server") if provider else None
         self._chunks: dict[str, list[tuple[int, int, float, float]]] = {}  # request id -> chunks
         self._lock = threading.Lock()
@@ -53,15 +63,17 @@ class RequestTracer:
     def enabled(self) -> bool:
         return self._tracer is not None
 
-    def start(self, request_id: str, metadata: Iterable[tuple[str, str]] | None, attributes: Mapping):
-        """Opens the request's root span (a child of the caller's `traceparent`, if any); None when off."""
+    def start(self, request_id: str, metadata: Iterable[tuple[str, str]] | None, attributes: Mapping,
+              start_time: float | None = None):
+        """Opens the request's root span (a child of the caller's `traceparent`, if any) at `start_time` (monotonic
+        seconds: the request's arrival; None: now); None when off."""
         if self._tracer is None:
             return None
         parent = extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})
         with self._lock:
             self._chunks[request_id] = []
         return self._tracer.start_span("generate", context=parent, kind=SpanKind.SERVER,
-                                       start_time=epoch_ns(time.monotonic()),
+                                       start_time=epoch_ns(time.monotonic() if start_time is None else start_time),
                                        attributes={k: v for k, v in attributes.items() if v is not None})
 
     def on_step(self, scheduled, start_time: float, end_time: float) -> None:
@@ -98,7 +110,7 @@ class RequestTracer:
                 out = request.output_token_ids
                 for i, t in enumerate(m.token_times):
                     attrs = {"meshserve.token_index": i}
-                    if i < len(out):
+                    if self.trace_content and i < len(out):
                         attrs["meshserve.token_id"] = int(out[i])
                     decode.add_event("token", attributes=attrs, timestamp=epoch_ns(t))
                 decode.end(end_time=epoch_ns(m.finished_time or now))

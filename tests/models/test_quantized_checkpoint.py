@@ -381,7 +381,8 @@ def test_our_float_model_on_the_dequantised_weights_matches_the_reference(family
 E2E = [("llama", s) for s in _scheme_for("llama")] + [
     (f, s) for f in ("qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe") for s in (
         "int8-w8a8", "fp8-dynamic", "deepseek-fp8")] + [
-    ("llama-whole", "int8-w8a16-g128"), ("llama-whole", "fp8-block")]
+    ("llama-whole", "int8-w8a16-g128"), ("llama-whole", "fp8-block"),
+    ("phi3", "int8-w8a8"), ("phi3", "deepseek-fp8")]  # fused qkv_proj / gate_up_proj: values and scales split
 
 
 def test_partial_blocks_are_refused_by_name(sources, tmp_path):

@@ -1,4 +1,4 @@
-"""The model with a quantized KV cache (`init_kv_caches(kv_cache_dtype=)`): the caches it builds and their shardings,
+"""The model with a quantized KV cache (`kv_cache_specs(kv_cache_dtype=)`): the caches it builds and their shardings,
 tensor parallelism over the 8 fake CPU devices equal to one device (KV heads split, and replicated with each shard
 slicing its heads), and the shipped tiny model: its teacher-forced logits over int8 / fp8 caches against its float32
 cache's, and the granularity measurement on its real q / K / V."""
@@ -12,7 +12,7 @@ import pytest
 
 import models.attention
 from models.tokenizer import Tokenizer
-from models.transformer import init_kv_caches
+from models.kv_cache import attention_spec, init_kv_caches
 from models.weights import load_hf_model
 from pallas_kernels import kv_quant
 from pallas_kernels.cases import kv_granularity_errors, make_case
@@ -20,7 +20,7 @@ from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.metadata import AttentionMetadata
 from serving.core.batch import SeqChunk, build_batch
 from serving.process import REPO_ROOT
-from sharding.mesh import kv_cache_sharding, mesh_context, serving_mesh
+from sharding.mesh import mesh_context, serving_mesh
 from tests.support.paged_runner import PagedRunner
 
 FORMATS = ("int8", "fp8_e4m3")
@@ -37,10 +37,10 @@ def tiny():
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_init_kv_caches_builds_quantized_caches_sharded_like_the_pages(tiny, kv_cache_dtype):
-    cfg = tiny[0].config  # 2 KV heads of 64
-    mesh = serving_mesh(tp=2)
-    sharding = kv_cache_sharding(cfg.num_kv_heads, mesh)
-    caches = init_kv_caches(cfg, 12, 16, jnp.bfloat16, sharding, kv_cache_dtype=kv_cache_dtype)
+    model = tiny[0]
+    cfg = model.config  # 2 KV heads of 64
+    specs = model.kv_cache_specs(dtype=jnp.bfloat16, kv_cache_dtype=kv_cache_dtype)
+    caches = init_kv_caches(specs, 12, 16, serving_mesh(tp=2))
     assert len(caches) == cfg.num_layers and all(isinstance(c, QuantizedKV) for c in caches)
     kv = caches[0]
     assert kv.values.shape == (12, 16, 4, 64) and kv.scales.shape == (12, 16, 4)
@@ -49,9 +49,9 @@ def test_init_kv_caches_builds_quantized_caches_sharded_like_the_pages(tiny, kv_
     assert tuple(kv.values.sharding.spec) == (None, None, "tensor", None)
     assert tuple(kv.scales.sharding.spec) == (None, None, "tensor")
     assert not np.asarray(kv.values).any() and not np.asarray(kv.scales).any()
-    assert isinstance(init_kv_caches(cfg, 12, 16, jnp.bfloat16)[0], jax.Array)  # "auto": as before
+    assert isinstance(init_kv_caches(model.kv_cache_specs(dtype=jnp.bfloat16), 12, 16)[0], jax.Array)  # "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype='int4'"):
-        init_kv_caches(cfg, 12, 16, kv_cache_dtype="int4")
+        model.kv_cache_specs(dtype=jnp.bfloat16, kv_cache_dtype="int4")
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
@@ -68,7 +68,7 @@ def test_tensor_parallel_paged_attention_on_a_quantized_cache_matches_one_device
     out_1, kv_1 = jax.jit(attend)(jnp.asarray(q), k, v, kv, md)
 
     mesh = serving_mesh(tp=tp)
-    sharding = kv_cache_sharding(2, mesh)
+    sharding = attention_spec(2, 64, dtype=jnp.float32, kv_cache_dtype=kv_cache_dtype).sharding(mesh, kv.shape[0])
     kv_tp = QuantizedKV(jax.device_put(kv.values, sharding),
                         jax.device_put(kv.scales, kv_quant.scales_sharding(sharding)))
     with mesh_context(mesh):
@@ -113,7 +113,7 @@ def test_granularity_on_the_tiny_models_real_keys_and_values(tiny, monkeypatch):
     monkeypatch.setattr(models.attention, "paged_attention", capture)
     batch = jax.tree.map(jnp.asarray, build_batch([SeqChunk(ids, 0, list(range(12)))], page_size=16,
                                                   num_tokens=len(ids), num_seqs=2, max_pages=12))
-    model(batch, init_kv_caches(model.config, 12, 16))
+    model(batch, init_kv_caches(model.kv_cache_specs(dtype=jnp.float32), 12, 16))
     assert len(captured) == model.config.num_layers
     errors = [kv_granularity_errors(q.reshape(len(ids), k.shape[1], -1, q.shape[-1]), k, v) for q, k, v in captured]
     mean = {name: float(np.mean([e[name] for e in errors])) for name in errors[0]}

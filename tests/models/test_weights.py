@@ -115,6 +115,19 @@ def _copy_with(src_dir, dst_dir, edit):
     return dst_dir
 
 
+def test_orbax_round_trip_keeps_the_rope_scaling(tmp_path):
+    """Phi-4-mini's shape (fused weights split at load, longrope's short factors and attention factor, a partial
+    rotary dimension, the capped context) through an Orbax checkpoint: the same config, the same logits as HF."""
+    d = str(tmp_path / "phi4_mini")
+    hf = hf_models.save_hf_model("phi4_mini", d)
+    model = load_hf_model(d)
+    save_orbax(model, str(tmp_path / "orbax"), hf_dir=d)
+    restored = load_model(str(tmp_path / "orbax"))
+    assert restored.config == model.config and restored.config.rope.short_factor == (1.0, 1.1, 1.3, 1.8, 2.5, 3.0)
+    prompt = hf_models.random_prompt(20, 160, seed=7)
+    np.testing.assert_allclose(_prompt_logits(restored, prompt), hf_models.hf_logits(hf, prompt), atol=1e-4)
+
+
 def test_missing_tensor_is_named(llama_dir, tmp_path):
     d = _copy_with(llama_dir[0], str(tmp_path / "m"), lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
     with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.weight.*missing"):

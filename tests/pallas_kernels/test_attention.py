@@ -116,6 +116,28 @@ def test_padding_does_not_disturb_real_sequences(backend):
     np.testing.assert_allclose(out_padded[:7], _run(backend, tight, {}), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_never_uses_pages_before_its_window(backend):
+    """A hybrid KV cache frees a sliding-window layer's page once every query still to come starts past it (its
+    page-table entry then points at whatever page: `serving.core.batch.window_arrays` gives 0). Those entries here
+    point at a page of huge values: each query's result is still its window's."""
+    seqs = [(1, 40), (20, 47), (6, 6), (3, 30)]
+    window, ps = 5, 8
+    case = make_case(np.random.default_rng(11), seqs, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=ps,
+                     extra_pages=1)
+    pages = case.arrays["page_indices"]
+    garbage = next(iter(set(range(case.kv_pages.shape[0])) - set(pages[:len(seqs)].ravel().tolist())))
+    case.kv_pages[garbage] = 3e4 * np.sign(case.kv_pages[garbage])
+    dead = 0
+    for i, (q_len, kv_len) in enumerate(seqs):
+        first = max(0, kv_len - q_len - window + 1) // ps  # the first block any of its queries reads
+        pages[i, :first] = garbage
+        dead += first
+    assert dead >= 8
+    options = dict(sliding_window=window, logit_soft_cap=30.0)
+    _check(_run(backend, case, options), case, options, atol=2e-5, rtol=2e-5)
+
+
 @st.composite
 def ragged_batches(draw, max_seqs=4, max_q=12, max_kv=40):
     n = draw(st.integers(1, max_seqs))

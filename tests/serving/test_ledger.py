@@ -12,12 +12,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from models.config import ModelConfig
-from models.transformer import kv_cache_shape
+from models.kv_cache import init_kv_caches
+from models.transformer import kv_cache_specs
 from models.weights import abstract_model
 from serving import ledger
 from serving.ledger import GB, GiB, KiB, Hardware, Layout, ModelMemory, Workload
 from sharding.mesh import make_mesh
-from sharding.rules import DEFAULT_RULES, MESH_AXES, kv_cache_partition_spec, shard_shape
+from sharding.rules import DEFAULT_RULES, MESH_AXES, shard_shape
 
 
 def test_source_example_kv_figures():
@@ -137,9 +138,11 @@ def test_ledger_matches_allocated_arrays(cfg, layout):
             axes = var.get_metadata()["axes"]
             wanted += [(tuple(var.shape), DEFAULT_RULES.partition_spec(axes, var.shape, smesh))] * copies
         weights = _allocate(wanted, smesh, jnp.bfloat16)
-        kv_shape = kv_cache_shape(cfg, pages_per_replica * layout.dp, work.page_size)
-        kv_spec = kv_cache_partition_spec(cfg.num_kv_heads, dict(smesh.shape))
-        kv = _allocate([(kv_shape, kv_spec)] * slots, smesh, jnp.bfloat16)  # one buffer per slot, padding too
+        # as the runners allocate it: each slot's spec (the model's declaration), its shape and rules' layout
+        num_pages = pages_per_replica * layout.dp
+        kv = _allocate([(spec.shape(num_pages, work.page_size), spec.partition_spec(dict(smesh.shape), num_pages))
+                        for spec in kv_cache_specs(cfg, dtype="bfloat16")[:slots]],  # a buffer per slot, padding too
+                       smesh, jnp.bfloat16)
         predicted = ledger.device_ledger(mm, work, layout, hw) if layout.pp == 1 else None
         w_pred = mm.stage_weight_bytes(layout, s)
         kv_pred = (work.requests_per_replica(layout) * work.pages_per_request * work.page_size
@@ -155,11 +158,12 @@ def test_ledger_matches_allocated_arrays(cfg, layout):
 
 
 def test_kv_heads_fewer_than_tp_replicate_the_cache():
-    mm = ModelMemory(DENSE, "bfloat16")
-    assert mm.kv_heads_per_device(Layout(tp=2)) == 1
-    assert mm.kv_heads_per_device(Layout(tp=4)) == 2  # 2 KV heads cannot be split 4 ways
-    spec = kv_cache_partition_spec(2, {"tensor": 4})
-    assert shard_shape(spec, (10, 16, 4, 8), {"tensor": 4}) == (10, 16, 4, 8)
+    kv = ModelMemory(DENSE, "bfloat16").kv_specs[0]  # 2 KV heads
+    assert kv.device_heads(Layout(tp=2).axis_sizes) == 1
+    assert kv.device_heads(Layout(tp=4).axis_sizes) == 2  # 2 KV heads cannot be split 4 ways
+    # checked on the heads, not the 4 rows (K and V of each): 4 rows over 4 devices would split a head's K from its V
+    spec = kv.partition_spec({"tensor": 4}, num_pages=10)
+    assert shard_shape(spec, kv.shape(10, 16), {"tensor": 4}) == (10, 16, 4, 8)
 
 
 def test_plan_kv_pages_fills_the_budget():
@@ -253,3 +257,38 @@ def test_uneven_pipeline_stages_count_their_padding_slots():
     assert "20+20+20+20 layers, 20 slots each\n" in even
     with pytest.raises(ValueError, match="needs 1 .. 4 stages"):
         mm.stage_layers(Layout(pp=5))
+
+
+def test_hybrid_kv_cache_counts_a_window_layer_at_its_window():
+    """Gemma 3 27B: 10 full layers hold every token, 52 local ones (window 1024) about 1024 + 15 (their pages); per
+    device at tp=8 an eighth (16 KV heads); the engine's sizing and its allocated arrays agree with the arithmetic."""
+    _, cfg = ledger.load_config("gemma-3-27b")
+    row = 2 * 16 * 128 * 2  # K and V of 16 heads of 128, bf16: one layer, one token
+    hybrid, plain = ModelMemory(cfg, "bfloat16"), ModelMemory(cfg, "bfloat16", hybrid=False)
+    assert hybrid.windows == (1024,) and plain.windows == ()
+    assert (hybrid.pool_kv_bytes_per_token(None), hybrid.pool_kv_bytes_per_token(1024)) == (10 * row, 52 * row)
+    assert hybrid.window_tokens(1024, 32768, 16) == 1040 and hybrid.window_tokens(1024, 100, 16) == 112
+    assert hybrid.stage_kv_bytes_per_request(Layout(), 0, 32768, 16) == (10 * 32768 + 52 * 1040) * row
+    assert hybrid.stage_kv_bytes_per_request(Layout(tp=8), 0, 32768, 16) == (10 * 32768 + 52 * 1040) * row // 8
+    assert plain.stage_kv_bytes_per_request(Layout(tp=8), 0, 32768, 16) == 62 * 32768 * row // 8
+    # the engine's sizing from a byte budget: the table's pages, beside each a window pool capped at its sequences'
+    small = ModelConfig.from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "sliding_window": 64})
+    budget, seqs, step = 2 * 2**20, 4, 64
+    pages = ledger.kv_cache_pages(small, dtype="float32", page_size=16, kv_cache_bytes=budget, max_seqs=seqs,
+                                  max_batched_tokens=step)
+    windows = ledger.window_pages((64,), pages, 16, seqs, step)
+    assert windows == {64: 4 * (4 + 2) + 4} and pages > windows[64]
+    caches = init_kv_caches(kv_cache_specs(small, dtype="float32"), pages, 16, window_pages=windows)
+    allocated = sum(x.nbytes for x in jax.tree.leaves(caches))
+    one_page = 16 * 2 * 2 * 16 * 4  # one page of one layer
+    assert allocated <= budget < allocated + one_page  # filled: one more table page would not fit
+    assert [x.shape[0] for x in caches] == [windows[64]] * 5 + [pages]
+    assert ledger.kv_cache_pages(small, dtype="float32", page_size=16, kv_cache_bytes=budget, max_seqs=seqs,
+                                 max_batched_tokens=step, hybrid=False) == budget // (6 * one_page)
+    text = ledger.ledger_summary(small, dtype="float32", page_size=16, num_pages=pages, mesh_shape={},
+                                 window_pages=windows)
+    assert f"{pages} pages x 16 tokens" in text and f"window pools 64 tokens: {windows[64]} pages" in text
+

@@ -175,7 +175,7 @@ def test_grpc_server_across_two_processes(served_model, tmp_path):
     process's; killing the follower gives the client UNAVAILABLE and the leader exits non-zero."""
     import grpc
 
-    from serving.server.client import Client, ClientError
+    from serving.wire.client import Client, ClientError
     from serving.process import ServerProcess
     coord = _free_port()
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}

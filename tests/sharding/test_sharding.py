@@ -10,6 +10,7 @@ import transformers as tf
 from serving.core.batch import SeqChunk
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
+from serving.core.request import Request
 from serving.core.sampling_params import SamplingParams
 from tests.support import hf_models
 
@@ -31,6 +32,15 @@ def models(tmp_path_factory):
         "qwen2_moe": hf_models.save_config(tf.Qwen2MoeConfig(
             **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
             shared_expert_intermediate_size=64), root / "qwen2_moe"),
+        # Phi-4-mini's shape: fused qkv_proj / gate_up_proj split at load, longrope over 3/4 of each head.
+        "phi3": hf_models.save_config(tf.Phi3Config(
+            **common, original_max_position_embeddings=128, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0], "long_factor": [2.0] * 6}), root / "phi3"),
+        # Gemma 3: local (window 12) and global layers, the local ones on the hybrid KV cache's window pool.
+        "gemma3": hf_models.save_config(tf.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]), root / "gemma3"),
     }
 
 
@@ -41,8 +51,16 @@ def _engine(path, **kw):
 
 
 def _prompt_logits(engine):
-    chunks = [SeqChunk(p, 0, list(range(i * 6, i * 6 + 6))) for i, p in enumerate(PROMPTS[:2])]
+    """The last-token logits of two prompts prefilled together, their pages from the engine's block manager (a
+    hybrid KV cache's window pages too)."""
+    bm, requests = engine.scheduler.block_manager, []
+    for i, p in enumerate(PROMPTS[:2]):
+        requests.append(Request(f"p{i}", p, GREEDY, arrival_time=0.0))
+        assert bm.allocate(requests[-1], len(p))
+    chunks = [SeqChunk(r.token_ids, 0, r.block_table) for r in requests]
     logits, _ = engine.runner.run_forward(engine.runner.step_batch(chunks, 64, 8))
+    for r in requests:
+        bm.free(r)
     return np.asarray(logits)[:2]
 
 
@@ -71,7 +89,8 @@ def reference(models):
 LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("llama", dict(tp=8)),
            ("mixtral", dict(ep=2)), ("mixtral", dict(ep=4)), ("mixtral", dict(ep=8)),
            ("qwen2_moe", dict(ep=2)), ("qwen2_moe", dict(ep=4)), ("qwen2_moe", dict(ep=8)),
-           ("mixtral", dict(tp=2, ep=2)), ("qwen2_moe", dict(tp=2, ep=4))]
+           ("mixtral", dict(tp=2, ep=2)), ("qwen2_moe", dict(tp=2, ep=4)), ("phi3", dict(tp=2)),
+           ("gemma3", dict(tp=2))]
 
 
 @pytest.mark.parametrize("name, layout", LAYOUTS, ids=[f"{n}-" + "-".join(f"{k}{v}" for k, v in l.items())

@@ -2,7 +2,7 @@
 meshserve.v1 GenerateRequests over every field (`generate_requests`, judged by `generate_faults`), OpenAI HTTP bodies
 (`http_requests`, judged by `http_faults`), requests protobuf cannot decode (`request_with_bad_utf8`,
 `CORRUPT_REQUESTS`) and raw bytes for the ports (`garbage`). The judges work from the documented ranges
-(meshserve.proto, the OpenAI parameters), not by calling serving.validation, so a check that drifts from them shows up
+(meshserve.proto, the OpenAI parameters), not by calling serving.params, so a check that drifts from them shows up
 as a disagreement."""
 from __future__ import annotations
 
@@ -14,11 +14,16 @@ import uuid
 
 from hypothesis import strategies as st
 
-from serving.server.proto import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2 as pb
 
 VOCAB = 512  # models.synthetic.shared_small_llama()
 CONTEXT = 512
 MAX_REQUEST_BYTES = 1 << 20  # the servers' default --max_request_bytes
+TRANSPORT_SLACK_BYTES = 64 << 10  # serving.transport: gRPC core reads no message past the limit + this
+# Grammars over the bounds of serving/core/structured.py (refused before anything parses or compiles them): a JSON
+# schema nested past Python's recursion limit (once a RecursionError, a 500), a valid Lark grammar of ~200K characters.
+DEEP_SCHEMA = '{"type": "array", "items": ' * 1200 + "{}" + "}" * 1200
+HUGE_GRAMMAR = "start: " + " | ".join(f'"w{i}"' for i in range(20000))
 DEFAULT_MAX_TOKENS = 16
 MAX_N, MAX_LOGPROBS, MAX_LOGIT_BIAS, MAX_REQUEST_ID = 16, 20, 300, 256
 TEMPLATE_ROLES = ("system", "user", "assistant", "tool")  # the test model's chat template knows these, no others
@@ -117,7 +122,10 @@ grpc_prompts_valid = st.one_of(
 grpc_prompts_wrong = st.one_of(
     st.just(("none", None)),
     st.one_of(st.just(""), st.integers(480, 700).map(words),
-              st.integers(0, 4000).map(lambda k: "y" * (MAX_REQUEST_BYTES + 1000 + k))).map(lambda t: ("text", t)),
+              st.integers(0, 4000).map(lambda k: "y" * (MAX_REQUEST_BYTES + 1000 + k)),
+              # past the transport's limit: refused by gRPC core before it is decoded (RESOURCE_EXHAUSTED)
+              st.integers(0, 1000).map(lambda k: "z" * (MAX_REQUEST_BYTES + TRANSPORT_SLACK_BYTES + k))
+              ).map(lambda t: ("text", t)),
     st.one_of(st.just([]), st.lists(token_ids_any, min_size=1, max_size=8),
               st.integers(500, 560).map(lambda k: [7] * k),
               st.just([300] * (MAX_REQUEST_BYTES // 2 + 1000))).map(lambda ids: ("token_ids", ids)),
@@ -189,7 +197,8 @@ def generate_requests(draw) -> GrpcCase:
     # other draws set freely): no kind set, and grammars that do not compile.
     structured = pick("structured", st.none(), st.sampled_from(
         [("empty", None), ("regex", "a(("), ("json_schema", "{"), ("json_schema", '{"type": 5}'),
-         ("grammar", "start: nowhere"), ("choice", [])]))
+         ("grammar", "start: nowhere"), ("choice", []), ("json_schema", DEEP_SCHEMA), ("grammar", HUGE_GRAMMAR),
+         ("choice", ["c" * 1000] * 200)]))
     if structured is not None:
         kind, value = structured
         req.sampling.structured.SetInParent()

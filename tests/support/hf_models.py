@@ -26,10 +26,36 @@ def family_configs():
                                                mlp_only_layers=[1]),
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
                                                moe_intermediate_size=48, norm_topk_prob=True, head_dim=16),
+        # Phi-3-mini-4k / Phi-4: fused qkv_proj and gate_up_proj, plain RoPE, a sliding window on every layer.
+        "phi3": lambda: tf.Phi3Config(**COMMON, sliding_window=24),
+        # Phi-4-mini: longrope (short factors and the attention factor of max / original positions 512 / 128),
+        # a quarter of each head not rotated, tied embeddings.
+        "phi4_mini": lambda: tf.Phi3Config(**COMMON, tie_word_embeddings=True, original_max_position_embeddings=128,
+                                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                            "partial_rotary_factor": 0.75,
+                                                            "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0],
+                                                            "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}),
+        # Gemma 3: local (window 12) and global layers interleaved, each kind with its RoPE (the global one scaled),
+        # query_pre_attn_scalar 24 (not head_dim 16), a final logit soft-cap, tied embeddings, GeGLU.
+        "gemma3": lambda: tf.Gemma3TextConfig(
+            **{**COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=3.0,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+        # YaRN from 16 original positions (a 40-token prompt goes 24 past them): Qwen3 with the attention factor
+        # from `factor`; Qwen2 with it from mscale / mscale_all_dim, other betas and an untruncated ramp.
+        "qwen3_yarn": lambda: tf.Qwen3Config(**{**COMMON, "max_position_embeddings": 64}, head_dim=32, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "original_max_position_embeddings": 16}),
+        "qwen2_yarn": lambda: tf.Qwen2Config(**{**COMMON, "max_position_embeddings": 128}, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000.0, "factor": 8.0, "original_max_position_embeddings": 16,
+            "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}),
     }
 
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
+# Families whose 1-D parameters (norm weights, biases) are moved away from their init values (1, 0), so that a
+# loader or model that ignores them fails parity.
+PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3")
 
 
 def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
@@ -38,6 +64,12 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32):
     cfg = family_configs()[family]()
     cfg._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager")
+    if family in PERTURBED:
+        g = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.ndim == 1:
+                    p.add_(0.2 * torch.randn(p.shape, generator=g))
     model.eval()
     return model
 

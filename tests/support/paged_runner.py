@@ -9,7 +9,7 @@ from flax import nnx
 
 from serving.core.batch import SeqChunk, build_batch
 from models.moe import ExpertCounts
-from models.transformer import init_kv_caches
+from models.kv_cache import init_kv_caches
 
 
 class PagedRunner:
@@ -18,7 +18,7 @@ class PagedRunner:
         self.page_size, self.max_pages = page_size, max_pages
         self.graphdef, self.state = nnx.split(model)
         dtype = cache_dtype or jax.tree.leaves(self.state)[0].dtype
-        self.kv = init_kv_caches(self.cfg, num_pages, page_size, dtype, kv_cache_dtype=kv_cache_dtype)
+        self.kv = init_kv_caches(model.kv_cache_specs(dtype=dtype, kv_cache_dtype=kv_cache_dtype), num_pages, page_size)
         self.next_free = 0
 
         def forward(m, batch, kv):  # MoE layers sow expert counts, which only nnx.capture may collect

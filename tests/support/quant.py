@@ -9,9 +9,11 @@ import torch
 
 from models.quant import WeightQuant, dequantize, quantize
 
-# The HF parameters meshserve quantizes: attention projections, dense / shared-expert MLPs and the experts (the
-# router, the shared-expert gate, the embedding and the LM head stay float).
-QUANTIZED_HF = re.compile(r"(self_attn\.[qkvo]_proj\.weight|mlp\.(shared_expert\.)?(gate|up|down)_proj\.weight|"
+# The HF parameters meshserve quantizes: attention projections, dense / shared-expert MLPs (Phi-3's fused ones: per
+# output row, as each part's own) and the experts (the router, the shared-expert gate, the embedding and the LM head
+# stay float).
+QUANTIZED_HF = re.compile(r"(self_attn\.([qkvo]|qkv)_proj\.weight|"
+                          r"mlp\.(shared_expert\.)?(gate|up|down|gate_up)_proj\.weight|"
                           r"experts\.\d+\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight|"
                           r"experts\.(gate_up_proj|down_proj)$)")
 

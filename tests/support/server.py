@@ -2,7 +2,7 @@
 import contextlib
 import time
 
-from serving.server.client import Client
+from serving.wire.client import Client
 
 
 def wait_idle(client: Client, timeout: float = 10.0):

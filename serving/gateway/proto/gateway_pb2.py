@@ -22,42 +22,42 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from serving.server.proto import meshserve_pb2 as serving_dot_server_dot_proto_dot_meshserve__pb2
+from serving.wire import meshserve_pb2 as serving_dot_wire_dot_meshserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#serving/gateway/proto/gateway.proto\x12\x14meshserve.gateway.v1\x1a$serving/server/proto/meshserve.proto\"q\n\x10SubmitJobRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x14\n\x0c\x63\x61llback_url\x18\x02 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x83\x01\n\tJobResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.meshserve.v1.Usage\"\xb8\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.meshserve.gateway.v1.JobState\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x14\n\x0c\x63reated_time\x18\x04 \x01(\x01\x12\x14\n\x0cupdated_time\x18\x05 \x01(\x01\x12/\n\x06result\x18\x06 \x01(\x0b\x32\x1f.meshserve.gateway.v1.JobResult\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x14\n\x0c\x63\x61llback_url\x18\t \x01(\t\x12\x17\n\x0f\x63\x61llback_status\x18\n \x01(\t\x12\x10\n\x08\x61ttempts\x18\x0b \x01(\r\x12\x19\n\x11\x63\x61llback_attempts\x18\x0c \x01(\r\"\x16\n\x14ListInstancesRequest\"\x8a\x02\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x11\n\tlong_lane\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x14\n\x0cstate_reason\x18\x06 \x01(\t\x12\x10\n\x08inflight\x18\x07 \x01(\r\x12\x14\n\x0crouted_total\x18\x08 \x01(\x04\x12\r\n\x05score\x18\t \x01(\x01\x12\x14\n\x0creport_age_s\x18\n \x01(\x01\x12-\n\x0blast_report\x18\x0b \x01(\x0b\x32\x18.meshserve.v1.LoadReport\x12\x18\n\x10window_latency_s\x18\x0c \x01(\x01\"\x80\x01\n\x15ListInstancesResponse\x12\x37\n\tinstances\x18\x01 \x03(\x0b\x32$.meshserve.gateway.v1.InstanceStatus\x12\x16\n\x0erouting_policy\x18\x02 \x01(\t\x12\x16\n\x0e\x63onfig_version\x18\x03 \x01(\x04\"4\n\x14\x44rainInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"\x15\n\x13ReloadConfigRequest\"N\n\x14ReloadConfigResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x63onfig_version\x18\x03 \x01(\x04*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xbe\x02\n\x04Jobs\x12N\n\tSubmitJob\x12&.meshserve.gateway.v1.SubmitJobRequest\x1a\x19.meshserve.gateway.v1.Job\x12H\n\x06GetJob\x12#.meshserve.gateway.v1.GetJobRequest\x1a\x19.meshserve.gateway.v1.Job\x12L\n\x08WatchJob\x12#.meshserve.gateway.v1.GetJobRequest\x1a\x19.meshserve.gateway.v1.Job0\x01\x12N\n\tCancelJob\x12&.meshserve.gateway.v1.CancelJobRequest\x1a\x19.meshserve.gateway.v1.Job2\xc2\x02\n\x0cGatewayAdmin\x12h\n\rListInstances\x12*.meshserve.gateway.v1.ListInstancesRequest\x1a+.meshserve.gateway.v1.ListInstancesResponse\x12\x61\n\rDrainInstance\x12*.meshserve.gateway.v1.DrainInstanceRequest\x1a$.meshserve.gateway.v1.InstanceStatus\x12\x65\n\x0cReloadConfig\x12).meshserve.gateway.v1.ReloadConfigRequest\x1a*.meshserve.gateway.v1.ReloadConfigResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#serving/gateway/proto/gateway.proto\x12\x14meshserve.gateway.v1\x1a\x1cserving/wire/meshserve.proto\"q\n\x10SubmitJobRequest\x12.\n\x07request\x18\x01 \x01(\x0b\x32\x1d.meshserve.v1.GenerateRequest\x12\x14\n\x0c\x63\x61llback_url\x18\x02 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x03 \x01(\t\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x83\x01\n\tJobResult\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.meshserve.v1.Usage\"\xb8\x02\n\x03Job\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.meshserve.gateway.v1.JobState\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x14\n\x0c\x63reated_time\x18\x04 \x01(\x01\x12\x14\n\x0cupdated_time\x18\x05 \x01(\x01\x12/\n\x06result\x18\x06 \x01(\x0b\x32\x1f.meshserve.gateway.v1.JobResult\x12\x12\n\nerror_code\x18\x07 \x01(\t\x12\x15\n\rerror_message\x18\x08 \x01(\t\x12\x14\n\x0c\x63\x61llback_url\x18\t \x01(\t\x12\x17\n\x0f\x63\x61llback_status\x18\n \x01(\t\x12\x10\n\x08\x61ttempts\x18\x0b \x01(\r\x12\x19\n\x11\x63\x61llback_attempts\x18\x0c \x01(\r\"\x16\n\x14ListInstancesRequest\"\x8a\x02\n\x0eInstanceStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\t\x12\x0c\n\x04pool\x18\x03 \x01(\t\x12\x11\n\tlong_lane\x18\x04 \x01(\x08\x12\r\n\x05state\x18\x05 \x01(\t\x12\x14\n\x0cstate_reason\x18\x06 \x01(\t\x12\x10\n\x08inflight\x18\x07 \x01(\r\x12\x14\n\x0crouted_total\x18\x08 \x01(\x04\x12\r\n\x05score\x18\t \x01(\x01\x12\x14\n\x0creport_age_s\x18\n \x01(\x01\x12-\n\x0blast_report\x18\x0b \x01(\x0b\x32\x18.meshserve.v1.LoadReport\x12\x18\n\x10window_latency_s\x18\x0c \x01(\x01\"\x80\x01\n\x15ListInstancesResponse\x12\x37\n\tinstances\x18\x01 \x03(\x0b\x32$.meshserve.gateway.v1.InstanceStatus\x12\x16\n\x0erouting_policy\x18\x02 \x01(\t\x12\x16\n\x0e\x63onfig_version\x18\x03 \x01(\x04\"4\n\x14\x44rainInstanceRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06resume\x18\x02 \x01(\x08\"\x15\n\x13ReloadConfigRequest\"N\n\x14ReloadConfigResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x63onfig_version\x18\x03 \x01(\x04*\x9a\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10JOB_STATE_QUEUED\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x03\x12\x14\n\x10JOB_STATE_FAILED\x10\x04\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x05\x32\xbe\x02\n\x04Jobs\x12N\n\tSubmitJob\x12&.meshserve.gateway.v1.SubmitJobRequest\x1a\x19.meshserve.gateway.v1.Job\x12H\n\x06GetJob\x12#.meshserve.gateway.v1.GetJobRequest\x1a\x19.meshserve.gateway.v1.Job\x12L\n\x08WatchJob\x12#.meshserve.gateway.v1.GetJobRequest\x1a\x19.meshserve.gateway.v1.Job0\x01\x12N\n\tCancelJob\x12&.meshserve.gateway.v1.CancelJobRequest\x1a\x19.meshserve.gateway.v1.Job2\xc2\x02\n\x0cGatewayAdmin\x12h\n\rListInstances\x12*.meshserve.gateway.v1.ListInstancesRequest\x1a+.meshserve.gateway.v1.ListInstancesResponse\x12\x61\n\rDrainInstance\x12*.meshserve.gateway.v1.DrainInstanceRequest\x1a$.meshserve.gateway.v1.InstanceStatus\x12\x65\n\x0cReloadConfig\x12).meshserve.gateway.v1.ReloadConfigRequest\x1a*.meshserve.gateway.v1.ReloadConfigResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving.gateway.proto.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBSTATE']._serialized_start=1314
-  _globals['_JOBSTATE']._serialized_end=1468
-  _globals['_SUBMITJOBREQUEST']._serialized_start=99
-  _globals['_SUBMITJOBREQUEST']._serialized_end=212
-  _globals['_GETJOBREQUEST']._serialized_start=214
-  _globals['_GETJOBREQUEST']._serialized_end=245
-  _globals['_CANCELJOBREQUEST']._serialized_start=247
-  _globals['_CANCELJOBREQUEST']._serialized_end=281
-  _globals['_JOBRESULT']._serialized_start=284
-  _globals['_JOBRESULT']._serialized_end=415
-  _globals['_JOB']._serialized_start=418
-  _globals['_JOB']._serialized_end=730
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=732
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=754
-  _globals['_INSTANCESTATUS']._serialized_start=757
-  _globals['_INSTANCESTATUS']._serialized_end=1023
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1026
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1154
-  _globals['_DRAININSTANCEREQUEST']._serialized_start=1156
-  _globals['_DRAININSTANCEREQUEST']._serialized_end=1208
-  _globals['_RELOADCONFIGREQUEST']._serialized_start=1210
-  _globals['_RELOADCONFIGREQUEST']._serialized_end=1231
-  _globals['_RELOADCONFIGRESPONSE']._serialized_start=1233
-  _globals['_RELOADCONFIGRESPONSE']._serialized_end=1311
-  _globals['_JOBS']._serialized_start=1471
-  _globals['_JOBS']._serialized_end=1789
-  _globals['_GATEWAYADMIN']._serialized_start=1792
-  _globals['_GATEWAYADMIN']._serialized_end=2114
+  _globals['_JOBSTATE']._serialized_start=1306
+  _globals['_JOBSTATE']._serialized_end=1460
+  _globals['_SUBMITJOBREQUEST']._serialized_start=91
+  _globals['_SUBMITJOBREQUEST']._serialized_end=204
+  _globals['_GETJOBREQUEST']._serialized_start=206
+  _globals['_GETJOBREQUEST']._serialized_end=237
+  _globals['_CANCELJOBREQUEST']._serialized_start=239
+  _globals['_CANCELJOBREQUEST']._serialized_end=273
+  _globals['_JOBRESULT']._serialized_start=276
+  _globals['_JOBRESULT']._serialized_end=407
+  _globals['_JOB']._serialized_start=410
+  _globals['_JOB']._serialized_end=722
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=724
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=746
+  _globals['_INSTANCESTATUS']._serialized_start=749
+  _globals['_INSTANCESTATUS']._serialized_end=1015
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1018
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1146
+  _globals['_DRAININSTANCEREQUEST']._serialized_start=1148
+  _globals['_DRAININSTANCEREQUEST']._serialized_end=1200
+  _globals['_RELOADCONFIGREQUEST']._serialized_start=1202
+  _globals['_RELOADCONFIGREQUEST']._serialized_end=1223
+  _globals['_RELOADCONFIGRESPONSE']._serialized_start=1225
+  _globals['_RELOADCONFIGRESPONSE']._serialized_end=1303
+  _globals['_JOBS']._serialized_start=1463
+  _globals['_JOBS']._serialized_end=1781
+  _globals['_GATEWAYADMIN']._serialized_start=1784
+  _globals['_GATEWAYADMIN']._serialized_end=2106
 # @@protoc_insertion_point(module_scope)

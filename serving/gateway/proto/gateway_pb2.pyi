@@ -1,4 +1,4 @@
-from serving.server.proto import meshserve_pb2 as _meshserve_pb2
+from serving.wire import meshserve_pb2 as _meshserve_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

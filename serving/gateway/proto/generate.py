@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from serving.server.proto.generate import REPO_ROOT, generate_stubs, main
+from serving.wire.generate import REPO_ROOT, generate_stubs, main
 
 PROTO = "serving/gateway/proto/gateway.proto"
 GENERATED = ("gateway_pb2.py", "gateway_pb2.pyi", "gateway_pb2_grpc.py")

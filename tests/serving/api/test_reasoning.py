@@ -97,7 +97,7 @@ def test_streaming_equals_split(name, in_reasoning, case):
 
 
 def test_the_parsers_follow_the_shared_table_of_reasoning_formats():
-    from serving.reasoning_formats import REASONING_FORMATS
+    from serving.params import REASONING_FORMATS
     assert set(REASONING_FORMATS) == set(REASONING_PARSERS)
     for name, (start, end, inside) in REASONING_FORMATS.items():
         p = REASONING_PARSERS[name]

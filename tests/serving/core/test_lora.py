@@ -16,7 +16,7 @@ from serving.core.batch import SeqChunk
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.core.lora import UnknownAdapterError
-from serving.core.sampling_params import SamplingParams, StructuredOutput
+from serving.params import SamplingParams, StructuredOutput
 from tests.support import hf_models, quant
 from tests.support import lora as peft_support
 

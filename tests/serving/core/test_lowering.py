@@ -36,6 +36,8 @@ LAYOUTS = {  # (model, EngineConfig options)
     "mixtral-ep2": ("mixtral", {"ep": 2}),
     # LoRA adapter slots (docs/lora.md): every program also in its LoRA variant, A and B split as their weights
     "llama-lora-tp2": ("llama", {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "tp": 2}),
+    # local and global layers, the local ones on the hybrid KV cache's window pool
+    "gemma3": ("gemma3", {}),
 }
 KV_VALUES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # a quantized cache's values on GPU / TPU
 WEIGHT_TYPES = {"int8": "xi8>", "fp8": "xf8E4M3FN>"}  # how the quantized weights enter the lowered programs
@@ -46,7 +48,9 @@ def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lowering")
     out = {}
     for name, config in (("llama", tf.LlamaConfig(**SHAPE)),
-                         ("mixtral", tf.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2))):
+                         ("mixtral", tf.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2)),
+                         ("gemma3", tf.Gemma3TextConfig(**SHAPE, head_dim=64, sliding_window=16,
+                                                        layer_types=["sliding_attention", "full_attention"]))):
         out[name] = hf_models.save_config(config, root / name)
     return out
 
@@ -87,6 +91,10 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
                 assert ("ragged_dot" in text) == (platform == "gpu"), program.name
             if program.lora:  # the LoRA update as XLA's grouped matmul (no native kernel, no one-hot over slots)
                 assert "ragged_dot" in text, program.name
+            if model == "gemma3":  # the local layer's cache: the window pool's 8 x 3 + 2 pages, not the table's 32
+                assert engine.runner.window_pages == {16: 26}, engine.runner.window_pages
+                dtype = {"bfloat16": "bf16", "float32": "f32"}[engine.config.dtype]
+                assert f"tensor<26x16x4x64x{dtype}>" in text and f"tensor<32x16x4x64x{dtype}>" in text, program.name
             if "quantization" in options:  # the weights stay 8-bit in the program's inputs
                 assert WEIGHT_TYPES[options["quantization"]] in text, program.name
             # the step's token rows are the bucket's (whole tiles), not a CPU height

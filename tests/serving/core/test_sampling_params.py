@@ -1,4 +1,5 @@
 """SamplingParams: defaults, normalisation, and every invalid value rejected with its field named."""
+import dataclasses
 import math
 
 import pytest
@@ -65,11 +66,12 @@ def test_min_tokens_above_max_tokens_rejected():
         SamplingParams(max_tokens=2, min_tokens=3)
 
 
-def test_mutation_caught_by_validate():
+def test_params_cannot_change_once_checked():
+    """Checked once, when made: a value set later would skip the check, so none can be."""
     p = SamplingParams()
-    p.temperature = -1.0
-    with pytest.raises(ValueError, match="temperature"):
-        p.validate()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = -1.0
+    assert p.temperature == 1.0
 
 
 def test_samples_of_an_n_request_have_their_own_seeds():

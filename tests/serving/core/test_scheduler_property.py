@@ -5,7 +5,8 @@ step N-1's update).
 After every operation every book must agree (reference counts, free list, cache index, queues); no page is
 shared except through the prefix cache or a fork of an n > 1 request's prompt. At the end: no request lost (each
 ended with a finish reason), every output (every sample's) is the fake model's exact greedy continuation
-(preemption and prefix hits included), no page leaked.
+(preemption and prefix hits included), no page leaked. Both with one page pool and with a hybrid KV cache's window
+pool beside it (the fake model then also reads a sliding window of tokens through that pool's pages).
 """
 import dataclasses
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from serving.core import (FinishReason, Priority, QueueFullError, Request, SamplingParams, Scheduler,
                           SchedulerConfig)
 from serving.core.fake_model import FakeModel
+from serving.core.hybrid_block_manager import HybridBlockManager
 from serving.core.scheduler import PLACEHOLDER_TOKEN
 
 PS, MAX_LEN, EOS, VOCAB = 4, 64, 0, 40
@@ -32,6 +34,8 @@ configs = st.builds(
     preempt_for_priority=st.booleans(),
     enable_prefix_caching=st.booleans(),
     look_ahead=st.booleans(),
+    window=st.none() | st.integers(1, 20),  # a hybrid KV cache's sliding window
+    window_slack=st.integers(0, 12),  # its pool's pages beyond what one sequence needs
 )
 adds = st.tuples(st.just("add"), st.integers(1, 60), st.integers(1, 8) | st.integers(20, 60) | st.none(),
                  st.sampled_from(list(Priority)), st.none() | st.integers(1, 40), st.integers(0, 3), st.booleans(),
@@ -50,10 +54,10 @@ ops = st.lists(st.one_of(
 def test_random_traffic_keeps_every_invariant(cfg, operations):
     extra = cfg.pop("extra_budget")
     look_ahead = cfg.pop("look_ahead")
+    window, window_slack = cfg.pop("window"), cfg.pop("window_slack")
     config = SchedulerConfig(max_model_len=MAX_LEN, page_size=PS,
                              max_num_batched_tokens=cfg["max_num_seqs"] + extra, **cfg)
-    sched = Scheduler(config)
-    model = FakeModel(config.num_pages, PS, vocab_size=VOCAB)
+    sched, model = _scheduler_and_model(config, window, window_slack)
     families = [[(f * 13 + i) % (VOCAB - 1) + 1 for i in range(40)] for f in range(4)]
     accepted: dict[str, Request] = {}
     streamed: dict[str, list[int]] = {}
@@ -123,23 +127,39 @@ def test_random_traffic_keeps_every_invariant(cfg, operations):
     sched.block_manager.check_idle()
 
 
+def _scheduler_and_model(config: SchedulerConfig, window: int | None, slack: int):
+    """A scheduler on one page pool (`window` None) or on a hybrid KV cache with a window pool of the pages one
+    sequence needs at most plus `slack` (capped at the page table's, as the engine sizes it), and the fake model
+    reading through its pages."""
+    if window is None:
+        return Scheduler(config), FakeModel(config.num_pages, PS, vocab_size=VOCAB)
+    pages = min(config.num_pages, -(-(window - 1) // PS) + 2 + -(-config.max_num_batched_tokens // PS) + slack)
+    bm = HybridBlockManager(config.num_pages, PS, window_pages={window: pages},
+                            enable_prefix_caching=config.enable_prefix_caching)
+    return Scheduler(config, bm), FakeModel(config.num_pages, PS, vocab_size=VOCAB, window_maps=bm.window_maps,
+                                            window_pages=[pages])
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_pages=st.integers(MAX_LEN // PS, 24), max_num_seqs=st.integers(2, 8),
        enable_prefix_caching=st.booleans(), preempt_for_priority=st.booleans(),
+       window=st.none() | st.integers(1, 20),
        arrivals=st.lists(st.tuples(st.integers(8, 50), st.integers(10, 60), st.sampled_from(list(Priority)),
                                    st.integers(0, 3), st.integers(0, 3), st.sampled_from([1, 1, 3])),
                          min_size=2, max_size=12))
 # Found by this test: a sample forked pages from a sibling whose cache chain had gone another way (regression).
-@example(num_pages=16, max_num_seqs=2, enable_prefix_caching=True, preempt_for_priority=False,
+@example(num_pages=16, max_num_seqs=2, enable_prefix_caching=True, preempt_for_priority=False, window=None,
          arrivals=[(29, 10, Priority.INTERACTIVE, 0, 0, 1), (25, 10, Priority.BATCH, 0, 0, 3),
                    (8, 10, Priority.INTERACTIVE, 1, 0, 1)])
+@example(num_pages=16, max_num_seqs=3, enable_prefix_caching=True, preempt_for_priority=True, window=5,
+         arrivals=[(40, 20, Priority.BATCH, 0, 0, 3), (30, 20, Priority.INTERACTIVE, 0, 1, 1),
+                   (45, 10, Priority.INTERACTIVE, 0, 0, 1)])
 def test_page_pressure_preempts_and_outputs_stay_exact(num_pages, max_num_seqs, enable_prefix_caching,
-                                                       preempt_for_priority, arrivals):
+                                                       preempt_for_priority, window, arrivals):
     config = SchedulerConfig(max_model_len=MAX_LEN, page_size=PS, num_pages=num_pages, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=16, enable_prefix_caching=enable_prefix_caching,
                              preempt_for_priority=preempt_for_priority)
-    sched = Scheduler(config)
-    model = FakeModel(num_pages, PS, vocab_size=VOCAB)
+    sched, model = _scheduler_and_model(config, window, 0)
     families = [[(f * 13 + i) % (VOCAB - 1) + 1 for i in range(50)] for f in range(4)]
     requests = []
     now = 0.0

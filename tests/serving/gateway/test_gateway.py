@@ -24,10 +24,11 @@ from serving.gateway.callbacks import CallbackRefused, address_allowed, check_ur
 from serving.gateway.jobs import JobError, JobManager, JobStore
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.routing import InstanceView, PrefixIndex, Router, load_scores, prompt_blocks
-from serving.gateway.validation import InvalidArgument, ModelLimits, check_generate
-from serving.server.client import generate_request
-from serving.server.proto import meshserve_pb2 as pb
+from serving.gateway.validation import check_generate
+from serving.params import InvalidArgument, ModelLimits
 from serving.process import REPO_ROOT
+from serving.wire import meshserve_pb2 as pb
+from serving.wire.client import generate_request
 
 BASE = {"pools": [{"name": "a", "instances": [{"name": "i0", "target": "127.0.0.1:1"},
                                               {"name": "i1", "target": "127.0.0.1:2", "long_lane": True,
@@ -269,14 +270,13 @@ BAD_SAMPLING = [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dic
 
 @pytest.mark.parametrize("sampling", BAD_SAMPLING)
 def test_validation_messages_equal_the_servers(sampling):
-    """The gateway's check and serving.core.SamplingParams (what the server runs) reject with the same text."""
-    from serving.core.sampling_params import SamplingParams
-    from serving.validation import sampling_fields
+    """The gateway's check and the SamplingParams the server makes of the same message reject with the same text."""
+    from serving.wire.requests import sampling_params
     req = generate_request([5, 6, 7], **sampling)
     with pytest.raises(InvalidArgument) as gw:
         check_generate(req, ModelLimits())
     with pytest.raises(ValueError) as server:
-        SamplingParams(**sampling_fields(req.sampling))
+        sampling_params(req.sampling)
     assert str(gw.value) == f"sampling.{server.value}"
 
 

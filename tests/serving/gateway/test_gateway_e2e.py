@@ -16,7 +16,7 @@ import pytest
 
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
-from serving.server.client import Client, ClientError, generate_request
+from serving.wire.client import Client, ClientError, generate_request
 from models.synthetic import shared_small_llama
 from tests.support.gateway import GatewayProcess, InstanceProcess, wait_for, write_config
 

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from models.synthetic import shared_small_llama
 from models.tokenizer import Tokenizer
-from serving.server.client import Client
+from serving.wire.client import Client
 from tests.support.gateway import GatewayProcess, InstanceProcess, wait_for
 from tests.support.server import wait_idle
 

@@ -21,9 +21,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from serving.gateway.app import Gateway
 from serving.gateway.security import server_credentials
 from serving.gateway.service import InferenceServicer
-from serving.server.client import generate_request
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import generate_request
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 
 
 class FakeInstance(pb_grpc.InferenceServicer):

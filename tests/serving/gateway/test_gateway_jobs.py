@@ -25,9 +25,9 @@ from serving.gateway.app import Gateway
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
 from serving.gateway.service import AdminServicer, InferenceServicer, JobsServicer
-from serving.server.client import generate_request
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import generate_request
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 
 ALICE_KEY = bytes(range(32))
 ALICE_SECRET = "whsec_" + base64.b64encode(ALICE_KEY).decode()

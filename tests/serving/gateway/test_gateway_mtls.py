@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from serving.process import start_process as Process
-from serving.server.client import Client, ClientError, generate_request
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import Client, ClientError, generate_request
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 from models.synthetic import shared_small_llama
 from serving.process import ServerProcess
 

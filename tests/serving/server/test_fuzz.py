@@ -6,7 +6,8 @@ types) and raw bytes on the gRPC, HTTP and metrics ports. Every answer is a resu
 request set wrongly (tests/support/fuzz.py judges which); afterwards both still serve, no page or request is left over
 and memory did not grow. CI (MESHSERVE_CI=1) draws the same examples every run; locally each run explores new ones
 (MESHSERVE_FUZZ_SCALE=10 draws ten times as many). Bytes protobuf cannot decode (a string that is not UTF-8, a corrupt
-message) are INVALID_ARGUMENT naming the field (serving/server/decoding.py)."""
+message) are INVALID_ARGUMENT naming the field (serving/wire/decoding.py); messages past the transport's limit are
+refused before they are decoded; grammars over the size and nesting bounds are INVALID_ARGUMENT."""
 from __future__ import annotations
 
 import http.client
@@ -23,9 +24,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from models.synthetic import shared_small_llama
 from models.tokenizer import Tokenizer
 from serving.process import ServerProcess
-from serving.server.client import Client, generate_request
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import Client, generate_request
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 from tests.support import fuzz
 from tests.support.gateway import GatewayProcess, wait_for
 from tests.support.server import running, wait_idle
@@ -182,6 +183,11 @@ def _case(*args, timeout: float = fuzz.LONG, **kw) -> fuzz.GrpcCase:
 @example(case=_case("hi", timeout=fuzz.PAST))
 # Found by this test: a chat longer than the context was refused naming `chat`, not `chat.messages`.
 @example(case=_case(messages=[{"role": "user", "content": fuzz.words(600)}]))
+# Issue 35: a schema nested past Python's recursion limit was UNKNOWN (a RecursionError); a grammar of any size was
+# compiled on the event loop; a message of any size (up to 64 MiB) was decoded before its size was looked at.
+@example(case=_case("hi", structured={"json_schema": fuzz.DEEP_SCHEMA}))
+@example(case=_case("hi", structured={"grammar": fuzz.HUGE_GRAMMAR}))
+@example(case=_case("z" * (fuzz.MAX_REQUEST_BYTES + fuzz.TRANSPORT_SLACK_BYTES)))
 def test_generate_is_served_or_refused_naming_the_field(fronts, tok, front, case):
     responses, code, details = call(fronts[front].stub.Generate, case.request, case.timeout)
     bad = fuzz.generate_faults(case.request, tok)
@@ -190,6 +196,8 @@ def test_generate_is_served_or_refused_naming_the_field(fronts, tok, front, case
     if case.timeout < fuzz.LONG:
         allowed.add(StatusCode.DEADLINE_EXCEEDED)
     assert code in allowed, f"{code.name}: {details!r} (wrong: {sorted(bad)})"
+    if case.request.ByteSize() > fuzz.MAX_REQUEST_BYTES + fuzz.TRANSPORT_SLACK_BYTES:  # never decoded
+        assert code == StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details, f"{code.name}: {details!r}"
     if code == StatusCode.INVALID_ARGUMENT:
         assert bad, f"a valid request was refused: {details!r}"
         assert fuzz.field_of(details) in bad, f"{details!r} names none of the wrong fields {sorted(bad)}"

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.synthetic import shared_small_llama
 from models.tokenizer import Tokenizer
 from serving.process import ServerProcess
-from serving.server.client import Client, ClientError
+from serving.wire.client import Client, ClientError
 from tests.support.server import running, wait_idle
 
 pytestmark = pytest.mark.e2e

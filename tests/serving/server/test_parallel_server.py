@@ -10,7 +10,7 @@ import transformers as tf
 from prometheus_client.parser import text_string_to_metric_families
 
 from models.synthetic import make_test_tokenizer
-from serving.server.client import AsyncClient, Client
+from serving.wire.client import AsyncClient, Client
 from models.synthetic import shared_small_llama
 from serving.process import ServerProcess
 

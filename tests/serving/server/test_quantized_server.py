@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serving.core.llm import LLM
 from serving.core.sampling_params import SamplingParams
 from serving.process import REPO_ROOT, SMALL_ENGINE_FLAGS, ServerProcess
-from serving.server.client import Client
+from serving.wire.client import Client
 from tests.support.tiny import model_dir
 
 pytestmark = pytest.mark.e2e

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.server.client import AsyncClient, Client, ClientError
+from serving.wire.client import AsyncClient, Client, ClientError
 from models.synthetic import shared_small_llama
 from serving.process import REPO_ROOT, ServerProcess
 from tests.support.server import wait_idle

@@ -22,7 +22,7 @@ def parse(*argv):
 
 # Fields deliberately without a flag, and fields whose flag's default deliberately differs from the field's.
 NOT_FLAGS = {"platform"}  # cross-lowering for another platform: a tool's setting (Engine.lower_programs), not a server's
-OWN_FLAG_DEFAULTS = {"host": "0.0.0.0"}  # the command line listens on every interface; in-process servers on loopback
+OWN_FLAG_DEFAULTS = {}  # none: the command line listens on loopback too, as in-process servers do (docs/security.md)
 
 
 def test_every_config_field_has_one_flag_with_its_default():

@@ -12,7 +12,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.server.client import AsyncClient, Client, ClientError
+from serving.wire.client import AsyncClient, Client, ClientError
 from models.synthetic import shared_small_llama
 from serving.process import ServerProcess
 from tests.support.server import wait_idle

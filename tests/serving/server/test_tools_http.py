@@ -14,7 +14,7 @@ from models.synthetic import random_llama
 from models.tokenizer import Tokenizer
 from serving.api.tools import tool_grammar
 from serving.process import ServerProcess
-from serving.server.client import Client
+from serving.wire.client import Client
 from tests.support.server import running
 
 pytestmark = pytest.mark.e2e

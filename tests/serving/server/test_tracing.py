@@ -1,6 +1,7 @@
 """Traces of requests (in-process server, in-memory exporter): the `generate` span continues the caller's trace
-and holds `queue`, one `prefill_chunk` per chunk and `decode` with a timed event per token. Also: a step that
-fails inside the engine fails only its requests, with INTERNAL, and the server keeps serving."""
+and holds `queue`, one `prefill_chunk` per chunk and `decode` with a timed event per token (its id only with
+trace_content). Also: a step that fails inside the engine fails only its requests, with INTERNAL, and the server keeps
+serving; spans exported over TLS to a real OTLP collector that only speaks TLS."""
 import asyncio
 import threading
 import time
@@ -16,7 +17,7 @@ from opentelemetry.trace import StatusCode, set_span_in_context
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
 from serving.server.app import InstanceServer, ServerConfig
-from serving.server.client import Client, ClientError
+from serving.wire.client import Client, ClientError
 from models.synthetic import shared_small_llama
 from serving.telemetry.tracing import make_tracer_provider
 
@@ -80,11 +81,25 @@ def test_request_spans_with_parents_chunks_and_token_events(traced):
     events = decode.events
     assert [e.name for e in events] == ["token"] * 5
     assert [e.attributes["meshserve.token_index"] for e in events] == list(range(5))
+    assert not any("meshserve.token_id" in e.attributes for e in events)  # no content without trace_content
     stamps = [e.timestamp for e in events]
     assert stamps == sorted(stamps) and decode.start_time <= stamps[0] and stamps[-1] <= decode.end_time
     queue = next(s for s in children if s.name == "queue")
     assert root.start_time <= queue.start_time <= queue.end_time <= min(c.start_time for c in chunks) + 1_000_000
     assert all(root.start_time <= s.start_time and s.end_time <= root.end_time for s in children)
+
+
+def test_token_ids_are_traced_only_with_trace_content(traced):
+    server, exporter, client = traced
+    exporter.clear()
+    server.tracer.trace_content = True
+    try:
+        out = client.complete(list(range(3, 43)), max_tokens=3, ignore_eos=True, temperature=0.0,
+                              request_id="content-1")
+    finally:
+        server.tracer.trace_content = False
+    decode = next(s for s in wait_for_spans(exporter, 1) if s.name == "decode")
+    assert [e.attributes["meshserve.token_id"] for e in decode.events] == out.token_ids
 
 
 def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_serving(traced):
@@ -113,6 +128,38 @@ def test_a_failing_step_fails_its_requests_with_internal_and_the_server_keeps_se
     spans = wait_for_spans(exporter, 2)
     doomed = next(s for s in spans if s.name == "generate" and s.attributes["meshserve.request_id"] == "doomed")
     assert doomed.status.status_code is StatusCode.ERROR and doomed.attributes["meshserve.finish_reason"] == "error"
+
+
+def test_spans_go_over_tls_to_a_collector_given_its_ca(tmp_path):
+    """A real OTLP/gRPC collector on 127.0.0.1 that serves only TLS: with its CA the span arrives."""
+    import subprocess
+    from concurrent import futures
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", "key.pem", "-out", "cert.pem"],
+                   cwd=tmp_path, check=True, capture_output=True)
+    received = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):
+            received.extend(s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+    collector = grpc.server(futures.ThreadPoolExecutor(2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), collector)
+    credentials = grpc.ssl_server_credentials([((tmp_path / "key.pem").read_bytes(),
+                                                (tmp_path / "cert.pem").read_bytes())])
+    port = collector.add_secure_port("127.0.0.1:0", credentials)
+    collector.start()
+    try:
+        provider = make_tracer_provider("svc", otlp_endpoint=f"127.0.0.1:{port}",
+                                        otlp_ca_file=str(tmp_path / "cert.pem"))
+        provider.get_tracer("test").start_span("over-tls").end()
+        assert provider.force_flush(10_000)
+        provider.shutdown()
+    finally:
+        collector.stop(0)
+    assert received == ["over-tls"]
 
 
 def test_otlp_exporter_is_configured_from_an_endpoint():

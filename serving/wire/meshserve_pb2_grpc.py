@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from serving.server.proto import meshserve_pb2 as serving_dot_server_dot_proto_dot_meshserve__pb2
+from serving.wire import meshserve_pb2 as serving_dot_wire_dot_meshserve__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in serving/server/proto/meshserve_pb2_grpc.py depends on'
+        + ' but the generated code in serving/wire/meshserve_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,33 +36,33 @@ class InferenceStub:
         """
         self.Generate = channel.unary_stream(
                 '/meshserve.v1.Inference/Generate',
-                request_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.GenerateResponse.FromString,
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/meshserve.v1.Inference/Tokenize',
-                request_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.TokenizeResponse.FromString,
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/meshserve.v1.Inference/ModelInfo',
-                request_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.ModelInfoRequest.SerializeToString,
-                response_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.ModelInfoResponse.FromString,
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.ModelInfoRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
                 '/meshserve.v1.Inference/GetLoad',
-                request_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.LoadReport.FromString,
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.WatchLoad = channel.unary_stream(
                 '/meshserve.v1.Inference/WatchLoad',
-                request_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.WatchLoadRequest.SerializeToString,
-                response_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.LoadReport.FromString,
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.WatchLoadRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.LoadReport.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/meshserve.v1.Inference/Drain',
-                request_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.DrainRequest.SerializeToString,
-                response_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.DrainResponse.FromString,
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.DrainRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
 
 
@@ -115,33 +115,33 @@ def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.GenerateRequest.FromString,
-                    response_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.GenerateRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.TokenizeRequest.FromString,
-                    response_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.TokenizeRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.TokenizeResponse.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
-                    request_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.ModelInfoRequest.FromString,
-                    response_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.ModelInfoResponse.SerializeToString,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.ModelInfoRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.ModelInfoResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.GetLoadRequest.FromString,
-                    response_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.GetLoadRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.LoadReport.SerializeToString,
             ),
             'WatchLoad': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLoad,
-                    request_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.WatchLoadRequest.FromString,
-                    response_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.LoadReport.SerializeToString,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.WatchLoadRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.LoadReport.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
-                    request_deserializer=serving_dot_server_dot_proto_dot_meshserve__pb2.DrainRequest.FromString,
-                    response_serializer=serving_dot_server_dot_proto_dot_meshserve__pb2.DrainResponse.SerializeToString,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.DrainRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.DrainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -169,8 +169,8 @@ class Inference:
             request,
             target,
             '/meshserve.v1.Inference/Generate',
-            serving_dot_server_dot_proto_dot_meshserve__pb2.GenerateRequest.SerializeToString,
-            serving_dot_server_dot_proto_dot_meshserve__pb2.GenerateResponse.FromString,
+            serving_dot_wire_dot_meshserve__pb2.GenerateRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -196,8 +196,8 @@ class Inference:
             request,
             target,
             '/meshserve.v1.Inference/Tokenize',
-            serving_dot_server_dot_proto_dot_meshserve__pb2.TokenizeRequest.SerializeToString,
-            serving_dot_server_dot_proto_dot_meshserve__pb2.TokenizeResponse.FromString,
+            serving_dot_wire_dot_meshserve__pb2.TokenizeRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -223,8 +223,8 @@ class Inference:
             request,
             target,
             '/meshserve.v1.Inference/ModelInfo',
-            serving_dot_server_dot_proto_dot_meshserve__pb2.ModelInfoRequest.SerializeToString,
-            serving_dot_server_dot_proto_dot_meshserve__pb2.ModelInfoResponse.FromString,
+            serving_dot_wire_dot_meshserve__pb2.ModelInfoRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.ModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -250,8 +250,8 @@ class Inference:
             request,
             target,
             '/meshserve.v1.Inference/GetLoad',
-            serving_dot_server_dot_proto_dot_meshserve__pb2.GetLoadRequest.SerializeToString,
-            serving_dot_server_dot_proto_dot_meshserve__pb2.LoadReport.FromString,
+            serving_dot_wire_dot_meshserve__pb2.GetLoadRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -277,8 +277,8 @@ class Inference:
             request,
             target,
             '/meshserve.v1.Inference/WatchLoad',
-            serving_dot_server_dot_proto_dot_meshserve__pb2.WatchLoadRequest.SerializeToString,
-            serving_dot_server_dot_proto_dot_meshserve__pb2.LoadReport.FromString,
+            serving_dot_wire_dot_meshserve__pb2.WatchLoadRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.LoadReport.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class Inference:
             request,
             target,
             '/meshserve.v1.Inference/Drain',
-            serving_dot_server_dot_proto_dot_meshserve__pb2.DrainRequest.SerializeToString,
-            serving_dot_server_dot_proto_dot_meshserve__pb2.DrainResponse.FromString,
+            serving_dot_wire_dot_meshserve__pb2.DrainRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.DrainResponse.FromString,
             options,
             channel_credentials,
             insecure,

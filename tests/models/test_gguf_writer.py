@@ -1,4 +1,5 @@
-"""The GGUF writer behind the llama.cpp side-by-side benchmarks (serving/bench/llamacpp.py): a local HF Llama
+"""models.gguf_writer, behind the llama.cpp side-by-side benchmarks (serving/bench/llamacpp.py) and the GGUF loader's
+safetensors twins (tests/models/test_gguf.py): a local HF Llama
 checkpoint comes back from the GGUF file with the same weights, the metadata llama.cpp reads, and q/k rows
 reordered so that llama.cpp's interleaved RoPE gives the attention scores HF's rotate-half RoPE gives; a Qwen3-MoE
 checkpoint (per-expert or fused experts) as "qwen3moe" with its rows as stored. llama.cpp itself on the Mixtral and
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers as tf
 
+from models import gguf_writer
 from serving.bench import llamacpp
 
 HEADS, KV_HEADS, HIDDEN, THETA = 4, 2, 64, 5000.0
@@ -51,7 +53,7 @@ def _rope_pairs(x, pos):  # llama.cpp's llama architecture: rotates (2i, 2i + 1)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gguf_holds_the_checkpoint(tmp_path, dtype):
     d, hf = _save(tmp_path, dtype)
-    path = llamacpp.write_gguf(d, tmp_path / "m.gguf")
+    path = gguf_writer.write_gguf(d, tmp_path / "m.gguf")
     r = gguf.GGUFReader(str(path))
     meta = {k: r.fields[k].contents() for k in (
         "general.architecture", "llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
@@ -123,8 +125,8 @@ def test_gguf_refuses_scaled_rope(tmp_path):
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                          rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": THETA})
     tf.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "hf")
-    with pytest.raises(ValueError, match="plain RoPE only, not 'linear'"):
-        llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="plain RoPE \\(and Llama 3's\\), not 'linear'"):
+        gguf_writer.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
 
 
 def _bf16_as_f32(a):
@@ -135,7 +137,7 @@ def _bf16_as_f32(a):
 def test_qwen3moe_gguf_holds_the_checkpoint(tmp_path, dtype):
     model = llamacpp.small_moe_model("qwen3_moe", dtype)
     model.save_pretrained(tmp_path / "hf")
-    path = llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+    path = gguf_writer.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
     r = gguf.GGUFReader(str(path))
     meta = {k: r.fields[k].contents() for k in (
         "general.architecture", "qwen3moe.block_count", "qwen3moe.embedding_length", "qwen3moe.expert_count",
@@ -186,8 +188,8 @@ def test_qwen3moe_gguf_from_fused_experts_is_the_same(tmp_path):
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(fused / "model.safetensors"))
     with safe_open(str(fused / "model.safetensors"), "np") as f:
         assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
-    a = gguf.GGUFReader(str(llamacpp.write_gguf(tmp_path / "per_expert", tmp_path / "a.gguf")))
-    b = gguf.GGUFReader(str(llamacpp.write_gguf(fused, tmp_path / "b.gguf")))
+    a = gguf.GGUFReader(str(gguf_writer.write_gguf(tmp_path / "per_expert", tmp_path / "a.gguf")))
+    b = gguf.GGUFReader(str(gguf_writer.write_gguf(fused, tmp_path / "b.gguf")))
     assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
     for x, y in zip(a.tensors, b.tensors):
         np.testing.assert_array_equal(np.asarray(x.data), np.asarray(y.data), err_msg=x.name)
@@ -200,4 +202,4 @@ def test_qwen3moe_gguf_refuses_what_llamacpp_would_compute_otherwise(tmp_path):
                             num_experts_per_tok=2, norm_topk_prob=False)
     tf.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="norm_topk_prob=False"):
-        llamacpp.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+        gguf_writer.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")

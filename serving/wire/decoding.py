@@ -29,7 +29,7 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _repeated(field) -> bool:
+def is_repeated(field) -> bool:
     if hasattr(field, "is_repeated"):  # protobuf >= 5.29 (`label` is gone from the upb descriptors)
         return field.is_repeated
     return field.label == FieldDescriptor.LABEL_REPEATED
@@ -59,7 +59,7 @@ def bad_string_field(descriptor, data: bytes, prefix: str = "") -> str | None:
                 continue
             index = seen.get(number, 0)
             seen[number] = index + 1
-            path = prefix + field.name + (f"[{index}]" if _repeated(field) else "")
+            path = prefix + field.name + (f"[{index}]" if is_repeated(field) else "")
             if field.type == FieldDescriptor.TYPE_STRING:
                 try:
                     chunk.decode("utf-8")

@@ -10,8 +10,8 @@ from typing import AsyncIterator, Iterator, Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from serving.server.proto import meshserve_pb2 as pb
-from serving.server.proto import meshserve_pb2_grpc as pb_grpc
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
 
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]

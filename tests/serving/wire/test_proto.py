@@ -2,7 +2,7 @@
 import os
 import re
 
-from serving.server.proto import generate as gen
+from serving.wire import generate as gen
 
 
 def _normalise(text: str) -> str:
@@ -18,11 +18,11 @@ def test_generated_stubs_are_up_to_date(tmp_path):
         committed = os.path.join(gen.REPO_ROOT, os.path.dirname(gen.PROTO), os.path.basename(path))
         with open(path) as f, open(committed) as g:
             assert _normalise(f.read()) == _normalise(g.read()), (
-                f"{committed} is stale: run `python -m serving.server.proto.generate` and commit the result")
+                f"{committed} is stale: run `python -m serving.wire.generate` and commit the result")
 
 
 def test_services_and_messages():
-    from serving.server.proto import meshserve_pb2 as pb
+    from serving.wire import meshserve_pb2 as pb
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     assert pb.DESCRIPTOR.package == "meshserve.v1"
     assert {m.name for m in service.methods} == {"Generate", "Tokenize", "ModelInfo", "GetLoad", "WatchLoad",

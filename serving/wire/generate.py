@@ -1,19 +1,19 @@
 """Regenerates meshserve_pb2.py, meshserve_pb2.pyi and meshserve_pb2_grpc.py from meshserve.proto (needs
-grpcio-tools). Run from anywhere: `python -m serving.server.proto.generate`. `generate_stubs` and `main` are shared
+grpcio-tools). Run from anywhere: `python -m serving.wire.generate`. `generate_stubs` and `main` are shared
 with the gateway's proto/generate.py."""
 from __future__ import annotations
 
 import os
 import sys
 
-PROTO = "serving/server/proto/meshserve.proto"
+PROTO = "serving/wire/meshserve.proto"
 GENERATED = ("meshserve_pb2.py", "meshserve_pb2.pyi", "meshserve_pb2_grpc.py")
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def generate_stubs(proto: str, out_root: str = REPO_ROOT) -> list[str]:
     """Runs protoc on `proto` (a repo-relative path) and writes the _pb2, .pyi and _pb2_grpc files beside it under
-    out_root (imports stay `serving.*.proto.*`); returns their paths."""
+    out_root (their imports follow the proto's path: `serving.wire.*`); returns their paths."""
     from grpc_tools import protoc
     os.makedirs(os.path.join(out_root, os.path.dirname(proto)), exist_ok=True)
     rc = protoc.main(["protoc", f"-I{REPO_ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}",
@@ -26,7 +26,7 @@ def generate_stubs(proto: str, out_root: str = REPO_ROOT) -> list[str]:
 
 
 def main(write_stubs) -> int:
-    """A `python -m ...proto.generate` run: calls `write_stubs()` (a module's `generate`) and prints the paths it
+    """A `python -m ...generate` run: calls `write_stubs()` (a module's `generate`) and prints the paths it
     wrote; returns 0."""
     for path in write_stubs():
         print(path)
@@ -34,7 +34,7 @@ def main(write_stubs) -> int:
 
 
 def generate(out_root: str = REPO_ROOT) -> list[str]:
-    """Writes the stubs under out_root/serving/server/proto/ (imports stay `serving.server.proto.*`)."""
+    """Writes the stubs under out_root/serving/wire/ (imports stay `serving.wire.*`)."""
     return generate_stubs(PROTO, out_root)
 
 

@@ -1,0 +1,193 @@
+"""`write_gguf`: an HF checkpoint (Llama, Qwen2/3, Mixtral, Qwen2/3-MoE in safetensors) as a GGUF file of the same
+weights, laid out as llama.cpp's converter writes it, with gguf's writer. The llama.cpp benchmarks
+(serving/bench/llamacpp.py) and the GGUF loader's tests (its safetensors twin) use it.
+
+    python -m models.gguf_writer --hf_dir=DIR --out=FILE.gguf [--tensor_type=F32|BF16|Q8_0|...]
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from models.config import ModelConfig
+from models.safetensors_io import SafetensorsCheckpoint
+
+# meshserve's model family -> llama.cpp's architecture
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+# HF names of an expert's gate, up and down projections per family (per-expert checkpoints)
+_EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+                 "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+# Matrix types written with gguf.quants' own quantizers (the others need llama.cpp's)
+QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+
+
+def rope_pairs(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF rotate-half rows (per head: first half, second half) -> interleaved pairs (x0, x_half, x1, ...), as
+    llama.cpp's converter permutes q and k for its "llama" architecture."""
+    out_dim = w.shape[0]
+    return w.reshape(heads, 2, out_dim // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(cfg: ModelConfig) -> np.ndarray:
+    """Llama 3's per-frequency RoPE divisors (GGUF's rope_freqs.weight): plain / scaled inverse frequencies."""
+    import dataclasses
+
+    from models.rope import inverse_frequencies
+    plain = inverse_frequencies(dataclasses.replace(cfg.rope, rope_type="default"), cfg.head_dim).astype(np.float64)
+    return (plain / inverse_frequencies(cfg.rope, cfg.head_dim).astype(np.float64)).astype(np.float32)
+
+
+def _stacked_experts(tensors: SafetensorsCheckpoint, layer: int, family: str, n: int) -> tuple[np.ndarray, ...]:
+    """Layer `layer`'s experts' gate, up and down weights, each stacked [n, out, in], from per-expert tensors (under
+    `block_sparse_moe.` or `mlp.`) or from transformers 5's fused experts (gate_up_proj [n, 2I, E], gate rows
+    first, and down_proj [n, E, I])."""
+    for module in ("block_sparse_moe", "mlp"):
+        m = f"model.layers.{layer}.{module}.experts."
+        if f"{m}0.{_EXPERT_NAMES[family][0]}.weight" in tensors:
+            return tuple(np.stack([tensors.get(f"{m}{j}.{name}.weight") for j in range(n)])
+                         for name in _EXPERT_NAMES[family])
+    m = f"model.layers.{layer}.mlp.experts."
+    gate, up = np.split(tensors.get(m + "gate_up_proj"), 2, axis=1)
+    return gate, up, tensors.get(m + "down_proj")
+
+
+def _router(tensors: SafetensorsCheckpoint, layer: int) -> np.ndarray:
+    mixtral = f"model.layers.{layer}.block_sparse_moe.gate.weight"
+    return tensors.get(mixtral if mixtral in tensors else f"model.layers.{layer}.mlp.gate.weight")
+
+
+def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False,
+               tensor_type: str | None = None, split_max_tensors: int = 0) -> Path:
+    """Writes `model_dir` as GGUF at `path` and returns the path: Llama and Mixtral as llama.cpp's "llama"
+    architecture (q/k rows reordered for its interleaved RoPE; Llama 3 RoPE scaling as rope_freqs.weight), Qwen2,
+    Qwen3, Qwen2-MoE and Qwen3-MoE under their own names (NEOX RoPE as HF's: rows as stored); experts stacked as
+    ffn_{gate,up,down}_exps [n_expert, out, in], the router as ffn_gate_inp, a shared expert as *_shexp.
+    Matrices in the checkpoint's float type, or `tensor_type` (one of QUANTIZED_TYPES, "F32", "BF16", "F16";
+    `q8_0`: "Q8_0", what `llama-quantize ... Q8_0` writes); norms and biases float32. With `split_max_tensors` the
+    model is split as `gguf-split` does (path-0000k-of-0000n.gguf; the first part's path is returned)."""
+    import gguf
+    model_dir, path = Path(model_dir), Path(path)
+    cfg = ModelConfig.from_pretrained(str(model_dir))
+    arch = GGUF_ARCHITECTURES.get(cfg.family)
+    if arch is None:
+        raise ValueError(f"write_gguf handles {', '.join(GGUF_ARCHITECTURES)} checkpoints, not {cfg.family!r}")
+    if cfg.rope.rope_type not in ("default", "llama3") or (cfg.rope.rope_type == "llama3" and arch != "llama"):
+        raise ValueError(f"write_gguf writes plain RoPE (and Llama 3's), not {cfg.rope.rope_type!r}")
+    if any(cfg.sliding_windows):
+        raise ValueError(f"write_gguf writes full attention only, not sliding windows {cfg.sliding_windows}")
+    if cfg.family == "qwen3_moe" and not (cfg.norm_topk_prob and all(cfg.moe_layers)):
+        # llama.cpp's qwen3moe renormalises the top-k weights and has a sparse MLP in every layer
+        raise ValueError(f"write_gguf writes Qwen3-MoE with norm_topk_prob and every layer sparse, not "
+                         f"norm_topk_prob={cfg.norm_topk_prob}, moe_layers={cfg.moe_layers}")
+    tensors = SafetensorsCheckpoint(str(model_dir))
+    heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
+    stored = tensors.get("model.embed_tokens.weight").dtype
+    kind = tensor_type or ("Q8_0" if q8_0 else "BF16" if stored == ml_dtypes.bfloat16 else "F32")
+    if kind not in QUANTIZED_TYPES + ("F32", "BF16", "F16"):
+        raise ValueError(f"tensor_type must be one of F32, BF16, F16, {', '.join(QUANTIZED_TYPES)}; got {kind!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_layers)
+    # llama's MoE (Mixtral) sizes its experts by feed_forward_length, the Qwen MoEs by expert_feed_forward_length
+    w.add_feed_forward_length(cfg.moe_intermediate_size if cfg.family == "mixtral" else cfg.intermediate_size)
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if cfg.shared_expert_intermediate_size:
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope.theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if kind == "F32" else gguf.LlamaFileType[f"MOSTLY_{kind}"])
+    vocab = cfg.vocab_size
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    tokens += [f"t{i}" for i in range(len(tokens), vocab)]
+    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens[:vocab])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types(types[:vocab])
+    w.add_bos_token_id(1 if cfg.bos_token_id is None else cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_ids[0] if cfg.eos_token_ids else 2)
+
+    def add(name: str, a: np.ndarray) -> None:
+        if a.ndim == 1 or kind == "F32":
+            w.add_tensor(name, np.ascontiguousarray(a, np.float32))
+        elif kind in QUANTIZED_TYPES:  # the shape from the blocks' bytes
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quants.quantize(np.asarray(a, np.float32), qtype), raw_dtype=qtype)
+        elif kind == "F16":
+            w.add_tensor(name, np.ascontiguousarray(a, np.float16))
+        else:  # bfloat16 bits
+            w.add_tensor(name, np.ascontiguousarray(a, ml_dtypes.bfloat16).view(np.uint16), raw_shape=a.shape,
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+    rope_rows = rope_pairs if arch == "llama" else lambda a, _: a
+    add("token_embd.weight", tensors.get("model.embed_tokens.weight"))
+    add("output_norm.weight", tensors.get("model.norm.weight"))
+    if not cfg.tie_word_embeddings:  # llama.cpp ties the head to the embedding when output.weight is absent
+        add("output.weight", tensors.get("lm_head.weight"))
+    if cfg.rope.rope_type == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
+        for proj, h in (("q", heads), ("k", kv_heads), ("v", 0)):
+            rows = (lambda a, n=h: rope_rows(a, n)) if h else (lambda a: a)
+            add(f"blk.{i}.attn_{proj}.weight", rows(tensors.get(p + f"self_attn.{proj}_proj.weight")))
+            if cfg.qkv_bias:
+                add(f"blk.{i}.attn_{proj}.bias", rows(tensors.get(p + f"self_attn.{proj}_proj.bias")))
+        add(f"blk.{i}.attn_output.weight", tensors.get(p + "self_attn.o_proj.weight"))
+        if cfg.o_bias:
+            add(f"blk.{i}.attn_output.bias", tensors.get(p + "self_attn.o_proj.bias"))
+        if cfg.qk_norm:
+            add(f"blk.{i}.attn_q_norm.weight", tensors.get(p + "self_attn.q_norm.weight"))
+            add(f"blk.{i}.attn_k_norm.weight", tensors.get(p + "self_attn.k_norm.weight"))
+        add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+        if cfg.moe_layers[i]:  # [n_expert, out, in] per projection (GGUF lists dimensions innermost first)
+            add(f"blk.{i}.ffn_gate_inp.weight", _router(tensors, i))
+            for name, a in zip(("gate", "up", "down"), _stacked_experts(tensors, i, cfg.family, cfg.num_experts)):
+                add(f"blk.{i}.ffn_{name}_exps.weight", a)
+            if cfg.shared_expert_intermediate_size:
+                for name in ("gate", "up", "down"):
+                    add(f"blk.{i}.ffn_{name}_shexp.weight", tensors.get(p + f"mlp.shared_expert.{name}_proj.weight"))
+                add(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors.get(p + "mlp.shared_expert_gate.weight")[0])
+            continue
+        for name in ("gate", "up", "down"):
+            add(f"blk.{i}.ffn_{name}.weight", tensors.get(p + f"mlp.{name}_proj.weight"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    parts = w.format_shard_names(path)
+    w.close()
+    return parts[0]
+
+
+def main(argv):
+    del argv
+    from absl import flags
+    f = flags.FLAGS
+    print(f"wrote {write_gguf(f.hf_dir, f.out, tensor_type=f.tensor_type)}")
+
+
+if __name__ == "__main__":
+    from absl import app, flags
+    flags.DEFINE_string("hf_dir", None, "HF model directory (config.json + safetensors)", required=True)
+    flags.DEFINE_string("out", None, "the GGUF file to write", required=True)
+    flags.DEFINE_enum("tensor_type", None, ["F32", "BF16", "F16", *QUANTIZED_TYPES],
+                      "matrix type (default: the checkpoint's float type)")
+    app.run(main)

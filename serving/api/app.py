@@ -1,0 +1,152 @@
+"""`OpenAIApp`: the one OpenAI-compatible HTTP API, each endpoint written once over the `Frontend` a process implements
+(the instance server's engine: serving/server/http.py; the gateway's instances: serving/gateway/http.py): POST
+/v1/chat/completions and /v1/completions (parse -> build -> run -> respond, one JSON body or Server-Sent Events),
+GET /v1/models, GET /health, vLLM's POST /tokenize and /detokenize. Who may call each route: docs/security.md."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from serving.api import protocol
+from serving.api.asgi import HttpServer, Run, by_size, check_size, install_error_handlers, parse, respond
+from serving.api.protocol import ApiError, EngineRequest
+from serving.api.responses import ResponseBuilder
+from serving.params import ModelLimits
+
+
+@dataclasses.dataclass(slots=True)
+class ChatParsers:
+    tool_call: str = ""  # the model's tool-call format (serving.api.tools); "": tool calls are not parsed
+    reasoning: str = ""  # its reasoning format (serving.api.reasoning); "": no reasoning_content
+    after_reasoning: bool = False  # grammars apply after the reasoning (the engine knows where it ends)
+
+
+class Frontend(Protocol):
+    """What the app asks of the process it serves."""
+    render_elsewhere: bool  # without a tokenizer, text and chats go on as they are (for an instance to tokenize)
+
+    @property
+    def tokenizer(self): ...  # models.tokenizer.Tokenizer, or None
+    def model_name(self) -> str: ...  # the served model's name; raises ApiError (503) while not known
+    def model_card(self) -> dict: ...  # /v1/models' `root` and `max_model_len`
+    def limits(self) -> ModelLimits: ...
+    def parsers(self) -> ChatParsers: ...
+    def refusal(self) -> ApiError | None: ...  # why no request is admitted now (starting, draining)
+    def unhealthy(self) -> ApiError | None: ...  # GET /health's 503, None when healthy
+    def authorize(self, request: Request): ...  # the caller (a tenant, or None); raises ApiError (401, 403)
+    def count_error(self, e: ApiError) -> None: ...  # a refused generation request, in the process's metrics
+
+    def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> Run:
+        """Checks what only the engine's side knows (raising ApiError before anything is queued), then starts the
+        engine requests, one per prompt; `headers` carry the trace context."""
+
+
+class OpenAIApp:
+    """The FastAPI app of one frontend; `start` serves it on the running event loop, `stop` closes it."""
+
+    def __init__(self, frontend: Frontend, *, title: str, description: str):
+        self.frontend = frontend
+        self.created = int(time.time())
+        app = FastAPI(title=title, description=description)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        install_error_handlers(app)
+        self.app = app
+        self.http = HttpServer(app)
+
+    async def start(self, host: str, port: int, **tls) -> int:
+        """Serves the app on the running loop at host:port (0: a free port); returns the port. TLS: HttpServer.start."""
+        return await self.http.start(host, port, **tls)
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        await self.http.stop(timeout_s)
+
+    # ------------------------------------------------------------------ parse
+    async def _body(self, request: Request) -> bytes:
+        """Every route's request body, read here only."""
+        return await request.body()
+
+    async def _read(self, request: Request, model_cls, *, chat: bool):
+        """The body as `model_cls`, for the model served, within the request size limit; returns (raw, parsed)."""
+        raw = await self._body(request)
+        req = parse(raw, model_cls)
+        self._check_model(req.model)
+        check_size(raw, self.frontend.limits().max_request_bytes, chat)
+        return raw, req
+
+    def _check_model(self, model: str | None) -> None:
+        name = self.frontend.model_name()
+        if model is not None and model != name:
+            raise protocol.model_not_found(model, name)
+
+    # ------------------------------------------------------------------ generation
+    async def chat_completions(self, request: Request):
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: Request):
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: Request, *, chat: bool):
+        fe = self.frontend
+        try:
+            refusal = fe.refusal()
+            if refusal is not None:
+                raise refusal
+            caller = fe.authorize(request)
+            raw, req = await self._read(request, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
+                                        chat=chat)
+            tok, parsers = fe.tokenizer, fe.parsers()
+
+            def build() -> EngineRequest:
+                if chat:
+                    return protocol.chat_request(req, tok, render_elsewhere=fe.render_elsewhere,
+                                                 tool_call_parser=parsers.tool_call)
+                return protocol.completion_request(req, tok, render_elsewhere=fe.render_elsewhere)
+            ereq = await by_size(raw, build)
+            if parsers.after_reasoning and "structured" in ereq.sampling:  # a reasoning model's reasoning stays free
+                ereq.sampling["structured"] = {**ereq.sampling["structured"], "after_reasoning": True}
+            response_id = protocol.response_id(chat)
+            run = fe.run(ereq, response_id, caller, request.headers.items())
+        except ApiError as e:
+            fe.count_error(e)
+            raise
+        builder = ResponseBuilder(
+            chat=chat, response_id=response_id, model=fe.model_name(), created=int(time.time()), n=ereq.n,
+            prompt_lengths=[len(p.token_ids or ()) for p in ereq.prompts], tokenizer=tok,
+            logprobs=ereq.sampling.get("logprobs"), echo_texts=protocol.echo_texts(ereq, tok),
+            include_usage=ereq.include_usage, reasoning_parser=parsers.reasoning, tool_parser=ereq.tool_parser)
+        return await respond(request, run, builder, stream=ereq.stream, count_error=fe.count_error)
+
+    # ------------------------------------------------------------------ other endpoints
+    async def models(self, request: Request):
+        self.frontend.authorize(request)
+        return protocol.model_list(self.frontend.model_name(), self.created, **self.frontend.model_card())
+
+    async def health(self):
+        error = self.frontend.unhealthy()
+        if error is not None:
+            return JSONResponse(error.body(), status_code=error.status)
+        return Response(status_code=200)
+
+    async def tokenize(self, request: Request):
+        self.frontend.authorize(request)
+        raw = await self._body(request)
+        req = parse(raw, protocol.TokenizeRequest)
+        self._check_model(req.model)
+        check_size(raw, self.frontend.limits().max_request_bytes, req.messages is not None)
+        tok, max_model_len = self.frontend.tokenizer, self.frontend.limits().max_model_len
+        return await by_size(raw, lambda: protocol.tokenize_response(req, tok, max_model_len))  # 16 MiB took 19 s
+
+    async def detokenize(self, request: Request):
+        self.frontend.authorize(request)
+        req = parse(await self._body(request), protocol.DetokenizeRequest)
+        self._check_model(req.model)
+        return protocol.detokenize_response(req, self.frontend.tokenizer, self.frontend.limits().vocab_size)
