@@ -216,6 +216,7 @@ class Engine:
         is queued. Raises InvalidArgument naming `field` (the prompt, as the frontend's request names it). `adapter`:
         the name of a loaded LoRA adapter to run it on (None: the base model; an unknown one: UnknownAdapterError)."""
         params = params or SamplingParams()
+        adapter = params.adapter if adapter is None else adapter  # the frontends name it in the params
         lora = self._adapter(adapter) if adapter is not None else None
         if isinstance(prompt, str):
             if self.tokenizer is None:

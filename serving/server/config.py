@@ -49,6 +49,9 @@ class ServerConfig:
     max_concurrent_streams: int = option(MAX_CONCURRENT_STREAMS, "gRPC streams at once per client connection.")
     trace_content: bool = option(False, "Trace span events carry the generated token ids.")
     otlp_ca_file: str = option("", "PEM CA of the OTLP collector: export over TLS; empty: plaintext.")
+    lora_root: str = option(
+        "", "With --enable_lora: the directory under which adapters may be loaded at run time (POST "
+        "/v1/load_lora_adapter, LoadLoRAAdapter; admin key); empty: run-time loading is off (docs/lora.md).")
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
