@@ -260,7 +260,8 @@ class LoRASlots:
 
     def resident(self) -> dict[str, int]:
         """{adapter name: slot} of the adapters on the device (loaded, not loading)."""
-        return {a.name: s for a, s in self._slot.items() if s not in self._loading}
+        # list() copies the items in one step under the GIL: the servers read this off the engine thread
+        return {a.name: s for a, s in list(self._slot.items()) if s not in self._loading}
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
