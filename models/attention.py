@@ -13,6 +13,7 @@ from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.kv_cache import KVCacheSpec, attention_spec
 from models.layers import RMSNorm, linear, linear_param, zeros
+from models.lora import apply_lora
 from models.rope import apply_rope, inverse_frequencies
 from pallas_kernels import kv_quant
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
@@ -47,6 +48,7 @@ class Attention(nnx.Module):
         rope = cfg.rope_local if self.sliding_window is not None and cfg.rope_local is not None else cfg.rope
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(rope, d))
         self.rope_attention_factor = rope.attention_factor  # yarn / longrope scale cos and sin by it
+        self.lora = nnx.data(None)  # adapter slots of q/k/v/o (models.lora.LoRAStacks), set when serving LoRA
 
     @staticmethod
     def kv_cache_spec(cfg: ModelConfig, layer: int, *, dtype, kv_cache_dtype: str = "auto") -> KVCacheSpec:
@@ -68,6 +70,10 @@ class Attention(nnx.Module):
             q = linear(x, self, "q_proj", e, g).reshape(t, hq, d)
             k = linear(x, self, "k_proj", e, g).reshape(t, hkv, d)
             v = linear(x, self, "v_proj", e, g).reshape(t, hkv, d)
+        slots = batch.lora_slots
+        if self.lora is not None and slots is not None:
+            q, k, v = (apply_lora(self.lora, name, x, y, slots) for name, y in (("q_proj", q), ("k_proj", k),
+                                                                                  ("v_proj", v)))
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
@@ -80,6 +86,7 @@ class Attention(nnx.Module):
                                         logit_soft_cap=self.logit_soft_cap)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
         y = linear(out.reshape(t, -1), self, "o_proj", hq * d, g)
+        y = apply_lora(self.lora, "o_proj", out, y, slots)
         if self.o_bias_on:
             y = y + self.o_bias[...]
         return y, kv_pages

@@ -15,7 +15,7 @@ from pallas_kernels.metadata import AttentionMetadata
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["input_ids", "positions", "attention", "logits_indices", "window_pages"],
+    data_fields=["input_ids", "positions", "attention", "logits_indices", "lora_slots", "window_pages"],
     meta_fields=["windows"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +24,9 @@ class RaggedBatch:
     positions: jax.Array  # [T] int32
     attention: AttentionMetadata
     logits_indices: jax.Array  # [S] int32: index in T of each sequence's last token this step
+    # [T] int32: each token's LoRA adapter slot (-1: the base model, and padding); None when no token of the step
+    # has an adapter (the step then runs the program without LoRA, whose cost is nil)
+    lora_slots: jax.Array | None = None
     # Hybrid KV cache (serving.core.hybrid_block_manager): per window pool, (slot_mapping [T], page_indices
     # [S, max_pages]) into the pages of the sliding-window layers of that window (`windows`, static); empty: every
     # layer reads `attention`'s pages
@@ -52,6 +55,7 @@ class RaggedBatch:
         RaggedBatch."""
         windows = tuple(a.get("windows", ()))
         return cls(input_ids=a["input_ids"], positions=a["positions"], logits_indices=a["logits_indices"],
+                   lora_slots=a.get("lora_slots"),
                    attention=AttentionMetadata(slot_mapping=a["slot_mapping"], kv_lens=a["kv_lens"],
                                                page_indices=a["page_indices"], cu_q_lens=a["cu_q_lens"],
                                                num_seqs=a["num_seqs"]),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import UnsupportedModelError
+from models.lora import apply_lora
 from models.quant import WeightQuant, matmul_scale, quantize, scale_axes, scale_name
 from pallas_kernels.matmul import dense_weight, matmul
 from pallas_kernels.target import target_platform
@@ -101,13 +102,19 @@ class MLP(nnx.Module):
         self.activation = activation
         self.quant_group = quant.group if quant else 0
         self.gate_up_proj = nnx.data(None)  # gate|up fused and packed by `pallas_kernels.matmul.pack_groups` (then gate/up_proj are None)
+        self.lora = nnx.data(None)  # adapter slots of gate/up/down (models.lora.LoRAStacks), set when serving LoRA
 
-    def __call__(self, x):
+    def __call__(self, x, lora_slots=None):
+        """`lora_slots` [T]: each token's adapter slot (< 0: none), or None (no adapter in the step)."""
         e, i, g = self.hidden, self.intermediate, self.quant_group
         act = ACTIVATIONS[self.activation]
         if self.gate_up_proj is not None:
             gu = linear(x, self, "gate_up_proj", e, g)
-            h = act(gu[:, :i]) * gu[:, i:]
+            gate, up = gu[:, :i], gu[:, i:]
         else:
-            h = act(linear(x, self, "gate_proj", e, g)) * linear(x, self, "up_proj", e, g)
-        return linear(h, self, "down_proj", i, g)
+            gate, up = linear(x, self, "gate_proj", e, g), linear(x, self, "up_proj", e, g)
+        if self.lora is not None and lora_slots is not None:
+            gate = apply_lora(self.lora, "gate_proj", x, gate, lora_slots)
+            up = apply_lora(self.lora, "up_proj", x, up, lora_slots)
+        h = act(gate) * up
+        return apply_lora(self.lora, "down_proj", h, linear(h, self, "down_proj", i, g), lora_slots)

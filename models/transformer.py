@@ -15,6 +15,7 @@ from models.gemma3 import GemmaDecoderLayer, scale_embeddings, soft_cap
 from models.kv_cache import KVCacheSpec
 from models.layers import MLP, RMSNorm, embed_lookup, param
 from models.mla import MLAttention
+from models.lora import ATTENTION_TARGETS, MLP_TARGETS, LoRAProjection, LoRAStacks, lora_targets
 from models.moe import MoE
 from pallas_kernels import matmul as cpu_weights
 from pallas_kernels.matmul import matmul
@@ -40,7 +41,7 @@ class DecoderLayer(nnx.Module):
             valid = jnp.arange(x.shape[0]) < md.cu_q_lens[md.num_seqs[0]]
             x = x + self.mlp(h, valid)
         else:
-            x = x + self.mlp(h)
+            x = x + self.mlp(h, batch.lora_slots)
         return x, kv_pages
 
 
@@ -129,6 +130,30 @@ class CausalLM(nnx.Module):
         if not cfg.tie_word_embeddings:
             groups.append((self, None, ["lm_head"], e))
         return groups
+
+    def add_lora_slots(self, max_loras: int, max_rank: int, dtype, sharding=None) -> int:
+        """Gives every projection LoRA may adapt (`models.lora.lora_targets`) `max_loras` zeroed adapter slots of
+        rank `max_rank` in `dtype`, placed by `sharding(axes, shape)` when given; returns how many projections."""
+        count = 0
+        for i, layer in enumerate(self.layers):
+            targets = lora_targets(self.config, i)
+            parts = [(layer.self_attn, ATTENTION_TARGETS)] + ([(layer.mlp, MLP_TARGETS)] if isinstance(layer.mlp, MLP)
+                                                              else [])
+            for part, names in parts:
+                part.lora = LoRAStacks({n: targets[n] for n in names}, max_loras, max_rank, dtype, sharding)
+                count += len(names)
+        return count
+
+    def lora_projections(self) -> list[tuple[int, str, LoRAProjection]]:
+        """(layer, projection name, its LoRA slots) of every projection that has them (`add_lora_slots`)."""
+        out = []
+        for i, layer in enumerate(self.layers):
+            for part in (layer.self_attn, layer.mlp):
+                stacks = getattr(part, "lora", None)
+                if stacks is not None:
+                    out += [(i, name, getattr(stacks, name)) for name in lora_targets(self.config, i)
+                            if hasattr(stacks, name)]
+        return out
 
     def pack_for_cpu_kernels(self) -> int:
         """Repacks the dense matmul weights and the MoE layers' routed experts into the native CPU kernels' panels,

@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 
 MIN_KEY_CHARS = 16  # a shorter key is guessable; refused at load
 RELOAD_CHECK_S = 1.0  # a key file's stat is looked at most this often
-# Methods a regular key may not call: they take an instance out of service or stall its engine thread.
-ADMIN_METHODS = frozenset({"/meshserve.v1.Inference/Drain"})
+# Methods a regular key may not call: they take an instance out of service, stall its engine thread, or read a
+# directory on the server's disk (LoRA loads, under --lora_root) and change what every tenant is served.
+ADMIN_METHODS = frozenset({"/meshserve.v1.Inference/Drain", "/meshserve.v1.Inference/LoadLoRAAdapter",
+                           "/meshserve.v1.Inference/UnloadLoRAAdapter"})
 # GetLoad is regular, but with check_invariants (a scan of every page on the engine thread) it is an admin call.
 INVARIANTS_METHOD = "/meshserve.v1.Inference/GetLoad"
 # Open to anyone who reaches the port: orchestrators' readiness probes send no credentials.

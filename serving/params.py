@@ -20,6 +20,7 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_ADAPTER_NAME_CHARS = 256  # a LoRA adapter's name (SamplingParams.adapter)
 PRIORITIES = (0, 1)  # interactive, batch (serving.core.request.Priority; meshserve.v1 Priority)
 KNOWN_ROLES = ("system", "user", "assistant", "tool", "developer")
 _INT64_MIN, _UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
@@ -113,6 +114,7 @@ class SamplingParams:
     n: int = 1  # samples returned for the prompt, in [1, MAX_N]
     logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit; None (or {}) = none
     structured: StructuredOutput | None = None  # constrained decoding; None = free
+    adapter: str | None = None  # the LoRA adapter to decode with, by name (docs/lora.md); None or "" = the base model
 
     def __post_init__(self):
         # Normalise the forms users pass (a single string, lists) before checking.
@@ -122,6 +124,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", () if self.stop_token_ids is None else tuple(self.stop_token_ids))
         if _is_int(self.top_k) and self.top_k == 0:
             object.__setattr__(self, "top_k", -1)
+        if self.adapter == "":
+            object.__setattr__(self, "adapter", None)
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", dict(self.logit_bias) or None)
         _check_sampling(self)
@@ -142,6 +146,7 @@ OPENAI_BY_HAND = {
     "max_tokens": "chat's max_completion_tokens overrides it; /v1/completions defaults it to 16",
     "logprobs": "chat asks with logprobs (a bool) and top_logprobs; /v1/completions with logprobs (an int)",
     "structured": "response_format, structured_outputs or a forced tool_choice",
+    "adapter": "the request's `model` names it (a LoRA adapter's name, as vLLM)",
 }
 PROTO_BY_HAND = {"structured": "its own message, StructuredOutput, with a oneof of the kinds"}
 # Fields meshserve.v1 carries as 32-bit integers: the OpenAI API refuses larger values with a 400 naming them, since the
@@ -211,6 +216,9 @@ def _check_sampling(p: SamplingParams) -> None:
         raise InvalidSampling(f"n must be an integer in [1, {MAX_N}], got {p.n!r}")
     if p.logit_bias is not None:
         check_logit_bias(p.logit_bias)
+    if p.adapter is not None and (not isinstance(p.adapter, str) or len(p.adapter) > MAX_ADAPTER_NAME_CHARS):
+        raise InvalidSampling(f"adapter must be an adapter's name of at most {MAX_ADAPTER_NAME_CHARS} characters, "
+                              f"got {p.adapter!r:.80}")
     for name in BOOL_FIELDS:
         if not isinstance(getattr(p, name), bool):
             raise InvalidSampling(f"{name} must be a bool, got {getattr(p, name)!r}")

@@ -10,6 +10,8 @@ MLP = "mlp"
 VOCAB = "vocab"
 EXPERT = "expert"
 LAYERS = "layers"
+LORA_SLOTS = "lora_slots"  # the adapter slots of a LoRA stack (serving.core.lora)
+LORA_RANK = "lora_rank"  # a LoRA stack's rank axis
 KV_PAGES = "kv_pages"  # the KV cache's page axis (each data replica holds its own pool)
 
-LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, KV_PAGES)
+LOGICAL_AXES = (EMBED, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, EXPERT, LAYERS, KV_PAGES, LORA_SLOTS, LORA_RANK)

@@ -8,7 +8,8 @@ from typing import Mapping, Sequence
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sharding.axes import EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, KV_PAGES, LAYERS, LOGICAL_AXES, MLP, VOCAB
+from sharding.axes import (EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, KV_PAGES, LAYERS, LOGICAL_AXES, LORA_RANK,
+                           LORA_SLOTS, MLP, VOCAB)
 
 MESH_AXES = ("data", "pipeline", "tensor", "expert")
 STAGE_AXIS = MESH_AXES[1]  # pipeline stages: stacked layer slots (and their KV caches) are split over it
@@ -48,8 +49,10 @@ class ShardingRules:
         return NamedSharding(mesh, self.partition_spec(axes, shape, mesh))
 
 
+# LoRA stacks (A [slots, in.., rank], B [slots, rank, out..]) split as the weight they modify, by its in/out axes;
+# their slot and rank axes are never split (a rank is 8-64: too small to divide).
 DEFAULT_RULES = ShardingRules({
-    EMBED: None, HEAD_DIM: None, LAYERS: None,
+    EMBED: None, HEAD_DIM: None, LAYERS: None, LORA_SLOTS: None, LORA_RANK: None,
     HEADS: "tensor", KV_HEADS: "tensor", MLP: "tensor", VOCAB: "tensor", EXPERT: "expert", KV_PAGES: "data",
 })
 

@@ -1,7 +1,7 @@
 """Native CPU kernels (C++ in this directory) called from XLA:CPU programs through the XLA FFI. `library`: their build
 into a cache, load and per-CPU instruction-set choice (`build`, `enabled`, `isa`); `packing`: the weight layouts they
 read (`pack_weights`, the LM head's screen); `wrappers`: the calls `matmul`, `matmul_packed`, `matmul_int8`,
-`greedy_head`, `ragged_paged_attention` and `expert_mlp`. Each module's public names are importable from here.
+`greedy_head`, `ragged_paged_attention`, `expert_mlp` and `lora`. Each module's public names are importable from here.
 Details: docs/native-kernels.md."""
 from pallas_kernels.native.library import (ARCH_ISAS, CACHE_ENV, ENV_VAR, FFI_TARGETS, ISA_ENV_VAR, ISAS, SOURCE_DIR,
                                            build, build_selftest, compile_jobs, enabled, env_var, int8_dot_runs, isa,
@@ -13,6 +13,6 @@ from pallas_kernels.native.packing import (BF16_K_ALIGN, PANELS, SCREEN_K_ALIGN,
 from pallas_kernels.native.wrappers import (HEAD_LAYOUTS, INT8_ENV_VAR, INT8_METHODS, MAX_INT8_ROWS, MAX_MATMUL_ROWS,
                                             attention_supported, expert_mlp, expert_mlp_supported, greedy_head,
                                             greedy_head_supported, int8_method, latent_attention,
-                                            latent_attention_supported, matmul, matmul_int8,
+                                            latent_attention_supported, lora, lora_supported, matmul, matmul_int8,
                                             matmul_int8_supported, matmul_packed, matmul_supported, packed_supported,
                                             ragged_paged_attention, scale_groups)

@@ -11,7 +11,8 @@
 // (gate|up, SwiGLU, down, weighted combine), each selected expert's weights read once (in x's dtype, or int8 with
 // per-channel scales). int8 matmul: x @ w for int8 weights (packed or row-major) times float32 scales per column or
 // per group of rows. latent attention: paged attention over a multi-head latent attention cache (one row per token
-// read by every head). Work is split between the XLA intra-op thread pool's threads and the calling thread.
+// read by every head). lora: a batch's LoRA update, tokens grouped by adapter slot. Work is split between the XLA
+// intra-op thread pool's threads and the calling thread.
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
@@ -361,6 +362,31 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
+                    ffi::AnyBuffer b, ffi::Buffer<ffi::S32> ranks, ffi::Result<ffi::AnyBuffer> out, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
+  if (xd.size() != 2 || ad.size() != 3 || bd.size() != 3)
+    return ffi::Error::InvalidArgument("lora: x must be [T, K], a [S, K, R], b [S, R, N]");
+  const int64_t T = xd[0], K = xd[1], S = ad[0], R = ad[2], N = bd[2];
+  if (ad[1] != K || bd[0] != S || bd[1] != R)
+    return ffi::Error::InvalidArgument("lora: x [T, K], a [S, K, R] and b [S, R, N] disagree");
+  if (static_cast<int64_t>(slots.element_count()) != T || static_cast<int64_t>(ranks.element_count()) != S)
+    return ffi::Error::InvalidArgument("lora: slots must be [T] and ranks [S]");
+  const auto t = x.element_type();
+  if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16) || a.element_type() != t || b.element_type() != t ||
+      out->element_type() != t)
+    return ffi::Error::InvalidArgument("lora: x, a, b and out must all be float32 or all bfloat16");
+  if (static_cast<int64_t>(out->element_count()) != T * N)
+    return ffi::Error::InvalidArgument("lora: out must be [T, N]");
+  if (!T || !N) return ffi::Error::Success();
+  kernels->lora(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
+                slots.typed_data(), a.untyped_data(), b.untyped_data(), ranks.typed_data(), S, R, N,
+                out->untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace meshserve
 
@@ -458,5 +484,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveExpertMlp, meshserve::ExpertMlpImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLora, meshserve::LoraImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa"));

@@ -10,6 +10,7 @@
 //   mla.h          paged attention over a latent (multi-head latent attention) cache, every head per row read
 //   greedy_head.h  greedy LM head: argmax of the exact logits from an int8 screen plus an exact recheck
 //   moe.h          grouped expert MLP (mixture of experts): each selected expert's weights read once per call
+//   lora.h         LoRA update of a batch mixing adapters: each used adapter's A and B read once, up to its rank
 //   simd.h         the vector operations all of them are written in; parallel.h work sharing and buffers
 #include <atomic>
 #include <cmath>
@@ -85,11 +86,13 @@ namespace {
 #include "mla.h"
 #include "greedy_head.h"
 #include "moe.h"
+#include "lora.h"
 
 #define MESHSERVE_STR2(x) #x
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
 const Kernels kTable = {MESHSERVE_STR(MESHSERVE_NS), MatmulEntry, MatmulPackedEntry, AttentionEntry,
-                        GreedyHeadEntry, ExpertMlpEntry, MatmulInt8Entry, Int8Dot, LatentAttentionEntry};
+                        GreedyHeadEntry, ExpertMlpEntry, MatmulInt8Entry, Int8Dot, LatentAttentionEntry,
+                        LoraEntry};
 
 }  // namespace
 }  // namespace MESHSERVE_NS

@@ -35,8 +35,9 @@ _GREEDY_HEAD = "meshserve_cpu_greedy_head"
 _EXPERT_MLP = "meshserve_cpu_expert_mlp"
 _MATMUL_INT8 = "meshserve_cpu_matmul_int8"
 _LATENT_ATTENTION = "meshserve_cpu_latent_attention"
+_LORA = "meshserve_cpu_lora"
 # CPU only: never in a GPU/TPU program
-FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8, _LATENT_ATTENTION)
+FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8, _LATENT_ATTENTION, _LORA)
 
 # Instruction-set paths; the index is the id the library knows them by (native/api.h `Isa`).
 ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx", "neon", "neon_bf16")
@@ -218,6 +219,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_EXPERT_MLP, jax.ffi.pycapsule(lib.MeshserveExpertMlp), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_INT8, jax.ffi.pycapsule(lib.MeshserveMatmulInt8), platform="cpu")
     jax.ffi.register_ffi_target(_LATENT_ATTENTION, jax.ffi.pycapsule(lib.MeshserveLatentAttention), platform="cpu")
+    jax.ffi.register_ffi_target(_LORA, jax.ffi.pycapsule(lib.MeshserveLora), platform="cpu")
     _registered = True
     return None
 

@@ -656,6 +656,54 @@ Worst CheckExpertMlp(const Kernels& k) {
   return worst;
 }
 
+// LoRA update (lora.h): y[t] = (x[t] @ a[s][:, :r]) @ b[s][:r, :], s = slots[t], r = ranks[s] (none where s < 0,
+// s >= S or r = 0), a [S, K, R] and b [S, R, N] in x's dtype; the columns and rows past a slot's rank hold values
+// the kernel must not read. Tolerance: float32 accumulation; bfloat16 adds the output's one rounding.
+Worst CheckLora(const Kernels& k) {
+  Worst worst;
+  const int64_t S = 4, R = 24;
+  const int32_t ranks[S] = {24, 5, 0, 17};
+  for (Dt dt : {Dt::kF32, Dt::kBf16})
+    for (int64_t K : {40, 64})
+      for (int64_t N : {72, 130})
+        for (int64_t T : {1, 6, 11}) {
+          Rng rng{static_cast<uint64_t>(K * 7919 + N * 31 + T * 3 + (dt == Dt::kBf16))};
+          const Buf x = Random(dt, T * K, rng), a = Random(dt, S * K * R, rng), b = Random(dt, S * R * N, rng);
+          std::vector<int32_t> slots(T);
+          for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(rng.Next() % (S + 2)) - 1;  // -1, S: none
+          std::vector<double> want(T * N, 0.0), mag(T * N, 0.0);
+          for (int64_t t = 0; t < T; ++t) {
+            const int64_t s = slots[t];
+            if (s < 0 || s >= S) continue;
+            for (int64_t r = 0; r < ranks[s]; ++r) {
+              double xa = 0, xa_mag = 0;
+              for (int64_t kk = 0; kk < K; ++kk) {
+                xa += x.At(t * K + kk) * a.At((s * K + kk) * R + r);
+                xa_mag += std::fabs(x.At(t * K + kk) * a.At((s * K + kk) * R + r));
+              }
+              for (int64_t n = 0; n < N; ++n) {
+                want[t * N + n] += xa * b.At((s * R + r) * N + n);
+                mag[t * N + n] += xa_mag * std::fabs(b.At((s * R + r) * N + n));
+              }
+            }
+          }
+          for (int threads : kThreadCounts) {
+            Buf o(dt, T * N);
+            Call(threads, [&](const Runner& run) {
+              k.lora(run, dt, x.data(), T, K, slots.data(), a.data(), b.data(), ranks, S, R, N, o.data());
+            });
+            for (int64_t i = 0; i < T * N; ++i) {
+              double tol = 1e-5 * mag[i] + 1e-6;
+              if (dt == Dt::kBf16) tol += 0x1p-8 * std::fabs(want[i]);
+              worst.Near(o.At(i), want[i], 0, tol,
+                         Case("%s K=%lld N=%lld T=%lld threads=%d", DtName(dt), (long long)K, (long long)N,
+                              (long long)T, threads), i);
+            }
+          }
+        }
+  return worst;
+}
+
 // api.h's tables by Isa id: null where this build has no copy for it (another architecture's).
 const Kernels* (*const kTables[kNumIsas])() = {KernelsGeneric, KernelsAvx2, KernelsAvx512, KernelsAvx512Bf16,
                                                KernelsAmx,     KernelsNeon, KernelsNeonBf16};
@@ -693,10 +741,10 @@ int main(int argc, char** argv) {
       std::printf("%s: FAIL (table is %s's)\n", name, k->name);
       continue;
     }
-    const char* kernels[] = {"matmul",      "matmul_packed", "attention",  "greedy_head",
-                             "matmul_int8", "expert_mlp",    "latent_attention"};
-    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k),   CheckAttention(*k),     CheckGreedyHead(*k),
-                             CheckInt8(*k),   CheckExpertMlp(*k), CheckLatentAttention(*k)};
+    const char* kernels[] = {"matmul",      "matmul_packed", "attention",        "greedy_head",
+                             "matmul_int8", "expert_mlp",    "latent_attention", "lora"};
+    const Worst results[] = {CheckMatmul(*k), CheckPacked(*k),    CheckAttention(*k),         CheckGreedyHead(*k),
+                             CheckInt8(*k),   CheckExpertMlp(*k), CheckLatentAttention(*k),   CheckLora(*k)};
     std::string line = std::string(name) + ":";
     bool ok = true;
     for (int i = 0; i < 7; ++i) {

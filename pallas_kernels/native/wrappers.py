@@ -1,6 +1,6 @@
 """The jit-able calls of the native CPU kernels through the XLA FFI, each with its trace-time check of whether it can
 run here (`*_supported`): `matmul`, `matmul_packed`, `matmul_int8`, `greedy_head`, `expert_mlp`,
-`ragged_paged_attention` and `latent_attention`."""
+`ragged_paged_attention`, `latent_attention` and `lora`."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_quant import QuantizedKV
-from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _MATMUL,
+from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _LORA, _MATMUL,
                                            _MATMUL_INT8, _MATMUL_PACKED, _isa_attr, _require, enabled, int8_dot_runs,
                                            isa, runnable_isas)
 from pallas_kernels.native.packing import PANELS, _padded_k, is_packed, is_packed_experts, packed_shape
@@ -274,3 +274,22 @@ def latent_attention(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs
     return call(q, values, scales, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
                 jnp.reshape(i32(num_seqs), (1,)), sm_scale=np.float32(sm_scale), value_dim=np.int64(value_dim),
                 isa=_isa_attr())
+
+
+def lora_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
+    """Trace-time. Whether `lora` can run here: x [T, K] float32 or bfloat16, a [S, K, R] and b [S, R, N] in x's
+    dtype, on whole local arrays (no multi-device mesh)."""
+    if not enabled() or not _single_device_context() or x.ndim != 2 or a.ndim != 3 or b.ndim != 3:
+        return False
+    dt = jnp.dtype(x.dtype)
+    return (dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and a.dtype == dt and b.dtype == dt
+            and a.shape[1] == x.shape[1] and b.shape[:2] == (a.shape[0], a.shape[2]))
+
+
+def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array) -> jax.Array:
+    """Pure. [T, N] in x's dtype: (x[t] @ a[s][:, :r]) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (zeros
+    where s < 0 or >= S, or r = 0), accumulated in float32 (native/lora.h): each adapter the tokens use read once,
+    up to its rank; the others not at all."""
+    _require()
+    call = jax.ffi.ffi_call(_LORA, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
+    return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(ranks, jnp.int32), isa=_isa_attr())

@@ -1,7 +1,8 @@
 """`OpenAIApp`: the one OpenAI-compatible HTTP API, each endpoint written once over the `Frontend` a process implements
 (the instance server's engine: serving/server/http.py; the gateway's instances: serving/gateway/http.py): POST
 /v1/chat/completions and /v1/completions (parse -> build -> run -> respond, one JSON body or Server-Sent Events),
-GET /v1/models, GET /health, vLLM's POST /tokenize and /detokenize. Who may call each route: docs/security.md."""
+GET /v1/models (with the LoRA adapters), GET /health, vLLM's POST /tokenize, /detokenize, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (admin). Who may call each route: docs/security.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import time
 from typing import Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from serving.api import protocol
 from serving.api.asgi import HttpServer, Run, by_size, check_size, install_error_handlers, parse, respond
@@ -42,6 +43,10 @@ class Frontend(Protocol):
     def unhealthy(self) -> ApiError | None: ...  # GET /health's 503, None when healthy
     def authorize(self, headers): ...  # the caller of (lower-case) header pairs; raises ApiError (401, 403)
     def count_error(self, e: ApiError) -> None: ...  # a refused generation request, in the process's metrics
+    def adapters(self) -> list[dict]: ...  # the LoRA adapters served ({name, path}); a request's `model` may name one
+    def authorize_admin(self, request: Request): ...  # raises ApiError (401, 403) unless an admin may call
+    async def load_adapter(self, name: str, path: str) -> dict: ...  # raises ApiError naming why not
+    async def unload_adapter(self, name: str) -> dict: ...
 
     def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> Run:
         """Checks what only the engine's side knows (raising ApiError before anything is queued), then starts the
@@ -61,6 +66,8 @@ class OpenAIApp:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         install_error_handlers(app)
         self.app = app
         # Keys, then the body's size and deadline, before any route (or FastAPI) sees the request.
@@ -85,13 +92,18 @@ class OpenAIApp:
         raw = await self._body(request)
         check_size(raw, self.frontend.limits().max_request_bytes, chat)
         req = parse(raw, model_cls)
-        self._check_model(req.model)
-        return raw, req
+        adapter = self._check_model(req.model)
+        return raw, req, adapter
 
-    def _check_model(self, model: str | None) -> None:
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (as vLLM), None for the model itself; a 404 naming it otherwise."""
         name = self.frontend.model_name()
-        if model is not None and model != name:
-            raise protocol.model_not_found(model, name)
+        if model is None or model == name:
+            return None
+        adapters = [a["name"] for a in self.frontend.adapters()]
+        if model not in adapters:
+            raise protocol.model_not_found(model, name, adapters)
+        return model
 
     # ------------------------------------------------------------------ generation
     async def chat_completions(self, request: Request):
@@ -107,8 +119,8 @@ class OpenAIApp:
             if refusal is not None:
                 raise refusal
             caller = fe.authorize(request.headers.items())
-            raw, req = await self._read(request, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest,
-                                        chat=chat)
+            raw, req, adapter = await self._read(
+                request, protocol.ChatCompletionRequest if chat else protocol.CompletionRequest, chat=chat)
             tok, parsers = fe.tokenizer, fe.parsers()
 
             def build() -> EngineRequest:
@@ -118,6 +130,8 @@ class OpenAIApp:
                 return protocol.completion_request(req, tok, render_elsewhere=fe.render_elsewhere)
             ereq = await by_size(raw, build)
             ereq.cache_salt = req.cache_salt or ""
+            if adapter is not None:
+                ereq.sampling["adapter"] = adapter
             if parsers.after_reasoning and "structured" in ereq.sampling:  # a reasoning model's reasoning stays free
                 ereq.sampling["structured"] = {**ereq.sampling["structured"], "after_reasoning": True}
             response_id = protocol.response_id(chat)
@@ -128,7 +142,7 @@ class OpenAIApp:
             fe.count_error(e)
             raise
         builder = ResponseBuilder(
-            chat=chat, response_id=response_id, model=fe.model_name(), created=int(time.time()), n=ereq.n,
+            chat=chat, response_id=response_id, model=adapter or fe.model_name(), created=int(time.time()), n=ereq.n,
             prompt_lengths=[len(p.token_ids or ()) for p in ereq.prompts], tokenizer=tok,
             logprobs=ereq.sampling.get("logprobs"), echo_texts=protocol.echo_texts(ereq, tok),
             include_usage=ereq.include_usage, reasoning_parser=parsers.reasoning, tool_parser=ereq.tool_parser)
@@ -137,7 +151,23 @@ class OpenAIApp:
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request):
         self.frontend.authorize(request.headers.items())
-        return protocol.model_list(self.frontend.model_name(), self.created, **self.frontend.model_card())
+        return protocol.model_list(self.frontend.model_name(), self.created, **self.frontend.model_card(),
+                                   adapters=self.frontend.adapters())
+
+    async def load_lora_adapter(self, request: Request):
+        """vLLM's body ({lora_name, lora_path}) and answer (200 and a line of text); admin only."""
+        self.frontend.authorize_admin(request)
+        req = parse(await self._body(request), protocol.LoadLoRAAdapterRequest)
+        if req.lora_path is None:
+            raise ApiError(400, "lora_path: required; the adapter's PEFT directory on the server", param="lora_path")
+        await self.frontend.load_adapter(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request):
+        self.frontend.authorize_admin(request)
+        req = parse(await self._body(request), protocol.LoadLoRAAdapterRequest)
+        await self.frontend.unload_adapter(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def health(self):
         error = self.frontend.unhealthy()

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import re
 import uuid
-from typing import Any
+from typing import Any, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -79,14 +79,18 @@ def response_id(chat: bool) -> str:
     return f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
-def model_list(name: str, created: int, *, root: str | None = None, max_model_len: int | None = None) -> dict:
-    """GET /v1/models' body: the one model served."""
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "meshserve",
-                                        "root": root, "parent": None, "max_model_len": max_model_len}]}
+def model_list(name: str, created: int, *, root: str | None = None, max_model_len: int | None = None,
+               adapters: Sequence[dict] = ()) -> dict:
+    """GET /v1/models' body: the model served, then its LoRA adapters (`adapters`: {name, path}), each with the
+    model as its `parent` (as vLLM lists them)."""
+    card = {"object": "model", "created": created, "owned_by": "meshserve", "max_model_len": max_model_len}
+    return {"object": "list", "data": [{"id": name, **card, "root": root, "parent": None}] + [
+        {"id": a["name"], **card, "root": a.get("path"), "parent": name} for a in adapters]}
 
 
-def model_not_found(model: str, served: str) -> ApiError:
-    return ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`.", param="model",
+def model_not_found(model: str, served: str, adapters: Sequence[str] = ()) -> ApiError:
+    also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else ""
+    return ApiError(404, f"The model `{model}` does not exist; this server serves `{served}`{also}.", param="model",
                     code="model_not_found")
 
 
@@ -178,6 +182,12 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """vLLM's POST /v1/load_lora_adapter (and, without lora_path, /v1/unload_lora_adapter)."""
+    lora_name: str
+    lora_path: str | None = None
 
 
 # ---------------------------------------------------------------------------- the engine request

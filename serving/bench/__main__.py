@@ -23,6 +23,7 @@ BENCHMARKS = {
     "chaos": "faults injected into a gateway + instances under load: overload, kill -9, hang, cancels, restarts",
     "structured": "structured outputs: tok/s with 0/50/100% of sequences JSON-schema constrained, mask time, compile",
     "quant": "quantized serving: bf16 vs int8 weights (+ int8 KV) vs llama.cpp Q8_0, KV capacity, int8 kernels",
+    "lora": "LoRA adapters: decode tok/s and TPOT at batch 1 and 32, no adapter / 1 / 8 mixed (ranks 8, 64)",
     "hybrid_kv": "Gemma 3's hybrid KV cache: pages a 32k prompt holds with and without it; 27B's ledger on 8 x 80 GB",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
     "mla": "multi-head latent attention: DeepSeek-V3's KV per token (ledger), decode vs GQA/MHA, absorbed vs expanded",

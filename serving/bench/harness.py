@@ -235,12 +235,14 @@ class DecodeSteps:
 
 
 def decode_step_times(engine, prompts: list[list[int]], params, *, warm_tokens: int = 8, skip_steps: int = 0,
-                      steps: int | None = None) -> DecodeSteps:
+                      steps: int | None = None, adapters: list[str | None] | None = None) -> DecodeSteps:
     """Runs `prompts` with sampling `params` on `engine` and times its steps in which every sequence decodes one token
     (no prefill in the step) once every request has `warm_tokens` outputs, the first `skip_steps` of them untimed, up
     to `steps` of them (None: until the requests finish). Then aborts what is left (no tail of shrinking batches,
-    each a program to compile) and lets the engine go idle."""
-    reqs = [engine.make_request(f"decode-{next(_REQUEST_IDS)}", p, params) for p in prompts]
+    each a program to compile) and lets the engine go idle. `adapters`: each prompt's LoRA adapter (None: none)."""
+    adapters = adapters or [None] * len(prompts)
+    reqs = [engine.make_request(f"decode-{next(_REQUEST_IDS)}", p, params, **({"adapter": a} if a else {}))
+            for p, a in zip(prompts, adapters)]
     for r in reqs:
         engine.add_request(r)
     times, kv_tokens, skipped = [], [], 0

@@ -38,12 +38,16 @@ class BatchBuilder:
         self._entries: dict[int, list] = {}  # id(block_table) -> [block_table (kept alive), row, pages copied]
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
-    def build(self, chunks: Sequence, *, num_tokens: int, num_seqs: int) -> RaggedBatch:
-        """The step's batch of `chunks`, padded to `num_tokens` tokens and `num_seqs` sequences (numpy arrays)."""
-        return RaggedBatch.from_layout(self.layout(chunks, num_tokens=num_tokens, num_seqs=num_seqs))
+    def build(self, chunks: Sequence, *, num_tokens: int, num_seqs: int,
+              lora_slots: Sequence[int] | None = None) -> RaggedBatch:
+        """The step's batch of `chunks`, padded to `num_tokens` tokens and `num_seqs` sequences (numpy arrays);
+        `lora_slots`: each chunk's LoRA adapter slot (-1: none; `lora_token_slots`)."""
+        return RaggedBatch.from_layout(self.layout(chunks, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                   lora_slots=lora_slots))
 
-    def layout(self, chunks: Sequence, *, num_tokens: int, num_seqs: int) -> dict[str, np.ndarray]:
-        """`build`'s arrays by name (`ragged_layout`'s dict)."""
+    def layout(self, chunks: Sequence, *, num_tokens: int, num_seqs: int,
+               lora_slots: Sequence[int] | None = None) -> dict[str, np.ndarray]:
+        """`build`'s arrays by name (`ragged_layout`'s dict, and `lora_slots` when a chunk has an adapter)."""
         s, width = len(chunks), self.max_pages
         if s > num_seqs or s > len(self.tables):
             raise ValueError(f"{s} seqs do not fit bucket {num_seqs} (rows: {len(self.tables)})")
@@ -76,6 +80,9 @@ class BatchBuilder:
                                page_size=self.page_size, num_tokens=num_tokens, num_seqs=num_seqs)
         if self.window_maps:
             window_arrays(arrays, self.window_maps, self.page_size)
+        token_slots = lora_token_slots(lora_slots, lens, num_tokens)
+        if token_slots is not None:
+            arrays["lora_slots"] = token_slots
         return arrays
 
     def _steal_row(self, old: dict) -> int:
@@ -83,6 +90,19 @@ class BatchBuilder:
         key, entry = next(iter(old.items()))
         del old[key]
         return entry[1]
+
+
+def lora_token_slots(lora_slots: Sequence[int] | None, lens: Sequence[int], num_tokens: int) -> np.ndarray | None:
+    """[num_tokens] int32: each token's LoRA adapter slot from its sequence's (`lora_slots`, one per sequence of
+    `lens` tokens; -1: none), padding -1; None when no sequence has one (the step runs without LoRA)."""
+    if lora_slots is None or not any(s >= 0 for s in lora_slots):
+        return None
+    if len(lora_slots) != len(lens):
+        raise ValueError(f"{len(lora_slots)} LoRA slots for {len(lens)} sequences")
+    out = np.full(num_tokens, -1, np.int32)
+    per_token = np.repeat(np.asarray(lora_slots, np.int32), np.asarray(lens, np.int64))
+    out[:len(per_token)] = per_token
+    return out
 
 
 def window_arrays(arrays: dict[str, np.ndarray], window_maps, page_size: int) -> None:

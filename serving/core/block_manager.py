@@ -91,9 +91,19 @@ class HostTier:
         assert {s: k for k, s in self.cache.items()} == {s: self.key[s] for s in used}, "host index disagrees"
 
 
-def cache_root(salt: str):
-    """The parent key of a request's first cached block: requests of different salts share no entry."""
-    return ("salt", salt) if salt else ROOT_PREFIX_ID
+def cache_root(salt: str = "", adapter_uid: int = 0):
+    """The parent key of a first cached block: requests of different salts (Request.cache_salt) or adapters share no
+    entry."""
+    base = -adapter_uid if adapter_uid else ROOT_PREFIX_ID
+    return ("salt", salt, base) if salt else base
+
+
+def prefix_root(request: Request):
+    """The prefix-cache parent of a request's first block: ROOT_PREFIX_ID for the base model, for a LoRA adapter
+    minus its load's uid (never a block's id, which count up from 1), under the request's cache salt if it has one:
+    a page computed under one adapter or salt never serves another."""
+    adapter = request.adapter
+    return cache_root(request.cache_salt, 0 if adapter is None else adapter.uid)
 
 
 class BlockManager:
@@ -139,9 +149,10 @@ class BlockManager:
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int, salt: str = "") -> tuple[list[int], list[int]]:
-        """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`) cached under `salt`
-        (Request.cache_salt); no side effects.
+    def match_prefix(self, token_ids: list[int], max_blocks: int,
+                     root=ROOT_PREFIX_ID) -> tuple[list[int], list[int]]:
+        """Longest run of cached full blocks at the start of `token_ids` (at most `max_blocks`) under `root`
+        (`prefix_root`: the request's cache salt and adapter); no side effects.
 
         Returns (pages, prefix ids), one per matched block; a block in the host tier is `host_hit(slot)`.
         """
@@ -149,7 +160,7 @@ class BlockManager:
         ids: list[int] = []
         if not self.enable_prefix_caching:
             return pages, ids
-        parent, ps, host = cache_root(salt), self.page_size, self.host
+        parent, ps, host = root, self.page_size, self.host
         for i in range(min(max_blocks, len(token_ids) // ps)):
             key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))  # the whole token block is compared
             page = self.cache.get(key)
@@ -282,7 +293,7 @@ class BlockManager:
             return
         tokens, table = request.token_ids, request.block_table
         for i in range(len(ids), full):
-            key = (ids[-1] if ids else cache_root(request.cache_salt), tuple(tokens[i * ps:(i + 1) * ps]))
+            key = (ids[-1] if ids else prefix_root(request), tuple(tokens[i * ps:(i + 1) * ps]))
             existing = self.cache.get(key)
             if existing is not None:  # the same prefix was computed elsewhere: chain through that entry
                 ids.append(self.page_prefix_id[existing])

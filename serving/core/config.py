@@ -123,6 +123,14 @@ class EngineConfig:
     # The platform the engine's programs are for: None = JAX's default backend. Another one ('gpu', 'tpu') builds
     # an engine whose programs can be lowered for it from this host (`Engine.lower_programs`), not run. Not a flag.
     platform: str | None = None
+    enable_lora: bool = option(
+        False, "Serve LoRA adapters of the model: --max_loras adapter slots on the device, requests name an adapter "
+        "(docs/lora.md).")
+    max_loras: int = option(4, "Adapters on the device at once (--enable_lora); more may be registered: the slots are "
+                            "an LRU cache, loaded on demand.")
+    max_lora_rank: int = option(16, "Largest adapter rank the slots hold (--enable_lora); a higher rank is refused.")
+    lora_modules: str = option("", "Adapters registered at start-up (--enable_lora): name=path of a PEFT adapter "
+                               "directory, comma-separated.")
     reasoning_parser: str = option(
         "", "How the model marks its reasoning (<think>...</think>): chat responses carry it as reasoning_content, "
         "usage counts its tokens, and a response_format or forced tool call applies only after it; empty: no "
@@ -150,6 +158,26 @@ class EngineConfig:
             self.speculative_config()  # validates
         if self.platform is not None:
             canonical_platform(self.platform)  # validates
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"EngineConfig.max_loras and max_lora_rank must be >= 1, got {self.max_loras}, "
+                             f"{self.max_lora_rank}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError(f"lora_modules={self.lora_modules!r} needs enable_lora")
+        if self.enable_lora and self.pp > 1:
+            raise ValueError(f"enable_lora does not run with pipeline parallelism (pp={self.pp}) yet")
+        self.lora_module_paths()  # validates
+
+    def lora_module_paths(self) -> dict[str, str]:
+        """`lora_modules` as {name: path}; a ValueError names an entry that is not name=path, or a repeated name."""
+        out: dict[str, str] = {}
+        for entry in filter(None, (e.strip() for e in self.lora_modules.split(","))):
+            name, sep, path = entry.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules entry {entry!r} is not name=path")
+            if name.strip() in out:
+                raise ValueError(f"lora_modules names adapter {name.strip()!r} twice")
+            out[name.strip()] = path.strip()
+        return out
 
     @property
     def kv_cache_dtype_name(self) -> str:

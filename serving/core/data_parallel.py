@@ -110,7 +110,8 @@ class DataParallelEngine:
         self.replicas: list[Engine] = []
         for r in range(dp):
             mesh = serving_mesh(tp=config.tp, ep=config.ep, devices=devices[r * per:(r + 1) * per])
-            self.replicas.append(Engine(replica_config, tokenizer=tokenizer, mesh=mesh))
+            adapters = self.replicas[0].adapters if self.replicas else None  # LoRA: one registry, the first's
+            self.replicas.append(Engine(replica_config, tokenizer=tokenizer, mesh=mesh, adapters=adapters))
             tokenizer = self.replicas[0].tokenizer  # loaded once
         self.scheduler = _PooledSchedulers(self.replicas)
         self._owner: dict[str, Engine] = {}
@@ -190,6 +191,35 @@ class DataParallelEngine:
             self._owner[request.request_id] = self.replicas[i]
             self._next = (i + 1) % dp
             return
+
+    # ------------------------------------------------------------------ LoRA adapters: one registry, slots per replica
+    def load_adapter(self, name: str, path: str) -> dict:
+        info = self.replicas[0].load_adapter(name, path)
+        adapter = self.replicas[0].adapters.get(name)
+        for r in self.replicas[1:]:
+            r.lora.prefetch(adapter)
+        return info
+
+    def unload_adapter(self, name: str) -> dict:
+        adapter = self.replicas[0]._adapter(name)
+        info = self.replicas[0].unload_adapter(name)
+        for r in self.replicas[1:]:
+            r.lora.forget(adapter)
+            info["requests_in_flight"] += r.adapter_requests(adapter)
+        return info
+
+    def list_adapters(self) -> list[dict]:
+        """The loaded adapters' info, each with its slot on every replica (None: not on that replica's device)."""
+        out = []
+        for info in self.replicas[0].list_adapters():
+            slots = [r.lora.resident().get(info["name"]) for r in self.replicas]
+            out.append({k: v for k, v in info.items() if k != "slot"} | {"slots": slots})
+        return out
+
+    def lora_requests_info(self) -> dict:
+        infos = [r.lora_requests_info() for r in self.replicas]
+        return {"running": sorted({n for i in infos for n in i["running"]}),
+                "waiting": sorted({n for i in infos for n in i["waiting"]}), "max_lora": infos[0]["max_lora"]}
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> list[StepOutput]:
         owner = self._owner.pop(request_id, None)

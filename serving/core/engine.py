@@ -19,9 +19,11 @@ from serving.core.config import EngineConfig
 from serving.core.block_manager import BlockManager
 from serving.core.host_kv import HostKVPool, host_pages_for
 from serving.core.hybrid_block_manager import HybridBlockManager
+from serving.core.lora import AdapterRegistry, LoRASlots, UnknownAdapterError, slot_values
 from serving.core.model_runner import ModelRunner
 from serving.core.output_processor import OutputProcessor, StepOutput
 from serving.core.pipeline_runner import PipelineModelRunner
+from serving.core.platform import DTYPES
 from serving.core.request import FinishReason, Priority, Request
 from serving.params import MAX_LOGPROBS, InvalidArgument, ModelLimits, SamplingParams, check_prompt
 from serving.core.scheduler import PLACEHOLDER_TOKEN, RequestOutput, Scheduler, SchedulerConfig, SchedulerOutput
@@ -54,10 +56,12 @@ class StepRecord:
 
 class Engine:
     """Synchronous engine: `add_request`, then `step()` until idle. Not thread-safe; AsyncEngine wraps it.
-    `runner` is the device side (a PipelineModelRunner when config.pp > 1)."""
+    `runner` is the device side (a PipelineModelRunner when config.pp > 1). With config.enable_lora, `adapters` is
+    the registry of LoRA adapters it serves (given: shared with other replicas; else its own, holding
+    config.lora_modules) and `lora` its device's adapter slots."""
 
     def __init__(self, config: EngineConfig, *, model: CausalLM | None = None, tokenizer: Tokenizer | None = None,
-                 mesh=None):
+                 mesh=None, adapters: AdapterRegistry | None = None):
         self.config = config
         runner_class = PipelineModelRunner if config.pp > 1 else ModelRunner
         self.runner: ModelRunner = runner_class(config, model=model, mesh=mesh)
@@ -71,6 +75,20 @@ class Engine:
         self.structured = StructuredOutputs(tokenizer, self.model_config.vocab_size, self.eos_token_ids,
                                             reasoning_parser=config.reasoning_parser)
         r = self.runner
+        self.adapters: AdapterRegistry | None = None
+        self.lora: LoRASlots | None = None
+        if config.enable_lora:
+            own = adapters is None
+            self.adapters = adapters if adapters is not None else AdapterRegistry(self.model_config,
+                                                                                   config.max_lora_rank)
+            dtype, layout, mc = DTYPES[config.dtype], r.lora_layout, self.model_config
+            self.lora = LoRASlots(config.max_loras, lambda a: slot_values(a.peft, mc, layout, dtype),
+                                  r.write_lora_slot)
+            if own:
+                for name, path in config.lora_module_paths().items():
+                    self.adapters.add(name, path)
+            for adapter in self.adapters.adapters():
+                self.lora.prefetch(adapter)
         block_manager = None
         if r.window_pages:  # sliding-window layers keep only their window (models.kv_cache.window_pools)
             block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
@@ -94,7 +112,7 @@ class Engine:
             max_prefill_chunk=config.max_prefill_chunk, enable_prefix_caching=config.enable_prefix_caching,
             max_waiting_requests=config.max_waiting_requests, max_waiting_tokens=config.max_waiting_tokens,
             long_prompt_threshold=config.long_prompt_threshold, max_long_prefills=config.max_long_prefills,
-            priority_ageing_s=config.priority_ageing_s), block_manager)
+            priority_ageing_s=config.priority_ageing_s), block_manager, adapters=self.lora)
         self.kv_events = None  # KVEventPublisher (--kv_events_endpoint)
         if config.kv_events_endpoint:
             from serving.core.kv_events import KVEventPublisher  # pyzmq only when the stream is on
@@ -242,12 +260,16 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      priority: int = Priority.INTERACTIVE, deadline: float | None = None,
-                     arrival_time: float | None = None, field: str = "prompt", cache_salt: str = "") -> Request:
+                     arrival_time: float | None = None, field: str = "prompt", cache_salt: str = "",
+                     adapter: str | None = None) -> Request:
         """A request checked against the model, once for the process (serving.params.check_prompt: token ids in the
         vocabulary, the prompt shorter than the context; its grammar compiled or found in the cache), before anything
         is queued. Raises InvalidArgument naming `field` (the prompt, as the frontend's request names it). Requests
-        share prefix-cache entries only with requests of the same `cache_salt`."""
+        share prefix-cache entries only with requests of the same `cache_salt`. `adapter`: the name of a loaded LoRA
+        adapter to run it on (None: the base model; an unknown one: UnknownAdapterError)."""
         params = params or SamplingParams()
+        adapter = params.adapter if adapter is None else adapter  # the frontends name it in the params
+        lora = self._adapter(adapter) if adapter is not None else None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidArgument(f"{field}: this model has no tokenizer; send token ids")
@@ -260,8 +282,67 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+        for sample in request.samples:
+            sample.adapter = lora
         self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is an InvalidSampling here
         return request
+
+    def _adapter(self, name: str):
+        if self.adapters is None:
+            raise UnknownAdapterError(f"adapter {name!r}: this engine serves no LoRA adapters (start it with "
+                                      "--enable_lora)")
+        return self.adapters.get(name)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Registers the PEFT adapter in directory `path` as `name` (AdapterError: it does not fit the model;
+        ValueError: the name is taken) and starts loading it into an empty slot if there is one. Returns its
+        info."""
+        adapter = self._registry().add(name, path)
+        self.lora.prefetch(adapter)
+        return adapter.info()
+
+    def unload_adapter(self, name: str) -> dict:
+        """Unregisters adapter `name` (UnknownAdapterError if it is not loaded): requests naming it from now on are
+        refused, requests already in flight on it finish on it (their slot is freed after the last); returns its
+        info with how many such requests there are."""
+        adapter = self._registry().remove(name)
+        self.lora.forget(adapter)
+        return adapter.info() | {"requests_in_flight": self.adapter_requests(adapter)}
+
+    def adapter_requests(self, adapter) -> int:
+        """Unfinished requests (samples) on `adapter`."""
+        return sum(1 for r in self.scheduler.requests.values() if r.adapter is adapter)
+
+    def list_adapters(self) -> list[dict]:
+        """The loaded adapters' info, each with its device slot (None: not on the device now)."""
+        if self.adapters is None:
+            return []
+        resident = self.lora.resident()
+        return [a.info() | {"slot": resident.get(a.name)} for a in self.adapters.adapters()]
+
+    def lora_requests_info(self) -> dict:
+        """The adapters of the running and the waiting requests, and the slots (vLLM's lora_requests_info)."""
+        s = self.scheduler
+        return {"running": sorted({r.adapter.name for r in s.running if r.adapter is not None}),
+                "waiting": sorted({r.adapter.name for r in s.waiting if r.adapter is not None}),
+                "max_lora": self.config.max_loras if self.lora is not None else 0}
+
+    def _registry(self) -> AdapterRegistry:
+        if self.adapters is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable_lora)")
+        return self.adapters
+
+    def _poll_lora(self) -> list[StepOutput]:
+        """Writes finished adapter loads into their slots; ends the requests waiting on an adapter that failed."""
+        outputs = []
+        for adapter, error in self.lora.poll():
+            for r in [r for r in self.scheduler.waiting if r.adapter is adapter]:
+                if not r.is_finished:
+                    outputs += [self.outputs.final(o) for o in self.scheduler.finish_group(
+                        r.request_id, FinishReason.ERROR, stop_reason=f"adapter {adapter.name!r} failed to load: "
+                        f"{error}")]
+        return outputs
 
     def add_request(self, request: Request) -> None:
         """Queues a request, with every sample of an n > 1 one (raises ValueError / PromptTooLongError /
@@ -283,6 +364,7 @@ class Engine:
         text (detokenisation, stop strings, delivery) while step N runs on the device. After a greedy step N-1
         (look-ahead), step N is scheduled and launched first and N-1's tokens are collected after."""
         results: list[tuple[RequestOutput, np.ndarray]] = []
+        failed = self._poll_lora() if self.lora is not None else []
         if self._pending is not None:
             if self.look_ahead and self._pending.greedy:
                 self._older, self._pending = self._pending, None
@@ -300,11 +382,13 @@ class Engine:
             results = self._collect(self._older)
             self._older = None
         outputs = [self.outputs.process(o, row) for o, row in results]
-        outputs += [self.outputs.final(o) for o in sched.finished]
+        outputs += [self.outputs.final(o) for o in sched.finished] + failed
         if self.kv_events is not None:
             events = self.scheduler.block_manager.events
             self.kv_events.publish(events)
             events.clear()
+        if not sched.scheduled and self._pending is None and self.lora is not None and self.lora.loading:
+            self.lora.wait(0.05)  # only adapter loads are under way: no busy loop while the host reads them
         return outputs
 
     def _run_host_copies(self) -> None:
@@ -352,7 +436,11 @@ class Engine:
                 return
         runner = self.runner
         t_bucket, s_bucket = runner.bucket_for(sched.num_scheduled_tokens)
-        batch = runner.step_batch(sched.scheduled, t_bucket, s_bucket)
+        if self.lora is None:
+            batch = runner.step_batch(sched.scheduled, t_bucket, s_bucket)
+        else:
+            batch = runner.step_batch(sched.scheduled, t_bucket, s_bucket,
+                                      [s.request.lora_slot for s in sched.scheduled])
         src = self._token_sources(sched, t_bucket, prev)
         fast_greedy = self._fast_greedy(sched)
         t0 = time.perf_counter()

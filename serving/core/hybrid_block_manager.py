@@ -10,7 +10,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
-from serving.core.block_manager import BlockManager
+from serving.core.block_manager import ROOT_PREFIX_ID, BlockManager
 
 
 class WindowPool:
@@ -113,10 +113,10 @@ class HybridBlockManager(BlockManager):
         """Pages in use (referenced) per pool, the primary first."""
         return [sum(1 for r in self.ref_counts if r)] + [sum(1 for r in pool.refs if r) for pool in self.pools]
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int, salt: str = "") -> tuple[list[int], list[int]]:
+    def match_prefix(self, token_ids: list[int], max_blocks: int, root=ROOT_PREFIX_ID) -> tuple[list[int], list[int]]:
         """The longest cached prefix of full blocks after which every window pool still holds the blocks the next
         query reads (its window's); no side effects."""
-        pages, ids = super().match_prefix(token_ids, max_blocks, salt)
+        pages, ids = super().match_prefix(token_ids, max_blocks, root)
         ps, k = self.page_size, len(pages)
         for pool in self.pools:
             run = 0  # blocks with a window page ending at block i

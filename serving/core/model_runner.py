@@ -16,10 +16,11 @@ from flax import nnx
 
 from models.batch import RaggedBatch
 from models.config import ModelConfig
+from models.lora import ATTENTION_TARGETS
 from models.moe import ExpertCounts, MoE
 from models.kv_cache import init_kv_caches, window_pools
 from models.transformer import CausalLM, kv_cache_specs
-from models.weights import is_orbax_dir, load_model, read_config
+from models.weights import is_orbax_dir, load_model, param_sharding, read_config
 from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
@@ -34,6 +35,7 @@ from serving.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, Structu
 from sharding.experts import balanced_placement, identity_placement
 from sharding.mesh import mesh_context, serving_mesh
 from sharding.multihost import to_global
+from sharding.rules import DEFAULT_RULES
 
 log = logging.getLogger(__name__)
 
@@ -109,19 +111,23 @@ def _load_model(config: EngineConfig, dtype, mesh) -> CausalLM:
 class Program:
     """One compiled program of the engine: `kind` 'forward' (a token bucket's model step; `greedy_only`: with the
     screened greedy head), 'sample' (a sampling variant of a sequence bucket) or 'speculative' (the speculative
-    decoder's step for `params`' greedy/random variant)."""
+    decoder's step for `params`' greedy/random variant); `lora`: the variant of a step in which some sequence has a
+    LoRA adapter (--enable_lora)."""
     kind: str
     tokens: int
     seqs: int
     greedy_only: bool = False
     params: SamplingParams | None = None
     max_logprobs: int = 0
+    lora: bool = False
 
     @property
     def name(self) -> str:
         parts = [f"s={self.seqs}"] if self.kind == "sample" else [f"t={self.tokens}", f"s={self.seqs}"]
         if self.greedy_only:
             parts.append("screened-greedy")
+        if self.lora:
+            parts.append("lora")
         if self.params is not None:
             parts.append("greedy" if self.params.temperature == 0 else "random")
             parts += ["penalties"] if self.params.has_penalties else []
@@ -190,9 +196,20 @@ class ModelRunner:
         self.packed_weights = 0
         # Greedy steps of few sequences take the LM head's int8 screen (settable: the benchmark flips it to compare)
         self.screen_greedy = False
+        if cpu_panels or config.enable_lora:
+            model = nnx.clone(model)  # (the caller's model keeps its own weights and no adapter slots)
+        # LoRA: (layer, projection, A stack shape, B stack shape) of each projection's adapter slots (models.lora)
+        self.lora_layout: list[tuple] = []
+        if config.enable_lora:
+            if jax.process_count() > 1:
+                raise ValueError("enable_lora: multi-host engines do not serve LoRA adapters yet")
+            model.add_lora_slots(config.max_loras, config.max_lora_rank, dtype,
+                                 lambda axes, shape: param_sharding(axes, shape, mesh, DEFAULT_RULES))
+            self.lora_layout = [(i, name, p.a.shape, p.b.shape) for i, name, p in model.lora_projections()]
+            log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
+                     len(self.lora_layout))
         if cpu_panels:
-            # Weights into the native kernels' panel layout (a clone: the caller's model keeps its own).
-            model = nnx.clone(model)
+            # Weights into the native kernels' panel layout.
             self.screen_greedy = self.choices.greedy_head_screen and model.add_head_screen()
             if self.screen_greedy:
                 log.info("greedy steps of up to %d sequences take the LM head's int8 screen", SCREEN_MAX_ROWS)
@@ -205,6 +222,7 @@ class ModelRunner:
         self.reset_kv_caches()
         donate = (1, 5) if self.choices.donate_kv_cache else ()
         self._forward_fn = jax.jit(self._forward_flat, donate_argnums=donate, static_argnames=("greedy_only",))
+        self._lora_write_fn = jax.jit(self._write_slot, donate_argnums=(0,))
         self._sample_fn = jax.jit(self._sample, static_argnums=(2,))
         # The forward's greedy tokens are padded to the widest sequence bucket, so a step can read the previous
         # step's tokens whatever its bucket (no extra programs).
@@ -375,10 +393,42 @@ class ModelRunner:
                                             window_pages=self.window_pages)
 
     # ------------------------------------------------------------------ buckets and warm-up
-    def step_batch(self, chunks, num_tokens: int, num_seqs: int) -> RaggedBatch:
+    def step_batch(self, chunks, num_tokens: int, num_seqs: int, lora_slots=None) -> RaggedBatch:
         """Host-side. The step's input, padded to the bucket, as the forward takes it (a pipelined runner lays it
-        out its own way)."""
-        return self.batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs)
+        out its own way); `lora_slots`: each chunk's adapter slot (-1: none)."""
+        return self.batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs, lora_slots=lora_slots)
+
+    def _program_batch(self, program: Program) -> RaggedBatch:
+        """An empty step of `program`'s bucket (its LoRA variant: every token of no adapter)."""
+        batch = self.step_batch([], program.tokens, program.seqs)
+        if program.lora:
+            batch = dataclasses.replace(batch, lora_slots=np.full(program.tokens, -1, np.int32))
+        return batch
+
+    # ------------------------------------------------------------------ LoRA adapter slots
+    def _lora_variables(self) -> list:
+        """The state's LoRA stacks in `lora_layout` order: A, B and ranks of each projection."""
+        out = []
+        for layer, name, _, _ in self.lora_layout:
+            part = "self_attn" if name in ATTENTION_TARGETS else "mlp"
+            stacks = self.state["layers"][layer][part]["lora"][name]
+            out += [stacks["a"], stacks["b"], stacks["ranks"]]
+        return out
+
+    @staticmethod
+    def _write_slot(stacks, slot, values):
+        """Pure. Every LoRA stack with slot `slot` replaced by `values` (one per stack, without the slot axis)."""
+        return [s.at[slot].set(v.astype(s.dtype)) for s, v in zip(stacks, values)]
+
+    def write_lora_slot(self, slot: int, values: list) -> None:
+        """Writes one adapter's host arrays (`serving.core.lora.slot_values`) into slot `slot` of every LoRA stack:
+        one small jitted scatter, launched between steps (a step already launched reads the stacks it was given)."""
+        variables = self._lora_variables()
+        with mesh_context(self.mesh), tracing_for(self.platform):
+            new = self._lora_write_fn([v.get_value() for v in variables], np.int32(slot), values)
+        for v, x in zip(variables, new):
+            v.set_value(x)
+        self._flat_state = None  # the forward's flat state holds the old stacks
 
     def bucket_for(self, num_tokens: int) -> tuple[int, int]:
         """(token bucket, sequence bucket) of a step of `num_tokens` tokens."""
@@ -408,9 +458,10 @@ class ModelRunner:
         plan, sampled = [], set()
         for t in self.buckets:
             s = self.seq_bucket(t)
-            plan.append(Program("forward", t, s))
-            if self.screens(s):
-                plan.append(Program("forward", t, s, greedy_only=True))
+            for lora in (False, True) if self.lora_layout else (False,):
+                plan.append(Program("forward", t, s, lora=lora))
+                if self.screens(s):
+                    plan.append(Program("forward", t, s, greedy_only=True, lora=lora))
             if s not in sampled:  # token buckets of one sequence bucket share its sampling programs
                 sampled.add(s)
                 plan += [Program("sample", t, s, params=p, max_logprobs=n)
@@ -434,13 +485,15 @@ class ModelRunner:
         logits = {}
         for program in plan:
             if program.kind == "forward":
-                out, _ = self.run_forward(self.step_batch([], program.tokens, program.seqs),
-                                          greedy_only=program.greedy_only)
+                out, _ = self.run_forward(self._program_batch(program), greedy_only=program.greedy_only)
                 if not program.greedy_only:
                     logits[program.tokens] = out
             else:
                 st = self._warmup_sampling_tensors(program)
                 self.run_sample(logits[program.tokens], st, program.max_logprobs).block_until_ready()
+        if self.lora_layout:  # the slot write: slot 0 rewritten as it is
+            self.write_lora_slot(0, [np.asarray(v.get_value()[0]) for v in self._lora_variables()])
+            plan = plan + [None]
         self.compile_count += len(plan)
         self.compile_time_s += time.perf_counter() - t0
         return len(plan)
@@ -448,7 +501,7 @@ class ModelRunner:
     def trace_program(self, program: Program) -> jax.stages.Traced:
         """`program` traced for this runner's platform without running it (abstract KV caches and state)."""
         with mesh_context(self.mesh), tracing_for(self.platform):
-            forward_args = (self._state_leaves(), self.kv_caches, self.step_batch([], program.tokens, program.seqs),
+            forward_args = (self._state_leaves(), self.kv_caches, self._program_batch(program),
                             np.full(program.tokens, -1, np.int32), self.no_prev, self._expert_load)
             if program.kind == "forward":
                 return self._forward_fn.trace(*forward_args, greedy_only=program.greedy_only)

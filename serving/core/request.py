@@ -88,7 +88,7 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "deadline",
                  "eos_token_ids", "stop_token_ids", "status", "num_computed_tokens", "block_table",
                  "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order",
-                 "num_pending", "sample_index", "group", "grammar", "cache_salt")
+                 "num_pending", "sample_index", "group", "grammar", "cache_salt", "adapter", "lora_slot")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, arrival_time: float, priority: int = Priority.INTERACTIVE, deadline: float | None = None,
@@ -119,6 +119,8 @@ class Request:
         self.sample_index = 0  # which of the request's n samples this is
         self.group: SampleGroup | None = None  # the request's samples when n > 1
         self.grammar = None  # structured outputs: its GrammarState (serving.core.structured), set by the engine
+        self.adapter = None  # its LoRA adapter (serving.core.lora.Adapter), set by the engine; None: the base model
+        self.lora_slot = -1  # the device slot holding that adapter while it runs (serving.core.lora.LoRASlots)
         if sampling_params.n > 1:
             self.group = SampleGroup(request_id, [self])
             for i in range(1, sampling_params.n):

@@ -8,11 +8,11 @@ import dataclasses
 import heapq
 import itertools
 import time
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
-from serving.core.block_manager import BlockManager
+from serving.core.block_manager import BlockManager, prefix_root
 from serving.core.request import FinishReason, Request, RequestStatus, SampleGroup
 from serving.params import ContextLengthError, check_prompt_length
 
@@ -106,9 +106,22 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class AdapterSlots(Protocol):
+    """What the scheduler asks of the LoRA adapter slots (serving.core.lora.LoRASlots) for requests with an adapter:
+    whether its adapter is on the device (`ready`, which may start loading it), and a hold on its slot from admission
+    (`pin`) until the request stops running (`release`: finished or preempted), so a slot in use is never reloaded."""
+
+    def ready(self, request: Request) -> bool: ...
+    def pin(self, request: Request) -> None: ...
+    def release(self, request: Request) -> None: ...
+    def check(self, running: Sequence[Request]) -> None: ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | None = None,
+                 adapters: AdapterSlots | None = None):
         self.config = config
+        self.adapters = adapters  # LoRA adapter slots (None: requests never name an adapter)
         self.block_manager = block_manager or BlockManager(
             config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request (each sample of an n > 1 request)
@@ -155,6 +168,8 @@ class Scheduler:
         check_prompt_length("prompt_token_ids", n, cfg.max_model_len)
         if request.priority < 0:
             raise ValueError(f"priority must be >= 0 (0 = interactive, 1 = batch), got {request.priority}")
+        if request.adapter is not None and self.adapters is None:
+            raise ValueError(f"adapter {request.adapter.name!r}: this engine serves no LoRA adapters")
         k = len(samples)
         if len(self.waiting) + k > cfg.max_waiting_requests:
             adds = f" and this request adds {k} samples" if k > 1 else ""
@@ -274,9 +289,10 @@ class Scheduler:
             r = self.waiting[i]
             is_long = len(r.token_ids) > cfg.long_prompt_threshold
             if (is_long and long_in_prefill >= cfg.max_long_prefills or r.request_id in self._preempted
-                    or r.group is not None and not self._may_admit(r)):
-                # the long lane is full (shorter requests behind may still go), it was just preempted, or it is a
-                # sample waiting for sample 0 to schedule the prompt
+                    or r.group is not None and not self._may_admit(r)
+                    or r.adapter is not None and not self.adapters.ready(r)):
+                # the long lane is full (shorter requests behind may still go), it was just preempted, it is a
+                # sample waiting for sample 0 to schedule the prompt, or its LoRA adapter is not on the device yet
                 i += 1
                 continue
             if not self._admit(r, now):
@@ -358,6 +374,8 @@ class Scheduler:
             self._dequeue(r)
         elif r.status is RequestStatus.RUNNING:
             self.block_manager.free(r)
+            if r.adapter is not None:
+                self.adapters.release(r)
             if remove_from_running:
                 self.running.remove(r)
             self._step.pop(r.request_id, None)
@@ -395,6 +413,8 @@ class Scheduler:
                     self.block_manager.free(group)
                 group.prompt_ready = False
         self.block_manager.free(victim)
+        if victim.adapter is not None:
+            self.adapters.release(victim)
         if self.running and self.running[-1] is victim:
             self.running.pop()
         else:
@@ -451,7 +471,8 @@ class Scheduler:
         n = len(r.token_ids)
         donor = self._prompt_donor(r) if r.group is not None else None
         if donor is None:
-            pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps, r.cache_salt)  # >= 1 token computed
+            # at least one token is computed
+            pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps, prefix_root(r))
         else:
             pages, prefix_ids = donor.block_table[:self._shared_pages(r)], []
         cached = len(pages) * ps
@@ -460,6 +481,8 @@ class Scheduler:
         if max(short) > 0 and not self._preempt_for_admission(r, pages, short):
             return False
         self._dequeue(r)
+        if r.adapter is not None:
+            self.adapters.pin(r)
         if donor is None:
             bm.acquire_cached(r, pages, prefix_ids)
             self.prefix_cache_queries += n
@@ -595,3 +618,5 @@ class Scheduler:
         assert all(not g.block_table or self._awaits_admission(g) for g in self.groups.values()), \
             "a group holds its prompt's pages with no sample awaiting them"
         self.block_manager.check_invariants(self.running + [g for g in self.groups.values() if g.block_table])
+        if self.adapters is not None:
+            self.adapters.check(self.running)

@@ -332,9 +332,10 @@ class SpeculativeDecoder:
         return packed
 
     def warmup_plan(self) -> list[Program]:
-        """The speculative step of every token bucket, greedy and sampling."""
+        """The speculative step of every token bucket, greedy and sampling (and with LoRA their LoRA variants)."""
         e = self.runner
-        return [Program("speculative", t, e.seq_bucket(t), params=p) for t in e.buckets
+        return [Program("speculative", t, e.seq_bucket(t), params=p, lora=lora) for t in e.buckets
+                for lora in ((False, True) if e.lora_layout else (False,))
                 for p in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0))]
 
     def _warmup_args(self, program: Program) -> tuple:
@@ -342,9 +343,10 @@ class SpeculativeDecoder:
         e = self.runner
         t, s = program.tokens, program.seqs
         empty = build_batch([], page_size=e.config.page_size, num_tokens=t, num_seqs=s, max_pages=e.max_pages)
+        verify = e._program_batch(program) if program.lora else empty
         st = e.sampling_tensors([Request("warmup", [0], program.params, arrival_time=0.0)], s)
         st = dataclasses.replace(st, valid=np.zeros_like(st.valid))
-        return empty, empty if self.draft_state is not None else None, self._spec_arrays([], s, t), st
+        return verify, empty if self.draft_state is not None else None, self._spec_arrays([], s, t), st
 
     def warmup(self) -> int:
         """Compiles (by running on empty batches) every program of `warmup_plan`. Returns the count."""
@@ -435,7 +437,8 @@ class SpeculativeDecoder:
             drafts = ngram_drafts.get(row.index) or [0] * row.num_draft
             verify_chunks.append(_SpecSeqChunk(list(s.token_ids) + drafts, s.start, s.request.block_table)
                                  if row.num_draft else s)
-        verify = e.batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket)
+        verify = e.batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket,
+                                       lora_slots=[row.seq.request.lora_slot for row in rows])
         draft_batch = None
         if use_draft:
             draft_chunks = []

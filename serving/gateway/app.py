@@ -24,7 +24,7 @@ from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker, 
 from serving.gateway.jobs import JobError, JobManager, JobStore
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pools import Instance, InstancePools
-from serving.gateway.routing import Router, prompt_blocks
+from serving.gateway.routing import Router, adapter_candidates, prompt_blocks
 from serving.gateway.security import Authenticator
 from serving.gateway.validation import check_generate, estimate_prompt_tokens
 from serving.params import MAX_REQUEST_ID_CHARS, InvalidArgument, ModelLimits
@@ -60,6 +60,7 @@ class Prepared:
     blocks: list
     client_request_id: str = ""  # the id the client sent (or the gateway made): what its responses carry
     tokens: int = 0  # prompt + max_tokens x n: what it counts against the tenant's token rate limit
+    adapter: str = ""  # the LoRA adapter it names ("": the base model): routed to an instance holding it
 
 
 def instance_request_id(tenant: str, client_id: str) -> str:
@@ -309,6 +310,9 @@ class Gateway:
             sampling, ids = check_generate(req, self.limits)
         except InvalidArgument as e:
             raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        adapter = req.sampling.adapter
+        if adapter:
+            self._check_adapter(adapter, tenant)
         if tenant is not None:
             req.tenant = tenant.name
             if tenant.priority == "batch":
@@ -322,7 +326,23 @@ class Gateway:
         blocks = prompt_blocks(req, cfg.routing.prefix_block_chars) if cfg.routing.policy == "load_aware" else []
         tokens = prompt_tokens + (sampling.max_tokens or 0) * sampling.n
         return Prepared(req, req.tenant, cls, long, tenant.pools if tenant is not None else (), blocks, client_id,
-                        tokens)
+                        tokens, adapter)
+
+    def adapters(self) -> list[str]:
+        """The LoRA adapters some instance serves (by their load reports), sorted."""
+        return sorted({a for i in self.pools.instances.values() if i.report is not None
+                       for a in i.report.lora_adapters})
+
+    def _check_adapter(self, adapter: str, tenant: TenantConfig | None) -> None:
+        """PERMISSION_DENIED when the tenant may not name `adapter`; NOT_FOUND when no instance serves it."""
+        if tenant is not None and tenant.adapters is not None and adapter not in tenant.adapters:
+            allowed = ", ".join(tenant.adapters) or "none: the base model only"
+            raise GatewayError(grpc.StatusCode.PERMISSION_DENIED, f"sampling.adapter: tenant {tenant.name!r} may not "
+                               f"use LoRA adapter {adapter!r} (its adapters: {allowed})")
+        served = self.adapters()
+        if adapter not in served:
+            raise GatewayError(grpc.StatusCode.NOT_FOUND, f"sampling.adapter: LoRA adapter {adapter!r} is not served "
+                               f"by any instance (served: {', '.join(served) or 'none'})")
 
     def check_rate(self, tenant: TenantConfig | None, prepared: Sequence[Prepared] = (), *,
                    starts: bool = True) -> None:
@@ -379,7 +399,12 @@ class Gateway:
             if not free:
                 continue  # full (or empty): spill over to the next pool
             by_name = {i.name: i for i in free}
-            chosen = self.router.choose([i.view(now, cap) for i in free], p.blocks)
+            views = [i.view(now, cap) for i in free]
+            if p.adapter:  # affinity: an instance with the adapter in a slot, else with a free slot
+                views = adapter_candidates(views, p.adapter)
+                if not views:
+                    continue
+            chosen = self.router.choose(views, p.blocks)
             inst = by_name[chosen.name]
             self.router.record(p.blocks, inst.name)
             inst.inflight += 1

@@ -115,6 +115,8 @@ class TenantConfig:
     rate_limit: RateLimit = RateLimit()
     max_inflight: int = 0  # its requests at the gateway at once (queued or running); more: RESOURCE_EXHAUSTED; 0: none
     webhook_secret: str = dataclasses.field(default="", repr=False)  # whsec_<base64>: signs its job callbacks
+    # LoRA adapters its requests may name (docs/lora.md); None: any the instances serve; (): the base model only
+    adapters: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -322,7 +324,8 @@ def parse_config(raw: Any) -> GatewayConfig:
         _positive(f"{path}.rate_limit.token_burst", rl.token_burst, zero_ok=True)
         api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys", secret=True)
         tpools = _str_list(t.pop("pools", None), f"{path}.pools")
-        tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl)
+        tadapters = _str_list(t.pop("adapters"), f"{path}.adapters") if "adapters" in t else None
+        tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl, adapters=tadapters)
         if not _NAME.match(tc.name or ""):
             raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {tc.name!r}")
         if tc.name.lower() in RESERVED_TENANT_NAMES:

@@ -163,6 +163,24 @@ class GatewayHTTP:
     def count_error(self, e: ApiError) -> None:
         self.gw.metrics.requests.labels(ERROR_CODES.get(e.status, "INTERNAL")).inc()
 
+    def adapters(self) -> list[dict]:
+        """The LoRA adapters the instances report serving (their paths are the instances' business)."""
+        return [{"name": a} for a in self.gw.adapters()]
+
+    def authorize_admin(self, request) -> None:
+        try:
+            self.gw.auth.check_admin(request.headers.items())
+        except AuthError as e:
+            raise api_error(e) from None
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        raise ApiError(501, "the gateway loads no LoRA adapters: load them on the instances (POST "
+                       "/v1/load_lora_adapter or LoadLoRAAdapter there, with their admin key); it routes by their "
+                       "load reports")
+
+    async def unload_adapter(self, name: str) -> dict:
+        return await self.load_adapter(name, "")
+
     def run(self, ereq: EngineRequest, response_id: str, tenant, headers) -> _GatewayRun:
         """Each prompt as a GenerateRequest through the gateway's checks (serving.wire.requests, as an instance
         reads it), then the tenant's rate limit; raises ApiError naming the request's parameter."""

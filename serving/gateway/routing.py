@@ -137,6 +137,18 @@ def load_scores(views: Sequence[InstanceView], weights: ScoreWeights, stale_afte
     return scores
 
 
+def adapter_candidates(views: Sequence[InstanceView], adapter: str) -> list[InstanceView]:
+    """The instances a request for LoRA adapter `adapter` should go to, by their load reports: those with it in a
+    device slot (affinity: no load, its prefix cache), else those with a free slot (it loads there off the step's
+    path), else any that serves it (one evicts its least recently used idle adapter). [] when none serves it."""
+    serving = [v for v in views if v.report is not None and adapter in v.report.lora_adapters]
+    for tier in ([v for v in serving if adapter in v.report.lora_resident],
+                 [v for v in serving if len(v.report.lora_resident) < v.report.max_loras]):
+        if tier:
+            return tier
+    return serving
+
+
 class Router:
     """Picks one of the candidate instances (already filtered: routable, in the right lane and pool, below
     their in-flight cap) by the configured policy."""

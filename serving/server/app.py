@@ -52,6 +52,8 @@ class InstanceServer:
             if spec is not None:
                 out.update(spec.stats())
             out["pipeline_bubble_fraction"] = getattr(engine, "bubble_fraction", 0.0)
+            if engine.config.enable_lora:
+                out["lora_requests_info"] = engine.lora_requests_info()
             if engine.model_config.is_moe and self.aengine.is_alive:
                 out.update(self.aengine.call(expert_stats).result(30))  # between steps, on the engine thread
             return out
@@ -60,13 +62,14 @@ class InstanceServer:
         self.metrics = ServerMetrics(self.model_name, stats, num_speculative_tokens=spec.k if spec is not None else 0,
                                      page_size=engine.config.page_size, num_pages=engine.num_pages,
                                      cache_dtype=engine.config.kv_cache_dtype_name, dtype=engine.config.dtype,
-                                     quantization=engine.model_config.quantization or "none")
+                                     quantization=engine.model_config.quantization or "none",
+                                     max_lora=engine.config.max_loras if engine.config.enable_lora else 0)
         self.load_tracker = LoadTracker(self.metrics, self.tracer)
         self.aengine.step_listeners.append(self.load_tracker)
         self.health = health.aio.HealthServicer()
         self.servicer = InferenceServicer(
             self.aengine, ServingOptions(instance_id=self.instance_id, max_request_bytes=config.max_request_bytes,
-                                         retry_after_s=config.retry_after_s),
+                                         retry_after_s=config.retry_after_s, lora_root=config.lora_root),
             metrics=self.metrics, tracer=self.tracer, load_tracker=self.load_tracker,
             on_drain_change=lambda draining: asyncio.ensure_future(self._set_health(not draining)))
         self.servicer.model_name = self.model_name

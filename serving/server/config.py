@@ -56,6 +56,9 @@ class ServerConfig:
     http_body_timeout_s: float = option(60.0, "HTTP: a request body not complete this long after its headers: 408.")
     http_max_connections: int = option(
         1024, "HTTP: past this many open connections (or running requests) a new request gets 503 at once.")
+    lora_root: str = option(
+        "", "With --enable_lora: the directory under which adapters may be loaded at run time (POST "
+        "/v1/load_lora_adapter, LoadLoRAAdapter; admin key); empty: run-time loading is off (docs/lora.md).")
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:

@@ -16,6 +16,7 @@ from serving.api.protocol import ApiError, EngineRequest
 from serving.api.responses import Delta
 from serving.auth import InstanceKeys, Refused
 from serving.core.async_engine import EngineDeadError
+from serving.core.lora import UnknownAdapterError
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
 from serving.params import ContextLengthError, ModelLimits, check_max_tokens
@@ -118,7 +119,8 @@ class OpenAIServer:
                  retry_after_s: float = 1.0, tool_call_parser: str = "", keys: InstanceKeys | None = None,
                  limits: HttpLimits = HttpLimits()):
         """tool_call_parser: the model's tool-call format (serving.api.tools); the reasoning parser is the
-        engine's (EngineConfig.reasoning_parser). keys: the gRPC server's (every route but /health needs one)."""
+        engine's (EngineConfig.reasoning_parser). keys: the gRPC server's (every route but /health needs one; the
+        admin key for the adapter routes)."""
         self.keys = keys or InstanceKeys()
         self.servicer = servicer
         self.engine = servicer.engine
@@ -175,6 +177,28 @@ class OpenAIServer:
         if self.servicer.metrics is not None:
             self.servicer.metrics.observe_error(ERROR_CODES.get(e.status, str(e.status)))
 
+    def adapters(self) -> list[dict]:
+        return self.engine.list_adapters()
+
+    def authorize_admin(self, request) -> None:
+        """The server's admin key (serving.auth.InstanceKeys, as its admin RPCs): LoRA loads read its disk."""
+        try:
+            self.keys.authorize(request.headers.items(), admin=True)
+        except Refused as e:
+            raise ApiError(e.http_status, e.message) from None
+
+    async def load_adapter(self, name: str, path: str) -> dict:
+        try:
+            return await self.servicer.load_adapter(name, path)
+        except (ValueError, LookupError, PermissionError) as e:
+            raise lora_error(e, "lora_path") from None
+
+    async def unload_adapter(self, name: str) -> dict:
+        try:
+            return await self.servicer.unload_adapter(name)
+        except (ValueError, LookupError) as e:
+            raise lora_error(e, "lora_name") from None
+
     async def run(self, ereq: EngineRequest, response_id: str, caller, headers) -> _Run:
         """One engine request per prompt, each checked by the engine's make_request and the API's context rule (as
         the gRPC servicer's), before any is queued; raises ApiError naming the request's parameter. A grammar is
@@ -198,6 +222,8 @@ class OpenAIServer:
                 check_max_tokens(len(p.token_ids), params.max_tokens, self.engine.max_model_len)
             except ContextLengthError as e:
                 raise protocol.api_error(e, ereq.renames, code="context_length_exceeded") from e
+            except UnknownAdapterError as e:  # unloaded since the app checked `model`
+                raise ApiError(404, str(e), param="model", code="model_not_found") from e
             except ValueError as e:
                 raise protocol.api_error(e, ereq.renames) from e
         return requests
@@ -209,3 +235,13 @@ class OpenAIServer:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         await self.api.stop(timeout_s)
+
+
+def lora_error(e: Exception, param: str) -> ApiError:
+    """A refused load or unload as vLLM answers it: 404 for an unknown adapter, 403 for a path the server may not
+    read, 400 otherwise (the adapter does not fit the model, or the name is taken)."""
+    if isinstance(e, UnknownAdapterError):
+        return ApiError(404, str(e), param="lora_name", code="model_not_found")
+    if isinstance(e, PermissionError):
+        return ApiError(403, str(e), param="lora_path")
+    return ApiError(400, str(e), param=param)

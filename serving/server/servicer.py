@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 
 import grpc
 
 from serving.core.async_engine import AsyncEngine, EngineDeadError
+from serving.core.lora import UnknownAdapterError
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
 from serving.params import InvalidArgument, check_max_tokens
@@ -38,6 +40,7 @@ class ServingOptions:
     instance_id: str = ""
     max_request_bytes: int = 1 << 20  # larger GenerateRequests get INVALID_ARGUMENT naming the prompt field
     retry_after_s: float = 1.0  # the hint sent with RESOURCE_EXHAUSTED
+    lora_root: str = ""  # LoRA adapters loadable at run time live under it (realpath); "": run-time loading is off
 
 
 class InferenceServicer(pb_grpc.InferenceServicer):
@@ -126,6 +129,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 ereq = self.make_request(request, rid, context.time_remaining())
         except ValueError as e:
             await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, status_details(e))
+        except UnknownAdapterError as e:
+            await self._refuse(context, grpc.StatusCode.NOT_FOUND, f"sampling.adapter: {e}")
         if rid in self.inflight:
             await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         num_prompt_tokens, params, deadline = ereq.num_prompt_tokens, ereq.sampling_params, ereq.deadline
@@ -274,7 +279,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             max_waiting_requests=c.max_waiting_requests * c.dp, max_waiting_tokens=c.max_waiting_tokens * c.dp,
             max_request_bytes=self.options.max_request_bytes, served_model_name=self.model_name,
             http_port=self.http_port, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser,
-            quantization=e.model_config.quantization or "none", kv_cache_dtype=c.kv_cache_dtype_name)
+            quantization=e.model_config.quantization or "none", kv_cache_dtype=c.kv_cache_dtype_name,
+            lora_adapters=[lora_message(a) for a in e.list_adapters()], max_loras=c.max_loras if c.enable_lora else 0)
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
         def snapshot(engine):
@@ -288,11 +294,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 except AssertionError as exc:
                     error = f"AssertionError: {exc}"
             bm = s.block_manager
-            return s.stats(), bm.num_pages, bm.num_free_pages, error
+            return s.stats(), bm.num_pages, bm.num_free_pages, error, lora_load(engine)
         try:
-            stats, total, free, error = await asyncio.wrap_future(self.aengine.call(snapshot))
+            stats, total, free, error, lora = await asyncio.wrap_future(self.aengine.call(snapshot))
         except EngineDeadError as e:
-            stats, total, free, error = self.engine.scheduler.stats(), self.engine.num_pages, 0, str(e)
+            stats, total, free, error, lora = self.engine.scheduler.stats(), self.engine.num_pages, 0, str(e), {}
         load = self.load_tracker.snapshot(time.monotonic())
         queries, hits = int(stats["prefix_cache_queries"]), int(stats["prefix_cache_hits"])
         return pb.LoadReport(
@@ -309,7 +315,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             # Instance-wide: each data-parallel replica runs max_num_seqs and queues max_waiting_requests.
             max_num_seqs=self.engine.config.max_num_seqs * self.engine.config.dp,
             max_waiting_requests=self.engine.config.max_waiting_requests * self.engine.config.dp, steps=load["steps"],
-            invariant_error=error)
+            invariant_error=error, **lora)
 
     async def GetLoad(self, request: pb.GetLoadRequest, context):
         return await self.load_report(request.check_invariants)
@@ -320,8 +326,76 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             yield await self.load_report()
             await asyncio.sleep(interval)
 
+    # ------------------------------------------------------------------ LoRA adapters (admin: serving.auth)
+    async def load_adapter(self, name: str, path: str) -> dict:
+        """Registers the PEFT adapter in directory `path` (under --lora_root) as `name`, on the engine thread; returns
+        its info. Raises PermissionError (run-time loading off, or the path outside the root), ValueError (the
+        name is empty or taken; the adapter does not fit the model: models.lora.AdapterError says why)."""
+        if not name:
+            raise InvalidArgument("lora_name: empty; name the adapter")
+        resolved = allowed_adapter_path(path, self.options.lora_root)
+        return await asyncio.wrap_future(self.aengine.call(lambda e: e.load_adapter(name, resolved)))
+
+    async def unload_adapter(self, name: str) -> dict:
+        """Unregisters adapter `name` (UnknownAdapterError if not served); its requests in flight finish on it."""
+        return await asyncio.wrap_future(self.aengine.call(lambda e: e.unload_adapter(name)))
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context):
+        try:
+            info = await self.load_adapter(request.lora_name, request.lora_path)
+        except (ValueError, LookupError, PermissionError) as e:
+            await self._refuse(context, lora_status(e), str(e))
+        return pb.LoRAAdapterResponse(adapter=lora_message(info))
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context):
+        try:
+            info = await self.unload_adapter(request.lora_name)
+        except (ValueError, LookupError) as e:
+            await self._refuse(context, lora_status(e), str(e))
+        return pb.LoRAAdapterResponse(adapter=lora_message(info), requests_in_flight=info["requests_in_flight"])
+
     async def Drain(self, request: pb.DrainRequest, context):
         self.set_draining(not request.resume)
         stats = self.engine.scheduler.stats()
         return pb.DrainResponse(draining=self.draining, num_waiting=int(stats["num_waiting"]),
                                 num_running=int(stats["num_running"]))
+
+
+def allowed_adapter_path(path: str, root: str) -> str:
+    """`path` resolved (symlinks too) if it lies under `root` (--lora_root); PermissionError naming both otherwise, or
+    when no root is set (run-time loading off)."""
+    if not root:
+        raise PermissionError("lora_path: loading adapters at run time is off on this server (start it with "
+                              "--lora_root=DIR to allow adapters under DIR)")
+    if not path:
+        raise InvalidArgument("lora_path: empty; give the adapter's directory")
+    real, top = os.path.realpath(path), os.path.realpath(root)
+    if os.path.commonpath([real, top]) != top:
+        raise PermissionError(f"lora_path: {path!r} is not under the server's --lora_root {root!r}")
+    return real
+
+
+def lora_status(e: Exception) -> grpc.StatusCode:
+    if isinstance(e, UnknownAdapterError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(e, PermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+def lora_message(info: dict) -> pb.LoRAAdapter:
+    """An adapter's info (Engine.list_adapters / load_adapter) as meshserve.v1's LoRAAdapter."""
+    slots = info.get("slots", [info.get("slot")])
+    return pb.LoRAAdapter(name=info["name"], path=info["path"], rank=info["rank"],
+                          target_modules=info["target_modules"], resident=any(s is not None for s in slots))
+
+
+def lora_load(engine) -> dict:
+    """The LoadReport's LoRA fields (on the engine thread): the adapters served and on a device, the slots, and the
+    adapters of the running and waiting requests; {} without --enable_lora."""
+    if not engine.config.enable_lora:
+        return {}
+    adapters, info = engine.list_adapters(), engine.lora_requests_info()
+    return dict(lora_adapters=[a["name"] for a in adapters],
+                lora_resident=[a["name"] for a in adapters if lora_message(a).resident],
+                max_loras=info["max_lora"], lora_running=info["running"], lora_waiting=info["waiting"])

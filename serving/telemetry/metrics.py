@@ -4,6 +4,7 @@ Names and details: docs/metrics.md."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -48,12 +49,13 @@ HOST_KV_COUNTERS = {
 class ServerMetrics:
     def __init__(self, model_name: str, engine_stats: Callable[[], dict], registry: CollectorRegistry | None = None,
                  num_speculative_tokens: int = 0, page_size: int = 0, num_pages: int = 0, cache_dtype: str = "",
-                 dtype: str = "", quantization: str = ""):
+                 dtype: str = "", quantization: str = "", max_lora: int = 0):
         """engine_stats() returns the scheduler's stats() (read at scrape time; plain integer reads), plus the
         speculative decoder's stats() when num_speculative_tokens > 0 (then the spec_decode_* series exist).
         page_size (tokens per KV page), num_pages (the instance's KV pages) and cache_dtype (what the cache
         holds), when given, label the cache_config_info gauge; dtype and quantization (the weights') the
-        model_config_info gauge."""
+        model_config_info gauge. max_lora > 0 (--enable_lora): the lora_requests_info gauge, from the stats'
+        `lora_requests_info`."""
         self.registry = registry or CollectorRegistry()
         self._engine_stats = engine_stats
         self._lock = threading.Lock()
@@ -92,6 +94,13 @@ class ServerMetrics:
                                            "parameters and activations, quantization = the matmul weights' "
                                            "(none, int8, fp8).", labels + ["dtype", "quantization"], registry=r)
             self.model_config_info.labels(model_name, dtype, quantization or "none").set(1)
+        self.lora_requests_info = None
+        if max_lora > 0:  # vLLM's labels and value (the time of the reading), which llm-d's LoRA-affinity scorer reads
+            self.lora_requests_info = Gauge(
+                PREFIX + "lora_requests_info", "LoRA adapters of the running and the waiting requests (comma-separated "
+                "names) and the adapter slots; the value is the time of the reading.",
+                ["running_lora_adapters", "waiting_lora_adapters", "max_lora"], registry=r)
+            self.lora_requests_info.labels("", "", str(max_lora)).set(time.time())
         self.draining = Gauge(PREFIX + "draining", "1 while the server is draining (admitting nothing).", labels,
                               registry=r)
         self.compile_count = Gauge(PREFIX + "compile_count", "XLA programs compiled (at start-up, by warm-up).",
@@ -194,6 +203,11 @@ class ServerMetrics:
         stats = self._engine_stats()
         with self._lock:
             self._stats_cache = stats
+            lora = stats.get("lora_requests_info")
+            if lora is not None and self.lora_requests_info is not None:
+                self.lora_requests_info.clear()  # one series: the current adapters
+                self.lora_requests_info.labels(",".join(lora["running"]), ",".join(lora["waiting"]),
+                                               str(lora["max_lora"])).set(time.time())
             for (layer, slot), tokens in stats.get("expert_tokens", {}).items():
                 self.expert_tokens.labels(self.model_name, str(layer), str(slot)).set(tokens)
             for key, counter in (("prefix_cache_queries", self.prefix_cache_queries),

@@ -172,11 +172,23 @@ class Client:
             c.add(r)
         return c.result()
 
-    def _unary(self, method, request, timeout):
+    def _unary(self, method, request, timeout, metadata=None):
         try:
-            return method(request, timeout=self._t(timeout))
+            return method(request, timeout=self._t(timeout), metadata=metadata)
         except grpc.RpcError as e:
             raise ClientError.from_rpc_error(e) from None
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, metadata=None,
+                          timeout: float | None = None) -> pb.LoRAAdapterResponse:
+        """Registers the PEFT adapter in the server's directory `lora_path` as `lora_name` (an admin call)."""
+        return self._unary(self.stub.LoadLoRAAdapter, pb.LoadLoRAAdapterRequest(lora_name=lora_name,
+                                                                                lora_path=lora_path),
+                           timeout, metadata)
+
+    def unload_lora_adapter(self, lora_name: str, *, metadata=None,
+                            timeout: float | None = None) -> pb.LoRAAdapterResponse:
+        return self._unary(self.stub.UnloadLoRAAdapter, pb.UnloadLoRAAdapterRequest(lora_name=lora_name), timeout,
+                           metadata)
 
     def tokenize(self, text: str | None = None, *, messages=None, add_special_tokens: bool | None = None,
                  timeout: float | None = None) -> list[int]:

@@ -52,7 +52,7 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class SamplingParameters(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "spaces_between_special_tokens", "n", "logit_bias", "structured")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "logprobs", "skip_special_tokens", "spaces_between_special_tokens", "n", "logit_bias", "structured", "adapter")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,7 @@ class SamplingParameters(_message.Message):
     N_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -100,7 +101,8 @@ class SamplingParameters(_message.Message):
     n: int
     logit_bias: _containers.ScalarMap[int, float]
     structured: StructuredOutput
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., spaces_between_special_tokens: _Optional[bool] = ..., n: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., structured: _Optional[_Union[StructuredOutput, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "grammar", "choice", "after_reasoning")
@@ -235,7 +237,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port", "reasoning_parser", "tool_call_parser", "quantization", "kv_cache_dtype")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port", "reasoning_parser", "tool_call_parser", "quantization", "kv_cache_dtype", "lora_adapters", "max_loras")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +264,8 @@ class ModelInfoResponse(_message.Message):
     TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -288,7 +292,45 @@ class ModelInfoResponse(_message.Message):
     tool_call_parser: str
     quantization: str
     kv_cache_dtype: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoRAAdapter]
+    max_loras: int
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank", "target_modules", "resident")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    resident: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., target_modules: _Optional[_Iterable[str]] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "requests_in_flight")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoRAAdapter
+    requests_in_flight: int
+    def __init__(self, adapter: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ("check_invariants",)
@@ -311,7 +353,7 @@ class DeviceStepTime(_message.Message):
     def __init__(self, device: _Optional[str] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "timestamp", "num_waiting", "num_running", "num_waiting_tokens", "kv_pages_total", "kv_pages_free", "kv_cache_usage", "tokens_per_s", "generation_tokens_per_s", "step_time_p50_s", "step_time_p99_s", "device_step_times", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "serving", "max_num_seqs", "max_waiting_requests", "steps", "invariant_error")
+    __slots__ = ("instance_id", "timestamp", "num_waiting", "num_running", "num_waiting_tokens", "kv_pages_total", "kv_pages_free", "kv_cache_usage", "tokens_per_s", "generation_tokens_per_s", "step_time_p50_s", "step_time_p99_s", "device_step_times", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "serving", "max_num_seqs", "max_waiting_requests", "steps", "invariant_error", "lora_adapters", "lora_resident", "max_loras", "lora_running", "lora_waiting")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -335,6 +377,11 @@ class LoadReport(_message.Message):
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     INVARIANT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    LORA_WAITING_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     timestamp: float
     num_waiting: int
@@ -358,7 +405,12 @@ class LoadReport(_message.Message):
     max_waiting_requests: int
     steps: int
     invariant_error: str
-    def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., device_step_times: _Optional[_Iterable[_Union[DeviceStepTime, _Mapping]]] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., invariant_error: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedScalarFieldContainer[str]
+    lora_resident: _containers.RepeatedScalarFieldContainer[str]
+    max_loras: int
+    lora_running: _containers.RepeatedScalarFieldContainer[str]
+    lora_waiting: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., device_step_times: _Optional[_Iterable[_Union[DeviceStepTime, _Mapping]]] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., invariant_error: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_resident: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("resume",)

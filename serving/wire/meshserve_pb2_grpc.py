@@ -64,6 +64,16 @@ class InferenceStub:
                 request_serializer=serving_dot_wire_dot_meshserve__pb2.DrainRequest.SerializeToString,
                 response_deserializer=serving_dot_wire_dot_meshserve__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/meshserve.v1.Inference/LoadLoRAAdapter',
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/meshserve.v1.Inference/UnloadLoRAAdapter',
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -110,6 +120,20 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """LoRA adapters at run time (--enable_lora, admin key; docs/lora.md): registers the PEFT adapter in lora_path (a
+        directory under the server's --lora_root) as lora_name, and unregisters one (requests in flight on it finish).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +166,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=serving_dot_wire_dot_meshserve__pb2.DrainRequest.FromString,
                     response_serializer=serving_dot_wire_dot_meshserve__pb2.DrainResponse.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +340,60 @@ class Inference:
             '/meshserve.v1.Inference/Drain',
             serving_dot_wire_dot_meshserve__pb2.DrainRequest.SerializeToString,
             serving_dot_wire_dot_meshserve__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Inference/LoadLoRAAdapter',
+            serving_dot_wire_dot_meshserve__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Inference/UnloadLoRAAdapter',
+            serving_dot_wire_dot_meshserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

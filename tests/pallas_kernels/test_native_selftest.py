@@ -16,7 +16,7 @@ from filelock import FileLock
 from pallas_kernels import native
 
 _ALL_OK = ("matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok, expert_mlp ok, "
-           "latent_attention ok")
+           "latent_attention ok, lora ok")
 _DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
 

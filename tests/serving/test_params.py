@@ -42,13 +42,15 @@ def _other_value(field: dataclasses.Field):
         return (5,)
     if t.startswith("dict[int, float]"):
         return {5: 1.5}
+    if t.startswith("str"):
+        return "xyz"
     raise AssertionError(f"SamplingParams.{field.name}: this test does not know the type {t}; teach _other_value it")
 
 
 # Every field but `structured` (which excludes min_tokens and ignore_eos) at a value other than its default.
 OTHER = {name: _other_value(f) for name, f in FIELDS.items() if name != "structured"}
 JSON_OTHER = {name: list(v) if isinstance(v, tuple) else {str(k): b for k, b in v.items()} if isinstance(v, dict)
-              else v for name, v in OTHER.items()}
+              else v for name, v in OTHER.items() if name != "adapter"}  # OpenAI's `model` names the adapter
 
 
 def test_each_field_is_in_both_schemas_or_mapped_by_hand_with_its_reason():
@@ -82,6 +84,7 @@ def test_the_mappings_carry_every_field():
             ereq = protocol.completion_request(req, None, render_elsewhere=True)
         else:
             ereq = protocol.chat_request(req, None, render_elsewhere=True)
+        ereq.sampling["adapter"] = OTHER["adapter"]  # as OpenAIApp does when `model` names an adapter
         assert ereq.sampling_params() == expected  # OpenAI at an instance (what OpenAIServer hands the engine)
         forwarded = generate_request([1, 2, 3], **ereq.sampling)  # OpenAI at the gateway, sent on as meshserve.v1
         assert check_generate(forwarded, ModelLimits())[0] == expected

@@ -4,7 +4,6 @@ single-device engine's prompt logits (float32 tolerance) and greedy tokens; what
 ledger counts it."""
 import numpy as np
 import pytest
-import transformers as tf
 
 from serving.core.batch import SeqChunk
 from serving.core.config import EngineConfig

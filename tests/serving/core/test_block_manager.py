@@ -5,6 +5,7 @@ Every test ends with the idle invariant: every page free or held by the prefix c
 import pytest
 
 from serving.core import BlockManager, Request, SamplingParams
+from serving.core.block_manager import prefix_root
 
 PS = 4
 
@@ -219,7 +220,7 @@ def test_a_salt_parts_the_prefix_cache(bm):
     def prefill(rid, salt):
         r = Request(rid, prompt, SamplingParams(), arrival_time=0.0, cache_salt=salt)
         n = len(prompt)
-        pages, ids = m.match_prefix(r.token_ids, (n - 1) // PS, r.cache_salt)
+        pages, ids = m.match_prefix(r.token_ids, (n - 1) // PS, prefix_root(r))
         m.acquire_cached(r, pages, ids)
         assert m.allocate(r, n)
         r.num_computed_tokens = n

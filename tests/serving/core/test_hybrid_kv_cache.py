@@ -2,7 +2,6 @@
 greedy tokens with prompts longer than the window, chunked prefill, staggered arrivals, prefix-cache hits, preemption,
 n > 1 forks and n-gram speculation, the window pool's pages freed as it slides, and the same tokens with the hybrid
 cache off."""
-import numpy as np
 import pytest
 import transformers as tf
 

@@ -37,6 +37,8 @@ LAYOUTS = {  # (model, EngineConfig options)
     # multi-head latent attention and DeepSeek MoE (the latent kernels; heads split with the latent cache whole)
     "deepseek": ("deepseek", {}),
     "deepseek-tp2-ep2-kv-fp8": ("deepseek", {"tp": 2, "ep": 2, "kv_cache_dtype": "fp8_e4m3"}),
+    # LoRA adapter slots (docs/lora.md): every program also in its LoRA variant, A and B split as their weights
+    "llama-lora-tp2": ("llama", {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "tp": 2}),
     # local and global layers, the local ones on the hybrid KV cache's window pool
     "gemma3": ("gemma3", {}),
 }
@@ -97,6 +99,8 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
             if model in ("mixtral", "deepseek"):  # the experts' grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
                 assert (megablox_calls(text) > 0) == (platform == "tpu"), program.name
                 assert ("ragged_dot" in text) == (platform == "gpu"), program.name
+            if program.lora:  # the LoRA update as XLA's grouped matmul (no native kernel, no one-hot over slots)
+                assert "ragged_dot" in text, program.name
             if model == "gemma3":  # the local layer's cache: the window pool's 8 x 3 + 2 pages, not the table's 32
                 assert engine.runner.window_pages == {16: 26}, engine.runner.window_pages
                 dtype = {"bfloat16": "bf16", "float32": "f32"}[engine.config.dtype]

@@ -1,0 +1,97 @@
+"""The batched LoRA update of a ragged batch behind one entry point, `lora_delta`: per token t, (x[t] @ a[s]) @ b[s]
+for its adapter slot s = slots[t] (nothing where s < 0: the base model), each slot's rank read up to its own rank.
+Backends: 'gather' (a few tokens: each token's adapter gathered), 'loop' (XLA:CPU: per slot some token uses, every
+row masked), 'ragged_dot' (tokens sorted by slot through XLA's grouped matmul: accelerators), and on single-device
+CPU the native kernel where it runs ('native'). MESHSERVE_LORA_KERNEL forces one (comparisons, tests). Details:
+docs/lora.md."""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import native
+from pallas_kernels.target import target_platform
+
+LORA_ENV_VAR = "MESHSERVE_LORA_KERNEL"  # auto (default) | native | gather | loop | ragged_dot
+BACKENDS = ("native", "gather", "loop", "ragged_dot")
+# Up to this many tokens the XLA paths gather each token's A and B (they read T adapters' worth, not all slots):
+# a decode step of a few sequences.
+GATHER_MAX_TOKENS = 4
+
+
+def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
+    """Trace-time. Which backend `lora_delta` takes for x [T, K], a [S, K, R], b [S, R, N] here."""
+    choice = os.environ.get(LORA_ENV_VAR, "auto").strip().lower()
+    if choice not in ("", "auto", *BACKENDS):
+        raise ValueError(f"{LORA_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
+    if choice == "native" and not native.lora_supported(x, a, b):
+        choice = "auto"  # (under a mesh, or a dtype the kernel does not take: the automatic choice)
+    if choice in BACKENDS:
+        return choice
+    if native.lora_supported(x, a, b):
+        return "native"
+    if x.shape[0] <= GATHER_MAX_TOKENS:
+        return "gather"
+    return "loop" if target_platform() == "cpu" else "ragged_dot"
+
+
+def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array) -> jax.Array:
+    """Pure. [T, N] in x's dtype: (x[t] @ a[slots[t]]) @ b[slots[t]] per token, 0 where slots[t] < 0; x [T, K],
+    slots [T] int32, a [S, K, R], b [S, R, N] in x's dtype (columns / rows past a slot's rank are zero), ranks [S]
+    int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this projection).
+    Accumulated in float32."""
+    backend = lora_backend(x, a, b)
+    if backend == "native":
+        return native.lora(x, slots, a, b, ranks)
+    if backend == "gather":
+        return gathered_lora(x, slots, a, b)
+    if backend == "loop":
+        return looped_lora(x, slots, a, b)
+    return ragged_lora(x, slots, a, b)
+
+
+def _dot(x, w):
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def gathered_lora(x, slots, a, b):
+    """Pure. `lora_delta` reading each token's own A and B (gathered: T adapters' worth of weights)."""
+    used = slots >= 0
+    idx = jnp.where(used, slots, 0)
+    f32 = jnp.float32
+    xa = jnp.einsum("tk,tkr->tr", x.astype(f32), a[idx].astype(f32))
+    xa = jnp.where(used[:, None], xa, 0)
+    return jnp.einsum("tr,trn->tn", xa, b[idx].astype(f32)).astype(x.dtype)
+
+
+def looped_lora(x, slots, a, b):
+    """Pure. `lora_delta` as a loop over the slots, each one some token uses applied to every row (rows of other
+    slots masked to 0 between A and B), the others skipped: each used adapter read once; 2-D dots of x's dtype
+    accumulated in float32 (XLA:CPU's fast path). The rows cost (slots used) x T."""
+    n = a.shape[0]
+    present = jnp.zeros((n + 1,), jnp.bool_).at[jnp.where(slots >= 0, slots, n)].set(True)[:n]
+
+    def apply(s, y):
+        xa = jnp.where((slots == s)[:, None], _dot(x, jax.lax.dynamic_index_in_dim(a, s, keepdims=False)), 0)
+        return y + _dot(xa.astype(x.dtype), jax.lax.dynamic_index_in_dim(b, s, keepdims=False))
+
+    def body(s, y):
+        return jax.lax.cond(present[s], apply, lambda s, y: y, s, y)
+
+    y = jax.lax.fori_loop(0, n, body, jnp.zeros((x.shape[0], b.shape[2]), jnp.float32))
+    return y.astype(x.dtype)
+
+
+def ragged_lora(x, slots, a, b):
+    """Pure. `lora_delta` with XLA's `ragged_dot`: tokens sorted by slot (those of none last, in no group), A then B
+    as grouped matmuls, scattered back."""
+    n = a.shape[0]
+    key = jnp.where(slots >= 0, slots, n)
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.zeros((n + 1,), jnp.int32).at[key].add(1)[:n]
+    xa = jax.lax.ragged_dot(x[order], a, group_sizes, preferred_element_type=jnp.float32)
+    out = jax.lax.ragged_dot(xa.astype(x.dtype), b, group_sizes, preferred_element_type=jnp.float32)
+    out = jnp.where((key[order] < n)[:, None], out, 0)  # rows in no group: not defined by ragged_dot
+    return jnp.zeros(out.shape, jnp.float32).at[order].set(out).astype(x.dtype)
