@@ -16,6 +16,7 @@ MAX_N = 16  # samples per request (SamplingParams.n)
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 LOGIT_BIAS_LIMIT = 100.0  # |bias| at most this (OpenAI's range [-100, 100])
 MAX_REQUEST_ID_CHARS = 256
+MAX_CACHE_SALT_CHARS = 256  # vLLM's cache_salt (a prefix-cache salt within a tenant)
 # Stop strings are matched against the text's tail on every step: bounded in number and length (OpenAI allows 4).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

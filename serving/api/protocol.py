@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from serving.api import reasoning as reasoning_api
 from serving.api import tools as tools_api
-from serving.params import (INT32_FIELDS, PRIORITIES, InvalidArgument, SamplingParams, StructuredOutput,
-                            check_token_ids, encode_chat, openai_fields)
+from serving.params import (INT32_FIELDS, MAX_CACHE_SALT_CHARS, PRIORITIES, InvalidArgument, SamplingParams,
+                            StructuredOutput, check_token_ids, encode_chat, openai_fields)
 
 TEXT_PART_TYPES = ("text", "input_text")
 UNION_TYPES = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
@@ -144,7 +144,7 @@ class _GenerateRequest(_Model):
     user: str | None = None
     priority: int | None = None  # meshserve's: 0 interactive, 1 batch
     # vLLM's: requests share prefix-cache entries only with requests of the same salt (the instance's HTTP API)
-    cache_salt: str | None = Field(None, max_length=256)
+    cache_salt: str | None = Field(None, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's constrained decoding: exactly one of json (a schema), regex, choice, grammar (Lark), json_object
     structured_outputs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None

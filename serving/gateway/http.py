@@ -196,6 +196,7 @@ class GatewayHTTP:
                                        priority=ereq.priority, **ereq.sampling)
             else:
                 req = generate_request(p.token_ids, request_id=rid, priority=ereq.priority, **ereq.sampling)
+            req.cache_salt = ereq.cache_salt  # within the tenant's salt (the instance joins them)
             try:
                 prepared.append(gw.prepare(req, tenant))
             except GatewayError as e:

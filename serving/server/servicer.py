@@ -23,7 +23,7 @@ from serving.telemetry.tracing import RequestTracer
 from serving.wire import meshserve_pb2 as pb
 from serving.wire import meshserve_pb2_grpc as pb_grpc
 from serving.wire.client import RETRY_PUSHBACK_KEY
-from serving.wire.requests import read_generate, status_details, tokenize_prompt
+from serving.wire.requests import prefix_cache_salt, read_generate, status_details, tokenize_prompt
 
 log = logging.getLogger(__name__)
 
@@ -102,9 +102,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         (the engine's make_request) and against the API's context rule; raises ValueError (`status_details`)."""
         call = read_generate(req, self.options.max_request_bytes, tokenizer=self.engine.tokenizer,
                              time_remaining=time_remaining)
-        # The tenant salts the prefix cache: one tenant's cached_tokens say nothing of another's prompts.
+        # The tenant (and its client's cache_salt) salts the prefix cache: one tenant's cached_tokens say nothing of
+        # another's prompts.
         request = self.engine.make_request(request_id, call.prompt_ids, call.params, priority=call.priority,
-                                           deadline=call.deadline, field=call.field, cache_salt=req.tenant)
+                                           deadline=call.deadline, field=call.field,
+                                           cache_salt=prefix_cache_salt(req))
         check_max_tokens(len(call.prompt_ids), call.params.max_tokens, self.engine.max_model_len)
         return request
 

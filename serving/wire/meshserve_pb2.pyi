@@ -127,7 +127,7 @@ class Choice(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "tenant", "add_special_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "priority", "tenant", "add_special_tokens", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -144,7 +145,8 @@ class GenerateRequest(_message.Message):
     priority: Priority
     tenant: str
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

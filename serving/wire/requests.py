@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from serving.params import (MAX_REQUEST_ID_CHARS, PRIORITIES, PROTO_BY_HAND, InvalidArgument, InvalidSampling,
-                            SamplingParams, StructuredOutput, check_roles, encode_chat, field_names)
+from serving.params import (MAX_CACHE_SALT_CHARS, MAX_REQUEST_ID_CHARS, PRIORITIES, PROTO_BY_HAND, InvalidArgument,
+                            InvalidSampling, SamplingParams, StructuredOutput, check_roles, encode_chat, field_names)
 from serving.wire.decoding import is_repeated
 
 PROMPT_FIELDS = {"text": "text", "token_ids": "token_ids", "chat": "chat.messages"}  # as error messages name them
@@ -44,7 +44,15 @@ def check_request_header(req, max_request_bytes: int) -> str | None:
     if req.priority not in PRIORITIES:
         raise InvalidArgument(f"priority: unknown value {req.priority}; use PRIORITY_INTERACTIVE or "
                               "PRIORITY_BATCH")
+    if len(req.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt: {len(req.cache_salt)} characters, more than {MAX_CACHE_SALT_CHARS}")
     return which
+
+
+def prefix_cache_salt(req) -> str:
+    """The engine's cache salt of a GenerateRequest: its tenant (the gateway sets it), and the client's cache_salt
+    within that tenant, so neither a tenant nor a salt shares another's cached prefixes."""
+    return f"{req.tenant}\x00{req.cache_salt}" if req.cache_salt else req.tenant
 
 
 def structured_output(sp) -> StructuredOutput | None:

@@ -698,7 +698,8 @@ def test_a_500_shows_the_client_no_internals(caplog):
 
 def test_the_prefix_cache_is_salted_per_tenant(instance, gateway):
     """A prompt one tenant sent is cached for it alone: another tenant sending it reads cached_tokens 0 (so it cannot
-    test what others asked); over the instance's HTTP API a request's cache_salt (vLLM's) parts it the same way."""
+    test what others asked); over both HTTP APIs a request's cache_salt (vLLM's) parts it the same way, within the
+    tenant's salt at the gateway."""
     prompt = list(range(20, 20 + 70))  # four full pages of 16
     with Client(gateway.target, timeout=60) as client:
         def cached(key):
@@ -713,6 +714,15 @@ def test_the_prefix_cache_is_salted_per_tenant(instance, gateway):
         return json.loads(got)["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
     results = [over_http(s) for s in ("s1", "s2", "s1", None)]
     assert results[0] == 0 and results[1] == 0 and results[2] >= 48 and results[3] == 0, results
+
+    def through_gateway(salt, key=KEYS["alpha"]):  # the gateway's HTTP API carries cache_salt within the tenant's
+        body = {"prompt": [p + 200 for p in prompt], "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+        status, _, got = http(gateway, "POST", "/v1/completions", json.dumps(body).encode(), key)
+        assert status == 200, got
+        return json.loads(got)["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    results = [through_gateway("s1"), through_gateway("s2"), through_gateway("s1"), through_gateway(None),
+               through_gateway("s1", KEYS["beta"])]
+    assert results[:2] == [0, 0] and results[2] >= 48 and results[3:] == [0, 0], results
     status, _, got = http(instance, "POST", "/v1/completions", json.dumps(
         {"prompt": "hi", "cache_salt": "x" * 257}).encode(), KEYS["instance"])
     assert status == 400 and json.loads(got)["error"]["param"] == "cache_salt", got
