@@ -26,6 +26,6 @@ def test_services_and_messages():
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     assert pb.DESCRIPTOR.package == "meshserve.v1"
     assert {m.name for m in service.methods} == {"Generate", "Tokenize", "ModelInfo", "GetLoad", "WatchLoad",
-                                                 "Drain"}
+                                                 "Drain", "LoadLoRAAdapter", "UnloadLoRAAdapter"}
     assert service.methods_by_name["Generate"].server_streaming
     assert service.methods_by_name["WatchLoad"].server_streaming
