@@ -747,7 +747,7 @@ int main(int argc, char** argv) {
                              CheckInt8(*k),   CheckExpertMlp(*k), CheckLatentAttention(*k),   CheckLora(*k)};
     std::string line = std::string(name) + ":";
     bool ok = true;
-    for (int i = 0; i < 7; ++i) {
+    for (int i = 0; i < static_cast<int>(sizeof(kernels) / sizeof(kernels[0])); ++i) {
       line += std::string(i ? ", " : " ") + kernels[i] + (results[i].ok() ? " ok" : " FAIL (" + results[i].where + ")");
       ok = ok && results[i].ok();
     }
