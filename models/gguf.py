@@ -6,10 +6,8 @@ docs/models.md."""
 from __future__ import annotations
 
 import dataclasses
-import glob
 import math
 import mmap
-import os
 import re
 import struct
 from typing import Any
@@ -20,6 +18,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from models.config import ModelConfig, RopeConfig, UnsupportedModelError
+from models.gguf_files import GGUFError, gguf_files, is_gguf  # noqa: F401  (re-exported)
 from models.safetensors_io import CheckpointError
 
 # llama.cpp architecture -> our family (a "llama" with experts is Mixtral; Mistral's dense models are "llama" too)
@@ -29,57 +28,12 @@ TENSOR_TYPES = tuple(GGMLQuantizationType[n] for n in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 _FLOAT_VIEWS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                 GGMLQuantizationType.BF16: ml_dtypes.bfloat16}
-_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
             GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f",
             GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q", GGUFValueType.INT64: "<q",
             GGUFValueType.FLOAT64: "<d"}
 _U64 = struct.Struct("<Q")
 _DEQUANTIZE_CHUNK = 1 << 20  # elements dequantized at a time: the float32 scratch stays a few MB
-
-
-class GGUFError(CheckpointError):
-    """A GGUF file is malformed or holds something meshserve cannot read; the message names the file and the field."""
-
-
-# ------------------------------------------------------------------------------------------------------------ files
-def is_gguf(path: str) -> bool:
-    """Whether `path` is a GGUF file or a directory whose model is one (no safetensors or Orbax checkpoint in it)."""
-    return bool(gguf_files(path))
-
-
-def gguf_files(path: str) -> list[str]:
-    """The GGUF file(s) of the model at `path`: the file itself, all parts of a split model (from any part), or the
-    one model in a directory (projector files `mmproj*` aside); [] when `path` holds another format."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        if any(os.path.exists(os.path.join(path, f)) for f in (
-                "model.safetensors", "model.safetensors.index.json", "meshserve_model.json")):
-            return []
-        found = sorted(f for f in glob.glob(os.path.join(glob.escape(path), "*.gguf"))
-                       if not os.path.basename(f).startswith("mmproj"))
-        models = sorted({_SPLIT.sub(r"\g<stem>-*-of-\g<count>.gguf", os.path.basename(f)) for f in found})
-        if len(models) > 1:
-            raise GGUFError(f"{path} holds {len(models)} GGUF models ({', '.join(models)}); pass one file as the model")
-        return _with_parts(found[0]) if found else []
-    if path.endswith(".gguf"):
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"GGUF file {path!r} does not exist")
-        return _with_parts(path)
-    return []
-
-
-def _with_parts(path: str) -> list[str]:
-    m = _SPLIT.match(os.path.basename(path))
-    if not m:
-        return [path]
-    count = int(m["count"])
-    parts = [os.path.join(os.path.dirname(path), f"{m['stem']}-{k:05d}-of-{count:05d}.gguf")
-             for k in range(1, count + 1)]
-    missing = [p for p in parts if not os.path.exists(p)]
-    if missing:
-        raise GGUFError(f"{path} is part of a {count}-file split GGUF; missing: {', '.join(missing)}")
-    return parts
 
 
 @dataclasses.dataclass(frozen=True)

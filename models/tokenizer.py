@@ -13,7 +13,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.models import BPE
 
 from models.chat_template import render_chat_template
-from models.gguf import GGUFModel, gguf_files
+from models.gguf_files import gguf_files
 
 # The named special tokens transformers passes to chat templates (its SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -88,6 +88,7 @@ class Tokenizer:
         model_dir = os.fspath(model_dir)
         tokenizer_path = os.path.join(model_dir, "tokenizer.json")
         if not (os.path.isdir(model_dir) and os.path.exists(tokenizer_path)) and gguf_files(model_dir):
+            from models.gguf import GGUFModel  # the gguf package only for GGUF models
             return tokenizer_from_gguf(GGUFModel.open(model_dir).metadata, model_dir)
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"tokenizer directory {model_dir!r} does not exist")
@@ -114,6 +115,7 @@ class Tokenizer:
             eos_from_generation = [eos_from_generation]
         chat_template = _load_chat_template(model_dir, config)
         if chat_template is None and gguf_files(model_dir):
+            from models.gguf import GGUFModel
             chat_template = gguf_chat_templates(GGUFModel.open(model_dir).metadata)
         return cls(
             backend,

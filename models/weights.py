@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import DEEPSEEK_FAMILIES, ModelConfig
-from models.gguf import GGUFCheckpoint, GGUFModel, config_from_gguf, is_gguf
+from models.gguf_files import is_gguf
 from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, num_groups, quantize, scale_name
 from models.quantized_checkpoint import CheckpointQuantization, QuantizedWeight, element_scales
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -231,6 +231,7 @@ def load_gguf_model(path: str, *, dtype=jnp.float32, mesh: Mesh | None = None, r
                     config: ModelConfig | None = None, quantization: str | None = None) -> CausalLM:
     """A GGUF model (file, split parts or a directory holding one; models.gguf) as `load_hf_model` loads HF ones: each
     tensor dequantized as it is read, placed on its parameter's sharding, then quantized as `quantization` asks."""
+    from models.gguf import GGUFCheckpoint, GGUFModel, config_from_gguf  # the gguf package only for GGUF models
     model = GGUFModel.open(path)
     cfg = with_quantization(config or config_from_gguf(model), quantization)
     # Weights quantized after loading start from float32, not from a rounding to the serving dtype.
@@ -460,6 +461,7 @@ def read_config(path: str) -> ModelConfig:
         with open(os.path.join(path, _META)) as f:
             return ModelConfig.from_dict(json.load(f)["config"])
     if kind == "gguf":
+        from models.gguf import GGUFModel, config_from_gguf
         return config_from_gguf(GGUFModel.open(path))
     return ModelConfig.from_pretrained(path)
 
