@@ -248,6 +248,46 @@ class BlockManager:
             self.forked[p] = True
         self.acquire_cached(holder, pages, source.block_prefix_ids[:num_pages])
 
+    def pin_prefix(self, holder, token_ids: list[int], root) -> int:
+        """Holds the device pages of the cached full blocks that start `token_ids` (under `root`) in `holder`'s
+        block table (a transfer keeps them from eviction until `free(holder)`); returns how many. A block in the
+        host tier ends the run."""
+        pages, ids = self.match_prefix(token_ids, len(token_ids) // self.page_size, root)
+        n = next((i for i, p in enumerate(pages) if p < 0), len(pages))
+        self.acquire_cached(holder, pages[:n], ids[:n])
+        return n
+
+    def adopt_blocks(self, holder, token_ids: list[int], root, num_blocks: int) -> list[tuple[int, int]]:
+        """Puts the first `num_blocks` full blocks of `token_ids` (under `root`) in the prefix cache, held by
+        `holder` until `free(holder)`: blocks already cached are only held; the others get a device page (free,
+        or an idle cached block's, evicted). Stops at a block in the host tier or when no page is left. Returns
+        (block index, page) for each page whose K/V the caller must write."""
+        assert not holder.block_table, "adopt_blocks on a holder that already holds pages"
+        ps, refs = self.page_size, self.ref_counts
+        parent, out = root, []
+        for i in range(min(num_blocks, len(token_ids) // ps)):
+            key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))
+            page = self.cache.get(key)
+            if page is not None:
+                if refs[page] == 0:
+                    del self.evictable[page]
+            elif self.host is not None and key in self.host.cache:
+                break
+            elif self.free_pages or self.evictable:
+                page = self.free_pages.pop() if self.free_pages else self._evict_lru()
+                prefix_id = next(self._next_prefix_id)
+                self.cache[key], self.page_key[page], self.page_prefix_id[page] = page, key, prefix_id
+                self._stored(key, prefix_id, DEVICE_MEDIUM)
+                out.append((i, page))
+            else:
+                break
+            refs[page] += 1
+            holder.block_table.append(page)
+            parent = self.page_prefix_id[page]
+            holder.block_prefix_ids.append(parent)
+        holder.num_computed_tokens = len(holder.block_table) * ps
+        return out
+
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grows the block table to hold `num_tokens` tokens. All or nothing: False if pages are short."""
         need = -(-num_tokens // self.page_size) - len(request.block_table)

@@ -110,6 +110,24 @@ class HostKVPool:
             leaves = self._scatter(leaves)(leaves, idx, data)
         r.kv_caches = jax.tree.unflatten(self.treedef, leaves)
 
+    # ---- whole pages out and in (KV transfers between instances: serving.core.kv_transfer)
+    def read_pages(self, pages: list[int]) -> list[np.ndarray]:
+        """Per cache leaf, the pages' data [len(pages), ...] as numpy (waits for the copy); <= buckets[-1] pages."""
+        staging = self._launch_gather(pages, self._bucket(len(pages)))
+        return [np.asarray(a)[:len(pages)] for a in staging]
+
+    def write_pages(self, pages: list[int], data: list[np.ndarray]) -> None:
+        """Writes per cache leaf [len(pages), ...] data into device `pages` (<= buckets[-1] of them)."""
+        b = self._bucket(len(pages))
+        idx = np.full(b, self.num_device_pages, np.int32)  # padding: out of range, dropped
+        idx[:len(pages)] = pages
+        padded = []
+        for pool, d in zip(self.pages, data):
+            full = np.zeros((b,) + pool.shape[1:], pool.dtype)
+            full[:len(pages)] = d
+            padded.append(full)
+        self._launch_scatter(idx, padded)
+
     # ---- the block manager's queued copies
     def run(self, ops: list[tuple[str, int, int]]) -> None:
         """Runs the copies `HostTier.ops` queued, in order, before the step that needs them is launched: offloads

@@ -126,6 +126,7 @@ class Scheduler:
             config.num_pages, config.page_size, enable_prefix_caching=config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request (each sample of an n > 1 request)
         self.groups: dict[str, SampleGroup] = {}  # n > 1 requests with an unfinished sample, by request id
+        self.kv_holders: list = []  # pages held for KV transfers (serving.core.kv_transfer): in the invariants
         self.waiting: list[Request] = []  # sorted by _waiting_key
         self.running: list[Request] = []  # sorted by _running_key; the tail is the next preemption victim
         self.num_waiting_tokens = 0
@@ -617,6 +618,7 @@ class Scheduler:
         assert all(not g.is_finished for g in self.groups.values()), "a finished n > 1 request is still listed"
         assert all(not g.block_table or self._awaits_admission(g) for g in self.groups.values()), \
             "a group holds its prompt's pages with no sample awaiting them"
-        self.block_manager.check_invariants(self.running + [g for g in self.groups.values() if g.block_table])
+        self.block_manager.check_invariants(self.running + [g for g in self.groups.values() if g.block_table]
+                                            + self.kv_holders)
         if self.adapters is not None:
             self.adapters.check(self.running)

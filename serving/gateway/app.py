@@ -306,6 +306,9 @@ class Gateway:
             req.sampling.max_tokens = adm.max_tokens_cap  # ends with finish reason length
         elif not req.sampling.HasField("max_tokens"):
             req.sampling.max_tokens = adm.default_max_tokens
+        if req.kv_export or req.HasField("kv_source"):  # instance to instance: a client never sets them
+            raise GatewayError(grpc.StatusCode.INVALID_ARGUMENT, "kv_export / kv_source: set by the gateway for "
+                               "disaggregated requests, never by a client; leave them unset")
         try:
             sampling, ids = check_generate(req, self.limits)
         except InvalidArgument as e:
@@ -465,7 +468,6 @@ class Gateway:
         """Routes and streams; retries once on another instance if the first fails before its first token; responses
         carry the client's request_id. `count`: in the tenant's requests in flight (jobs are not). Raises
         GatewayError."""
-        exclude: set[str] = set()
         span = None
         if self.tracer is not None:
             span = self.tracer.start_span("gateway.generate", context=parent, kind=SpanKind.SERVER, attributes={
@@ -475,53 +477,15 @@ class Gateway:
         if count:
             self.tenant_inflight[p.tenant] = self.tenant_inflight.get(p.tenant, 0) + 1
         try:
-            for attempt in range(1, MAX_ATTEMPTS + 1):
-                slot = await self._acquire(p, exclude, deadline)
-                inst = slot.instance
-                metadata = []
-                if span is not None:
-                    span.add_event("routed", {"meshserve.instance": inst.name, "meshserve.attempt": attempt})
-                    carrier: dict[str, str] = {}
-                    inject(carrier, context=trace.set_span_in_context(span))
-                    metadata = list(carrier.items())
-                started, last, call = False, None, None
-                try:
-                    call = inst.stub.Generate(p.request, timeout=max(0.001, deadline - time.monotonic()),
-                                              metadata=inst.metadata(metadata))
-                    async for r in call:
-                        r.request_id = p.client_request_id
-                        now = time.monotonic()
-                        if last is not None:
-                            gap = now - last
-                            self.health.observe_latency(inst.name, gap)
-                            inst.observe_latency(gap)
-                        last = now
-                        started = True
-                        yield r
-                    return
-                except grpc.RpcError as e:
-                    code, details = e.code(), e.details() or ""
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        self._record(self.health.mark_failed(inst.name, f"Generate: UNAVAILABLE: {details}"))
-                    if started:
-                        if code in RETRIABLE or code == grpc.StatusCode.CANCELLED:
-                            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"instance {inst.name} failed after the "
-                                               f"response had started ({code.name}: {details}); not retried, since "
-                                               "part of the answer was already sent") from None
-                        raise GatewayError(code, details) from None
-                    if (code in RETRIABLE and attempt < MAX_ATTEMPTS and time.monotonic() < deadline
-                            and self._has_candidates(p, exclude | {inst.name})):
-                        log.warning("request %s: %s failed before its first token (%s: %s); retrying elsewhere",
-                                    p.request.request_id, inst.name, code.name, details)
-                        self.metrics.retries.labels(code.name).inc()
-                        exclude.add(inst.name)
-                        continue
-                    trailing = tuple((k, v) for k, v in (e.trailing_metadata() or ()) if k == RETRY_PUSHBACK_KEY)
-                    raise GatewayError(code, details, trailing) from None
-                finally:
-                    if call is not None:
-                        call.cancel()
-                    self._release(slot)
+            if self.config.disaggregation.enabled and p.request.sampling.n <= 1:
+                gen = self._disaggregated(p, deadline, span)
+            else:
+                gen = self._attempts(p, p.request, deadline, span)
+            try:
+                async for r, _ in gen:
+                    yield r
+            finally:
+                await gen.aclose()
         except GatewayError as e:
             error = e
             raise
@@ -536,6 +500,104 @@ class Gateway:
                 if error is not None:
                     span.set_status(Status(StatusCode.ERROR, error.details))
                 span.end()
+
+    async def _attempts(self, p: Prepared, request: pb.GenerateRequest, deadline: float, span, stage: str = "both"
+                        ) -> AsyncIterator[tuple[pb.GenerateResponse, Instance]]:
+        """Routes `request` (p's, or a disaggregated stage of it) among p's pools and streams (response, instance);
+        retries once on another instance if the first fails before its first response. Raises GatewayError."""
+        exclude: set[str] = set()
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            slot = await self._acquire(p, exclude, deadline)
+            inst = slot.instance
+            metadata = []
+            if span is not None:
+                span.add_event("routed", {"meshserve.instance": inst.name, "meshserve.attempt": attempt,
+                                           "meshserve.stage": stage})
+                carrier: dict[str, str] = {}
+                inject(carrier, context=trace.set_span_in_context(span))
+                metadata = list(carrier.items())
+            started, last, call = False, None, None
+            try:
+                call = inst.stub.Generate(request, timeout=max(0.001, deadline - time.monotonic()),
+                                          metadata=inst.metadata(metadata))
+                async for r in call:
+                    r.request_id = p.client_request_id
+                    now = time.monotonic()
+                    if last is not None:
+                        gap = now - last
+                        self.health.observe_latency(inst.name, gap)
+                        inst.observe_latency(gap)
+                    last = now
+                    started = True
+                    yield r, inst
+                return
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details() or ""
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._record(self.health.mark_failed(inst.name, f"Generate: UNAVAILABLE: {details}"))
+                if started:
+                    if code in RETRIABLE or code == grpc.StatusCode.CANCELLED:
+                        raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"instance {inst.name} failed after the "
+                                           f"response had started ({code.name}: {details}); not retried, since "
+                                           "part of the answer was already sent") from None
+                    raise GatewayError(code, details) from None
+                if (code in RETRIABLE and attempt < MAX_ATTEMPTS and time.monotonic() < deadline
+                        and self._has_candidates(p, exclude | {inst.name})):
+                    log.warning("request %s: %s failed before its first token (%s: %s); retrying elsewhere",
+                                p.request.request_id, inst.name, code.name, details)
+                    self.metrics.retries.labels(code.name).inc()
+                    exclude.add(inst.name)
+                    continue
+                trailing = tuple((k, v) for k, v in (e.trailing_metadata() or ()) if k == RETRY_PUSHBACK_KEY)
+                raise GatewayError(code, details, trailing) from None
+            finally:
+                if call is not None:
+                    call.cancel()
+                self._release(slot)
+
+    async def _disaggregated(self, p: Prepared, deadline: float, span
+                             ) -> AsyncIterator[tuple[pb.GenerateResponse, Instance]]:
+        """Prefill on a prefill-pool instance (kv_export: the first token, pages held there), then decode on a
+        decode-pool instance that pulls those pages (kv_source); the client sees one stream. Usage is the client's
+        request's: the first token counts as output, not as the decode instance's prompt."""
+        pd = self.config.disaggregation
+        req = pb.GenerateRequest()
+        req.CopyFrom(p.request)
+        req.kv_export = True
+        handoff, source, last_token = None, None, None
+        t0 = time.monotonic()
+        async for r, inst in self._attempts(dataclasses.replace(p, pools=pd.prefill_pools), req, deadline, span,
+                                            "prefill"):
+            if r.token_ids:
+                last_token = r.token_ids[-1]
+            if r.HasField("kv_transfer"):
+                handoff, source = r.kv_transfer, inst
+                r.ClearField("kv_transfer")
+                r.ClearField("timing")
+                r.usage.completion_tokens = r.usage.cached_prompt_tokens = 0
+            yield r, inst
+        if handoff is None:  # the first token ended it (EOS, a stop, max_tokens 1)
+            self.metrics.disaggregated.labels("prefill_only").inc()
+            return
+        self.metrics.prefill_seconds.observe(time.monotonic() - t0)
+        dreq = pb.GenerateRequest()
+        dreq.CopyFrom(p.request)
+        dreq.kv_source.CopyFrom(pb.KVSource(address=source.config.target, transfer_id=handoff.transfer_id,
+                                            prompt_token_ids=handoff.prompt_token_ids, first_token_id=last_token))
+        num_prompt = len(handoff.prompt_token_ids)
+        try:
+            async for r, inst in self._attempts(dataclasses.replace(p, pools=pd.decode_pools), dreq, deadline, span,
+                                                "decode"):
+                if r.usage.prompt_tokens:  # the decode instance's prompt has the first token at its end
+                    r.usage.prompt_tokens = num_prompt
+                    r.usage.cached_prompt_tokens = min(r.usage.cached_prompt_tokens, num_prompt)
+                    if r.finish_reason:
+                        r.usage.completion_tokens += 1
+                yield r, inst
+        except GatewayError:
+            self.metrics.disaggregated.labels("decode_failed").inc()
+            raise
+        self.metrics.disaggregated.labels("prefill_decode").inc()
 
     def parent_context(self, metadata):
         return extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})

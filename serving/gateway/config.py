@@ -141,6 +141,18 @@ class JobsConfig:
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
+class DisaggregationConfig:
+    """Prefill/decode disaggregation (docs/disaggregation.md): n = 1 requests are prefilled on an instance of
+    `prefill_pools` (--role=prefill) and continued on one of `decode_pools` (--role=decode); none: off."""
+    prefill_pools: tuple[str, ...] = ()
+    decode_pools: tuple[str, ...] = ()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.prefill_pools)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
 class GatewayConfig:
     pools: tuple[str, ...] = ()
     instances: tuple[InstanceConfig, ...] = ()
@@ -161,6 +173,7 @@ class GatewayConfig:
     # The chat parsers of the HTTP API (serving.api.tools / serving.api.reasoning); "": the instances' (ModelInfo)
     tool_call_parser: str = ""
     reasoning_parser: str = ""
+    disaggregation: DisaggregationConfig = DisaggregationConfig()
 
     @property
     def auth_enabled(self) -> bool:
@@ -225,7 +238,7 @@ def parse_config(raw: Any) -> GatewayConfig:
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
     known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks", "jobs",
              "tokenizer", "instance_tls", "instance_key_file", "tool_call_parser", "reasoning_parser",
-             "allow_unauthenticated", "allow_no_instances"}
+             "allow_unauthenticated", "allow_no_instances", "disaggregation"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
@@ -379,10 +392,24 @@ def parse_config(raw: Any) -> GatewayConfig:
         parsers[key] = raw.get(key) or ""
         if parsers[key] and parsers[key] not in known_names:
             raise ConfigError(f"{key}: unknown {parsers[key]!r}; known: {', '.join(sorted(known_names))}")
+    d = _section(raw, "disaggregation")
+    if set(d) - {"prefill_pools", "decode_pools"}:
+        raise ConfigError(f"disaggregation.{sorted(set(d) - {'prefill_pools', 'decode_pools'})[0]}: unknown key; "
+                          "known: prefill_pools, decode_pools")
+    disagg = DisaggregationConfig(_str_list(d.get("prefill_pools"), "disaggregation.prefill_pools"),
+                                  _str_list(d.get("decode_pools"), "disaggregation.decode_pools"))
+    if bool(disagg.prefill_pools) != bool(disagg.decode_pools):
+        raise ConfigError("disaggregation: prefill_pools and decode_pools go together (both non-empty)")
+    for key, names in (("prefill_pools", disagg.prefill_pools), ("decode_pools", disagg.decode_pools)):
+        for name in names:
+            if name not in pools:
+                raise ConfigError(f"disaggregation.{key}: unknown pool {name!r}; pools: {', '.join(pools)}")
+    if set(disagg.prefill_pools) & set(disagg.decode_pools):
+        raise ConfigError("disaggregation: a pool is both a prefill and a decode pool")
     return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
                          long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
                          callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
-                         instance_key_file=instance_key_file, **parsers, **flags)
+                         instance_key_file=instance_key_file, disaggregation=disagg, **parsers, **flags)
 
 
 def webhook_key(secret: str, path: str) -> bytes:

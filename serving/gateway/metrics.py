@@ -38,6 +38,12 @@ class GatewayMetrics:
                                  registry=r)
         self.retries = Counter(PREFIX + "retries", "Requests retried on another instance before their first token.",
                                ["code"], registry=r)
+        self.disaggregated = Counter(PREFIX + "disaggregated_requests", "Prefill/decode-split requests by outcome: "
+                                     "prefill_decode, prefill_only (the first token ended it), decode_failed.",
+                                     ["outcome"], registry=r)
+        self.prefill_seconds = Histogram(PREFIX + "prefill_stage_seconds", "Disaggregated requests: the prefill "
+                                         "stage's time in the gateway (routing to its last response).",
+                                         registry=r)
         self.rate_limited = Counter(PREFIX + "rate_limited", "Requests refused by a tenant's rate limit.",
                                     ["tenant"], registry=r)
         self.config_reloads = Counter(PREFIX + "config_reloads", "Configuration file reloads.", ["result"],

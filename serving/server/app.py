@@ -73,6 +73,16 @@ class InstanceServer:
             metrics=self.metrics, tracer=self.tracer, load_tracker=self.load_tracker,
             on_drain_change=lambda draining: asyncio.ensure_future(self._set_health(not draining)))
         self.servicer.model_name = self.model_name
+        if config.role != "both":
+            from serving.auth import KeyFile
+            from serving.server.disagg import Disaggregation
+            peer_ca = None
+            if config.kv_peer_ca_file:
+                with open(config.kv_peer_ca_file, "rb") as f:
+                    peer_ca = f.read()
+            peer_key = KeyFile(config.kv_peer_key_file, "kv_peer_key_file").first() if config.kv_peer_key_file else ""
+            self.servicer.disagg = Disaggregation(self.aengine, config.role, timeout_s=config.kv_transfer_timeout_s,
+                                                  peer_key=peer_key, peer_ca=peer_ca, metrics=self.metrics)
         # The chat parsers (ModelInfo reports them to the gateway); their markers stay in the decoded text.
         tok = engine.tokenizer
         self.tool_call_parser = resolve_tool_call_parser(config.tool_call_parser, tok.chat_template if tok else None)
@@ -138,6 +148,8 @@ class InstanceServer:
         if cfg.warmup:
             # On the engine thread, before any request: compiles every bucket's programs.
             await asyncio.wrap_future(self.aengine.call(lambda e: e.warmup()))
+        if self.servicer.disagg is not None:
+            await self.servicer.disagg.start()  # compiles the page transfer programs; the prefill side's reaper
         self.metrics.set_compile_stats(self.engine.compile_count, self.engine.compile_time_s)
         self.metrics.set_draining(False)
         self.servicer.ready = True
@@ -184,6 +196,8 @@ class InstanceServer:
         log.info("drained in %.2fs", time.monotonic() - t0)
         if self._watchdog is not None:
             self._watchdog.cancel()
+        if self.servicer.disagg is not None:
+            await self.servicer.disagg.close()
         if self.http is not None:
             await self.http.stop()
         if self.server is not None:

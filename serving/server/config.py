@@ -59,12 +59,26 @@ class ServerConfig:
     lora_root: str = option(
         "", "With --enable_lora: the directory under which adapters may be loaded at run time (POST "
         "/v1/load_lora_adapter, LoadLoRAAdapter; admin key); empty: run-time loading is off (docs/lora.md).")
+    role: str = option(
+        "both", "Prefill/decode disaggregation (docs/disaggregation.md): prefill (computes prompts' KV and first token "
+        "for kv_export requests, holds the pages for a decode instance to pull), decode (continues kv_source requests "
+        "from pulled pages), both (neither: today's instance).", choices=("both", "prefill", "decode"))
+    kv_transfer_timeout_s: float = option(
+        30.0, "--role=prefill: pages held for a transfer are released this long after the prefill ended if no "
+        "decode instance pulled and released them.")
+    kv_peer_key_file: str = option(
+        "", "--role=decode: the key (first line) sent to prefill instances when pulling pages (their --api_key_file "
+        "must list it: the gateway's instance key); empty: none.")
+    kv_peer_ca_file: str = option(
+        "", "--role=decode: PEM CA of the prefill instances' TLS certificates: pull over TLS; empty: plaintext.")
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("TLS: tls_cert and tls_key go together; tls_client_ca needs them")
+        if self.kv_transfer_timeout_s <= 0:
+            raise ValueError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
         if self.drain_grace_s < 0:
             raise ValueError(f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         HttpLimits(self.http_header_timeout_s, self.http_body_timeout_s, self.http_max_connections)  # checks them

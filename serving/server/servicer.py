@@ -17,6 +17,7 @@ from serving.core.lora import UnknownAdapterError
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
 from serving.params import InvalidArgument, check_max_tokens
+from serving.server.disagg import TRANSPORT, TransferError, continuation, prefill_only
 from serving.telemetry.load import LoadTracker
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer
@@ -60,6 +61,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         self.tool_call_parser = self.reasoning_parser = ""  # ModelInfo's chat parsers (set by the InstanceServer)
         self.inflight: dict[str, float] = {}  # request id -> arrival (monotonic)
         self._on_drain_change = on_drain_change
+        self.disagg = None  # serving.server.disagg.Disaggregation with --role=prefill|decode
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -123,6 +125,22 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(context, grpc.StatusCode.UNAVAILABLE,
                                "the server is draining and admits no new requests; send it elsewhere")
         rid = request.request_id or uuid.uuid4().hex
+        export_max_tokens = 0  # kv_export: the max_tokens asked for (the engine runs one token)
+        kv_source = request.kv_source if request.HasField("kv_source") else None
+        if request.kv_export or kv_source is not None:
+            role = self.disagg.role if self.disagg is not None else "both"
+            want = "prefill" if request.kv_export else "decode"
+            if role != want or (request.kv_export and kv_source is not None):
+                await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, (
+                    f"{'kv_export' if request.kv_export else 'kv_source'}: this instance's role is {role}; send it "
+                    f"to a --role={want} instance (docs/disaggregation.md)"))
+            try:
+                if request.kv_export:
+                    request, export_max_tokens = prefill_only(request)
+                else:
+                    request = continuation(request)
+            except ValueError as e:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, status_details(e))
         try:
             # Tokenizing a large prompt, or compiling a grammar, would stall every other stream.
             if request.ByteSize() > LARGE_REQUEST_BYTES or request.sampling.HasField("structured"):
@@ -145,6 +163,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         remaining = params.n  # samples not finished
         stream = self.aengine.stream(ereq)
         try:
+            if kv_source is not None:
+                await self._pull_kv(kv_source, ereq, span, context.time_remaining())
             first = True
             async for out in stream:
                 last_request = out.request
@@ -165,8 +185,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         failure = (grpc.StatusCode.UNAVAILABLE,
                                    "the server shut down before the request finished; retry elsewhere", ())
                         break
-                yield self._response(rid, out, first)
+                response = self._response(rid, out, first)
+                if (out.finished and export_max_tokens > 1 and out.finish_reason is FinishReason.LENGTH
+                        and out.request.num_tokens < self.engine.max_model_len):
+                    # the client's request goes on on a decode instance, from the pages held here
+                    response.kv_transfer.CopyFrom(await self.disagg.hold(out.request))
+                    response.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+                    self.tracer.event(span, "kv_hold", {"meshserve.kv_pages": response.kv_transfer.num_pages})
+                yield response
                 first = False
+        except TransferError as e:
+            failure = (e.code, e.details, ())
         except QueueFullError as e:
             ms = int(self.options.retry_after_s * 1000)
             failure = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; retry in {self.options.retry_after_s:g}s",
@@ -195,6 +224,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                                error=None if failure is None else failure[1])
         if failure is not None:
             await self._refuse(context, *failure)
+
+    async def _pull_kv(self, src: pb.KVSource, ereq: Request, span, time_remaining: float | None) -> None:
+        """Decode side: pulls the prefill instance's pages of `src` and registers them in the prefix cache, before
+        `ereq` is scheduled (its admission command runs after this one on the engine thread)."""
+        data, info = await self.disagg.pull(src, time_remaining or self.disagg.timeout_s)
+        cached = await self.disagg.import_pages(ereq, data)
+        self.tracer.event(span, "kv_transfer", {"meshserve.kv_bytes": info["bytes"],
+                                                "meshserve.kv_seconds": info["seconds"],
+                                                "meshserve.kv_transport": info["transport"],
+                                                "meshserve.kv_pages": int(data[0].shape[0]) if data else 0,
+                                                "meshserve.kv_cached_blocks": cached})
+        if self.metrics is not None:
+            self.metrics.observe_kv_transfer(info["bytes"], info["seconds"])
 
     def _response(self, rid: str, out, first: bool) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text, index=out.index)
@@ -282,7 +324,9 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             max_request_bytes=self.options.max_request_bytes, served_model_name=self.model_name,
             http_port=self.http_port, reasoning_parser=self.reasoning_parser, tool_call_parser=self.tool_call_parser,
             quantization=e.model_config.quantization or "none", kv_cache_dtype=c.kv_cache_dtype_name,
-            lora_adapters=[lora_message(a) for a in e.list_adapters()], max_loras=c.max_loras if c.enable_lora else 0)
+            lora_adapters=[lora_message(a) for a in e.list_adapters()], max_loras=c.max_loras if c.enable_lora else 0,
+            role=self.disagg.role if self.disagg is not None else "both",
+            kv_transport=TRANSPORT if self.disagg is not None else "")
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
         def snapshot(engine):
@@ -355,6 +399,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         except (ValueError, LookupError) as e:
             await self._refuse(context, lora_status(e), str(e))
         return pb.LoRAAdapterResponse(adapter=lora_message(info), requests_in_flight=info["requests_in_flight"])
+
+    async def PullKV(self, request: pb.PullKVRequest, context):
+        if self.disagg is None:
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               "PullKV: this instance's role is both; pages are pulled from --role=prefill instances")
+        async for msg in self.disagg.pull_kv(request, context):
+            yield msg
+
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context):
+        if self.disagg is None or self.disagg.role != "prefill":
+            await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                               "ReleaseKV: this instance holds no KV transfers (not --role=prefill)")
+        return await self.disagg.release_kv(request, context)
 
     async def Drain(self, request: pb.DrainRequest, context):
         self.set_draining(not request.resume)

@@ -156,6 +156,11 @@ class ServerMetrics:
                                    labels + ["device"], buckets=STEP_BUCKETS, registry=r)
         self.step_tokens = Counter(PREFIX + "step_tokens", "Tokens run through the model (prompt and decode).",
                                    labels, registry=r)
+        self.kv_transfer_bytes = Counter(PREFIX + "kv_transfer_bytes", "KV page bytes pulled from prefill instances "
+                                         "(--role=decode).", labels, registry=r)
+        self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "Time to pull one request's KV pages "
+                                             "from its prefill instance (--role=decode).", labels,
+                                             buckets=STEP_BUCKETS, registry=r)
         self.model_name = model_name
         # Every series exists from the start (at zero), so rates and dashboards work before the first event.
         for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions, self.prompt_tokens,
@@ -261,6 +266,10 @@ class ServerMetrics:
         itl = self.inter_token_latency.labels(m)
         for a, b in zip(token_times, token_times[1:]):
             itl.observe(max(0.0, b - a))
+
+    def observe_kv_transfer(self, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_bytes.labels(self.model_name).inc(nbytes)
+        self.kv_transfer_seconds.labels(self.model_name).observe(seconds)
 
     def observe_error(self, code: str) -> None:
         self.request_errors.labels(self.model_name, code).inc()

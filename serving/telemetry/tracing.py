@@ -86,6 +86,11 @@ class RequestTracer:
                 if chunks is not None and s.start < s.request.num_prompt_tokens:
                     chunks.append((s.start, len(s.token_ids), start_time, end_time))
 
+    def event(self, span, name: str, attributes: Mapping) -> None:
+        """An event on the request's span (e.g. its KV transfer: bytes, seconds, transport); nothing when off."""
+        if span is not None:
+            span.add_event(name, attributes=dict(attributes))
+
     def finish(self, span, request_id: str, request, *, finish_reason: str, error: str | None = None) -> None:
         """Writes queue / prefill_chunk / decode under `span` from the request's timestamps and ends it."""
         if span is None:

@@ -74,6 +74,16 @@ class InferenceStub:
                 request_serializer=serving_dot_wire_dot_meshserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
                 response_deserializer=serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
+        self.PullKV = channel.unary_stream(
+                '/meshserve.v1.Inference/PullKV',
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.PullKVRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.KVPages.FromString,
+                _registered_method=True)
+        self.ReleaseKV = channel.unary_unary(
+                '/meshserve.v1.Inference/ReleaseKV',
+                request_serializer=serving_dot_wire_dot_meshserve__pb2.ReleaseKVRequest.SerializeToString,
+                response_deserializer=serving_dot_wire_dot_meshserve__pb2.ReleaseKVResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -134,6 +144,21 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullKV(self, request, context):
+        """Prefill/decode disaggregation (docs/disaggregation.md), instance to instance: a decode instance pulls the KV
+        pages a prefill instance (--role=prefill) holds for a transfer id, then releases them. Callers need the
+        instance's regular key (the one the gateway sends; --kv_peer_key_file on the decode side).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseKV(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +201,16 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.UnloadLoRAAdapter,
                     request_deserializer=serving_dot_wire_dot_meshserve__pb2.UnloadLoRAAdapterRequest.FromString,
                     response_serializer=serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'PullKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullKV,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.PullKVRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.KVPages.SerializeToString,
+            ),
+            'ReleaseKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseKV,
+                    request_deserializer=serving_dot_wire_dot_meshserve__pb2.ReleaseKVRequest.FromString,
+                    response_serializer=serving_dot_wire_dot_meshserve__pb2.ReleaseKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -394,6 +429,60 @@ class Inference:
             '/meshserve.v1.Inference/UnloadLoRAAdapter',
             serving_dot_wire_dot_meshserve__pb2.UnloadLoRAAdapterRequest.SerializeToString,
             serving_dot_wire_dot_meshserve__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/meshserve.v1.Inference/PullKV',
+            serving_dot_wire_dot_meshserve__pb2.PullKVRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.KVPages.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Inference/ReleaseKV',
+            serving_dot_wire_dot_meshserve__pb2.ReleaseKVRequest.SerializeToString,
+            serving_dot_wire_dot_meshserve__pb2.ReleaseKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,191 @@
+"""`Disaggregation`: an instance's wire side of prefill/decode disaggregation (--role): the prefill side holds a
+finished prompt's pages per transfer id, serves PullKV / ReleaseKV and releases what nobody pulled in time; the
+decode side rewrites a kv_source request into its continuation and pulls and imports the pages before admitting it.
+The engine-thread side is serving.core.kv_transfer. Details: docs/disaggregation.md."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+import numpy as np
+
+from serving.core.kv_transfer import PAGES_PER_CHUNK, KVTransfers
+from serving.params import InvalidArgument
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ROLES = ("both", "prefill", "decode")
+TRANSPORT = "grpc"  # jax.experimental.transfer does not run on CPU in jax 0.10.2 (docs/disaggregation.md)
+DEFAULT_MAX_TOKENS = 16  # SamplingParameters.max_tokens when unset (serving.wire.requests)
+
+
+class TransferError(Exception):
+    """A pull that failed: `code` is the gRPC status the Generate call ends with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+def continuation(req: pb.GenerateRequest) -> pb.GenerateRequest:
+    """A kv_source request as the decode engine runs it: the prompt the prefill instance tokenized plus its first
+    token, one token fewer to generate (min_tokens likewise)."""
+    src = req.kv_source
+    if not src.prompt_token_ids or not src.transfer_id or not src.address:
+        raise InvalidArgument("kv_source: needs address, transfer_id and prompt_token_ids")
+    out = pb.GenerateRequest()
+    out.CopyFrom(req)
+    out.ClearField("kv_source")
+    out.token_ids.ids[:] = list(src.prompt_token_ids) + [src.first_token_id]
+    s = out.sampling
+    max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    if max_tokens < 2:
+        raise InvalidArgument(f"kv_source: sampling.max_tokens is {max_tokens}; the prefill instance's first token "
+                              "already ended a request of fewer than 2 tokens")
+    s.max_tokens = max_tokens - 1
+    s.min_tokens = max(0, s.min_tokens - 1)
+    return out
+
+
+def prefill_only(req: pb.GenerateRequest) -> tuple[pb.GenerateRequest, int]:
+    """A kv_export request as the prefill engine runs it (one token), and the max_tokens the client asked for."""
+    if req.sampling.HasField("n") and req.sampling.n > 1:
+        raise InvalidArgument(f"kv_export: sampling.n is {req.sampling.n}; disaggregated requests take n = 1")
+    out = pb.GenerateRequest()
+    out.CopyFrom(req)
+    out.kv_export = False
+    max_tokens = req.sampling.max_tokens if req.sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    out.sampling.max_tokens = 1
+    out.sampling.min_tokens = min(out.sampling.min_tokens, 1)
+    return out, max_tokens
+
+
+class Disaggregation:
+    def __init__(self, aengine, role: str, *, timeout_s: float, peer_key: str = "", peer_ca: bytes | None = None,
+                 metrics=None):
+        if role not in ROLES[1:]:
+            raise ValueError(f"role: {role!r}; disaggregation needs prefill or decode")
+        self.aengine = aengine
+        self.role = role
+        self.timeout_s = timeout_s
+        self.transfers = KVTransfers(aengine.engine)  # raises ValueError naming why the engine cannot
+        self.metrics = metrics
+        self._peer_metadata = (("authorization", f"Bearer {peer_key}"),) if peer_key else ()
+        self._peer_credentials = grpc.ssl_channel_credentials(peer_ca) if peer_ca else None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._reaper: asyncio.Task | None = None
+        self.expired_total = 0
+
+    async def _call(self, fn):
+        return await asyncio.wrap_future(self.aengine.call(lambda e: fn()))
+
+    async def start(self) -> None:
+        await self._call(self.transfers.warmup)
+        if self.role == "prefill":
+            self._reaper = asyncio.ensure_future(self._reap())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def _reap(self) -> None:
+        """Releases the transfers nobody pulled and released within timeout_s (a decode instance that died)."""
+        while True:
+            await asyncio.sleep(min(1.0, self.timeout_s / 4))
+            try:
+                gone = await self._call(lambda: [t for t in self.transfers.expired(self.timeout_s)
+                                                 if self.transfers.release(t)])
+            except Exception:  # noqa: BLE001 - the engine is gone: nothing is held any more
+                return
+            if gone:
+                self.expired_total += len(gone)
+                log.warning("released %d KV transfers nobody pulled within %.1fs", len(gone), self.timeout_s)
+
+    # ---- prefill side
+    async def hold(self, request) -> pb.KVTransfer:
+        transfer_id, n = await self._call(lambda: self.transfers.hold(request))
+        return pb.KVTransfer(transfer_id=transfer_id, prompt_token_ids=request.prompt_token_ids, num_pages=n,
+                             page_size=self.transfers.page_size, transport=TRANSPORT, timeout_s=self.timeout_s)
+
+    async def pull_kv(self, request: pb.PullKVRequest, context):
+        if self.role != "prefill":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"PullKV: this instance's role is {self.role}; "
+                                "pages are pulled from --role=prefill instances")
+        tid = request.transfer_id
+        try:
+            total = await self._call(lambda: self.transfers.num_pages(tid))
+        except KeyError:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"transfer_id: no KV transfer {tid!r} is held here "
+                                f"(released, or not pulled within {self.timeout_s:g}s)")
+        chunk = min(request.pages_per_chunk or PAGES_PER_CHUNK, PAGES_PER_CHUNK)
+        layout = [pb.KVLeaf(page_shape=shape, dtype=dtype) for shape, dtype in self.transfers.layout()]
+        first = 0
+        while True:
+            count = min(chunk, total - first)
+            try:
+                data = await self._call(lambda: self.transfers.read(tid, first, count)) if count else []
+            except KeyError:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"transfer_id: KV transfer {tid!r} was released "
+                                    "while it was pulled")
+            msg = pb.KVPages(first_page=first, num_pages=count, leaves=[d.tobytes() for d in data])
+            if first == 0:
+                msg.layout.extend(layout)
+                msg.page_size, msg.total_pages = self.transfers.page_size, total
+            yield msg
+            first += count
+            if first >= total:
+                return
+
+    async def release_kv(self, request: pb.ReleaseKVRequest, context) -> pb.ReleaseKVResponse:
+        released = await self._call(lambda: self.transfers.release(request.transfer_id))
+        return pb.ReleaseKVResponse(released=released)
+
+    # ---- decode side
+    def _stub(self, address: str) -> pb_grpc.InferenceStub:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = (grpc.aio.secure_channel(address, self._peer_credentials)
+                                            if self._peer_credentials else grpc.aio.insecure_channel(address))
+        return pb_grpc.InferenceStub(ch)
+
+    async def pull(self, src: pb.KVSource, timeout_s: float) -> tuple[list[np.ndarray], dict]:
+        """The pages of transfer `src` from its prefill instance, per cache leaf [pages, ...]; releases them there
+        once here. Raises TransferError (UNAVAILABLE: the prefill instance failed or is gone; FAILED_PRECONDITION:
+        the two sides' pages differ)."""
+        t0 = time.perf_counter()
+        stub = self._stub(src.address)
+        mine = self.transfers.layout()
+        parts: list[list[bytes]] = []
+        nbytes = 0
+        try:
+            async for msg in stub.PullKV(pb.PullKVRequest(transfer_id=src.transfer_id), timeout=timeout_s,
+                                         metadata=self._peer_metadata):
+                if msg.first_page == 0:
+                    theirs = [(tuple(leaf.page_shape), leaf.dtype) for leaf in msg.layout]
+                    if theirs != mine or msg.page_size != self.transfers.page_size:
+                        raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, (
+                            f"kv_source: the prefill instance's pages (page_size {msg.page_size}, leaves {theirs}) "
+                            f"differ from this instance's (page_size {self.transfers.page_size}, leaves {mine}); "
+                            "pair instances of the same model, page size and KV dtype"))
+                parts.append(list(msg.leaves))
+                nbytes += sum(len(b) for b in msg.leaves)
+            await stub.ReleaseKV(pb.ReleaseKVRequest(transfer_id=src.transfer_id), timeout=timeout_s,
+                                 metadata=self._peer_metadata)
+        except grpc.RpcError as e:
+            code = grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED else e.code()
+            raise TransferError(code, f"kv_source: pulling transfer {src.transfer_id} from {src.address} failed "
+                                f"({e.code().name}: {e.details()}); retry the request from its prefill") from None
+        data = []
+        for k, ((shape, _), pool) in enumerate(zip(mine, self.transfers.mover.pages)):
+            buf = b"".join(p[k] for p in parts if p)
+            data.append(np.frombuffer(buf, pool.dtype).reshape((-1,) + shape))
+        return data, {"bytes": nbytes, "seconds": time.perf_counter() - t0, "transport": TRANSPORT}
+
+    async def import_pages(self, request, data: list[np.ndarray]) -> int:
+        return await self._call(lambda: self.transfers.write(request, data))

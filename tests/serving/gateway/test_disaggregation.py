@@ -1,0 +1,147 @@
+"""Prefill/decode disaggregation end to end: a real gateway in front of a --role=prefill and a --role=decode instance
+(the shipped tiny model, API keys on both), driven over gRPC and through the real `openai` package: the greedy
+output equals a single instance's token for token, both instances hold no page once idle, a second request with the
+same prefix hits the decode instance's prefix cache, and the transfer RPC refuses callers without the instance key."""
+from __future__ import annotations
+
+import grpc
+import openai
+import pytest
+
+from serving.wire import meshserve_pb2 as pb
+from serving.wire import meshserve_pb2_grpc as pb_grpc
+from serving.wire.client import Client
+from tests.support.gateway import GatewayProcess, InstanceProcess, wait_for
+from tests.support.tiny import model_dir
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+INSTANCE_KEY = "instance-key-0123456789"
+TENANT_KEY = "tenant-key-0123456789"
+ADMIN_KEY = "admin-key-0123456789"
+MODEL = "tiny"
+PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away into the"
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pd")
+    key_file = root / "instance.keys"
+    key_file.write_text(INSTANCE_KEY + "\n")
+    common = ("--http_port=-1", f"--served_model_name={MODEL}", f"--api_key_file={key_file}",
+              "--kv_transfer_timeout_s=20")
+    procs = []
+    try:
+        procs.append(InstanceProcess(model_dir("target"), str(root / "p"), "--role=prefill", *common))
+        procs[0].wait_ready()  # the second loads its programs from the compilation cache the first filled
+        procs.append(InstanceProcess(model_dir("target"), str(root / "d"), "--role=decode",
+                                     f"--kv_peer_key_file={key_file}", *common))
+        procs[1].wait_ready()
+        config = {"pools": [{"name": "prefill", "instances": [{"name": "p0", "target": procs[0].target}]},
+                            {"name": "decode", "instances": [{"name": "d0", "target": procs[1].target}]}],
+                  "disaggregation": {"prefill_pools": ["prefill"], "decode_pools": ["decode"]},
+                  "isolation": {"enabled": False}, "instance_key_file": str(key_file),
+                  "tenants": [{"name": "acme", "api_keys": [TENANT_KEY]}], "admin_keys": [ADMIN_KEY]}
+        gw = GatewayProcess(str(root / "gw"), config, "--http_port=0")
+        try:
+            wait_for(lambda: all(i.report_age_s >= 0 for i in gw.instances(ADMIN_KEY).values()), 30, what="load reports")
+            yield procs[0], procs[1], gw
+        finally:
+            gw.stop()
+    finally:
+        for p in procs:
+            p.terminate()
+
+
+def _instance(proc) -> Client:
+    return Client(proc.target, timeout=60)
+
+
+MD = [("authorization", f"Bearer {INSTANCE_KEY}")]
+
+
+def _load(proc) -> pb.LoadReport:
+    with _instance(proc) as c:
+        return c.stub.GetLoad(pb.GetLoadRequest(), timeout=10, metadata=MD)
+
+
+def _idle(proc, timeout: float = 10.0) -> pb.LoadReport:
+    """The load report once every page is free (or only cached), nothing running."""
+    def idle():
+        load = _load(proc)
+        return load if load.num_running == 0 and load.kv_pages_free == load.kv_pages_total else None
+    try:
+        return wait_for(idle, timeout, interval=0.05, what="idle")
+    except TimeoutError:
+        return _load(proc)
+
+
+def test_greedy_output_matches_a_single_instance_over_grpc_and_http(fleet):
+    prefill, decode, gw = fleet
+    with _instance(prefill) as c:  # the prefill instance serves plain requests like any instance: the reference
+        ref = c.complete(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True, metadata=MD)
+    assert len(ref.token_ids) == 12
+    assert _load(decode).prefix_cache_hits == 0  # the decode instance never saw the prompt
+    with Client(gw.target, timeout=60) as c:
+        out = c.complete(PROMPT, max_tokens=12, temperature=0.0, ignore_eos=True,
+                         metadata=[("authorization", f"Bearer {TENANT_KEY}")])
+    assert out.token_ids == ref.token_ids and out.text == ref.text
+    assert (out.prompt_tokens, out.completion_tokens, out.finish_reason) == (ref.prompt_tokens, 12, "length")
+    # its prompt's full pages came from the prefill instance: the decode instance's prefix cache had them
+    assert out.cached_prompt_tokens == ref.prompt_tokens // 8 * 8 > 0
+    assert _load(decode).prefix_cache_hits == out.cached_prompt_tokens
+
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.info['http_port']}/v1", api_key=TENANT_KEY, max_retries=0)
+    r = http.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text and r.usage.completion_tokens == 12
+    chunks = http.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.0, stream=True,
+                                     extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
+
+    for proc in (prefill, decode):  # every transfer released, every request's pages back
+        load = _idle(proc)
+        assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0, proc.target
+
+
+def test_same_prefix_hits_the_decode_instances_prefix_cache(fleet):
+    _, decode, gw = fleet
+    prompt = PROMPT + " old barn where the farmer keeps his tools and"
+    with Client(gw.target, timeout=60) as c:
+        md = [("authorization", f"Bearer {TENANT_KEY}")]
+        first = c.complete(prompt, max_tokens=4, temperature=0.0, ignore_eos=True, metadata=md)
+        before = _load(decode).prefix_cache_hits
+        second = c.complete(prompt, max_tokens=4, temperature=0.0, ignore_eos=True, metadata=md)
+    assert second.token_ids == first.token_ids
+    after = _load(decode).prefix_cache_hits
+    # the pages pulled again were already cached there: the decode instance's prompt (+ first token) hit them
+    assert after - before == second.cached_prompt_tokens == second.prompt_tokens // 8 * 8 > 0
+
+
+def test_transfer_rpcs_need_the_instance_key_and_a_prefill_role(fleet):
+    prefill, decode, _ = fleet
+    with grpc.insecure_channel(prefill.target) as ch:
+        stub = pb_grpc.InferenceStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.PullKV(pb.PullKVRequest(transfer_id="x"), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.PullKV(pb.PullKVRequest(transfer_id="0" * 32), timeout=10, metadata=MD))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and "0" * 32 in e.value.details()
+        info = stub.ModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=MD)
+        assert (info.role, info.kv_transport) == ("prefill", "grpc")
+    with grpc.insecure_channel(decode.target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.InferenceStub(ch).PullKV(pb.PullKVRequest(transfer_id="x"), timeout=10, metadata=MD))
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "role is decode" in e.value.details()
+
+
+def test_clients_cannot_set_the_transfer_fields(fleet):
+    _, _, gw = fleet
+    req = pb.GenerateRequest(text=PROMPT, kv_source=pb.KVSource(address="evil.example:1", transfer_id="t",
+                                                                prompt_token_ids=[1]))
+    with grpc.insecure_channel(gw.target) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.InferenceStub(ch).Generate(req, timeout=10,
+                                                    metadata=[("authorization", f"Bearer {TENANT_KEY}")]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_source" in e.value.details()
