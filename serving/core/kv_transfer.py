@@ -30,6 +30,9 @@ class KVTransfers:
     pipelined, not multi-host, one page pool). Every method runs on the engine thread (AsyncEngine.call)."""
 
     def __init__(self, engine):
+        if not hasattr(engine, "runner"):
+            raise ValueError("--role: prefill/decode disaggregation is not available here: a data-parallel engine "
+                             "(--dp > 1); run one instance per replica")
         why = [reason for reason, bad in (
             ("--enable_prefix_caching is off", not engine.config.enable_prefix_caching),
             ("the KV cache is hybrid (sliding-window pools)", bool(getattr(engine.runner, "window_pages", None))),

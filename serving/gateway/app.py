@@ -596,8 +596,18 @@ class Gateway:
                 yield r, inst
         except GatewayError:
             self.metrics.disaggregated.labels("decode_failed").inc()
+            await self._release_transfer(source, handoff.transfer_id)
             raise
         self.metrics.disaggregated.labels("prefill_decode").inc()
+
+    async def _release_transfer(self, inst: Instance, transfer_id: str) -> None:
+        """After a failed decode stage: frees the prefill instance's pages now rather than at its timeout (best
+        effort: a dead or unreachable instance releases nothing, and its pages died with it)."""
+        try:
+            await inst.stub.ReleaseKV(pb.ReleaseKVRequest(transfer_id=transfer_id), timeout=5.0,
+                                      metadata=inst.metadata())
+        except grpc.RpcError as e:
+            log.warning("ReleaseKV %s on %s: %s", transfer_id, inst.name, e.code().name)
 
     def parent_context(self, metadata):
         return extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})

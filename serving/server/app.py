@@ -76,13 +76,18 @@ class InstanceServer:
         if config.role != "both":
             from serving.auth import KeyFile
             from serving.server.disagg import Disaggregation
-            peer_ca = None
+            def read(path):
+                with open(path, "rb") as f:
+                    return f.read()
+            # TLS to prefill instances: their CA; this instance's own certificate is the client's (their mTLS)
+            peer_tls = None
             if config.kv_peer_ca_file:
-                with open(config.kv_peer_ca_file, "rb") as f:
-                    peer_ca = f.read()
+                peer_tls = grpc.ssl_channel_credentials(
+                    read(config.kv_peer_ca_file), read(config.tls_key) if config.tls_cert else None,
+                    read(config.tls_cert) if config.tls_cert else None)
             peer_key = KeyFile(config.kv_peer_key_file, "kv_peer_key_file").first() if config.kv_peer_key_file else ""
             self.servicer.disagg = Disaggregation(self.aengine, config.role, timeout_s=config.kv_transfer_timeout_s,
-                                                  peer_key=peer_key, peer_ca=peer_ca, metrics=self.metrics)
+                                                  peer_key=peer_key, peer_tls=peer_tls, metrics=self.metrics)
         # The chat parsers (ModelInfo reports them to the gateway); their markers stay in the decoded text.
         tok = engine.tokenizer
         self.tool_call_parser = resolve_tool_call_parser(config.tool_call_parser, tok.chat_template if tok else None)

@@ -65,8 +65,8 @@ def prefill_only(req: pb.GenerateRequest) -> tuple[pb.GenerateRequest, int]:
 
 
 class Disaggregation:
-    def __init__(self, aengine, role: str, *, timeout_s: float, peer_key: str = "", peer_ca: bytes | None = None,
-                 metrics=None):
+    def __init__(self, aengine, role: str, *, timeout_s: float, peer_key: str = "",
+                 peer_tls: grpc.ChannelCredentials | None = None, metrics=None):
         if role not in ROLES[1:]:
             raise ValueError(f"role: {role!r}; disaggregation needs prefill or decode")
         self.aengine = aengine
@@ -75,7 +75,7 @@ class Disaggregation:
         self.transfers = KVTransfers(aengine.engine)  # raises ValueError naming why the engine cannot
         self.metrics = metrics
         self._peer_metadata = (("authorization", f"Bearer {peer_key}"),) if peer_key else ()
-        self._peer_credentials = grpc.ssl_channel_credentials(peer_ca) if peer_ca else None
+        self._peer_credentials = peer_tls  # None: plaintext
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._reaper: asyncio.Task | None = None
         self.expired_total = 0

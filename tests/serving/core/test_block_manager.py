@@ -263,3 +263,41 @@ def test_host_tier_books(bm):
     assert m.host.dropped_blocks > 0 and m.host.num_used == 2
     m.check_invariants(())
     assert m.reset_prefix_cache() > 0 and m.host.num_used == 0 and not m.cache
+
+
+def test_kv_transfer_pin_holds_cached_blocks_and_adopt_registers_received_ones(bm):
+    from serving.core.kv_transfer import PageHolder
+    src, dst = bm(num_pages=8), bm(num_pages=4)
+    prompt = list(range(1, 12))  # 2 full blocks + 3 tokens
+    r = req(prompt)
+    run_prefill(src, r)
+    src.free(r)
+    held = PageHolder()
+    assert src.pin_prefix(held, prompt, prefix_root(r)) == 2
+    assert src.num_free_pages == 6  # held pages are not evictable while the transfer lasts
+    src.check_invariants([held])
+    src.free(held)
+    assert src.num_free_pages == 8 and not held.block_table
+
+    # the decode side: 2 received blocks become prefix-cache entries; a hit then covers them
+    d = PageHolder()
+    writes = dst.adopt_blocks(d, prompt + [99], prefix_root(r), 2)
+    assert [i for i, _ in writes] == [0, 1] and d.block_table == [p for _, p in writes]
+    dst.check_invariants([d])
+    dst.free(d)
+    pages, _ = dst.match_prefix(prompt + [99], 3)
+    assert pages == [p for _, p in writes]
+    again = PageHolder()
+    assert dst.adopt_blocks(again, prompt + [99], prefix_root(r), 2) == []  # already cached: nothing to write
+    assert again.block_table == pages
+    dst.free(again)
+
+    # short of pages: the run stops (the request recomputes the rest)
+    busy = req(list(range(100, 112)), "busy")
+    assert dst.allocate(busy, 12)  # 3 of the 4 pages held by a running request
+    other = PageHolder()
+    other_prompt = list(range(200, 212))
+    writes = dst.adopt_blocks(other, other_prompt, prefix_root(r), 3)
+    assert len(writes) == 1 and len(other.block_table) == 1  # one page left (an idle cached one, evicted)
+    dst.free(other)
+    dst.free(busy)

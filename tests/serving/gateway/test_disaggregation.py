@@ -20,6 +20,7 @@ INSTANCE_KEY = "instance-key-0123456789"
 TENANT_KEY = "tenant-key-0123456789"
 ADMIN_KEY = "admin-key-0123456789"
 MODEL = "tiny"
+HOLD_S = 4.0  # the prefill instance's --kv_transfer_timeout_s
 PROMPT = "The quick brown fox jumps over the lazy dog and then it runs far away into the"
 
 
@@ -29,7 +30,7 @@ def fleet(tmp_path_factory):
     key_file = root / "instance.keys"
     key_file.write_text(INSTANCE_KEY + "\n")
     common = ("--http_port=-1", f"--served_model_name={MODEL}", f"--api_key_file={key_file}",
-              "--kv_transfer_timeout_s=20")
+              f"--kv_transfer_timeout_s={HOLD_S}")
     procs = []
     try:
         procs.append(InstanceProcess(model_dir("target"), str(root / "p"), "--role=prefill", *common))
@@ -145,3 +146,33 @@ def test_clients_cannot_set_the_transfer_fields(fleet):
             list(pb_grpc.InferenceStub(ch).Generate(req, timeout=10,
                                                     metadata=[("authorization", f"Bearer {TENANT_KEY}")]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_source" in e.value.details()
+
+
+def test_unpulled_pages_are_released_after_the_timeout_and_a_failed_pull_is_an_explicit_error(fleet):
+    prefill, decode, _ = fleet
+    with grpc.insecure_channel(prefill.target) as ch:
+        req = pb.GenerateRequest(text=PROMPT + " unpulled", kv_export=True,
+                                 sampling=pb.SamplingParameters(max_tokens=8, temperature=0.0))
+        out = list(pb_grpc.InferenceStub(ch).Generate(req, timeout=30, metadata=MD))
+    handoff = out[-1].kv_transfer
+    assert out[-1].finish_reason == pb.FINISH_REASON_UNSPECIFIED and len(out[-1].token_ids) == 1
+    assert handoff.num_pages == len(handoff.prompt_token_ids) // 8 > 0 and handoff.transport == "grpc"
+    held = _load(prefill)
+    assert held.kv_pages_total - held.kv_pages_free == handoff.num_pages  # held (not evictable) until pulled
+    # nobody pulls it (a decode instance that died): released after the timeout, and no longer pullable
+    load = _idle(prefill, timeout=HOLD_S + 5)
+    assert load.kv_pages_free == load.kv_pages_total
+    src = pb.KVSource(address=prefill.target, transfer_id=handoff.transfer_id,
+                      prompt_token_ids=handoff.prompt_token_ids, first_token_id=out[-1].token_ids[0])
+    with Client(decode.target, timeout=30) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.stub.Generate(pb.GenerateRequest(kv_source=src, sampling=pb.SamplingParameters(max_tokens=8)),
+                                 timeout=30, metadata=MD))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and handoff.transfer_id in e.value.details()
+        src.address = "127.0.0.1:1"  # a prefill instance that is gone
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.stub.Generate(pb.GenerateRequest(kv_source=src, sampling=pb.SamplingParameters(max_tokens=8)),
+                                 timeout=30, metadata=MD))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "127.0.0.1:1" in e.value.details()
+    load = _idle(decode)
+    assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0

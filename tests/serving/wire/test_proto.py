@@ -18,6 +18,8 @@ def test_services_and_messages():
     service = pb.DESCRIPTOR.services_by_name["Inference"]
     assert pb.DESCRIPTOR.package == "meshserve.v1"
     assert {m.name for m in service.methods} == {"Generate", "Tokenize", "ModelInfo", "GetLoad", "WatchLoad",
-                                                 "Drain", "LoadLoRAAdapter", "UnloadLoRAAdapter"}
+                                                 "Drain", "LoadLoRAAdapter", "UnloadLoRAAdapter", "PullKV",
+                                                 "ReleaseKV"}
     assert service.methods_by_name["Generate"].server_streaming
+    assert service.methods_by_name["PullKV"].server_streaming  # the KV pages of a transfer, chunk by chunk
     assert service.methods_by_name["WatchLoad"].server_streaming
