@@ -91,6 +91,10 @@ def test_config_parses_pools_tenants_lanes():
     ({"callbacks": {"retry_window_s": 0}}, "callbacks.retry_window_s: must be > 0"),
     ({"jobs": {"max_crashes": 0}}, "jobs.max_crashes: must be > 0"),
     ({"allow_unauthenticated": "yes"}, "allow_unauthenticated: expected true or false"),
+    ({"disaggregation": {"prefill_pools": ["a"]}}, "disaggregation: prefill_pools and decode_pools go together"),
+    ({"disaggregation": {"prefill_pools": ["a"], "decode_pools": ["nope"]}}, "disaggregation.decode_pools: unknown"),
+    ({"disaggregation": {"prefill_pools": ["a"], "decode_pools": ["a"]}}, "a pool is both a prefill and a decode"),
+    ({"disaggregation": {"prefill": ["a"]}}, "disaggregation.prefill: unknown key"),
 ])
 def test_config_errors_name_the_key(patch, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -360,6 +364,6 @@ def test_job_store_file_mode_and_restart(tmp_path):
 def test_config_module_documents_every_section():
     doc = open(os.path.join(REPO_ROOT, "docs/gateway.md")).read()
     for section in ("pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
-                    "jobs", "instance_tls", "allow_unauthenticated", "allow_no_instances"):
+                    "jobs", "instance_tls", "allow_unauthenticated", "allow_no_instances", "disaggregation"):
         assert f"`{section}`" in doc or f"{section}:" in doc, section
     assert gconfig.POLICIES
