@@ -10,8 +10,8 @@ from serving.core.kv_transfer import KVTransfers
 from serving.core.llm import LLM
 from serving.core.sampling_params import SamplingParams
 
-PROMPT_TOKENS = 1024
-OPTS = dict(warmup=False, num_pages=160, page_size=16, max_num_batched_tokens=256, max_num_seqs=4)
+PROMPT_TOKENS = 240  # the tiny model's context is 256
+OPTS = dict(warmup=False, num_pages=64, page_size=16, max_num_batched_tokens=256, max_num_seqs=4)
 
 
 def main() -> None:

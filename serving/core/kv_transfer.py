@@ -16,6 +16,25 @@ from serving.core.host_kv import HostKVPool
 PAGES_PER_CHUNK = 16  # the largest transfer program (pages); a transfer's pages move in chunks of at most this
 
 
+def repack(data: list[np.ndarray], page_size: int, to_page_size: int) -> list[np.ndarray]:
+    """Pages of `page_size` tokens ([pages, page_size, ...] per cache leaf) as pages of `to_page_size`: the same
+    tokens in order; a last page the tokens do not fill is dropped (the receiver recomputes those tokens)."""
+    if page_size == to_page_size:
+        return data
+    out = []
+    for d in data:
+        tokens = d.reshape((-1,) + d.shape[2:])
+        n = tokens.shape[0] // to_page_size
+        out.append(tokens[:n * to_page_size].reshape((n, to_page_size) + d.shape[2:]))
+    return out
+
+
+def compatible(theirs: list[tuple[tuple[int, ...], str]], mine: list[tuple[tuple[int, ...], str]]) -> bool:
+    """Whether pages of layout `theirs` (KVTransfers.layout) can be repacked into `mine`: the same leaves, rows and
+    dtypes; the page size (each page shape's first axis) may differ."""
+    return len(theirs) == len(mine) and all(a[1:] == b[1:] and da == db for (a, da), (b, db) in zip(theirs, mine))
+
+
 @dataclasses.dataclass(slots=True)
 class PageHolder:
     """Holds pages in the block manager's books like a request would (block_table, prefix ids)."""

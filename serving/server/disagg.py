@@ -11,7 +11,7 @@ import time
 import grpc
 import numpy as np
 
-from serving.core.kv_transfer import PAGES_PER_CHUNK, KVTransfers
+from serving.core.kv_transfer import PAGES_PER_CHUNK, KVTransfers, compatible, repack
 from serving.params import InvalidArgument
 from serving.wire import meshserve_pb2 as pb
 from serving.wire import meshserve_pb2_grpc as pb_grpc
@@ -161,18 +161,19 @@ class Disaggregation:
         t0 = time.perf_counter()
         stub = self._stub(src.address)
         mine = self.transfers.layout()
+        theirs, page_size = mine, self.transfers.page_size
         parts: list[list[bytes]] = []
         nbytes = 0
         try:
             async for msg in stub.PullKV(pb.PullKVRequest(transfer_id=src.transfer_id), timeout=timeout_s,
                                          metadata=self._peer_metadata):
                 if msg.first_page == 0:
-                    theirs = [(tuple(leaf.page_shape), leaf.dtype) for leaf in msg.layout]
-                    if theirs != mine or msg.page_size != self.transfers.page_size:
+                    theirs, page_size = [(tuple(leaf.page_shape), leaf.dtype) for leaf in msg.layout], msg.page_size
+                    if not compatible(theirs, mine) or any(shape[0] != page_size for shape, _ in theirs):
                         raise TransferError(grpc.StatusCode.FAILED_PRECONDITION, (
-                            f"kv_source: the prefill instance's pages (page_size {msg.page_size}, leaves {theirs}) "
-                            f"differ from this instance's (page_size {self.transfers.page_size}, leaves {mine}); "
-                            "pair instances of the same model, page size and KV dtype"))
+                            f"kv_source: the prefill instance's pages (page_size {page_size}, leaves {theirs}) do not "
+                            f"fit this instance's (page_size {self.transfers.page_size}, leaves {mine}); pair "
+                            "instances of the same model and KV dtype (page sizes may differ)"))
                 parts.append(list(msg.leaves))
                 nbytes += sum(len(b) for b in msg.leaves)
             await stub.ReleaseKV(pb.ReleaseKVRequest(transfer_id=src.transfer_id), timeout=timeout_s,
@@ -182,9 +183,10 @@ class Disaggregation:
             raise TransferError(code, f"kv_source: pulling transfer {src.transfer_id} from {src.address} failed "
                                 f"({e.code().name}: {e.details()}); retry the request from its prefill") from None
         data = []
-        for k, ((shape, _), pool) in enumerate(zip(mine, self.transfers.mover.pages)):
+        for k, ((shape, _), pool) in enumerate(zip(theirs, self.transfers.mover.pages)):
             buf = b"".join(p[k] for p in parts if p)
             data.append(np.frombuffer(buf, pool.dtype).reshape((-1,) + shape))
+        data = repack(data, page_size, self.transfers.page_size)  # the receiver repacks to its page size
         return data, {"bytes": nbytes, "seconds": time.perf_counter() - t0, "transport": TRANSPORT}
 
     async def import_pages(self, request, data: list[np.ndarray]) -> int:

@@ -1,25 +1,24 @@
 """KVTransfers between two real engines (the engine-thread side of prefill/decode disaggregation): a prompt prefilled
-on a tp=1 engine with an int8 KV cache, its held pages read out (values and scales as stored), written into a tp=2
-engine's pages and prefix cache, and the decode there continues with the greedy tokens of the prefill engine's own
-whole run; both engines end with every page free."""
+on a tp=1 engine with an int8 KV cache and 8-token pages, its held pages read out (values and scales as stored),
+repacked into 16-token pages, written into a tp=2 engine's pages and prefix cache, and the decode there continues with
+the greedy tokens of the prefill engine's own whole run; both engines end with every page free."""
 import numpy as np
 import pytest
 
-from serving.core.kv_transfer import KVTransfers
+from serving.core.kv_transfer import KVTransfers, compatible, repack
 from serving.core.llm import LLM
 from serving.core.sampling_params import SamplingParams
 from tests.support import hf_models
+from tests.support.tiny import model_dir
 
 PS = 8
-BASE = dict(page_size=PS, max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, num_pages=64,
+BASE = dict(max_num_seqs=4, max_num_batched_tokens=64, min_token_bucket=64, num_pages=64,
             kv_cache_dtype="int8")
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("kvtransfer") / "llama")
-    hf_models.save_hf_model("llama", d)
-    return d
+def llama():
+    return model_dir("target")  # the shipped tiny model (2 KV heads: tp=2 splits them)
 
 
 def _run(engine, request) -> list[int]:
@@ -28,10 +27,11 @@ def _run(engine, request) -> list[int]:
     return list(request.output_token_ids)
 
 
-def test_int8_pages_move_from_tp1_to_tp2_and_decode_continues_the_same_tokens(llama):
-    prefill, decode = LLM(llama, warmup=False, tp=1, **BASE), LLM(llama, warmup=False, tp=2, **BASE)
+def test_int8_pages_move_from_tp1_to_tp2_and_page_size_8_to_16_and_decode_continues_the_same_tokens(llama):
+    prefill = LLM(llama, warmup=False, tp=1, page_size=PS, **BASE)
+    decode = LLM(llama, warmup=False, tp=2, page_size=2 * PS, **BASE)
     pe, de = prefill.engine, decode.engine
-    prompt = hf_models.random_prompt(5 * PS + 3, 160, seed=7)  # 5 full blocks and a partial one
+    prompt = hf_models.random_prompt(5 * PS + 3, 8000, seed=7)  # 5 full blocks and a partial one
     greedy = dict(temperature=0.0, ignore_eos=True)
     reference = _run(pe, pe.make_request("ref", prompt, SamplingParams(max_tokens=6, **greedy)))
     pe.scheduler.block_manager.reset_prefix_cache()  # the prefill below computes its pages afresh
@@ -40,7 +40,9 @@ def test_int8_pages_move_from_tp1_to_tp2_and_decode_continues_the_same_tokens(ll
     t0 = _run(pe, first)
     assert t0 == reference[:1]
     out, into = KVTransfers(pe), KVTransfers(de)
-    assert out.layout() == into.layout() and {d for _, d in out.layout()} >= {"int8"}  # values int8, plus scales
+    # values int8 plus their scales; the same leaves and rows, the page size differs (tp does not show: unsharded)
+    assert compatible(out.layout(), into.layout()) and out.layout() != into.layout()
+    assert {d for _, d in out.layout()} >= {"int8"}
     tid, n = out.hold(first)
     assert n == 5 and pe.scheduler.block_manager.num_free_pages == pe.num_pages - 5  # held: not evictable
     pe.scheduler.check_invariants()
@@ -49,9 +51,12 @@ def test_int8_pages_move_from_tp1_to_tp2_and_decode_continues_the_same_tokens(ll
     assert out.release(tid) and not out.release(tid)
 
     cont = de.make_request("d", prompt + t0, SamplingParams(max_tokens=5, **greedy))
-    assert into.write(cont, data) == 5
+    repacked = repack(data, PS, 2 * PS)
+    assert [d.shape[:2] for d in repacked] == [(2, 2 * PS)] * len(data)  # 40 tokens: 2 pages of 16, 8 recomputed
+    assert np.array_equal(repacked[0][1, :PS], data[0][2])  # token 16.. of the prompt: 8-token page 2
+    assert into.write(cont, repacked) == 2
     rest = _run(de, cont)
-    assert cont.metrics.num_cached_prompt_tokens == 5 * PS  # the received pages served as its prefix
+    assert cont.metrics.num_cached_prompt_tokens == 4 * PS  # the received pages served as its prefix
     assert t0 + rest == reference
     for engine in (pe, de):
         engine.scheduler.block_manager.check_idle()
