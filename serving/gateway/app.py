@@ -575,9 +575,10 @@ class Gateway:
                 r.ClearField("kv_transfer")
                 r.ClearField("timing")
                 r.usage.completion_tokens = r.usage.cached_prompt_tokens = 0
+            elif r.finish_reason:
+                self.metrics.disaggregated.labels("prefill_only").inc()
             yield r, inst
         if handoff is None:  # the first token ended it (EOS, a stop, max_tokens 1)
-            self.metrics.disaggregated.labels("prefill_only").inc()
             return
         self.metrics.prefill_seconds.observe(time.monotonic() - t0)
         dreq = pb.GenerateRequest()
@@ -593,12 +594,13 @@ class Gateway:
                     r.usage.cached_prompt_tokens = min(r.usage.cached_prompt_tokens, num_prompt)
                     if r.finish_reason:
                         r.usage.completion_tokens += 1
+                if r.finish_reason:  # counted before the last yield: a caller may stop reading after it
+                    self.metrics.disaggregated.labels("prefill_decode").inc()
                 yield r, inst
         except GatewayError:
             self.metrics.disaggregated.labels("decode_failed").inc()
             await self._release_transfer(source, handoff.transfer_id)
             raise
-        self.metrics.disaggregated.labels("prefill_decode").inc()
 
     async def _release_transfer(self, inst: Instance, transfer_id: str) -> None:
         """After a failed decode stage: frees the prefill instance's pages now rather than at its timeout (best

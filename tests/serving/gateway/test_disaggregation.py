@@ -4,9 +4,12 @@ output equals a single instance's token for token, both instances hold no page o
 same prefix hits the decode instance's prefix cache, and the transfer RPC refuses callers without the instance key."""
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.wire import meshserve_pb2 as pb
 from serving.wire import meshserve_pb2_grpc as pb_grpc
@@ -100,6 +103,10 @@ def test_greedy_output_matches_a_single_instance_over_grpc_and_http(fleet):
                                      extra_body={"ignore_eos": True})
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == ref.text
 
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{gw.info['metrics_port']}/metrics", timeout=10).read()
+    split = {s.labels["outcome"]: s.value for f in text_string_to_metric_families(metrics.decode())
+             for s in f.samples if s.name == "meshserve:gateway_disaggregated_requests_total"}
+    assert split.get("prefill_decode") == 3 and not split.get("decode_failed")  # all three went through both stages
     for proc in (prefill, decode):  # every transfer released, every request's pages back
         load = _idle(proc)
         assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0, proc.target
