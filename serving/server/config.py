@@ -70,8 +70,8 @@ class ServerConfig:
         "", "--role=decode: the key (first line) sent to prefill instances when pulling pages (their --api_key_file "
         "must list it: the gateway's instance key); empty: none.")
     kv_peer_ca_file: str = option(
-        "", "--role=decode: PEM CA of the prefill instances' TLS certificates: pull over TLS, with --tls_cert / --tls_key "
-        "as the client certificate (for their --tls_client_ca); empty: plaintext.")
+        "", "--role=decode: PEM CA of the prefill instances' TLS certificates: pull over TLS, with --tls_cert / "
+        "--tls_key as the client certificate (for their --tls_client_ca); empty: plaintext.")
 
     def __post_init__(self):
         if self.max_request_bytes < 1024:

@@ -129,7 +129,8 @@ class Disaggregation:
         while True:
             count = min(chunk, total - first)
             try:
-                data = await self._call(lambda: self.transfers.read(tid, first, count)) if count else []
+                data = (await self._call(lambda first=first, count=count: self.transfers.read(tid, first, count))
+                        if count else [])
             except KeyError:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"transfer_id: KV transfer {tid!r} was released "
                                     "while it was pulled")

@@ -48,7 +48,8 @@ def fleet(tmp_path_factory):
                   "tenants": [{"name": "acme", "api_keys": [TENANT_KEY]}], "admin_keys": [ADMIN_KEY]}
         gw = GatewayProcess(str(root / "gw"), config, "--http_port=0")
         try:
-            wait_for(lambda: all(i.report_age_s >= 0 for i in gw.instances(ADMIN_KEY).values()), 30, what="load reports")
+            wait_for(lambda: all(i.report_age_s >= 0 for i in gw.instances(ADMIN_KEY).values()), 30,
+                     what="load reports")
             yield procs[0], procs[1], gw
         finally:
             gw.stop()
@@ -148,10 +149,8 @@ def test_clients_cannot_set_the_transfer_fields(fleet):
     _, _, gw = fleet
     req = pb.GenerateRequest(text=PROMPT, kv_source=pb.KVSource(address="evil.example:1", transfer_id="t",
                                                                 prompt_token_ids=[1]))
-    with grpc.insecure_channel(gw.target) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            list(pb_grpc.InferenceStub(ch).Generate(req, timeout=10,
-                                                    metadata=[("authorization", f"Bearer {TENANT_KEY}")]))
+    with grpc.insecure_channel(gw.target) as ch, pytest.raises(grpc.RpcError) as e:
+        list(pb_grpc.InferenceStub(ch).Generate(req, timeout=10, metadata=[("authorization", f"Bearer {TENANT_KEY}")]))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_source" in e.value.details()
 
 
