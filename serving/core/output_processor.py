@@ -85,7 +85,11 @@ class OutputProcessor:
         self._detoks: dict[str, RequestText] = {}
 
     def add(self, request: Request) -> None:
-        self._detoks[request.request_id] = RequestText(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        d = RequestText(self.tokenizer, request.prompt_token_ids, request.sampling_params)
+        if request.output_token_ids:  # a continued request (a disaggregated decode): those tokens went out elsewhere
+            d.add(request.output_token_ids, final=False)
+            d.emitted = len(d.text)
+        self._detoks[request.request_id] = d
 
     def process(self, out: RequestOutput, row: np.ndarray) -> StepOutput:
         r = out.request

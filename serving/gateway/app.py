@@ -477,7 +477,8 @@ class Gateway:
         if count:
             self.tenant_inflight[p.tenant] = self.tenant_inflight.get(p.tenant, 0) + 1
         try:
-            if self.config.disaggregation.enabled and p.request.sampling.n <= 1:
+            if (self.config.disaggregation.enabled and p.request.sampling.n <= 1
+                    and not p.request.sampling.HasField("structured")):
                 gen = self._disaggregated(p, deadline, span)
             else:
                 gen = self._attempts(p, p.request, deadline, span)
@@ -563,6 +564,10 @@ class Gateway:
         pd = self.config.disaggregation
         req = pb.GenerateRequest()
         req.CopyFrom(p.request)
+        if not req.sampling.HasField("seed"):  # both stages draw from the same seed (by output index)
+            req.sampling.seed = int.from_bytes(os.urandom(4), "little") >> 1
+        base = pb.GenerateRequest()
+        base.CopyFrom(req)
         req.kv_export = True
         handoff, source, last_token = None, None, None
         t0 = time.monotonic()
@@ -582,18 +587,13 @@ class Gateway:
             return
         self.metrics.prefill_seconds.observe(time.monotonic() - t0)
         dreq = pb.GenerateRequest()
-        dreq.CopyFrom(p.request)
+        dreq.CopyFrom(base)
         dreq.kv_source.CopyFrom(pb.KVSource(address=source.config.target, transfer_id=handoff.transfer_id,
                                             prompt_token_ids=handoff.prompt_token_ids, first_token_id=last_token))
-        num_prompt = len(handoff.prompt_token_ids)
         try:
+            # (the decode instance counts the first token as output: its usage is the client's request's)
             async for r, inst in self._attempts(dataclasses.replace(p, pools=pd.decode_pools), dreq, deadline, span,
                                                 "decode"):
-                if r.usage.prompt_tokens:  # the decode instance's prompt has the first token at its end
-                    r.usage.prompt_tokens = num_prompt
-                    r.usage.cached_prompt_tokens = min(r.usage.cached_prompt_tokens, num_prompt)
-                    if r.finish_reason:
-                        r.usage.completion_tokens += 1
                 if r.finish_reason:  # counted before the last yield: a caller may stop reading after it
                     self.metrics.disaggregated.labels("prefill_decode").inc()
                 yield r, inst

@@ -32,23 +32,32 @@ class TransferError(Exception):
 
 
 def continuation(req: pb.GenerateRequest) -> pb.GenerateRequest:
-    """A kv_source request as the decode engine runs it: the prompt the prefill instance tokenized plus its first
-    token, one token fewer to generate (min_tokens likewise)."""
+    """A kv_source request as the decode engine reads it: the prompt the prefill instance tokenized (its first
+    token is appended to the engine's request by `resume`, as an output token)."""
     src = req.kv_source
     if not src.prompt_token_ids or not src.transfer_id or not src.address:
         raise InvalidArgument("kv_source: needs address, transfer_id and prompt_token_ids")
-    out = pb.GenerateRequest()
-    out.CopyFrom(req)
-    out.ClearField("kv_source")
-    out.token_ids.ids[:] = list(src.prompt_token_ids) + [src.first_token_id]
-    s = out.sampling
+    s = req.sampling
     max_tokens = s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     if max_tokens < 2:
         raise InvalidArgument(f"kv_source: sampling.max_tokens is {max_tokens}; the prefill instance's first token "
                               "already ended a request of fewer than 2 tokens")
-    s.max_tokens = max_tokens - 1
-    s.min_tokens = max(0, s.min_tokens - 1)
+    if s.HasField("structured"):
+        raise InvalidArgument("kv_source: structured outputs are not continued across instances; send the request "
+                              "whole")
+    out = pb.GenerateRequest()
+    out.CopyFrom(req)
+    out.ClearField("kv_source")
+    out.token_ids.ids[:] = list(src.prompt_token_ids)
     return out
+
+
+def resume(request, first_token_id: int) -> None:
+    """Appends the prefill instance's first token to the engine's request as its first output token (before it is
+    queued): max_tokens, min_tokens, penalties and the seeded draw (by output index) then go on as in one instance."""
+    if request.sampling_params.n > 1:
+        raise InvalidArgument("kv_source: sampling.n must be 1")
+    request.token_ids.append(int(first_token_id))
 
 
 def prefill_only(req: pb.GenerateRequest) -> tuple[pb.GenerateRequest, int]:

@@ -17,7 +17,7 @@ from serving.core.lora import UnknownAdapterError
 from serving.core.request import FinishReason, Request
 from serving.core.scheduler import QueueFullError
 from serving.params import InvalidArgument, check_max_tokens
-from serving.server.disagg import TRANSPORT, TransferError, continuation, prefill_only
+from serving.server.disagg import TRANSPORT, TransferError, continuation, prefill_only, resume
 from serving.telemetry.load import LoadTracker
 from serving.telemetry.metrics import ServerMetrics
 from serving.telemetry.tracing import RequestTracer
@@ -153,6 +153,11 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(context, grpc.StatusCode.NOT_FOUND, f"sampling.adapter: {e}")
         if rid in self.inflight:
             await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
+        if kv_source is not None:
+            try:
+                resume(ereq, kv_source.first_token_id)
+            except ValueError as e:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, status_details(e))
         num_prompt_tokens, params, deadline = ereq.num_prompt_tokens, ereq.sampling_params, ereq.deadline
         span = self.tracer.start(rid, context.invocation_metadata(), {
             "meshserve.request_id": rid, "meshserve.tenant": request.tenant or None,

@@ -50,12 +50,14 @@ def test_int8_pages_move_from_tp1_to_tp2_and_page_size_8_to_16_and_decode_contin
     assert [d.shape[0] for d in data] == [n] * len(data) and all(np.any(d) for d in data)
     assert out.release(tid) and not out.release(tid)
 
-    cont = de.make_request("d", prompt + t0, SamplingParams(max_tokens=5, **greedy))
+    cont = de.make_request("d", prompt, SamplingParams(max_tokens=6, **greedy))
+    cont.token_ids += t0  # the first token, as an output token (serving.server.disagg.resume)
     repacked = repack(data, PS, 2 * PS)
     assert [d.shape[:2] for d in repacked] == [(2, 2 * PS)] * len(data)  # 40 tokens: 2 pages of 16, 8 recomputed
     assert np.array_equal(repacked[0][1, :PS], data[0][2])  # token 16.. of the prompt: 8-token page 2
     assert into.write(cont, repacked) == 2
-    rest = _run(de, cont)
+    _run(de, cont)
+    rest = list(cont.output_token_ids)[1:]
     assert cont.metrics.num_cached_prompt_tokens == 4 * PS  # the received pages served as its prefix
     assert t0 + rest == reference
     for engine in (pe, de):

@@ -113,6 +113,18 @@ def test_greedy_output_matches_a_single_instance_over_grpc_and_http(fleet):
         assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0, proc.target
 
 
+def test_seeded_sampling_with_penalties_matches_a_single_instance(fleet):
+    """The first token counts as output on the decode side: the seeded draw (by output index), the penalties and
+    max_tokens go on as in one instance."""
+    prefill, _, gw = fleet
+    kw = dict(max_tokens=10, temperature=0.9, seed=11, presence_penalty=0.8, ignore_eos=True)
+    with _instance(prefill) as c:
+        ref = c.complete(PROMPT + " seeded", metadata=MD, **kw)
+    with Client(gw.target, timeout=60) as c:
+        out = c.complete(PROMPT + " seeded", metadata=[("authorization", f"Bearer {TENANT_KEY}")], **kw)
+    assert out.token_ids == ref.token_ids and out.text == ref.text and len(out.token_ids) == 10
+
+
 def test_same_prefix_hits_the_decode_instances_prefix_cache(fleet):
     _, decode, gw = fleet
     prompt = PROMPT + " old barn where the farmer keeps his tools and"
