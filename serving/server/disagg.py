@@ -165,8 +165,8 @@ class Disaggregation:
         return pb_grpc.InferenceStub(ch)
 
     async def pull(self, src: pb.KVSource, timeout_s: float) -> tuple[list[np.ndarray], dict]:
-        """The pages of transfer `src` from its prefill instance, per cache leaf [pages, ...]; releases them there
-        once here. Raises TransferError (UNAVAILABLE: the prefill instance failed or is gone; FAILED_PRECONDITION:
+        """The pages of transfer `src` from its prefill instance, per cache leaf [pages, ...] (still held there:
+        `release`). Raises TransferError (UNAVAILABLE: the prefill instance failed or is gone; FAILED_PRECONDITION:
         the two sides' pages differ)."""
         t0 = time.perf_counter()
         stub = self._stub(src.address)
@@ -186,8 +186,6 @@ class Disaggregation:
                             "instances of the same model and KV dtype (page sizes may differ)"))
                 parts.append(list(msg.leaves))
                 nbytes += sum(len(b) for b in msg.leaves)
-            await stub.ReleaseKV(pb.ReleaseKVRequest(transfer_id=src.transfer_id), timeout=timeout_s,
-                                 metadata=self._peer_metadata)
         except grpc.RpcError as e:
             code = grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED else e.code()
             raise TransferError(code, f"kv_source: pulling transfer {src.transfer_id} from {src.address} failed "
@@ -198,6 +196,15 @@ class Disaggregation:
             data.append(np.frombuffer(buf, pool.dtype).reshape((-1,) + shape))
         data = repack(data, page_size, self.transfers.page_size)  # the receiver repacks to its page size
         return data, {"bytes": nbytes, "seconds": time.perf_counter() - t0, "transport": TRANSPORT}
+
+    async def release(self, src: pb.KVSource) -> None:
+        """Frees the pulled transfer on its prefill instance, once the request is admitted here (until then, a
+        refusal here, e.g. a full queue, leaves it for the gateway's retry on another decode instance)."""
+        try:
+            await self._stub(src.address).ReleaseKV(pb.ReleaseKVRequest(transfer_id=src.transfer_id), timeout=5.0,
+                                                    metadata=self._peer_metadata)
+        except grpc.RpcError as e:  # its timeout releases it
+            log.warning("ReleaseKV %s on %s: %s", src.transfer_id, src.address, e.code().name)
 
     async def import_pages(self, request, data: list[np.ndarray]) -> int:
         return await self._call(lambda: self.transfers.write(request, data))

@@ -172,6 +172,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 await self._pull_kv(kv_source, ereq, span, context.time_remaining())
             first = True
             async for out in stream:
+                if first and kv_source is not None:  # admitted and running here: the prefill side may free them
+                    await self.disagg.release(kv_source)
                 last_request = out.request
                 if out.finished:
                     final = out
