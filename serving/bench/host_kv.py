@@ -1,6 +1,11 @@
 """A short measurement of the host KV tier (issue 39): time to first token of a 241-token prompt recomputed, hit in
 the device pool and hit in the host tier, and the tier's copy bandwidth each way against numpy's memcpy, on the shipped
-tiny model (page_size 16). Run: `python -m serving.bench.host_kv` (figures: docs/engine.md)."""
+tiny model (page_size 16); `multiturn`: `serving.bench serve`'s multi-turn dataset through an instance server with and
+without the tier (TTFT, throughput, hit rates). Run: `python -m serving.bench.host_kv [multiturn]` (figures:
+docs/engine.md)."""
+import os
+import sys
+import tempfile
 import time
 
 import jax
@@ -46,11 +51,16 @@ def main() -> None:
     # bandwidth: 15-page gathers+landing and scatters, vs numpy copies of the same bytes
     n = 15
     nbytes = n * pool.page_bytes
+    def load():  # start the copy, wait for it, launch the scatter (what a host hit's load does over its steps)
+        pool._load(list(range(n)), list(range(n)))
+        pool.wait_loads(1.0)
+        assert pool.poll()
+        jax.block_until_ready(e.runner.kv_caches)
+
     for _ in range(3):
         pool._offload(list(range(n)), list(range(n)))
         pool.flush()
-        pool._load(list(range(n)), list(range(n)))
-    jax.block_until_ready(e.runner.kv_caches)
+        load()
     t = time.perf_counter()
     for _ in range(20):
         pool._offload(list(range(n)), list(range(n)))
@@ -58,8 +68,7 @@ def main() -> None:
     d2h = (time.perf_counter() - t) / 20
     t = time.perf_counter()
     for _ in range(20):
-        pool._load(list(range(n)), list(range(n)))
-        jax.block_until_ready(e.runner.kv_caches)
+        load()
     h2d = (time.perf_counter() - t) / 20
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
@@ -71,5 +80,39 @@ def main() -> None:
           f"host->device {nbytes / h2d / 1e9:.2f} GB/s, numpy memcpy {nbytes / mc / 1e9:.2f} GB/s")
 
 
+def multiturn(conversations: int = 16, turns: int = 4, history_len: int = 128, turn_len: int = 16,
+              output_len: int = 16, num_pages: int = 32, host_gb: float = 0.05, concurrency: int = 4) -> None:
+    """The multi-turn chat workload (serving.bench.serve.multiturn_requests) through one instance server per setting:
+    a `num_pages`-page device pool whose histories total several times its size, without and with a host tier."""
+    from serving.bench.serve import benchmark, multiturn_requests
+    from serving.process import ServerProcess
+    from serving.wire.client import Client
+    model = "models/tiny/target"
+    flags = ("--page_size=16", f"--num_pages={num_pages}", "--max_num_seqs=8", "--max_num_batched_tokens=256",
+             "--min_token_bucket=64")
+    root = tempfile.mkdtemp(prefix="hostkv-multiturn-")
+    for name, extra in (("device pool only", ()), ("with host tier", (f"--host_kv_cache_gb={host_gb}",))):
+        proc = ServerProcess(model, os.path.join(root, name.replace(" ", "_")), *flags, *extra).wait_ready()
+        try:
+            with Client(proc.target, timeout=60) as c:
+                info = c.model_info()
+                requests = multiturn_requests(conversations * turns, conversations, history_len, turn_len,
+                                              output_len, info.vocab_size, 0, list(info.eos_token_ids))
+                total = sum(len(r.prompt) for r in requests[-conversations:])
+                before = c.get_load()
+                r = benchmark(proc.target, requests, max_concurrency=concurrency, progress=False)
+                after = c.get_load()
+            queries = after.prefix_cache_queries - before.prefix_cache_queries
+            hits = after.prefix_cache_hits - before.prefix_cache_hits
+            host = after.host_prefix_cache_hits - before.host_prefix_cache_hits
+            print(f"{name}: {conversations} conversations x {turns} turns, last histories {total} tokens over a "
+                  f"{num_pages * 16}-token device pool (host tier {info.host_kv_cache_pages} pages): TTFT p50 "
+                  f"{r['median_ttft_ms']:.1f} ms, p99 {r['p99_ttft_ms']:.1f} ms; output "
+                  f"{r['output_throughput']:.1f} tok/s, total {r['total_token_throughput']:.1f} tok/s; prefix hits "
+                  f"{hits / queries:.1%} of prompt tokens, from the host tier {host / queries:.1%}", flush=True)
+        finally:
+            proc.terminate()
+
+
 if __name__ == "__main__":
-    main()
+    multiturn() if sys.argv[1:] == ["multiturn"] else main()
