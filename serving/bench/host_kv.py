@@ -1,8 +1,8 @@
 """A short measurement of the host KV tier (issue 39): time to first token of a 241-token prompt recomputed, hit in
 the device pool and hit in the host tier, and the tier's copy bandwidth each way against numpy's memcpy, on the shipped
 tiny model (page_size 16); `multiturn`: `serving.bench serve`'s multi-turn dataset through an instance server with and
-without the tier (TTFT, throughput, hit rates). Run: `python -m serving.bench.host_kv [multiturn]` (figures:
-docs/engine.md)."""
+without the tier (TTFT, throughput, hit rates); `preemption`: preempted sequences recomputed or brought back from the
+host tier. Run: `python -m serving.bench.host_kv [multiturn | preemption]` (figures: docs/engine.md)."""
 import os
 import sys
 import tempfile
@@ -114,5 +114,31 @@ def multiturn(conversations: int = 16, turns: int = 4, history_len: int = 128, t
             proc.terminate()
 
 
+def preemption(num_pages: int = 24, requests: int = 4, prompt_len: int = 100, max_tokens: int = 100) -> None:
+    """Preempted sequences recomputed against brought back from the host tier: `requests` greedy requests whose
+    prompts and outputs need more than the `num_pages`-page device pool together (so the scheduler preempts), the
+    same run with and without a host tier: wall time, preemptions, prompt tokens served from the host tier, and
+    whether the tokens agree."""
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 8000, prompt_len)] for _ in range(requests)]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    tokens = {}
+    for name, gb in (("recompute", 0.0), ("host tier", 0.05)):
+        llm = LLM('models/tiny/target', warmup=False, num_pages=num_pages, page_size=16, host_kv_cache_gb=gb,
+                  max_num_batched_tokens=256, max_num_seqs=requests)
+        llm.generate(prompts, sp)  # compile
+        e = llm.engine
+        s0 = dict(e.scheduler.stats(), **e.host_kv_stats())
+        t = time.perf_counter()
+        outs = llm.generate([p + [1] for p in prompts], sp)
+        wall = time.perf_counter() - t
+        s1 = dict(e.scheduler.stats(), **e.host_kv_stats())
+        tokens[name] = [o.outputs[0].token_ids for o in outs]
+        print(f"{name:9s}: {wall:6.2f} s, {s1['num_preemptions'] - s0['num_preemptions']} preemptions, prefix hits "
+              f"{s1['prefix_cache_hits'] - s0['prefix_cache_hits']} tokens (host tier "
+              f"{s1.get('host_prefix_cache_hits', 0) - s0.get('host_prefix_cache_hits', 0)})", flush=True)
+    print("same tokens:", tokens["recompute"] == tokens["host tier"])
+
+
 if __name__ == "__main__":
-    multiturn() if sys.argv[1:] == ["multiturn"] else main()
+    {"multiturn": multiturn, "preemption": preemption}.get(sys.argv[1] if sys.argv[1:] else "", main)()
