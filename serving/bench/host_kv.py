@@ -114,30 +114,40 @@ def multiturn(conversations: int = 16, turns: int = 4, history_len: int = 128, t
             proc.terminate()
 
 
-def preemption(num_pages: int = 24, requests: int = 4, prompt_len: int = 100, max_tokens: int = 100) -> None:
+def preemption(num_pages: int = 24, requests: int = 4, prompt_len: int = 100, max_tokens: int = 100,
+               rounds: int = 3) -> None:
     """Preempted sequences recomputed against brought back from the host tier: `requests` greedy requests whose
-    prompts and outputs need more than the `num_pages`-page device pool together (so the scheduler preempts), the
-    same run with and without a host tier: wall time, preemptions, prompt tokens served from the host tier, and
-    whether the tokens agree."""
+    prompts and outputs need more than the `num_pages`-page device pool together (so the scheduler preempts), on two
+    engines, without and with a host tier, alternating for `rounds` rounds of fresh prompts: wall time, preemptions,
+    prompt tokens served from the host tier, and whether the tokens agree."""
     rng = np.random.default_rng(1)
-    prompts = [[int(t) for t in rng.integers(3, 8000, prompt_len)] for _ in range(requests)]
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    tokens = {}
-    for name, gb in (("recompute", 0.0), ("host tier", 0.05)):
-        llm = LLM('models/tiny/target', warmup=False, num_pages=num_pages, page_size=16, host_kv_cache_gb=gb,
-                  max_num_batched_tokens=256, max_num_seqs=requests)
-        llm.generate(prompts, sp)  # compile
-        e = llm.engine
-        s0 = dict(e.scheduler.stats(), **e.host_kv_stats())
-        t = time.perf_counter()
-        outs = llm.generate([p + [1] for p in prompts], sp)
-        wall = time.perf_counter() - t
-        s1 = dict(e.scheduler.stats(), **e.host_kv_stats())
-        tokens[name] = [o.outputs[0].token_ids for o in outs]
-        print(f"{name:9s}: {wall:6.2f} s, {s1['num_preemptions'] - s0['num_preemptions']} preemptions, prefix hits "
-              f"{s1['prefix_cache_hits'] - s0['prefix_cache_hits']} tokens (host tier "
-              f"{s1.get('host_prefix_cache_hits', 0) - s0.get('host_prefix_cache_hits', 0)})", flush=True)
-    print("same tokens:", tokens["recompute"] == tokens["host tier"])
+    engines = {name: LLM('models/tiny/target', warmup=False, num_pages=num_pages, page_size=16, host_kv_cache_gb=gb,
+                         max_num_batched_tokens=256, max_num_seqs=requests)
+               for name, gb in (("recompute", 0.0), ("host tier", 0.05))}
+    warm = [[int(t) for t in rng.integers(3, 8000, prompt_len)] for _ in range(requests)]
+    for llm in engines.values():
+        llm.generate(warm, sp)  # compile
+    walls = {name: [] for name in engines}
+    for r in range(rounds):
+        prompts = [[int(t) for t in rng.integers(3, 8000, prompt_len)] for _ in range(requests)]
+        tokens = {}
+        for name in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+            llm = engines[name]
+            e = llm.engine
+            s0 = dict(e.scheduler.stats(), **e.host_kv_stats())
+            t = time.perf_counter()
+            outs = llm.generate(prompts, sp)
+            walls[name].append(time.perf_counter() - t)
+            s1 = dict(e.scheduler.stats(), **e.host_kv_stats())
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+            print(f"round {r} {name:9s}: {walls[name][-1]:6.2f} s, "
+                  f"{s1['num_preemptions'] - s0['num_preemptions']} preemptions, prefix hits "
+                  f"{s1['prefix_cache_hits'] - s0['prefix_cache_hits']} tokens (host tier "
+                  f"{s1.get('host_prefix_cache_hits', 0) - s0.get('host_prefix_cache_hits', 0)}), load wait "
+                  f"{s1.get('kv_offload_load_seconds', 0) - s0.get('kv_offload_load_seconds', 0):.3f} s", flush=True)
+        print("  same tokens:", tokens["recompute"] == tokens["host tier"], flush=True)
+    print({name: f"median {np.median(w):.2f} s" for name, w in walls.items()})
 
 
 if __name__ == "__main__":
