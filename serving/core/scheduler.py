@@ -492,19 +492,20 @@ class Scheduler:
             bm.acquire_cached(r, pages, prefix_ids)
             self.prefix_cache_queries += n
             self.prefix_cache_hits += cached
-            if bm.is_loading(r):
-                # The hit reaches into the host tier: r runs from the step after its pages land (no chunk now)
-                if m.first_scheduled_time is None:
-                    m.first_scheduled_time = now
-                    m.num_cached_prompt_tokens = min(cached, r.num_prompt_tokens)
-                r.status = RequestStatus.RUNNING
-                bisect.insort(self.running, r, key=self._running_key)
-                r.num_pending = 0
-                if r.group is not None:
-                    self._after_group_chunk(r)
-                return True
         else:
             bm.fork(r, donor, len(pages))
+        if bm.is_loading(r):
+            # Its hit (or the prompt pages it forked) is still coming from the host tier: r runs from the step after
+            # those pages land (no chunk now)
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                m.num_cached_prompt_tokens = min(cached, r.num_prompt_tokens)
+            r.status = RequestStatus.RUNNING
+            bisect.insort(self.running, r, key=self._running_key)
+            r.num_pending = 0
+            if r.group is not None:
+                self._after_group_chunk(r)
+            return True
         ok = bm.allocate(r, cached + chunk)
         assert ok, "pages vanished between the check and the allocation"
         if m.first_scheduled_time is None:

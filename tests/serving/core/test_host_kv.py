@@ -200,7 +200,8 @@ def test_host_load_in_flight_does_not_stall_others(llama, reference):
     """A request whose prefix hit is in the host tier waits in the loading state while its pages' copy is in flight
     (the pool holds the landed copy until released: a real copy, observable), and a running decode keeps stepping
     meanwhile; once the load lands both give the unbounded pool's tokens. A request aborted while its load is in
-    flight leaks nothing in either tier."""
+    flight leaks nothing in either tier. The samples of an n = 3 request that fork its loading prompt pages wait too,
+    then give the unbounded pool's samples."""
     llm = LLM(llama, warmup=False, num_pages=16, host_kv_cache_gb=_host_gb(64, reference), **BASE)
     engine, pool = llm.engine, llm.engine.host_kv
     sched, bm = engine.scheduler, engine.scheduler.block_manager
@@ -255,3 +256,19 @@ def test_host_load_in_flight_does_not_stall_others(llama, reference):
     assert not bm.loading and pool.loads_in_flight == 0
     bm.check_idle()
     assert _gen(llm, [a]) == _gen(reference, [a])  # the aborted request's load landed in the device prefix cache
+
+    evict_a()  # n = 3: samples 1 and 2 fork sample 0's prompt pages while they are still loading: all three wait
+    pool.hold_loads = True
+    forked = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    group = engine.make_request("a-n3", a, forked)
+    engine.add_request(group)
+    for _ in range(4):
+        engine.step()
+        sched.check_invariants()
+    assert [s.status.name for s in group.samples] == ["RUNNING"] * 3
+    assert all(bm.is_loading(s) and s.num_output_tokens == 0 for s in group.samples)
+    pool.hold_loads = False
+    engine.run_until_idle()
+    want = reference.generate([a], forked)[0].outputs
+    assert [s.output_token_ids for s in group.samples] == [o.token_ids for o in want]
+    bm.check_idle()
