@@ -4,7 +4,7 @@ throughput, TTFT / TPOT / ITL / E2E latency and goodput; several backends side b
 requests with n samples against n separate requests. Details: docs/benchmarks.md.
 
     python -m serving.bench serve --target=HOST:PORT [--backend=grpc,openai,openai-chat --base_url=http://HOST:PORT]
-        [--request_rate=8] [--dataset=random|sharegpt] [--n=K | --compare_n=K --metrics_url=URL] [...]
+        [--request_rate=8] [--dataset=random|sharegpt|multiturn] [--n=K | --compare_n=K --metrics_url=URL] [...]
 """
 from __future__ import annotations
 
@@ -47,7 +47,11 @@ _BURSTINESS = flags.DEFINE_float("burstiness", 1.0,
                                  "Gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, > 1 steadier.")
 _MAX_CONCURRENCY = flags.DEFINE_integer("max_concurrency", 0, "Requests in flight at most; 0: no cap.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 1000, "Requests to send.")
-_DATASET = flags.DEFINE_enum("dataset", "random", ["random", "sharegpt"], "Where prompts come from.")
+_DATASET = flags.DEFINE_enum("dataset", "random", ["random", "sharegpt", "multiturn"], "Where prompts come from.")
+_MULTITURN_CONVERSATIONS = flags.DEFINE_integer("multiturn_conversations", 8, "Multiturn: conversations.")
+_MULTITURN_HISTORY_LEN = flags.DEFINE_integer("multiturn_history_len", 512,
+                                              "Multiturn: tokens of a conversation's first prompt.")
+_MULTITURN_TURN_LEN = flags.DEFINE_integer("multiturn_turn_len", 32, "Multiturn: user tokens each later turn adds.")
 _DATASET_PATH = flags.DEFINE_string("dataset_path", "", "ShareGPT-format JSON file (--dataset=sharegpt).")
 _SHAREGPT_OUTPUT_LEN = flags.DEFINE_integer("sharegpt_output_len", 0,
                                             "ShareGPT: output tokens per request; 0: the reply's length.")
@@ -92,6 +96,31 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, range_rat
     for n_in, n_out in zip(in_lens, out_lens):
         ids = prefix + allowed[rng.integers(0, len(allowed), n_in)].tolist()
         out.append(SampleRequest(ids, len(ids), int(n_out)))
+    return out
+
+
+def multiturn_requests(num_prompts: int, conversations: int, history_len: int, turn_len: int, output_len: int,
+                       vocab_size: int, seed: int = 0, excluded_ids: Sequence[int] = ()) -> list[SampleRequest]:
+    """Chats: `conversations` histories of `history_len` random tokens, each turn's prompt the previous prompt plus
+    `output_len` tokens standing for the reply (random: the model's own is not known in advance) and `turn_len` new
+    user tokens; turn-major order (every conversation's turn t before any turn t + 1), each turn sent once the
+    previous turn of its conversation finished. `num_prompts` requests in all (turns = num_prompts / conversations,
+    rounded up)."""
+    if conversations < 1 or history_len < 1 or turn_len < 1 or output_len < 1:
+        raise ValueError(f"multiturn sizes must be >= 1: conversations {conversations}, history {history_len}, "
+                         f"turn {turn_len}, output {output_len}")
+    rng = np.random.default_rng(seed)
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(excluded_ids, dtype=np.int64))
+    prompts = [allowed[rng.integers(0, len(allowed), history_len)].tolist() for _ in range(conversations)]
+    out: list[SampleRequest] = []
+    while len(out) < num_prompts:
+        for c in range(conversations):
+            if len(out) == num_prompts:
+                break
+            prev = len(out) - conversations
+            if prev >= 0:
+                prompts[c] = prompts[c] + allowed[rng.integers(0, len(allowed), output_len + turn_len)].tolist()
+            out.append(SampleRequest(list(prompts[c]), len(prompts[c]), output_len, after=max(prev, -1)))
     return out
 
 
@@ -159,20 +188,27 @@ async def run_requests(backend, requests: Sequence[SampleRequest], *, offsets: S
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency > 0 else None
     bar = tqdm(total=len(requests), disable=not progress, desc=desc, unit="req")
 
-    async def one(req: SampleRequest, at: float) -> RequestOutput:
+    finished = [asyncio.Event() for _ in requests]
+
+    async def one(i: int, req: SampleRequest, at: float) -> RequestOutput:
+        if req.after >= 0:  # a conversation's next turn: once the previous one finished
+            await finished[req.after].wait()
         delay = t0 + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        if semaphore is None:
-            out = await backend.send(req, t0)
-        else:
-            async with semaphore:
+        try:
+            if semaphore is None:
                 out = await backend.send(req, t0)
+            else:
+                async with semaphore:
+                    out = await backend.send(req, t0)
+        finally:
+            finished[i].set()
         bar.update(1)
         return out
 
     t0 = time.perf_counter()
-    outputs = await asyncio.gather(*(one(r, float(at)) for r, at in zip(requests, offsets)))
+    outputs = await asyncio.gather(*(one(i, r, float(at)) for i, (r, at) in enumerate(zip(requests, offsets))))
     duration = time.perf_counter() - t0
     bar.close()
     return list(outputs), duration
@@ -539,14 +575,18 @@ def format_compare_n(r: dict) -> str:
 
 def load_requests(target: str, dataset: str, num_prompts: int, *, seed: int = 0, input_len: int = 1024,
                   output_len: int = 128, range_ratio: float = 0.0, prefix_len: int = 0, dataset_path: str = "",
-                  sharegpt_output_len: int = 0) -> list[SampleRequest]:
-    """The dataset's requests, sized for the server at `target` (its vocabulary, EOS ids, context, tokenizer)."""
+                  sharegpt_output_len: int = 0, multiturn: tuple[int, int, int] = (8, 512, 32)) -> list[SampleRequest]:
+    """The dataset's requests, sized for the server at `target` (its vocabulary, EOS ids, context, tokenizer);
+    `multiturn`: (conversations, history_len, turn_len)."""
     from serving.wire.client import Client
     with Client(target, timeout=60) as c:
         info = c.model_info()
         if dataset == "random":
             return random_requests(num_prompts, input_len, output_len, range_ratio, prefix_len, info.vocab_size,
                                    seed, list(info.eos_token_ids))
+        if dataset == "multiturn":
+            return multiturn_requests(num_prompts, *multiturn, output_len, info.vocab_size, seed,
+                                      list(info.eos_token_ids))
         if not dataset_path:
             raise ValueError("--dataset=sharegpt needs --dataset_path=FILE.json")
         if not info.has_tokenizer:
@@ -702,7 +742,9 @@ def main() -> None:
     requests = load_requests(_TARGET.value, _DATASET.value, 2 * num if k else num, seed=_SEED.value,
                              input_len=_RANDOM_INPUT_LEN.value, output_len=_RANDOM_OUTPUT_LEN.value,
                              range_ratio=_RANDOM_RANGE_RATIO.value, prefix_len=_RANDOM_PREFIX_LEN.value,
-                             dataset_path=_DATASET_PATH.value, sharegpt_output_len=_SHAREGPT_OUTPUT_LEN.value)
+                             dataset_path=_DATASET_PATH.value, sharegpt_output_len=_SHAREGPT_OUTPUT_LEN.value,
+                             multiturn=(_MULTITURN_CONVERSATIONS.value, _MULTITURN_HISTORY_LEN.value,
+                                        _MULTITURN_TURN_LEN.value))
     where = ", ".join(f"{b} at {_TARGET.value if b == 'grpc' else _BASE_URL.value}" for b in backends)
     print(f"{num} requests through {where}: rate {_REQUEST_RATE.value}, burstiness {_BURSTINESS.value}, max "
           f"concurrency {_MAX_CONCURRENCY.value or 'none'}", flush=True)

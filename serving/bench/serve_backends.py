@@ -17,6 +17,7 @@ class SampleRequest:
     prompt_len: int
     output_len: int
     prompt_text: str = ""  # random prompts' token ids as text, for chat (OpenAIBackend.prepare fills it)
+    after: int = -1  # multi-turn: the index of the request (its previous turn) that must finish before it is sent
 
 
 @dataclasses.dataclass(slots=True)

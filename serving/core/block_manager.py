@@ -128,8 +128,15 @@ class BlockManager:
         self._next_prefix_id = itertools.count(ROOT_PREFIX_ID + 1)
         # The host tier under the prefix cache (None: off): an evicted cached block moves there instead of vanishing
         self.host = HostTier(host_pages) if host_pages and enable_prefix_caching else None
-        # KV events (None: off): ("stored", prefix id, parent id | None, tokens, medium), ("removed", id, medium)
+        # Device pages whose host -> device load is in flight: each holds one extra reference (the load's) until the
+        # engine's copy lands (`loaded`), so it is never evicted, freed or reused under the copy; a holder of such a
+        # page is loading (`is_loading`): the scheduler runs none of its steps yet
+        self.loading: set[int] = set()
+        # KV events (None: off): ("stored", hash, parent hash | None, tokens, medium), ("removed", hash, medium),
+        # ("cleared",); a block's hash is its prefix id unless `use_block_hasher` set vLLM's
         self.events: list[tuple] | None = None
+        self._hasher = None  # (parent digest | None, tokens, extra keys) -> digest; None: prefix ids name blocks
+        self._digests: dict[int, bytes] = {}  # prefix id -> its digest while a tier holds the block
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -173,6 +180,11 @@ class BlockManager:
             pages.append(page)
             ids.append(parent)
         return pages, ids
+
+    def is_loading(self, holder) -> bool:
+        """Whether `holder` holds a page whose load from the host tier has not landed (it must not step yet)."""
+        loading = self.loading
+        return bool(loading) and any(p in loading for p in holder.block_table)
 
     def num_idle_among(self, pages: Iterable[int]) -> int:
         """How many of `pages` are idle cached pages (taking them shrinks num_free_pages)."""
@@ -221,21 +233,29 @@ class BlockManager:
         prefix cache; the device hits are already held. The caller checked that enough device pages are free."""
         host = self.host
         taken = {p: host.take(-1 - p) for p in pages if p < 0}  # out of the host LRU first: evictions spare them
+        # Device pages for them first (evictions queue their offloads), then the loads: one batch of each
+        targets = {p: self.free_pages.pop() if self.free_pages else self._evict_lru() for p in taken}
         out = []
         for p in pages:
             if p >= 0:
                 out.append(p)
                 continue
             key, prefix_id = taken[p]
-            if self.events is not None:
-                self.events.append(("removed", prefix_id, HOST_MEDIUM))
-            page = self.free_pages.pop() if self.free_pages else self._evict_lru()
-            self.ref_counts[page] = 1
+            self._removed(prefix_id, HOST_MEDIUM, gone=False)
+            page = targets[p]
+            self.ref_counts[page] = 2  # the request's and the load's (until `loaded`)
+            self.loading.add(page)
             self.cache[key], self.page_key[page], self.page_prefix_id[page] = page, key, prefix_id
             host.load(-1 - p, page)
             self._stored(key, prefix_id, DEVICE_MEDIUM)
             out.append(page)
         return out
+
+    def loaded(self, pages: Iterable[int]) -> None:
+        """The engine's loads into `pages` landed (or were dropped with a lost cache): the loads' references go."""
+        pages = list(pages)
+        self.loading.difference_update(pages)
+        self._release(pages)
 
     def fork(self, holder, source, num_pages: int) -> None:
         """Shares the first `num_pages` pages of `source`'s block table with `holder` (an empty Request, or a
@@ -309,19 +329,45 @@ class BlockManager:
         del self.cache[key]
         self.page_key[page] = None
         prefix_id = self.page_prefix_id[page]
-        if self.events is not None:
-            self.events.append(("removed", prefix_id, DEVICE_MEDIUM))
+        self._removed(prefix_id, DEVICE_MEDIUM, gone=self.host is None)
         if self.host is not None:
             dropped = self.host.store(key, prefix_id, page)
-            if self.events is not None:
-                if dropped is not None:
-                    self.events.append(("removed", dropped, HOST_MEDIUM))
-                self._stored(key, prefix_id, HOST_MEDIUM)
+            if dropped is not None:
+                self._removed(dropped, HOST_MEDIUM, gone=True)
+            self._stored(key, prefix_id, HOST_MEDIUM)
         return page
 
+    def use_block_hasher(self, hasher) -> None:
+        """Names blocks in the events by `hasher`'s chain digests (serving.core.block_hash: vLLM's), computed once per
+        block as it is first cached, as 64-bit integers."""
+        self._hasher = hasher
+
+    def _hash(self, prefix_id) -> int | None:
+        """The events' name of block `prefix_id` (None: a root, not a block)."""
+        if not isinstance(prefix_id, int) or prefix_id <= ROOT_PREFIX_ID:
+            return None
+        if self._hasher is None:
+            return prefix_id
+        from serving.core.block_hash import external_hash
+        return external_hash(self._digests[prefix_id])
+
     def _stored(self, key: tuple, prefix_id: int, medium: str) -> None:
+        if self.events is None:
+            return
+        parent = key[0]
+        if self._hasher is not None and prefix_id not in self._digests:
+            root = not isinstance(parent, int) or parent <= ROOT_PREFIX_ID
+            salt = parent[1] if isinstance(parent, tuple) else ""
+            self._digests[prefix_id] = self._hasher(None if root else self._digests[parent], key[1],
+                                                    (salt,) if root and salt else None)
+        self.events.append(("stored", self._hash(prefix_id), self._hash(parent), key[1], medium))
+
+    def _removed(self, prefix_id: int, medium: str, gone: bool) -> None:
+        """A removed event; `gone`: the block left both tiers (its digest goes)."""
         if self.events is not None:
-            self.events.append(("stored", prefix_id, key[0] if key[0] != ROOT_PREFIX_ID else None, key[1], medium))
+            self.events.append(("removed", self._hash(prefix_id), medium))
+            if gone:
+                self._digests.pop(prefix_id, None)
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks whose K/V is computed (call after the step that wrote them)."""
@@ -395,10 +441,10 @@ class BlockManager:
 
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block (e.g. after new weights are loaded). Returns how many were dropped."""
+        events, self.events = self.events, None if self.events is None else []
         n = len(self.evictable)
         for page in self.evictable:
-            if self.events is not None:
-                self.events.append(("removed", self.page_prefix_id[page], DEVICE_MEDIUM))
+            self._removed(self.page_prefix_id[page], DEVICE_MEDIUM, gone=True)
             del self.cache[self.page_key[page]]
             self.page_key[page] = None
             self.free_pages.append(page)
@@ -406,8 +452,13 @@ class BlockManager:
         if self.host is not None:
             gone = self.host.reset()
             n += len(gone)
-            if self.events is not None:
-                self.events += [("removed", i, HOST_MEDIUM) for i in gone]
+            for i in gone:
+                self._removed(i, HOST_MEDIUM, gone=True)
+        if events is not None:
+            # Nothing left in either tier (no request holds a cached block): vLLM's AllBlocksCleared says it at once
+            empty = not self.cache and (self.host is None or not self.host.cache)
+            events += [("cleared",)] if empty else self.events
+            self.events = events
         return n
 
     # ---- invariants (tests) --------------------------------------------------------------------------------
@@ -420,6 +471,8 @@ class BlockManager:
             assert len(r.block_table) * self.page_size >= r.num_computed_tokens, f"{r} computed beyond its pages"
             for p in r.block_table:
                 counts[p] += 1
+        for p in self.loading:  # a load in flight holds its page
+            counts[p] += 1
         assert counts == self.ref_counts, "reference counts disagree with block tables"
         free, idle = set(self.free_pages), set(self.evictable)
         assert len(free) == len(self.free_pages), "free list holds a page twice"

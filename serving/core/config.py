@@ -81,6 +81,11 @@ class EngineConfig:
         "only unless --kv_events_allow_remote (the events carry prompt token ids).")
     kv_events_replay_endpoint: str = option(
         "", "ZMQ ROUTER bind address replaying recent event batches from a sequence number (vLLM's replay socket).")
+    kv_events_block_hash: str = option(
+        "id", "How the KV events name a block: id (this instance's block id; enough for a router that matches the "
+        "events' token ids, e.g. Dynamo's or the gateway's) or vllm (vLLM's sha256_cbor chain hash as a 64-bit "
+        "integer, seeded by $PYTHONHASHSEED or vLLM's default: for llm-d's precise-prefix-cache scorer, which "
+        "computes vLLM's hashes from the prompt).")
     kv_events_allow_remote: bool = option(
         False, "Let the KV-event sockets bind a non-loopback address (a trusted network only: no authentication).")
     max_waiting_requests: int = option(1024, "Queue bound in requests (RESOURCE_EXHAUSTED beyond it).")
@@ -149,6 +154,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.host_kv_cache_gb < 0:
             raise ValueError(f"EngineConfig.host_kv_cache_gb must be >= 0 (0 = off), got {self.host_kv_cache_gb}")
+        if self.kv_events_block_hash not in ("id", "vllm"):
+            raise ValueError(f"kv_events_block_hash must be 'id' or 'vllm', got {self.kv_events_block_hash!r}")
         if self.kv_events_endpoint and self.dp > 1:
             raise ValueError(f"kv_events_endpoint={self.kv_events_endpoint!r} with dp={self.dp}: one KV-event stream "
                              f"per instance needs dp == 1 (each replica would bind it) in this version")

@@ -119,6 +119,9 @@ class Engine:
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_replay_endpoint,
                                               allow_remote=config.kv_events_allow_remote)
             self.scheduler.block_manager.events = []
+            if config.kv_events_block_hash == "vllm":
+                from serving.core.block_hash import vllm_block_hasher
+                self.scheduler.block_manager.use_block_hasher(vllm_block_hasher())
             log.info("KV events on %s (replay: %s)", self.kv_events.endpoint,
                      self.kv_events.replay_endpoint or "off")
         self.outputs = OutputProcessor(
@@ -203,7 +206,8 @@ class Engine:
         return dict(host_prefix_cache_hits=host.hit_blocks * self.config.page_size,
                     kv_offload_pages_to_host=host.offloaded_pages, kv_offload_pages_to_device=host.loaded_pages,
                     kv_offload_bytes_to_host=pool.bytes_to_host, kv_offload_bytes_to_device=pool.bytes_to_device,
-                    kv_offload_load_wait_seconds=pool.load_wait_s, host_kv_cache_dropped_blocks=host.dropped_blocks,
+                    kv_offload_load_wait_seconds=pool.load_wait_s, kv_offload_load_seconds=pool.load_time_s,
+                    host_kv_cache_dropped_blocks=host.dropped_blocks,
                     host_kv_cache_usage=host.num_used / host.num_slots, host_kv_cache_pages=host.num_slots,
                     host_kv_cache_bytes=pool.nbytes)
 
@@ -372,6 +376,8 @@ class Engine:
                 # The scheduler needs step N-1's tokens to plan step N (decode inputs, stop checks).
                 results = self._collect(self._pending)
                 self._pending = None
+        if self.host_kv is not None:  # host-tier loads that landed: their requests may step from this one on
+            self.scheduler.block_manager.loaded(self.host_kv.poll())
         sched = self.scheduler.schedule()
         self._run_host_copies()
         if sched.scheduled:
@@ -389,6 +395,8 @@ class Engine:
             events.clear()
         if not sched.scheduled and self._pending is None and self.lora is not None and self.lora.loading:
             self.lora.wait(0.05)  # only adapter loads are under way: no busy loop while the host reads them
+        if not sched.scheduled and self._pending is None and self.host_kv is not None:
+            self.host_kv.wait_loads(0.01)  # only host-tier loads are under way: wait for one, not a busy loop
         return outputs
 
     def _run_host_copies(self) -> None:
@@ -528,10 +536,11 @@ class Engine:
                                                    stop_reason=f"{type(error).__name__}: {error}"):
                 outputs.append(self.outputs.final(out))
         if lost:
-            self.scheduler.block_manager.reset_prefix_cache()  # cached blocks pointed into the lost pages
+            bm = self.scheduler.block_manager
             if self.host_kv is not None:
-                self.host_kv.reset()
-                self.scheduler.block_manager.host.ops.clear()
+                bm.loaded(self.host_kv.reset())  # loads in flight are dropped with their pages' cache entries
+                bm.host.ops.clear()
+            bm.reset_prefix_cache()  # cached blocks pointed into the lost pages
         return outputs
 
     def run_until_idle(self, on_output: Callable[[StepOutput], None] | None = None) -> None:

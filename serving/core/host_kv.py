@@ -44,10 +44,21 @@ class _Offload:
     slots: list[int]
 
 
+@dataclasses.dataclass(slots=True)
+class _Load:
+    """A host -> device copy under way: scattered into `pages` (padded index `idx`) once `data` is on the device."""
+    data: list  # per leaf, [bucket, ...] jax arrays being transferred
+    idx: np.ndarray
+    pages: list[int]
+    start: float  # time.perf_counter() when it was started
+
+
 class HostKVPool:
     """The host tier's pages ([num_slots, page_size, rows, row_dim] numpy per cache leaf) and its transfers. Plain
     numpy on every platform in this cut: on CPU the device cache is host memory too, so a transfer is a memcpy; an
-    accelerator's D2H copy runs asynchronously (`copy_to_host_async`) and lands at a later step."""
+    accelerator's D2H copy runs asynchronously (`copy_to_host_async`) and lands at a later step, and an H2D copy
+    (`device_put`) likewise: its scatter into the cache is launched only once the data is on the device (`poll`), so
+    no step queues behind a load it does not read."""
 
     def __init__(self, runner, num_slots: int, max_pages_per_step: int):
         self.runner = runner
@@ -62,8 +73,11 @@ class HostKVPool:
         self._gather = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves])
         self._scatters: dict[tuple, object] = {}  # per cache layout: the pages leave as they came (no recompile)
         self._inflight: collections.deque[_Offload] = collections.deque()
+        self._loads: collections.deque[_Load] = collections.deque()
         self.bytes_to_host = self.bytes_to_device = 0
         self.load_wait_s = 0.0  # the step thread's time blocked on copies a load needed
+        self.load_time_s = 0.0  # loads' time from start to landing (what their requests waited, summed per load)
+        self.hold_loads = False  # tests: a load whose copy finished still waits (makes a load in flight observable)
 
     # ---- programs
     def _bucket(self, n: int) -> int:
@@ -75,7 +89,7 @@ class HostKVPool:
         for b in self.buckets:
             self._launch_gather([0] * b, b)
             self._launch_scatter(np.full(b, self.num_device_pages, np.int32),
-                                 [np.zeros((b,) + p.shape[1:], p.dtype) for p in self.pages])
+                                 self._to_device([np.zeros((b,) + p.shape[1:], p.dtype) for p in self.pages]))
         self.flush()
         return 2 * len(self.buckets)
 
@@ -103,7 +117,11 @@ class HostKVPool:
         """Gather and scatter programs compiled so far (tests: none on the serving path)."""
         return self._gather._cache_size() + sum(f._cache_size() for f in self._scatters.values())
 
-    def _launch_scatter(self, idx: np.ndarray, data: list[np.ndarray]) -> None:
+    def _to_device(self, data: list[np.ndarray]) -> list:
+        """Starts the host -> device copy of a load's pages, each leaf laid out (sharded) like its cache leaf."""
+        return [jax.device_put(d, leaf.sharding) for d, leaf in zip(data, jax.tree.leaves(self.runner.kv_caches))]
+
+    def _launch_scatter(self, idx: np.ndarray, data: list) -> None:
         r = self.runner
         leaves = jax.tree.leaves(r.kv_caches)
         with mesh_context(r.mesh), tracing_for(r.platform):
@@ -130,9 +148,9 @@ class HostKVPool:
 
     # ---- the block manager's queued copies
     def run(self, ops: list[tuple[str, int, int]]) -> None:
-        """Runs the copies `HostTier.ops` queued, in order, before the step that needs them is launched: offloads
-        gather their pages into staging now (the device runs them before that step overwrites the pages) and copy
-        to the host asynchronously; loads scatter host slots into device pages."""
+        """Runs the copies `HostTier.ops` queued, in order, before the next step is launched: offloads gather their
+        pages into staging now (the device runs them before that step overwrites the pages) and copy to the host
+        asynchronously; loads start copying host slots to the device (`poll` lands them in their pages)."""
         i = 0
         while i < len(ops):
             kind = ops[i][0]
@@ -168,8 +186,35 @@ class HostKVPool:
             d = np.zeros((b,) + pool.shape[1:], pool.dtype)
             d[:len(slots)] = pool[slots]  # a copy: the slots may take new blocks before the scatter runs
             data.append(d)
-        self._launch_scatter(idx, data)
+        self._loads.append(_Load(self._to_device(data), idx, list(pages), time.perf_counter()))
         self.bytes_to_device += len(pages) * self.page_bytes
+
+    @property
+    def loads_in_flight(self) -> int:
+        return len(self._loads)
+
+    def poll(self) -> list[int]:
+        """Launches the scatter of every load whose data is on the device (in order); returns their pages (the
+        block manager's `loaded`). Call on the step thread (the cache is donated to each step)."""
+        done: list[int] = []
+        while self._loads and not self.hold_loads and all(a.is_ready() for a in self._loads[0].data):
+            load = self._loads.popleft()
+            self._launch_scatter(load.idx, load.data)
+            self.load_time_s += time.perf_counter() - load.start
+            done += load.pages
+        return done
+
+    def wait_loads(self, timeout_s: float) -> None:
+        """When no step can run until a load lands: blocks on the oldest load's copy (at most `timeout_s` while
+        loads are held)."""
+        if not self._loads:
+            return
+        if self.hold_loads:
+            time.sleep(timeout_s)
+            return
+        t0 = time.perf_counter()
+        jax.block_until_ready(self._loads[0].data)
+        self.load_wait_s += time.perf_counter() - t0
 
     def land(self, block: bool) -> None:
         """Writes finished device -> host copies into their slots, oldest first (a slot may be reused: order
@@ -186,9 +231,13 @@ class HostKVPool:
     def flush(self) -> None:
         self.land(block=True)
 
-    def reset(self) -> None:
-        """Drops copies in flight (after the device cache was lost: the books were reset with it)."""
+    def reset(self) -> list[int]:
+        """Drops copies in flight (after the device cache was lost); returns the pages of the loads dropped (the
+        block manager's `loaded` releases them)."""
         self._inflight.clear()
+        pages = [p for load in self._loads for p in load.pages]
+        self._loads.clear()
+        return pages
 
     @property
     def nbytes(self) -> int:

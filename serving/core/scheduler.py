@@ -250,9 +250,13 @@ class Scheduler:
         # 1. Running decodes, in rank order; a missing page preempts from the tail (lowest priority, newest).
         prefills: list[Request] = []
         slides = self.block_manager.slides  # sliding-window pages die as requests advance (hybrid KV cache)
+        is_loading = self.block_manager.is_loading
         i = 0
         while i < len(running):
             r = running[i]
+            if is_loading(r):  # its prefix-cache hit is still coming from the host tier: it waits, others step
+                i += 1
+                continue
             pos, n = r.num_computed_tokens, len(r.token_ids)
             if r.num_pending:  # its next input is the token of the step in flight
                 if r.num_pending > 1 or n + 1 >= r.max_num_tokens:
@@ -484,15 +488,27 @@ class Scheduler:
         self._dequeue(r)
         if r.adapter is not None:
             self.adapters.pin(r)
+        m = r.metrics
         if donor is None:
             bm.acquire_cached(r, pages, prefix_ids)
             self.prefix_cache_queries += n
             self.prefix_cache_hits += cached
         else:
             bm.fork(r, donor, len(pages))
+        if bm.is_loading(r):
+            # Its hit (or the prompt pages it forked) is still coming from the host tier: r runs from the step after
+            # those pages land (no chunk now)
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+                m.num_cached_prompt_tokens = min(cached, r.num_prompt_tokens)
+            r.status = RequestStatus.RUNNING
+            bisect.insort(self.running, r, key=self._running_key)
+            r.num_pending = 0
+            if r.group is not None:
+                self._after_group_chunk(r)
+            return True
         ok = bm.allocate(r, cached + chunk)
         assert ok, "pages vanished between the check and the allocation"
-        m = r.metrics
         if m.first_scheduled_time is None:
             m.first_scheduled_time = now
             m.num_cached_prompt_tokens = min(cached, r.num_prompt_tokens)

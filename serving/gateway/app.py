@@ -61,6 +61,7 @@ class Prepared:
     client_request_id: str = ""  # the id the client sent (or the gateway made): what its responses carry
     tokens: int = 0  # prompt + max_tokens x n: what it counts against the tenant's token rate limit
     adapter: str = ""  # the LoRA adapter it names ("": the base model): routed to an instance holding it
+    prompt_ids: list[int] | None = None  # its token ids when the gateway knows them (KV-event affinity)
 
 
 def instance_request_id(tenant: str, client_id: str) -> str:
@@ -329,7 +330,21 @@ class Gateway:
         blocks = prompt_blocks(req, cfg.routing.prefix_block_chars) if cfg.routing.policy == "load_aware" else []
         tokens = prompt_tokens + (sampling.max_tokens or 0) * sampling.n
         return Prepared(req, req.tenant, cls, long, tenant.pools if tenant is not None else (), blocks, client_id,
-                        tokens, adapter)
+                        tokens, adapter, list(ids) if ids is not None else None)
+
+    def _held(self, p: Prepared, instances) -> dict[str, float] | None:
+        """Per instance whose KV events the gateway follows (load-aware routing, a token prompt): the fraction of
+        the prompt's leading blocks it holds in any KV tier."""
+        if p.prompt_ids is None or self.config.routing.policy != "load_aware":
+            return None
+        held, keys = {}, {}
+        for inst in instances:
+            index = inst.kv_index
+            if index is not None and index.block_size:
+                if index.block_size not in keys:
+                    keys[index.block_size] = index.prompt_keys(p.prompt_ids)
+                held[inst.name] = index.match(keys[index.block_size])
+        return held
 
     def adapters(self) -> list[str]:
         """The LoRA adapters some instance serves (by their load reports), sorted."""
@@ -407,7 +422,7 @@ class Gateway:
                 views = adapter_candidates(views, p.adapter)
                 if not views:
                     continue
-            chosen = self.router.choose(views, p.blocks)
+            chosen = self.router.choose(views, p.blocks, self._held(p, free))
             inst = by_name[chosen.name]
             self.router.record(p.blocks, inst.name)
             inst.inflight += 1

@@ -41,6 +41,9 @@ class InstanceConfig:
     pool: str
     long_lane: bool = False
     labels: tuple[tuple[str, str], ...] = ()
+    # Its KV-event stream, which then feeds its prefix affinity: "auto" (the endpoint its ModelInfo reports), a ZMQ
+    # address (tcp://host:port, ipc://path), or "" (off: the gateway's guess from where it sent prompts)
+    kv_events: str = ""
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -270,6 +273,10 @@ def parse_config(raw: Any) -> GatewayConfig:
                 raise ConfigError(f"{path}.name: instance {ic.name!r} is defined twice")
             if not re.match(r"^[^\s:]+:\d+$", ic.target or ""):
                 raise ConfigError(f"{path}.target: expected host:port, got {ic.target!r}")
+            if ic.kv_events and ic.kv_events != "auto" and not re.match(r"^(tcp://[^\s:]+:\d+|ipc://\S+)$",
+                                                                         ic.kv_events):
+                raise ConfigError(f"{path}.kv_events: expected auto, tcp://host:port or ipc://path, got "
+                                  f"{ic.kv_events!r}")
             if ic.target in targets:
                 raise ConfigError(f"{path}.target: {ic.target} is listed twice")
             names.add(ic.name)

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.auth import KeyFile
 from serving.gateway.config import GatewayConfig, InstanceConfig
+from serving.gateway.kv_index import KVEventIndex, subscribe
 from serving.gateway.routing import InstanceView
 from serving.gateway.security import instance_channel_credentials
 from serving.wire import meshserve_pb2 as pb
@@ -48,6 +49,15 @@ class Instance:
         self.watch_task: asyncio.Task | None = None
         self.removed = False
         self.model_info: pb.ModelInfoResponse | None = None
+        self.kv_index: KVEventIndex | None = None  # from its KV events (config.kv_events), once subscribed
+        self.kv_task: asyncio.Task | None = None
+
+    def kv_events_endpoint(self) -> str:
+        """The KV-event stream to subscribe to ("" when off, or "auto" and its ModelInfo names none)."""
+        endpoint = self.config.kv_events
+        if endpoint == "auto":
+            return self.model_info.kv_events_endpoint if self.model_info is not None else ""
+        return endpoint
 
     def metadata(self, extra=()) -> list[tuple[str, str]]:
         """Metadata for a call to this instance: `extra` and the instance key (which the file may have rotated)."""
@@ -122,8 +132,9 @@ class InstancePools:
                 added.append(inst)
         for inst in removed:
             inst.removed = True
-            if inst.watch_task is not None:
-                inst.watch_task.cancel()
+            for task in (inst.watch_task, inst.kv_task):
+                if task is not None:
+                    task.cancel()
             asyncio.ensure_future(self._close_when_idle(inst))
         self.pools = config.pools
         return added, removed
@@ -138,8 +149,9 @@ class InstancePools:
 
     async def close(self) -> None:
         for inst in self.instances.values():
-            if inst.watch_task is not None:
-                inst.watch_task.cancel()
+            for task in (inst.watch_task, inst.kv_task):
+                if task is not None:
+                    task.cancel()
         await asyncio.gather(*(i.channel.close() for i in self.instances.values()), return_exceptions=True)
 
     async def _watch(self, inst: Instance) -> None:
@@ -151,6 +163,10 @@ class InstancePools:
                 if inst.model_info is None:
                     inst.model_info = await inst.stub.ModelInfo(pb.ModelInfoRequest(), timeout=5.0,
                                                                 metadata=inst.metadata())
+                endpoint = inst.kv_events_endpoint()
+                if endpoint and inst.kv_task is None:
+                    inst.kv_index = KVEventIndex()
+                    inst.kv_task = asyncio.ensure_future(subscribe(endpoint, inst.kv_index, lambda: inst.removed))
                 call = inst.stub.WatchLoad(pb.WatchLoadRequest(interval_ms=self._interval_ms),
                                            metadata=inst.metadata())
                 async for report in call:

@@ -164,7 +164,10 @@ class Router:
             self.prefix_index.max_entries = config.prefix_index_size
         self.config = config
 
-    def choose(self, candidates: Sequence[InstanceView], blocks: Sequence[bytes] = ()) -> InstanceView | None:
+    def choose(self, candidates: Sequence[InstanceView], blocks: Sequence[bytes] = (),
+               held: dict[str, float] | None = None) -> InstanceView | None:
+        """`held`: per instance whose KV events the gateway follows, the fraction of the prompt's blocks it holds
+        (replaces the guess from `blocks` there)."""
         if not candidates:
             return None
         policy = self.config.policy
@@ -177,6 +180,8 @@ class Router:
             rotated = ordered[start:] + ordered[:start]
             return min(rotated, key=lambda v: v.inflight)
         affinity = self.prefix_index.affinity(blocks)
+        if held:
+            affinity.update(held)
         scores = load_scores(candidates, self.config.weights, self.config.stale_after_s, affinity)
         self.last_scores.update(scores)
         ordered = sorted(candidates, key=lambda v: v.name)

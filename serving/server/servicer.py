@@ -333,7 +333,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             quantization=e.model_config.quantization or "none", kv_cache_dtype=c.kv_cache_dtype_name,
             lora_adapters=[lora_message(a) for a in e.list_adapters()], max_loras=c.max_loras if c.enable_lora else 0,
             role=self.disagg.role if self.disagg is not None else "both",
-            kv_transport=TRANSPORT if self.disagg is not None else "")
+            kv_transport=TRANSPORT if self.disagg is not None else "",
+            **host_kv_info(e))
 
     async def load_report(self, check_invariants: bool = False) -> pb.LoadReport:
         def snapshot(engine):
@@ -347,7 +348,7 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 except AssertionError as exc:
                     error = f"AssertionError: {exc}"
             bm = s.block_manager
-            return s.stats(), bm.num_pages, bm.num_free_pages, error, lora_load(engine)
+            return s.stats(), bm.num_pages, bm.num_free_pages, error, {**lora_load(engine), **host_kv_load(engine)}
         try:
             stats, total, free, error, lora = await asyncio.wrap_future(self.aengine.call(snapshot))
         except EngineDeadError as e:
@@ -454,6 +455,27 @@ def lora_message(info: dict) -> pb.LoRAAdapter:
     slots = info.get("slots", [info.get("slot")])
     return pb.LoRAAdapter(name=info["name"], path=info["path"], rank=info["rank"],
                           target_modules=info["target_modules"], resident=any(s is not None for s in slots))
+
+
+def host_kv_info(engine) -> dict:
+    """ModelInfo's host KV tier fields (its pages and bytes; none when the tier is off) and the KV-event endpoint."""
+    events = getattr(engine, "kv_events", None)
+    out = dict(kv_events_endpoint=events.endpoint) if events is not None else {}
+    stats = getattr(engine, "host_kv_stats", dict)()
+    if not stats:
+        return out
+    return dict(out, host_kv_cache_pages=int(stats["host_kv_cache_pages"]),
+                host_kv_cache_bytes=int(stats["host_kv_cache_bytes"]))
+
+
+def host_kv_load(engine) -> dict:
+    """The LoadReport's host KV tier fields (on the engine thread): pages, pages in use, host-tier hits in tokens."""
+    stats = getattr(engine, "host_kv_stats", dict)()
+    if not stats:
+        return {}
+    pages = int(stats["host_kv_cache_pages"])
+    return dict(host_kv_pages_total=pages, host_kv_pages_used=round(stats["host_kv_cache_usage"] * pages),
+                host_prefix_cache_hits=int(stats["host_prefix_cache_hits"]))
 
 
 def lora_load(engine) -> dict:

@@ -41,7 +41,10 @@ HOST_KV_COUNTERS = {
     "kv_offload_pages_to_device": "KV pages copied host -> device (host-tier prefix hits).",
     "kv_offload_bytes_to_host": "Bytes copied device -> host by the host KV tier.",
     "kv_offload_bytes_to_device": "Bytes copied host -> device by the host KV tier.",
-    "kv_offload_load_wait_seconds": "Step-thread time blocked on a device -> host copy a load needed first.",
+    "kv_offload_load_wait_seconds": "Step-thread time blocked on host-tier copies (an offload a load reads, or a "
+                                    "load when nothing else can step).",
+    "kv_offload_load_seconds": "Host -> device loads' time from start until their pages landed (requests wait "
+                               "meanwhile in the loading state; summed per load).",
     "host_kv_cache_dropped_blocks": "Cached blocks the host tier's LRU dropped (gone from both tiers).",
 }
 

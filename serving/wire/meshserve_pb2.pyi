@@ -317,7 +317,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port", "reasoning_parser", "tool_call_parser", "quantization", "kv_cache_dtype", "lora_adapters", "max_loras", "role", "kv_transport")
+    __slots__ = ("model", "architecture", "vocab_size", "max_model_len", "eos_token_ids", "dtype", "has_tokenizer", "has_chat_template", "page_size", "num_pages", "max_num_seqs", "max_num_batched_tokens", "token_buckets", "compile_count", "compile_time_s", "devices", "instance_id", "max_waiting_requests", "max_waiting_tokens", "max_request_bytes", "served_model_name", "http_port", "reasoning_parser", "tool_call_parser", "quantization", "kv_cache_dtype", "lora_adapters", "max_loras", "role", "kv_transport", "host_kv_cache_pages", "host_kv_cache_bytes", "kv_events_endpoint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -348,6 +348,9 @@ class ModelInfoResponse(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_CACHE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     architecture: str
     vocab_size: int
@@ -378,7 +381,10 @@ class ModelInfoResponse(_message.Message):
     max_loras: int
     role: str
     kv_transport: str
-    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., role: _Optional[str] = ..., kv_transport: _Optional[str] = ...) -> None: ...
+    host_kv_cache_pages: int
+    host_kv_cache_bytes: int
+    kv_events_endpoint: str
+    def __init__(self, model: _Optional[str] = ..., architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., has_tokenizer: _Optional[bool] = ..., has_chat_template: _Optional[bool] = ..., page_size: _Optional[int] = ..., num_pages: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., token_buckets: _Optional[_Iterable[int]] = ..., compile_count: _Optional[int] = ..., compile_time_s: _Optional[float] = ..., devices: _Optional[_Iterable[str]] = ..., instance_id: _Optional[str] = ..., max_waiting_requests: _Optional[int] = ..., max_waiting_tokens: _Optional[int] = ..., max_request_bytes: _Optional[int] = ..., served_model_name: _Optional[str] = ..., http_port: _Optional[int] = ..., reasoning_parser: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., quantization: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[LoRAAdapter, _Mapping]]] = ..., max_loras: _Optional[int] = ..., role: _Optional[str] = ..., kv_transport: _Optional[str] = ..., host_kv_cache_pages: _Optional[int] = ..., host_kv_cache_bytes: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path", "rank", "target_modules", "resident")
@@ -437,7 +443,7 @@ class DeviceStepTime(_message.Message):
     def __init__(self, device: _Optional[str] = ..., step_time_s: _Optional[float] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "timestamp", "num_waiting", "num_running", "num_waiting_tokens", "kv_pages_total", "kv_pages_free", "kv_cache_usage", "tokens_per_s", "generation_tokens_per_s", "step_time_p50_s", "step_time_p99_s", "device_step_times", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "serving", "max_num_seqs", "max_waiting_requests", "steps", "invariant_error", "lora_adapters", "lora_resident", "max_loras", "lora_running", "lora_waiting")
+    __slots__ = ("instance_id", "timestamp", "num_waiting", "num_running", "num_waiting_tokens", "kv_pages_total", "kv_pages_free", "kv_cache_usage", "tokens_per_s", "generation_tokens_per_s", "step_time_p50_s", "step_time_p99_s", "device_step_times", "prefix_cache_hit_rate", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "draining", "serving", "max_num_seqs", "max_waiting_requests", "steps", "invariant_error", "lora_adapters", "lora_resident", "max_loras", "lora_running", "lora_waiting", "host_kv_pages_total", "host_kv_pages_used", "host_prefix_cache_hits")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +472,9 @@ class LoadReport(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_RUNNING_FIELD_NUMBER: _ClassVar[int]
     LORA_WAITING_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    HOST_KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     timestamp: float
     num_waiting: int
@@ -494,7 +503,10 @@ class LoadReport(_message.Message):
     max_loras: int
     lora_running: _containers.RepeatedScalarFieldContainer[str]
     lora_waiting: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., device_step_times: _Optional[_Iterable[_Union[DeviceStepTime, _Mapping]]] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., invariant_error: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_resident: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_kv_pages_total: int
+    host_kv_pages_used: int
+    host_prefix_cache_hits: int
+    def __init__(self, instance_id: _Optional[str] = ..., timestamp: _Optional[float] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting_tokens: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_pages_free: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., generation_tokens_per_s: _Optional[float] = ..., step_time_p50_s: _Optional[float] = ..., step_time_p99_s: _Optional[float] = ..., device_step_times: _Optional[_Iterable[_Union[DeviceStepTime, _Mapping]]] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., draining: _Optional[bool] = ..., serving: _Optional[bool] = ..., max_num_seqs: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., steps: _Optional[int] = ..., invariant_error: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[str]] = ..., lora_resident: _Optional[_Iterable[str]] = ..., max_loras: _Optional[int] = ..., lora_running: _Optional[_Iterable[str]] = ..., lora_waiting: _Optional[_Iterable[str]] = ..., host_kv_pages_total: _Optional[int] = ..., host_kv_pages_used: _Optional[int] = ..., host_prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("resume",)

@@ -37,6 +37,22 @@ def test_random_requests_lengths_and_shared_prefix():
         serve.random_requests(1, 16, 4, 1.0, 0, 100)
 
 
+def test_multiturn_requests_grow_each_conversation():
+    """Turn-major chats: each turn's prompt is its conversation's previous prompt plus a reply's and a user turn's
+    tokens, sent after that previous turn (`after`); excluded ids never appear."""
+    reqs = serve.multiturn_requests(7, conversations=3, history_len=10, turn_len=2, output_len=3, vocab_size=50,
+                                    seed=1, excluded_ids=[0])
+    assert [r.after for r in reqs] == [-1, -1, -1, 0, 1, 2, 3]
+    for i, r in enumerate(reqs):
+        assert r.prompt_len == len(r.prompt) == 10 + 5 * (i // 3) and r.output_len == 3 and 0 not in r.prompt
+        if r.after >= 0:
+            prev = reqs[r.after].prompt
+            assert r.prompt[:len(prev)] == prev
+    assert reqs[0].prompt[:10] != reqs[1].prompt[:10]
+    with pytest.raises(ValueError, match="multiturn"):
+        serve.multiturn_requests(2, 0, 10, 2, 3, 50)
+
+
 def test_arrivals_poisson_gamma_and_all_at_once():
     assert not serve.arrival_offsets(10, math.inf, 1.0).any()
     for burstiness in (1.0, 0.25, 4.0):
@@ -255,6 +271,23 @@ def test_cli_random_dataset(server, tmp_path):
     assert 1 <= r["max_concurrent_requests"] <= 4
     assert all(n >= 8 + 12 for n in r["input_lens"]) and set(r["requested_output_lens"]) <= set(range(4, 13))
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.e2e
+def test_cli_multiturn_dataset(server, tmp_path):
+    """Two conversations of three turns (max concurrency 3, so only the dataset's order holds a turn back): each
+    turn's prompt grows, and is sent once its conversation's previous turn has finished."""
+    result = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "serving.bench", "serve", f"--target={server.target}", "--dataset=multiturn",
+           "--num_prompts=6", "--multiturn_conversations=2", "--multiturn_history_len=20", "--multiturn_turn_len=4",
+           "--random_output_len=4", "--max_concurrency=3", "--disable_tqdm", f"--result_json={result}"]
+    p = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(result.read_text())
+    _check_result(r, 6)
+    assert r["input_lens"] == [20, 20, 28, 28, 36, 36]
+    for i in range(2, 6):  # request i follows request i - 2 (its conversation's previous turn)
+        assert r["start_times"][i] >= r["start_times"][i - 2] + r["e2els"][i - 2] - 1e-3, (i, r["start_times"])
 
 
 @pytest.mark.e2e

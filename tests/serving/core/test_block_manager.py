@@ -255,7 +255,11 @@ def test_host_tier_books(bm):
     assert "load" in kinds and kinds.index("load") == len(kinds) - 1 - kinds[::-1].index("load")
     assert m.match_prefix(a + [99], 2)[0] == r.block_table[:2]  # both back on the device
     m.check_invariants([r])
+    assert m.is_loading(r) and m.loading == {r.block_table[1]}  # the load holds its page until it lands
     m.free(r)
+    assert m.num_free_pages == 3  # the loading page stays held
+    m.loaded(list(m.loading))
+    m.check_invariants(())
     for i in range(3):  # three new prompts of 2 blocks through 4 device pages: the host tier (2 slots) overflows
         r = req([100 + 10 * i + j for j in range(8)] + [97], f"x{i}")
         run_prefill(m, r)
@@ -301,3 +305,58 @@ def test_kv_transfer_pin_holds_cached_blocks_and_adopt_registers_received_ones(b
     assert len(writes) == 1 and len(other.block_table) == 1  # one page left (an idle cached one, evicted)
     dst.free(other)
     dst.free(busy)
+
+
+def _events_tiers(events):
+    """{medium: {hash: tokens}} from a block manager's events."""
+    tiers = {}
+    for e in events:
+        if e[0] == "stored":
+            tiers.setdefault(e[4], {})[e[1]] = tuple(e[3])
+        elif e[0] == "removed":
+            del tiers[e[2]][e[1]]
+        else:
+            tiers.clear()
+    return {k: v for k, v in tiers.items() if v}
+
+
+def test_events_vllm_block_hash_and_all_cleared(bm):
+    """With vLLM's block hash, each stored event names a block by sha256 over canonical CBOR of (parent digest or
+    sha256_cbor(seed), token ids, extra keys: the cache salt on a first block), as a 64-bit integer, the same in
+    both tiers and in its removed events; a reset that empties both tiers is one AllBlocksCleared, one that leaves
+    a block in use is per-block removals."""
+    import hashlib
+
+    import cbor2
+
+    from serving.core.block_hash import vllm_block_hasher
+
+    def digest(value):
+        return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+
+    m = bm(num_pages=4, host_pages=4)
+    m.events = []
+    m.use_block_hasher(vllm_block_hasher("0"))
+    a = list(range(1, 9))
+    r = req(a + [99])
+    run_prefill(m, r)
+    d0 = digest((digest("0"), tuple(a[:4]), None))
+    d1 = digest((d0, tuple(a[4:]), None))
+    h0, h1 = (int.from_bytes(d, "big") & ((1 << 64) - 1) for d in (d0, d1))
+    assert m.events == [("stored", h0, None, tuple(a[:4]), "GPU"), ("stored", h1, h0, tuple(a[4:]), "GPU")]
+    m.free(r)
+    salted = Request("s", a + [99], SamplingParams(), arrival_time=0.0, cache_salt="tenant-x")
+    m.acquire_cached(salted, *m.match_prefix(salted.token_ids, 2, prefix_root(salted)))  # no hit: another root
+    assert not salted.block_table and m.allocate(salted, 9)  # 3 pages: a's tail block moves to the host tier
+    salted.num_computed_tokens = 9
+    m.cache_full_blocks(salted, 9)
+    s0 = digest((digest("0"), tuple(a[:4]), ("tenant-x",)))
+    assert ("stored", int.from_bytes(s0, "big") & ((1 << 64) - 1), None, tuple(a[:4]), "GPU") in m.events
+    assert ("removed", h1, "GPU") in m.events and ("stored", h1, h0, tuple(a[4:]), "CPU") in m.events
+    m.events.clear()
+    m.reset_prefix_cache()  # `salted` still holds its blocks: per-block removals
+    assert m.events and all(e[0] == "removed" for e in m.events)
+    m.free(salted)
+    m.events.clear()
+    m.reset_prefix_cache()
+    assert m.events == [("cleared",)] and not m._digests

@@ -194,3 +194,81 @@ def test_host_tier_under_scheduler_features(llama, reference, name, options, par
             assert got == [[o.token_ids for o in c.outputs] for c in ref.generate(batch, params)], name
             llm.engine.scheduler.block_manager.check_idle()
     assert llm.engine.scheduler.block_manager.host.hit_blocks > 0
+
+
+def test_host_load_in_flight_does_not_stall_others(llama, reference):
+    """A request whose prefix hit is in the host tier waits in the loading state while its pages' copy is in flight
+    (the pool holds the landed copy until released: a real copy, observable), and a running decode keeps stepping
+    meanwhile; once the load lands both give the unbounded pool's tokens. A request aborted while its load is in
+    flight leaks nothing in either tier. The samples of an n = 3 request that fork its loading prompt pages wait too,
+    then give the unbounded pool's samples."""
+    llm = LLM(llama, warmup=False, num_pages=16, host_kv_cache_gb=_host_gb(64, reference), **BASE)
+    engine, pool = llm.engine, llm.engine.host_kv
+    sched, bm = engine.scheduler, engine.scheduler.block_manager
+    a, *others = _prefixes(4)
+    a = a + [7, 8, 9]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    long_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    b_prompt = hf_models.random_prompt(10, 160, seed=99)
+
+    def evict_a():  # runs A, then pushes its blocks out of the device pool
+        _gen(llm, [a])
+        for p in others:
+            _gen(llm, [p])
+        hit = bm.match_prefix(a, 5)[0]
+        assert len(hit) == 5 and any(p < 0 for p in hit), "some of A's blocks should be in the host tier"
+
+    evict_a()
+    b = engine.make_request("b", b_prompt, long_params)
+    engine.add_request(b)
+    while b.num_output_tokens < 2:
+        engine.step()
+    pool.hold_loads = True
+    late = engine.make_request("a-late", a, params)
+    engine.add_request(late)
+    outputs = {"b": list(b.output_token_ids)}
+    for _ in range(2):
+        engine.step()  # admits the late request: its load starts, it is not scheduled
+    before = b.num_output_tokens
+    for _ in range(5):
+        engine.step()
+        sched.check_invariants()
+        assert bm.is_loading(late) and late.num_output_tokens == 0 and pool.loads_in_flight == 1
+    assert b.num_output_tokens == before + 5  # one token per step while the load is in flight
+    pool.hold_loads = False
+    engine.run_until_idle()
+    assert late.output_token_ids == _gen(reference, [a])[0]
+    assert b.output_token_ids == _gen(reference, [b_prompt], 24)[0] and outputs["b"] == b.output_token_ids[:2]
+    assert bm.host.hit_blocks == 5 and pool.load_time_s > 0
+    bm.check_idle()
+
+    evict_a()
+    pool.hold_loads = True
+    gone = engine.make_request("a-aborted", a, params)
+    engine.add_request(gone)
+    for _ in range(2):
+        engine.step()
+    assert bm.is_loading(gone)
+    engine.abort("a-aborted")
+    assert bm.loading, "the load's own reference keeps its pages until the copy lands"
+    pool.hold_loads = False
+    engine.step()
+    assert not bm.loading and pool.loads_in_flight == 0
+    bm.check_idle()
+    assert _gen(llm, [a]) == _gen(reference, [a])  # the aborted request's load landed in the device prefix cache
+
+    evict_a()  # n = 3: samples 1 and 2 fork sample 0's prompt pages while they are still loading: all three wait
+    pool.hold_loads = True
+    forked = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=4, ignore_eos=True)
+    group = engine.make_request("a-n3", a, forked)
+    engine.add_request(group)
+    for _ in range(4):
+        engine.step()
+        sched.check_invariants()
+    assert [s.status.name for s in group.samples] == ["RUNNING"] * 3
+    assert all(bm.is_loading(s) and s.num_output_tokens == 0 for s in group.samples)
+    pool.hold_loads = False
+    engine.run_until_idle()
+    want = reference.generate([a], forked)[0].outputs
+    assert [s.output_token_ids for s in group.samples] == [o.token_ids for o in want]
+    bm.check_idle()

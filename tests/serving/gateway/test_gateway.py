@@ -181,6 +181,39 @@ def test_policies_and_prefix_affinity():
     assert len(idx) == 3 and idx.affinity(blocks) == {}  # the first block was evicted: no leading run
 
 
+def test_kv_event_index_and_held_affinity():
+    """The index rebuilt from an instance's KV-event batches: a block counts while any tier holds it, a child of an
+    unknown parent is left out, AllBlocksCleared and a gap in the batch numbers empty it; the router's `held`
+    affinity replaces the guess for the instances it names; an invalid kv_events address is refused."""
+    from serving.gateway.config import RoutingConfig
+    from serving.gateway.kv_index import KVEventIndex
+    ix = KVEventIndex()
+    a = list(range(100, 109))  # two blocks of 4 and one more token
+    ix.apply(0, [0.0, [["BlockStored", [11], None, a[:4], 4, None, "GPU"],
+                       ["BlockStored", [12], 11, a[4:8], 4, None, "GPU"],
+                       ["BlockStored", [13], 99, a[:4], 4, None, "GPU"]], 0])  # parent 99 unknown: left out
+    keys = ix.prompt_keys(a)
+    assert len(keys) == 2 and ix.match(keys) == 1.0 and len(ix) == 2
+    assert ix.match(ix.prompt_keys(a[:4] + [0, 0, 0, 0, 0])) == 0.5
+    ix.apply(1, [0.0, [["BlockRemoved", [12], "GPU"], ["BlockStored", [12], 11, a[4:8], 4, None, "CPU"]], 0])
+    assert ix.match(keys) == 1.0  # moved to the host tier: still held
+    ix.apply(2, [0.0, [["BlockRemoved", [12], "CPU"]], 0])
+    assert ix.match(keys) == 0.5
+    ix.apply(3, [0.0, [["AllBlocksCleared"]], 0])
+    assert ix.match(keys) == 0.0
+    ix.apply(4, [0.0, [["BlockStored", [11], None, a[:4], 4, None, "GPU"]], 0])
+    ix.apply(6, [0.0, [], 0])  # batch 5 lost: it may have removed blocks
+    assert len(ix) == 0
+    la = Router(RoutingConfig(policy="load_aware"))
+    even = [InstanceView(n, report=_report(), report_age_s=0.1, step_time_s=0.01) for n in "ab"]
+    blocks = prompt_blocks(generate_request("S" * 300), 64)
+    la.record(blocks, "a")  # the guess says a; b's events say it holds the whole prefix
+    assert {la.choose(even, blocks, {"a": 0.0, "b": 1.0}).name for _ in range(4)} == {"b"}
+    raw = {"pools": [{"name": "p", "instances": [{"name": "i", "target": "h:1", "kv_events": "tcp://h"}]}]}
+    with pytest.raises(ConfigError, match="kv_events"):
+        parse_config(raw)
+
+
 def test_health_quarantines_after_n_windows_and_readmits_after_m():
     h = HealthTracker(IsolationConfig(abnormal_windows=2, healthy_windows=2, slow_ratio=3, slow_min_delta_s=0.02))
     for n in "abc":

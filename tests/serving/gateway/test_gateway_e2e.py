@@ -32,10 +32,12 @@ def model_dir():
 def instances(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("instances")
     # One first, then two that load its programs from the run's compilation cache (tests/conftest.py)
-    procs = [InstanceProcess(model_dir, str(root / "i0"))]
+    # Each with a host KV tier and its KV-event stream (test_affinity_from_kv_events; no cost to the others)
+    flags = ("--host_kv_cache_gb=0.01", "--kv_events_endpoint=tcp://127.0.0.1:*")
+    procs = [InstanceProcess(model_dir, str(root / "i0"), *flags)]
     try:
         procs[0].wait_ready()
-        procs += [InstanceProcess(model_dir, str(root / f"i{k}")) for k in (1, 2)]
+        procs += [InstanceProcess(model_dir, str(root / f"i{k}"), *flags) for k in (1, 2)]
         for p in procs:
             p.wait_ready()
         yield procs
@@ -150,6 +152,38 @@ def test_load_aware_prefers_less_loaded_and_avoids_a_stuck_instance(instances, g
         assert after["i0"] - before["i0"] == 8 and after["i1"] == before["i1"], (before, after)
     finally:
         stuck.close()
+
+
+def test_affinity_from_kv_events(instances, gateways):
+    """A gateway following its instances' KV events (kv_events: auto, the endpoint their ModelInfo reports) sends a
+    token prompt to the instance that holds its prefix, though the prefix got there without the gateway (its own
+    guess knows nothing of it); the instances' ModelInfo and load reports carry the host KV tier."""
+    infos = []
+    for p in instances[:2]:
+        with Client(p.target, timeout=30) as c:
+            info, load = c.model_info(), c.get_load()
+        assert info.host_kv_cache_pages > 0 and info.host_kv_cache_bytes >= info.host_kv_cache_pages
+        assert info.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+        assert load.host_kv_pages_total == info.host_kv_cache_pages and load.host_kv_pages_used >= 0
+        infos.append(info)
+    config = {"pools": pool(instances, long_lane=()), "isolation": {"enabled": False},
+              "routing": {"policy": "load_aware", "load_interval_ms": 100, "weights": {"affinity": 3.0}}}
+    for inst in config["pools"][0]["instances"]:
+        inst["kv_events"] = "auto"
+    gw = gateways(config)
+    wait_reports(gw, ["i0", "i1"])
+    time.sleep(0.5)  # the gateway subscribed before its first WatchLoad; let the SUB connections settle
+    prompts = [[3 + (k * 31 + i * 17) % 500 for i in range(41)] for k in range(4)]  # 5 full pages of 8 each
+    for k, p in enumerate(prompts):  # straight to one instance: only its KV events tell the gateway
+        with Client(instances[k % 2].target, timeout=60) as c:
+            c.complete(p, max_tokens=1)
+    time.sleep(0.5)
+    for k, p in enumerate(prompts):
+        before = {n: s.routed_total for n, s in gw.instances().items()}
+        with Client(gw.target, timeout=60) as c:
+            assert c.complete(p + [7, k], max_tokens=2).finish_reason
+        after = {n: s.routed_total for n, s in gw.instances().items()}
+        assert after[f"i{k % 2}"] == before[f"i{k % 2}"] + 1, (k, before, after)
 
 
 def test_slow_instance_is_quarantined_then_readmitted(instances, gateways):

@@ -1,0 +1,134 @@
+"""`KVEventIndex`: what one instance's prefix cache holds, rebuilt from its KV-event stream (vLLM's msgpack
+`KVEventBatch` on ZMQ PUB; serving.core.kv_events publishes it), so the gateway's prefix affinity for that instance
+is what it actually holds rather than where the gateway last sent a prompt; `subscribe` keeps one up to date.
+Details: docs/gateway.md ("Prefix affinity from KV events")."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+
+def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """A block's digest over its parent's digest (b"" for a first block) and its tokens: equal digests mean equal
+    token prefixes, however the instance names its blocks."""
+    data = b"".join(int(t).to_bytes(8, "little", signed=True) for t in token_ids)
+    return hashlib.blake2b(parent + data, digest_size=16).digest()
+
+
+class KVEventIndex:
+    """Blocks an instance holds in any tier, as token-prefix digests. A block whose parent the index does not know
+    (evicted before the gateway saw it, or stored before it subscribed) is left out: a prefix cache reuses only a
+    leading run of blocks, so it could not be matched anyway."""
+
+    def __init__(self):
+        self.block_size = 0  # from the stored events (0: none seen yet)
+        self._blocks: dict[object, tuple[bytes, set]] = {}  # the instance's block hash -> (digest, tiers holding it)
+        self._digests: dict[bytes, int] = {}  # digest -> how many of the instance's blocks have it
+        self.last_seq = -1
+        self.batches = 0
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._digests.clear()
+
+    def apply(self, seq: int, batch: list) -> None:
+        """One KVEventBatch [ts, events, data parallel rank] numbered `seq`; a gap in the numbers (messages lost,
+        or the instance restarted) empties the index first: it may have missed removals."""
+        if self.last_seq >= 0 and seq != self.last_seq + 1:
+            log.warning("KV events: batch %d after %d; index reset", seq, self.last_seq)
+            self.clear()
+        self.last_seq = seq
+        self.batches += 1
+        for event in batch[1]:
+            kind = event[0]
+            if kind == "BlockStored":
+                hashes, parent, tokens, size = event[1], event[2], event[3], event[4]
+                medium = event[6] if len(event) > 6 else None
+                self.block_size = size
+                prev = b"" if parent is None else self._blocks.get(parent, (None,))[0]
+                for i, h in enumerate(hashes):  # several blocks of one request: each the next one's parent
+                    block = tokens[i * size:(i + 1) * size]
+                    if prev is None or len(block) < size:
+                        break
+                    prev = block_digest(prev, block)
+                    self._add(h, prev, medium)
+            elif kind == "BlockRemoved":
+                medium = event[2] if len(event) > 2 else None
+                for h in event[1]:
+                    self._remove(h, medium)
+            elif kind == "AllBlocksCleared":
+                self.clear()
+
+    def _add(self, block_hash, digest: bytes, medium) -> None:
+        entry = self._blocks.get(block_hash)
+        if entry is None:
+            self._blocks[block_hash] = (digest, {medium})
+            self._digests[digest] = self._digests.get(digest, 0) + 1
+        else:
+            entry[1].add(medium)
+
+    def _remove(self, block_hash, medium) -> None:
+        entry = self._blocks.get(block_hash)
+        if entry is None:
+            return
+        entry[1].discard(medium)
+        if not entry[1]:
+            del self._blocks[block_hash]
+            n = self._digests[entry[0]] - 1
+            if n:
+                self._digests[entry[0]] = n
+            else:
+                del self._digests[entry[0]]
+
+    def prompt_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """The digests match() takes for a prompt: its full blocks but one token (the instance computes the last)."""
+        out, prev, bs = [], b"", self.block_size
+        for i in range((len(token_ids) - 1) // bs if bs else 0):
+            prev = block_digest(prev, token_ids[i * bs:(i + 1) * bs])
+            out.append(prev)
+        return out
+
+    def match(self, keys: Sequence[bytes]) -> float:
+        """The fraction of the prompt's blocks (`prompt_keys`) the instance holds as a leading run."""
+        n = 0
+        for k in keys:
+            if k not in self._digests:
+                break
+            n += 1
+        return n / len(keys) if keys else 0.0
+
+
+async def subscribe(endpoint: str, index: KVEventIndex, stopped) -> None:
+    """Applies the batches published on `endpoint` (ZMQ SUB) to `index` until `stopped()` or cancelled."""
+    import msgpack
+    import zmq
+    import zmq.asyncio
+    ctx = zmq.asyncio.Context.instance()
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(endpoint)
+    log.info("KV events: subscribed to %s", endpoint)
+    try:
+        while not stopped():
+            if not await sock.poll(500):
+                continue
+            frames = await sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            try:
+                index.apply(int.from_bytes(frames[1], "big", signed=True), msgpack.unpackb(frames[2]))
+            except (ValueError, TypeError, IndexError, KeyError) as e:  # a malformed batch: start over
+                log.warning("KV events from %s: bad batch (%s); index reset", endpoint, e)
+                index.clear()
+    except asyncio.CancelledError:
+        raise
+    finally:
+        sock.close()
