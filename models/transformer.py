@@ -159,7 +159,9 @@ class CausalLM(nnx.Module):
         """Repacks the dense matmul weights and the MoE layers' routed experts into the native CPU kernels' panels,
         in place (single-device CPU serving: the kernels then stream each weight sequentially); returns how many
         packed matrices (and expert stacks) there are."""
-        moes = [layer.mlp for layer in self.layers if hasattr(layer.mlp, "replica_slots")]
+        # GPT-OSS's experts (biases, clamped SwiGLU) run on the XLA paths, which read them row-major: not packed
+        moes = [layer.mlp for layer in self.layers if hasattr(layer.mlp, "replica_slots")
+                and not layer.mlp.expert_bias_on and layer.mlp.swiglu is None]
         return cpu_weights.pack_groups(self.packing_groups()) + cpu_weights.pack_experts(moes)
 
 
