@@ -24,7 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (models/mla.py), DeepSeek MoE
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the larger ones are Gemma3ForConditionalGeneration)
-    "GptOssForCausalLM": "gpt_oss",  # attention sinks, alternating sliding / full layers, MoE with biases (gpt_oss.py)
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, sliding / full layers, MoE with biases (docs/models.md)
 }
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # MoE routing (models/moe.py): how experts are scored and how the top-k is chosen
@@ -125,7 +125,7 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local: RopeConfig | None = None
-    # GPT-OSS (models.gpt_oss): a learned sink logit per query head in every attention's softmax, a router bias,
+    # GPT-OSS (docs/models.md): a learned sink logit per query head in every attention's softmax, a router bias,
     # experts with biases and the clamped SwiGLU (gate clamped above at swiglu_limit, up to +-swiglu_limit,
     # gate * sigmoid(swiglu_alpha * gate) * (up + 1)); swiglu_limit 0: plain SwiGLU
     attention_sinks: bool = False

@@ -1,5 +1,5 @@
 """The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE, Phi-3, Gemma 3's layers from
-`models.gemma3`, DeepSeek-V2 / V3 with multi-head latent attention: models/mla.py) in Flax NNX: `DecoderLayer`,
+`models.gemma3`, DeepSeek-V2 / V3 with multi-head latent attention: models/mla.py, GPT-OSS) in Flax NNX: `DecoderLayer`,
 `CausalLM` (forward over a RaggedBatch, logits, the hooks for the native CPU kernels' weight packing and head screen)
 and the KV cache it declares (`kv_cache_specs`: a `models.kv_cache.KVCacheSpec` per layer). Details: docs/models.md."""
 from __future__ import annotations
