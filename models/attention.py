@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
@@ -41,6 +42,9 @@ class Attention(nnx.Module):
         self.qkv_bias, self.o_bias_on, self.qk_norm = cfg.qkv_bias, cfg.o_bias, cfg.qk_norm
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.qkv_proj = nnx.data(None)  # q|k|v fused and packed by `pallas_kernels.matmul.pack_groups` (then q/k/v_proj are None)
+        if cfg.attention_sinks:  # GPT-OSS: a learned logit per query head in the softmax's denominator
+            self.sinks = zeros((hq,), (HEADS,), jnp.float32)
+        self.sinks_on = cfg.attention_sinks
         self.sm_scale = 1.0 / math.sqrt(cfg.query_pre_attn_scalar or d)
         self.logit_soft_cap = cfg.attn_logit_softcapping
         self.sliding_window = cfg.sliding_windows[layer]
@@ -83,7 +87,8 @@ class Attention(nnx.Module):
         # a sliding-window layer reads its window's own page pool when the batch carries one (hybrid KV cache)
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention_for(self.sliding_window),
                                         sm_scale=self.sm_scale, sliding_window=self.sliding_window,
-                                        logit_soft_cap=self.logit_soft_cap)
+                                        logit_soft_cap=self.logit_soft_cap,
+                                        sinks=self.sinks[...] if self.sinks_on else None)
         # As one 2-D matmul: the einsum made XLA copy o_proj into (d, h) order every step.
         y = linear(out.reshape(t, -1), self, "o_proj", hq * d, g)
         y = apply_lora(self.lora, "o_proj", out, y, slots)
@@ -92,15 +97,16 @@ class Attention(nnx.Module):
         return y, kv_pages
 
 
-def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window, logit_soft_cap=None):
+def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window, logit_soft_cap=None, sinks=None):
     """Pure. Writes this step's K/V into the pages (an array, or a `QuantizedKV`: quantised as written), then
     attends. Under a mesh that splits the heads (the rules' mesh axis for HEADS) it runs per shard (heads are
     independent): q heads split; KV heads split too when the degree divides them, else replicated, each shard
-    reading only the KV heads its q heads use (a quantized cache's scales split and sliced as its values)."""
+    reading only the KV heads its q heads use (a quantized cache's scales split and sliced as its values); `sinks[Hq]`
+    split as the q heads."""
     tp, heads_axis = axis_size(HEADS), mesh_axis(HEADS)
     hq, hkv = q.shape[1], k.shape[1]
 
-    def local(q, k, v, kv_pages, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs):
+    def local(q, k, v, kv_pages, slot_mapping, kv_lens, page_indices, cu_q_lens, num_seqs, sinks):
         kv_pages = pallas_kernels.write_kv(kv_pages, k, v, slot_mapping)
         view = kv_pages
         if tp > 1 and k.shape[1] == hkv:  # KV replicated: slice the heads these q heads read
@@ -110,10 +116,10 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window, logit_so
             view = kv_quant.slice_heads(kv_pages, 2 * first, 2 * max(1, hq_local // group))
         out = pallas_kernels.ragged_paged_attention(q, view, kv_lens, page_indices, cu_q_lens, num_seqs,
                                                     sm_scale=sm_scale, sliding_window=sliding_window,
-                                                    logit_soft_cap=logit_soft_cap)
+                                                    logit_soft_cap=logit_soft_cap, sinks=sinks)
         return out, kv_pages
 
-    args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs)
+    args = (q, k, v, kv_pages, md.slot_mapping, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs, sinks)
     P = jax.sharding.PartitionSpec
     if tp == 1:
         mesh = jax.sharding.get_abstract_mesh()
@@ -127,5 +133,6 @@ def paged_attention(q, k, v, kv_pages, md, *, sm_scale, sliding_window, logit_so
     heads = P(None, heads_axis, None)
     kv_heads = heads if hkv % tp == 0 else P()
     pages = kv_quant.partition_spec(kv_pages, P(None, None, heads_axis, None) if hkv % tp == 0 else P())
-    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, pages, P(), P(), P(), P(), P()),
+    sink_spec = None if sinks is None else P(heads_axis)
+    return jax.shard_map(local, in_specs=(heads, kv_heads, kv_heads, pages, P(), P(), P(), P(), P(), sink_spec),
                          out_specs=(heads, pages), check_vma=False)(*args)

@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "deepseek_v2",  # multi-head latent attention (models/mla.py), DeepSeek MoE
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Gemma3ForCausalLM": "gemma3",  # Gemma 3 text (1B; the larger ones are Gemma3ForConditionalGeneration)
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks, sliding / full layers, MoE with biases (docs/models.md)
 }
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 # MoE routing (models/moe.py): how experts are scored and how the top-k is chosen
@@ -124,6 +125,15 @@ class ModelConfig:
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
     rope_local: RopeConfig | None = None
+    # GPT-OSS (docs/models.md): a learned sink logit per query head in every attention's softmax, a router bias,
+    # experts with biases and the clamped SwiGLU (gate clamped above at swiglu_limit, up to +-swiglu_limit,
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)); swiglu_limit 0: plain SwiGLU
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    mxfp4_experts: bool = False  # the checkpoint's experts are MXFP4 blocks + scales, dequantised at load
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -369,7 +379,7 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
     head_dim = hf.get("head_dim") or hidden // num_heads
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    attention_bias = bool(hf.get("attention_bias", False))
+    attention_bias = bool(hf.get("attention_bias", family == "gpt_oss"))  # GptOssConfig's default: true
     kw: dict[str, Any] = dict(
         family=family,
         vocab_size=int(hf["vocab_size"]),
@@ -384,7 +394,8 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         rope=_gemma3_ropes(hf)[0] if family == "gemma3" else _parse_rope(hf, family),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=family in ("qwen2", "qwen2_moe") or attention_bias,
-        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3") and attention_bias,
+        o_bias=family in ("llama", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "gpt_oss")
+        and attention_bias,
         qk_norm=family in ("qwen3", "qwen3_moe", "gemma3"),
         sliding_windows=_sliding_windows(hf, family, num_layers),
         bos_token_id=hf.get("bos_token_id"),
@@ -422,6 +433,8 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         )
     elif family in DEEPSEEK_FAMILIES:
         kw.update(_deepseek_fields(hf, family, num_layers))
+    elif family == "gpt_oss":
+        kw.update(_gpt_oss_fields(hf))
     rope = kw["rope"]
     if rope.rope_type == "longrope" and kw["max_position_embeddings"] > rope.original_max_position_embeddings:
         # Past its original context HF recomputes the whole sequence with long_factor (Phi3ForCausalLM drops its
@@ -431,6 +444,7 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         kw["max_position_embeddings"] = rope.original_max_position_embeddings
     if kw["dtype"] not in ("float32", "bfloat16", "float16"):
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
+    _mxfp4(hf, family)
     kw["quantization"], kw["quantization_group"] = _checkpoint_quantization(hf)
     return ModelConfig(**kw)
 
@@ -489,6 +503,29 @@ def _deepseek_fields(hf: dict[str, Any], family: str, num_layers: int) -> dict[s
         n_group=int(hf.get("n_group") or 1) if grouped else 1,
         topk_group=int(hf.get("topk_group") or 1) if grouped else 1,
         routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0))
+
+
+def _mxfp4(hf: dict[str, Any], family: str) -> bool:
+    """Whether the checkpoint declares MXFP4 weights (`quant_method: mxfp4`): GPT-OSS's experts only."""
+    method = (hf.get("quantization_config") or {}).get("quant_method")
+    if method == "mxfp4" and family != "gpt_oss":
+        raise _unsupported(f"quantization_config quant_method 'mxfp4' for {family} (GPT-OSS's experts only)")
+    return method == "mxfp4"
+
+
+def _gpt_oss_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS as HF transformers' modeling_gpt_oss computes it: every layer MoE (router with a bias, softmax over the
+    top-k logits: softmax over all then renormalised, the same weights), experts with biases and the clamped SwiGLU,
+    a sink logit per query head."""
+    if hf.get("attention_dropout"):
+        log.info("gpt_oss: attention_dropout=%s is a training option, not applied", hf["attention_dropout"])
+    limit = float(hf.get("swiglu_limit", 7.0))
+    if limit <= 0:
+        raise _unsupported(f"swiglu_limit={limit} (GPT-OSS clamps its SwiGLU: expected a positive limit)")
+    return dict(num_experts=int(hf["num_local_experts"]), num_experts_per_tok=int(hf["num_experts_per_tok"]),
+                moe_intermediate_size=int(hf["intermediate_size"]), norm_topk_prob=True, attention_sinks=True,
+                router_bias=True, expert_bias=True, swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+                swiglu_limit=limit, mxfp4_experts=_mxfp4(hf, "gpt_oss"))
 
 
 def _checkpoint_quantization(hf: dict[str, Any]) -> tuple[str, int]:

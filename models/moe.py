@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from models.config import DEEPSEEK_FAMILIES, ModelConfig
-from models.layers import MLP, linear_param, param
+from models.layers import MLP, linear_param, param, zeros
 from models.quant import scale_name
 from pallas_kernels.moe import grouped_expert_mlp
 from sharding.axes import EMBED, EXPERT, MLP as MLP_AXIS
@@ -53,6 +53,14 @@ class MoE(nnx.Module):
         linear_param(self, "up_proj", rngs, (slots, e, i), (EXPERT, EMBED, MLP_AXIS), dtype, (1,), quant)
         linear_param(self, "down_proj", rngs, (slots, i, e), (EXPERT, MLP_AXIS, EMBED), dtype, (1,), quant)
         self.quant_group = quant.group if quant else 0
+        self.router_bias_on, self.expert_bias_on = cfg.router_bias, cfg.expert_bias
+        if cfg.router_bias:  # GPT-OSS: logits = x @ router + bias
+            self.router_bias = zeros((n,), (None,), dtype)
+        if cfg.expert_bias:  # GPT-OSS: each expert matmul with its bias
+            self.gate_bias = zeros((slots, i), (EXPERT, MLP_AXIS), dtype)
+            self.up_bias = zeros((slots, i), (EXPERT, MLP_AXIS), dtype)
+            self.down_bias = zeros((slots, e), (EXPERT, EMBED), dtype)
+        self.swiglu = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None
         table = np.zeros((n, max(1, slots - n + 1)), np.int32)
         table[:, 0] = np.arange(n)
         self.replica_slots = ExpertMap(jnp.asarray(table))
@@ -72,6 +80,8 @@ class MoE(nnx.Module):
             logits = jnp.dot(x.astype(jnp.float32), router, precision=jax.lax.Precision.HIGHEST)
         else:
             logits = (x @ router).astype(jnp.float32)
+        if self.router_bias_on:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
         if self.scoring_func == "sigmoid":
             scores = jax.nn.sigmoid(logits)
         else:
@@ -124,8 +134,10 @@ class MoE(nnx.Module):
         scales = None
         if hasattr(self, scale_name("gate_proj")):
             scales = tuple(getattr(self, scale_name(n))[...] for n in ("gate_proj", "up_proj", "down_proj"))
+        biases = tuple(getattr(self, n)[...] for n in ("gate_bias", "up_bias", "down_bias")) \
+            if self.expert_bias_on else None
         y = expert_mlp(x, slots, weights.astype(x.dtype), self.gate_proj[...], self.up_proj[...],
-                       self.down_proj[...], scales, self.quant_group)
+                       self.down_proj[...], scales, self.quant_group, biases, self.swiglu)
         if self.shared_gated:
             gate = jax.nn.sigmoid(x @ self.shared_expert_gate[...])
             y = y + gate * self.shared_expert(x)
@@ -134,15 +146,16 @@ class MoE(nnx.Module):
         return y
 
 
-def expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+def expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0, biases=None, act=None):
     """Pure. sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), dispatched by slot; sharded over the mesh axes the
     rules give EXPERT (slots) and MLP (expert MLP columns) when the mesh splits them. `scales`: the quantized
-    weights' (gate, up, down) scales (models.quant; `group` K rows per scale, 0: per channel), or None."""
+    weights' (gate, up, down) scales (models.quant; `group` K rows per scale, 0: per channel), or None. `biases`
+    (gate, up, down) and `act` as `pallas_kernels.moe.grouped_expert_mlp` takes them (GPT-OSS)."""
     expert_axis = mesh_axis(EXPERT) if axis_size(EXPERT) > 1 else None
     mlp_axis = mesh_axis(MLP_AXIS) if axis_size(MLP_AXIS) > 1 else None
     axes = [a for a in (expert_axis, mlp_axis) if a is not None]
 
-    def local(x, slots, weights, gate, up, down, scales):
+    def local(x, slots, weights, gate, up, down, scales, biases):
         # This device's slots [first, first + n_local): the others' pairs (and padding) become -1, no work here.
         n_local = gate.shape[0]
         first = jax.lax.axis_index(expert_axis) * n_local if expert_axis else 0
@@ -154,15 +167,21 @@ def expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
                                  f"whole {group}-row quantization groups")
             g0 = jax.lax.axis_index(mlp_axis) * (rows // group)
             scales = scales[:2] + (jax.lax.dynamic_slice_in_dim(scales[2], g0, rows // group, axis=1),)
-        y = grouped_expert_mlp(x, jnp.where(mine, slots - first, -1), weights, gate, up, down, scales, group)
+        if biases is not None and mlp_axis:  # the partial outputs are summed over 'tensor': down's bias added once
+            first_shard = (jax.lax.axis_index(mlp_axis) == 0).astype(biases[2].dtype)
+            biases = biases[:2] + (biases[2] * first_shard,)
+        y = grouped_expert_mlp(x, jnp.where(mine, slots - first, -1), weights, gate, up, down, scales, group,
+                               biases, act)
         return jax.lax.psum(y, tuple(axes)) if axes else y
 
     if not axes:
-        return local(x, slots, weights, gate, up, down, scales)
+        return local(x, slots, weights, gate, up, down, scales, biases)
     P = jax.sharding.PartitionSpec
     e, m = expert_axis, mlp_axis
     scale_specs = None
     if scales is not None:  # per channel: gate/up [S, I], down [S, E]; group-wise: [S, G, I], [S, G, E]
         scale_specs = (P(e, m), P(e, m), P(e, None)) if not group else (P(e, None, m), P(e, None, m), P(e))
-    return jax.shard_map(local, in_specs=(P(), P(), P(), P(e, None, m), P(e, None, m), P(e, m, None), scale_specs),
-                         out_specs=P(), check_vma=False)(x, slots, weights, gate, up, down, scales)
+    bias_specs = None if biases is None else (P(e, m), P(e, m), P(e, None))
+    return jax.shard_map(local, in_specs=(P(), P(), P(), P(e, None, m), P(e, None, m), P(e, m, None), scale_specs,
+                                          bias_specs),
+                         out_specs=P(), check_vma=False)(x, slots, weights, gate, up, down, scales, biases)

@@ -96,6 +96,8 @@ class CheckpointQuantization:
             return _parse_compressed_tensors(q)
         if method == "fp8":
             return _parse_fp8(q)
+        if method == "mxfp4":  # GPT-OSS's experts, dequantised at load by models.mxfp4 (models.config checks the family)
+            return None
         raise CheckpointError(f"quantization_config: quant_method {method!r} is not supported (supported: "
                               f"'compressed-tensors' with 8-bit int or fp8 weights, 'fp8')")
 

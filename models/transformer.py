@@ -1,5 +1,5 @@
 """The decoder-only transformer (Llama, Mistral, Qwen2/2.5, Qwen3, Mixtral, Qwen2/3-MoE, Phi-3, Gemma 3's layers from
-`models.gemma3`, DeepSeek-V2 / V3 with multi-head latent attention: models/mla.py) in Flax NNX: `DecoderLayer`,
+`models.gemma3`, DeepSeek-V2 / V3 with multi-head latent attention: models/mla.py, GPT-OSS) in Flax NNX: `DecoderLayer`,
 `CausalLM` (forward over a RaggedBatch, logits, the hooks for the native CPU kernels' weight packing and head screen)
 and the KV cache it declares (`kv_cache_specs`: a `models.kv_cache.KVCacheSpec` per layer). Details: docs/models.md."""
 from __future__ import annotations
@@ -159,7 +159,9 @@ class CausalLM(nnx.Module):
         """Repacks the dense matmul weights and the MoE layers' routed experts into the native CPU kernels' panels,
         in place (single-device CPU serving: the kernels then stream each weight sequentially); returns how many
         packed matrices (and expert stacks) there are."""
-        moes = [layer.mlp for layer in self.layers if hasattr(layer.mlp, "replica_slots")]
+        # GPT-OSS's experts (biases, clamped SwiGLU) run on the XLA paths, which read them row-major: not packed
+        moes = [layer.mlp for layer in self.layers if hasattr(layer.mlp, "replica_slots")
+                and not layer.mlp.expert_bias_on and layer.mlp.swiglu is None]
         return cpu_weights.pack_groups(self.packing_groups()) + cpu_weights.pack_experts(moes)
 
 

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from models.config import DEEPSEEK_FAMILIES, ModelConfig
 from models.gguf_files import is_gguf
+from models.mxfp4 import dequantize_mxfp4
 from models.quant import WEIGHT_QUANTIZATIONS, is_quantized, num_groups, quantize, scale_name
 from models.quantized_checkpoint import CheckpointQuantization, QuantizedWeight, element_scales
 from models.safetensors_io import CheckpointError, SafetensorsCheckpoint
@@ -74,6 +75,8 @@ def _hf_source(cfg: ModelConfig, path: tuple) -> Source:
             return [f"{a}.o_proj.bias"], ident
         if name in ("q_norm", "k_norm"):
             return [f"{a}.{name}.weight"], ident
+        if name == "sinks":  # GPT-OSS
+            return [f"{a}.sinks"], ident
     if rest[0] == "mlp":
         if not cfg.moe_layers[i]:
             if rest[1] == "shared_expert":
@@ -119,7 +122,35 @@ def _mla_source(cfg: ModelConfig, a: str, name: str) -> Source:
     raise CheckpointError(f"no HF source known for multi-head latent attention parameter {name} ({a})")
 
 
+def _gpt_oss_moe_source(cfg: ModelConfig, i: int, name: str) -> Source:
+    """GPT-OSS's MoE as transformers stores it: router weight [N, E] and bias; the experts fused, gate_up_proj
+    [N, E, 2I] with gate and up interleaved by column (gate the even ones), down_proj [N, I, E], and their biases."""
+    m = f"model.layers.{i}.mlp"
+    slots = np.arange(cfg.num_expert_slots or cfg.num_experts) % cfg.num_experts  # spare slots: replicas
+    if name == "router":
+        return [f"{m}.router.weight"], lambda w: w.T
+    if name == "router_bias":
+        return [f"{m}.router.bias"], lambda b: b
+    half = {"gate_proj": 0, "up_proj": 1, "gate_bias": 0, "up_bias": 1}.get(name)
+    if name in ("gate_proj", "up_proj", "down_proj") and cfg.mxfp4_experts:  # dequantised here (models.mxfp4)
+        fused = "gate_up_proj" if name != "down_proj" else "down_proj"
+        cols = slice(None) if name == "down_proj" else slice(half, None, 2)
+        return [f"{m}.experts.{fused}_blocks", f"{m}.experts.{fused}_scales"], \
+            lambda b, s: dequantize_mxfp4(b[slots], s[slots])[..., cols]
+    if name in ("gate_proj", "up_proj"):
+        return [f"{m}.experts.gate_up_proj"], lambda w: w[slots, :, half::2]
+    if name in ("gate_bias", "up_bias"):
+        return [f"{m}.experts.gate_up_proj_bias"], lambda b: b[slots, half::2]
+    if name == "down_proj":
+        return [f"{m}.experts.down_proj"], lambda w: w[slots]
+    if name == "down_bias":
+        return [f"{m}.experts.down_proj_bias"], lambda b: b[slots]
+    raise CheckpointError(f"no HF source known for GPT-OSS MoE parameter {name} of layer {i}")
+
+
 def _moe_source(cfg: ModelConfig, i: int, rest: tuple[str, ...]) -> Source:
+    if cfg.family == "gpt_oss":
+        return _gpt_oss_moe_source(cfg, i, rest[0])
     n = cfg.num_experts
     stack_t = lambda *ws: np.stack([w.T for w in ws])  # noqa: E731
     if cfg.family == "mixtral":

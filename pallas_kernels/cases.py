@@ -76,8 +76,10 @@ def make_case(rng: np.random.Generator, seqs: Sequence[tuple[int, int]], *, num_
 
 
 def dense_attention(case: PagedCase, *, sm_scale: float, sliding_window: int | None = None,
-                    logit_soft_cap: float | None = None, q: np.ndarray | None = None) -> np.ndarray:
-    """Dense causal attention in float64, one sequence at a time; padding tokens give zeros."""
+                    logit_soft_cap: float | None = None, q: np.ndarray | None = None,
+                    sinks: np.ndarray | None = None) -> np.ndarray:
+    """Dense causal attention in float64, one sequence at a time; padding tokens give zeros. `sinks[Hq]`: a logit per
+    query head in the softmax's denominator (GPT-OSS), as a key whose value is zero."""
     q = (case.q if q is None else q).astype(np.float64)
     t, hq, d = q.shape
     hkv = case.k_dense[0].shape[1] if case.k_dense else 1
@@ -95,8 +97,12 @@ def dense_attention(case: PagedCase, *, sm_scale: float, sliding_window: int | N
         if sliding_window is not None:
             mask &= kpos > qpos - sliding_window
         s = np.where(mask[:, None, None, :], s, -np.inf)
+        if sinks is not None:  # one more key per head, with no value: its weight is dropped after the softmax
+            sink = np.broadcast_to(np.asarray(sinks, np.float64).reshape(1, hkv, g, 1), s.shape[:3] + (1,))
+            s = np.concatenate([s, sink], axis=-1)
         p = np.exp(s - s.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
+        p = p[..., :kl]
         out[start:start + ql] = np.einsum("thgl,lhd->thgd", p, v).reshape(ql, hq, d)
         start += ql
     return out

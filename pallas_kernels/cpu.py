@@ -17,9 +17,10 @@ _NEG = -1e30  # finite "minus infinity": keeps exp(m_old - m_new) free of inf - 
 
 
 def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dtype, rows_per_token,
-                  chunk_pages, sm_scale, sliding_window, logit_soft_cap, value_dim=None):
+                  chunk_pages, sm_scale, sliding_window, logit_soft_cap, value_dim=None, sinks=None):
     """Pure. One query block `[Hkv, R, D]` (rows token*G+g) against its sequence's pages -> `[Hkv, R, Dv]`; a latent
-    cache (`value_dim`: one row per token, its first `value_dim` values the value) has Hkv = 1."""
+    cache (`value_dim`: one row per token, its first `value_dim` values the value) has Hkv = 1. `sinks [Hkv, G]`:
+    each query head's sink logit, added to the softmax's denominator at the end."""
     hkv, r, d = q_blk.shape
     dv = d if value_dim is None else value_dim
     _, page_size, _, _ = kv_pages.shape
@@ -61,13 +62,19 @@ def _attend_block(q_blk, kv_pages, pages_row, kv_len, first_pos, q_len, *, kv_dt
 
     init = (jnp.full((hkv, r), _NEG, jnp.float32), jnp.zeros((hkv, r), jnp.float32),
             jnp.zeros((hkv, r, dv), jnp.float32))
-    _, l, acc = lax.fori_loop(c_lo, c_hi, body, init)
+    m, l, acc = lax.fori_loop(c_lo, c_hi, body, init)
+    if sinks is not None:
+        sink = jnp.tile(sinks.astype(jnp.float32), (1, r // rows_per_token))  # [Hkv, R]: row token*G+g -> g
+        m_new = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + jnp.exp(sink - m_new)
+        acc = alpha[..., None] * acc
     return acc / jnp.where(l == 0, 1.0, l)[..., None]
 
 
 def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_tokens=64, chunk_tokens=128,
-                               value_dim=None):
+                               value_dim=None, sinks=None):
     """Pure. Same contract as `ragged_paged_attention_reference` (a `QuantizedKV` is dequantised to q's dtype a chunk
     of pages at a time); fast and memory-sane on XLA:CPU. `value_dim`: a latent cache [P, page, 1, D] read by every
     query head, its rows' first `value_dim` values the values (`pallas_kernels.mla`): out [T, Hq, value_dim]."""
@@ -83,7 +90,8 @@ def ragged_paged_attention_cpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     kv_dtype = q.dtype if isinstance(kv_pages, QuantizedKV) or kv_pages.dtype == jnp.uint16 else kv_pages.dtype
     attend = functools.partial(_attend_block, kv_dtype=kv_dtype, rows_per_token=g, chunk_pages=chunk_pages,
                                sm_scale=sm_scale, sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                               value_dim=value_dim)
+                               value_dim=value_dim,
+                               sinks=None if sinks is None else sinks.reshape(hkv, g))
     q_pad = jnp.pad(q, ((0, bt), (0, 0), (0, 0)))  # so a block-sized window never runs off the end
 
     sizes = sorted({1, min(8, bt), bt})  # query-block widths: decodes, short (speculative) chunks, prefill

@@ -142,10 +142,12 @@ def default_num_warps(head_dim: int) -> int:
 
 def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_rows=64, num_splits=None,
-                               step_tokens=None, num_warps=None, num_stages=2, interpret=False, debug=False):
+                               step_tokens=None, num_warps=None, num_stages=2, interpret=False, debug=False,
+                               sinks=None):
     """Pure. Same contract as `ragged_paged_attention_reference`, as a Triton Pallas kernel (a `QuantizedKV` is
     dequantised to q's dtype as each step's tiles are loaded). Raises ValueError (`unsupported_reason`) for shapes
-    Triton cannot tile. `debug` prints the kernel's Triton module as it lowers."""
+    Triton cannot tile. `debug` prints the kernel's Triton module as it lowers. `sinks[Hq]`: applied after the kernel
+    from its log-sum-exp, out * sigmoid(lse - sink) (= sum / (sum + exp(sink)))."""
     t, hq, d = q.shape
     _, page_size, h2, _ = kv_pages.shape
     if (reason := unsupported_reason(d, page_size)) is not None:
@@ -197,14 +199,17 @@ def ragged_paged_attention_gpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         name="ragged_paged_attention_triton",
     )(plan.item_seq, plan.item_first_pos, plan.item_q_len, kv_lens.astype(jnp.int32), pages, q_items, *cache)
     if num_splits == 1:
-        return plan_lib.scatter_outputs(out_o[:, :, 0, :bt * g], plan, hq)
-    # Merge the splits' partial softmaxes (flash-decoding epilogue).
-    lse_max = jnp.max(out_lse, axis=2, keepdims=True)
-    w = jnp.exp(out_lse - lse_max)  # [I, Hkv, K, R]
-    denom = jnp.sum(w, axis=2)
-    merged = jnp.sum(w[..., None] * out_o, axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]
-    merged = merged[:, :, :bt * g].astype(q.dtype)
-    return plan_lib.scatter_outputs(merged, plan, hq)
+        merged, lse = out_o[:, :, 0], out_lse[:, :, 0]
+    else:  # Merge the splits' partial softmaxes (flash-decoding epilogue).
+        lse_max = jnp.max(out_lse, axis=2, keepdims=True)
+        w = jnp.exp(out_lse - lse_max)  # [I, Hkv, K, R]
+        denom = jnp.sum(w, axis=2)
+        merged = jnp.sum(w[..., None] * out_o, axis=2) / jnp.where(denom == 0, 1.0, denom)[..., None]
+        lse = lse_max[:, :, 0] + jnp.log(denom)
+    if sinks is not None:  # [I, Hkv, R] rows' share of the softmax once each head's sink joins it
+        keep = jax.nn.sigmoid(lse - plan_lib.sink_rows(sinks, hkv, bt, rows)[None])
+        merged = merged.astype(jnp.float32) * keep[..., None]
+    return plan_lib.scatter_outputs(merged[:, :, :bt * g].astype(q.dtype), plan, hq)
 
 
 def _triton_params(num_warps: int, num_stages: int):

@@ -46,19 +46,25 @@ def native_may_run() -> bool:
     return os.environ.get(MOE_ENV_VAR, "auto").strip().lower() in ("", "auto", "native")
 
 
-def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group: int = 0) -> str:
+def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group: int = 0,
+                plain_swiglu: bool = True) -> str:
     """Trace-time. Which backend `grouped_expert_mlp` takes for these operands here (`pairs`: the (token, expert)
     pairs, T * k; None: many; `scales`, `group`: quantized weights' as `grouped_expert_mlp` takes them). The native
     kernel takes int8 experts with per-channel scales; quantized experts it does not take gather their weights
     for a few pairs on every platform. XLA:CPU: a few pairs gather, up to LOOP_MAX_ROWS tokens loop over the
-    selected experts. TPU: megablox for float32 / bfloat16 activations (the kernel's dtypes)."""
+    selected experts. TPU: megablox for float32 / bfloat16 activations (the kernel's dtypes). `plain_swiglu` False
+    (experts with biases or GPT-OSS's clamped SwiGLU): never the native kernel, which computes neither."""
     pairs = GATHER_MAX_PAIRS + 1 if pairs is None else pairs
     choice = os.environ.get(MOE_ENV_VAR, "auto").strip().lower()
     if choice not in ("", "auto", *BACKENDS):
         raise ValueError(f"{MOE_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
+    if choice == "native" and not plain_swiglu:
+        raise ValueError(f"{MOE_ENV_VAR}=native: the native expert kernel has no expert biases or clamped SwiGLU "
+                         f"(GPT-OSS); expected auto, {', '.join(BACKENDS[1:])}")
     if choice in BACKENDS[1:]:
         return choice
-    if not (scales is not None and group) and native.expert_mlp_supported(x, gate, up, down, scales):
+    if plain_swiglu and not (scales is not None and group) and native.expert_mlp_supported(x, gate, up, down,
+                                                                                          scales):
         return "native"
     if (target_platform() == "cpu" or scales is not None) and pairs <= GATHER_MAX_PAIRS:
         return "gather"
@@ -69,24 +75,43 @@ def moe_backend(x, gate, up, down, pairs: int | None = None, scales=None, group:
     return "ragged_dot"
 
 
-def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+def grouped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0, biases=None, act=None):
     """Pure. [T, E] in x's dtype: sum_k weights[t, k] * SwiGLU_{slots[t, k]}(x[t]), SwiGLU_s(v) =
     (silu(v @ gate[s]) * (v @ up[s])) @ down[s]; x [T, E], slots [T, k] int (< 0: padding, no work; >= S: no work),
     weights [T, k], gate/up [S, E, I], down [S, I, E] (or packed slot by slot for the native kernel,
     `native.pack_weights`). Runs on whole local arrays (under a mesh: inside shard_map).
     Quantized weights (models.quant) come with `scales` (gate, up, down): per channel [S, I], [S, I], [S, E], or per
-    `group` K rows [S, G, I], [S, G, I], [S, G, E]."""
-    backend = moe_backend(x, gate, up, down, slots.size, scales, group)
+    `group` K rows [S, G, I], [S, G, I], [S, G, E]. `biases` (GPT-OSS): (gate, up, down) biases [S, I], [S, I],
+    [S, E] added to each matmul's output; `act` (alpha, limit): the clamped SwiGLU (`glu`) instead of silu(g) * u."""
+    plain = biases is None and act is None
+    backend = moe_backend(x, gate, up, down, slots.size, scales, group, plain_swiglu=plain)
     if backend == "native":
         return native.expert_mlp(x, slots, weights, gate, up, down, scales)
     gate, up, down = _row_major(x, gate, up, down)
+    extra = {} if plain else {"biases": biases, "act": act}
     if backend == "gather":
-        return gathered_expert_mlp(x, slots, weights, gate, up, down, scales, group)
+        return gathered_expert_mlp(x, slots, weights, gate, up, down, scales, group, **extra)
     if backend == "loop":
-        return looped_expert_mlp(x, slots, weights, gate, up, down, scales, group)
+        return looped_expert_mlp(x, slots, weights, gate, up, down, scales, group, **extra)
     if backend == "megablox":
-        return megablox_expert_mlp(x, slots, weights, gate, up, down, scales, group)
-    return ragged_expert_mlp(x, slots, weights, gate, up, down, scales, group)
+        return megablox_expert_mlp(x, slots, weights, gate, up, down, scales, group, **extra)
+    return ragged_expert_mlp(x, slots, weights, gate, up, down, scales, group, **extra)
+
+
+def glu(g, u, act=None):
+    """Pure. The gated unit of an expert: silu(g) * u, or with `act` = (alpha, limit) GPT-OSS's clamped SwiGLU as HF
+    computes it: g clamped above at limit, u to [-limit, limit], g * sigmoid(alpha * g) * (u + 1)."""
+    if act is None:
+        return jax.nn.silu(g) * u
+    alpha, limit = act
+    g = jnp.minimum(g, limit)
+    u = jnp.clip(u, -limit, limit)
+    return g * jax.nn.sigmoid(alpha * g) * (u + 1)
+
+
+def _bias(b, idx):
+    """Pure. Bias rows `b[idx]` (None: 0)."""
+    return 0 if b is None else b[idx]
 
 
 def _row_major(x, gate, up, down):
@@ -106,7 +131,7 @@ def _dequantized(w, scale, group: int, dtype):
     return (w.astype(jnp.float32) * s).astype(dtype)
 
 
-def gathered_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+def gathered_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0, biases=None, act=None):
     """Pure. `grouped_expert_mlp` for a few pairs: each (token, k) pair's expert weights gathered and applied with
     batched matmuls; slots outside [0, S) weigh 0."""
     t, k = slots.shape
@@ -117,8 +142,10 @@ def gathered_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0)
     xs = jnp.repeat(x, k, axis=0)  # pair p = token p // k
     gs, us, ds = (None,) * 3 if scales is None else (s[idx] for s in scales)
     gw, uw, dw = (_dequantized(w[idx], s, group, x.dtype) for w, s in ((gate, gs), (up, us), (down, ds)))
-    h = jax.nn.silu(jnp.einsum("pe,pei->pi", xs, gw)) * jnp.einsum("pe,pei->pi", xs, uw)
-    out = jnp.einsum("pi,pie->pe", h, dw)
+    gb, ub, db = biases or (None,) * 3
+    h = glu(jnp.einsum("pe,pei->pi", xs, gw) + _bias(gb, idx), jnp.einsum("pe,pei->pi", xs, uw) + _bias(ub, idx),
+            act)
+    out = jnp.einsum("pi,pie->pe", h, dw) + _bias(db, idx)
     w = jnp.where(mine, weights.reshape(-1), 0).astype(out.dtype)
     return (out * w[:, None]).reshape(t, k, -1).sum(axis=1)
 
@@ -130,7 +157,7 @@ def _slot_keys(slots, n: int):
     return jnp.where((flat >= 0) & (flat < n), flat, n)
 
 
-def looped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+def looped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0, biases=None, act=None):
     """Pure. `grouped_expert_mlp` for a few tokens on XLA:CPU: a loop over the distinct slots the tokens selected
     (min(S, T * k) iterations, those past the selected ones skipped), each slot's expert applied to every row with the
     row's combine weight for it (0 where the row did not select it): each selected expert's weights read once, the
@@ -148,8 +175,9 @@ def looped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
             w = [_dequantized(m, jax.lax.dynamic_index_in_dim(sc, s, keepdims=False), group, x.dtype)
                  for m, sc in zip(w, scales)]
         g, u = (jnp.dot(x, m, preferred_element_type=jnp.float32) for m in w[:2])
-        h = (jax.nn.silu(g) * u).astype(x.dtype)
-        return y + coef[:, None] * jnp.dot(h, w[2], preferred_element_type=jnp.float32)
+        b = [0] * 3 if biases is None else [jax.lax.dynamic_index_in_dim(m, s, keepdims=False) for m in biases]
+        h = glu(g + b[0], u + b[1], act).astype(x.dtype)
+        return y + coef[:, None] * (jnp.dot(h, w[2], preferred_element_type=jnp.float32) + b[2])
 
     def body(j, y):
         s = chosen[j]
@@ -159,12 +187,12 @@ def looped_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
     return y.astype(x.dtype)
 
 
-def ragged_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+def ragged_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0, biases=None, act=None):
     """Pure. `grouped_expert_mlp` with XLA's `ragged_dot` over the pairs sorted by slot (`sorted_expert_mlp`)."""
     def matmul(a, w, group_sizes, dtype):
         return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=dtype)
 
-    return sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales, group)
+    return sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales, group, biases=biases, act=act)
 
 
 def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
@@ -181,7 +209,7 @@ def megablox_rows(m: int) -> int:
     return min(MEGABLOX_TM, -(-m // 16) * 16)
 
 
-def megablox_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0):
+def megablox_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0, biases=None, act=None):
     """Pure. `grouped_expert_mlp` with megablox's grouped matmul (Pallas; Mosaic on TPU, interpreted elsewhere)
     over the pairs sorted by slot (`sorted_expert_mlp`, rows padded to whole row tiles). gmm takes float32 / bfloat16
     operands only: quantized experts are converted to x's dtype (the scales then as `sorted_expert_mlp` applies
@@ -195,10 +223,11 @@ def megablox_expert_mlp(x, slots, weights, gate, up, down, scales=None, group=0)
         return megablox.gmm(a, w, group_sizes, dtype, tiling, None, None, False, interpret)
 
     return sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales, group,
-                             row_tile=megablox_rows(slots.size))
+                             row_tile=megablox_rows(slots.size), biases=biases, act=act)
 
 
-def sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales=None, group=0, row_tile=1):
+def sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales=None, group=0, row_tile=1, biases=None,
+                      act=None):
     """Pure. `grouped_expert_mlp` through a grouped matmul: the (token, k) pairs sorted by slot (those of no slot
     last, not computed), padded with pairs of no slot to a multiple of `row_tile` rows, `matmul(a [R, K], w [S, K,
     N], group_sizes [S], dtype) -> [R, N]` (rows past the groups: any value, not read), then scattered back with
@@ -234,8 +263,11 @@ def sorted_expert_mlp(matmul, x, slots, weights, gate, up, down, scales=None, gr
             return matmul(a, w, group_sizes, a.dtype)
         return (matmul(a, w, group_sizes, jnp.float32) * s).astype(a.dtype)
 
-    h = jax.nn.silu(dot(xs, gate, row_scale[0])) * dot(xs, up, row_scale[1])
-    out = dot(h, down, row_scale[2])
+    expert_of_row = jnp.minimum(sorted_key, n - 1)
+    gb, ub, db = biases or (None,) * 3
+    h = glu(dot(xs, gate, row_scale[0]) + _bias(gb, expert_of_row), dot(xs, up, row_scale[1])
+            + _bias(ub, expert_of_row), act).astype(xs.dtype)
+    out = dot(h, down, row_scale[2]) + _bias(db, expert_of_row)
     # where, not a product: rows outside every group may hold anything (megablox leaves them unwritten: NaN in
     # interpret mode)
     out = jnp.where(computed[:, None], out * wflat[order].astype(out.dtype)[:, None], 0)

@@ -89,6 +89,14 @@ def scatter_outputs(out_items: jax.Array, plan: WorkPlan, num_query_heads: int) 
     return out.reshape(-1, num_query_heads, d)
 
 
+def sink_rows(sinks: jax.Array, kv_heads: int, block_tokens: int, rows: int) -> jax.Array:
+    """Pure. Each query head's sink logit `sinks[Hq]` laid out as an item's rows (token * G + g) per KV head:
+    float32 `[Hkv, rows]`, the rows past `block_tokens * G` 0 (padding rows attend to nothing)."""
+    per_head = sinks.astype(jnp.float32).reshape(kv_heads, -1)  # [Hkv, G]
+    tiled = jnp.tile(per_head, (1, block_tokens))
+    return jnp.pad(tiled, ((0, 0), (0, rows - tiled.shape[1])))
+
+
 def pad_page_indices(page_indices: jax.Array, multiple: int) -> jax.Array:
     """Pure. Pads the block table's columns to a multiple, so fixed-size windows never run off its end."""
     s, p = page_indices.shape

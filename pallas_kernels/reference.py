@@ -92,9 +92,11 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     logit_soft_cap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Pure. Causal attention of `q[T, Hq, D]` over each token's own sequence's KV pages (an array, or a
-    `QuantizedKV`) -> `[T, Hq, D]`.
+    `QuantizedKV`) -> `[T, Hq, D]`. `sinks[Hq]` (float32, GPT-OSS): a learned logit per query head that joins the
+    softmax's denominator and attends to nothing (`sink_normalise`).
 
     Simple and memory-hungry (gathers each token's whole KV range); rows of padding tokens are zero.
     """
@@ -119,7 +121,13 @@ def ragged_paged_attention_reference(
     scores = jnp.where(mask, scores, -jnp.inf)
     m = jnp.max(scores, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
+    sink = None
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1)
+        m = jnp.maximum(m, sink)
     p = jnp.where(mask, jnp.exp(scores - m), 0.0)
     denom = jnp.sum(p, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
     out = jnp.einsum("thgl,tlhd->thgd", p / jnp.where(denom == 0, 1.0, denom), v)
     return out.reshape(t, hq, d).astype(q.dtype)

@@ -54,16 +54,19 @@ def _head_scales(scales, h):
 
 
 def _kernel(*refs, quantized, rows_per_token, chunk_pages, page_size, max_pages, sm_scale, sliding_window,
-            logit_soft_cap, ref_bitcast):
+            logit_soft_cap, ref_bitcast, with_sinks=False):
     # SMEM scalar prefetch: the plan's arrays and the block table; inputs: q, a VMEM block [1, Hkv, R, D], and the
     # cache in HBM [P, page_size * 2Hkv, D] (+ its scales [P, page_size, 2Hkv] when quantized); output: a VMEM block
     # [1, Hkv, R, D]; scratch: the chunk buffers [2, chunk * 2Hkv, D] (+ scales [2, chunk, 2Hkv] and the chunk
     # dequantised [chunk * 2Hkv, D] float32 when quantized) and DMA semaphores [2].
     item_seq_ref, item_first_pos_ref, item_q_len_ref, kv_lens_ref, page_indices_ref, q_ref, kv_hbm_ref = refs[:7]
+    rest = list(refs[7:])
+    scales_hbm_ref = rest.pop(0) if quantized else None
+    sinks_ref = rest.pop(0) if with_sinks else None  # each row's sink logit [Hkv, R, 1] (`plan.sink_rows`)
     if quantized:
-        scales_hbm_ref, o_ref, kv_buf, scales_buf, dequantized, sems = refs[7:]
+        o_ref, kv_buf, scales_buf, dequantized, sems = rest
     else:
-        o_ref, kv_buf, sems = refs[7:]
+        o_ref, kv_buf, sems = rest
     i = pl.program_id(0)
     seq = item_seq_ref[i]
     first_pos = item_first_pos_ref[i]
@@ -146,13 +149,19 @@ def _kernel(*refs, quantized, rows_per_token, chunk_pages, page_size, max_pages,
                   jnp.zeros((r, d), jnp.float32)) for _ in range(hkv))
     final = lax.fori_loop(c_lo, c_hi, body, init)
     for h in range(hkv):
-        _, l, acc = final[h]
+        m, l, acc = final[h]
+        if sinks_ref is not None:  # the head's sink joins the softmax's denominator
+            sink = sinks_ref[h]  # [R, 1]
+            m_new = jnp.maximum(m, sink)
+            alpha = jnp.exp(m - m_new)
+            l = alpha * l + jnp.exp(sink - m_new)
+            acc = alpha * acc
         o_ref[0, h] = (acc / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
 
 
 def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                                sliding_window=None, logit_soft_cap=None, block_rows=128, chunk_tokens=128,
-                               interpret=False, debug=False):
+                               interpret=False, debug=False, sinks=None):
     """Pure. Same contract as `ragged_paged_attention_reference`, as a Mosaic TPU Pallas kernel. A `QuantizedKV`'s
     pages and scales are DMA'd as they are and dequantised in VMEM, a chunk at a time.
 
@@ -187,13 +196,17 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
     kernel = functools.partial(_kernel, quantized=quantized, rows_per_token=g, chunk_pages=chunk_pages,
                                page_size=page_size, max_pages=max_pages, sm_scale=sm_scale,
                                sliding_window=sliding_window, logit_soft_cap=logit_soft_cap,
-                               ref_bitcast=interpret is not True)
+                               ref_bitcast=interpret is not True, with_sinks=sinks is not None)
+    extra_specs, extra = [], []
+    if sinks is not None:  # one whole block: every item reads all heads' rows
+        extra = [plan_lib.sink_rows(sinks, hkv, bt, rows)[:, :, None]]
+        extra_specs = [pl.BlockSpec((hkv, rows, 1), lambda i, *_: (0, 0, 0))]
     n_items = plan.max_items
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(n_items,),
         in_specs=[pl.BlockSpec((1, hkv, rows, d), lambda i, *_: (i, 0, 0, 0))]
-        + [pl.BlockSpec(memory_space=pl.ANY)] * len(cache),
+        + [pl.BlockSpec(memory_space=pl.ANY)] * len(cache) + extra_specs,
         out_specs=pl.BlockSpec((1, hkv, rows, d), lambda i, *_: (i, 0, 0, 0)),
         scratch_shapes=scratch + [pltpu.SemaphoreType.DMA((2,))],
     )
@@ -206,7 +219,7 @@ def ragged_paged_attention_tpu(q, kv_pages, kv_lens, page_indices, cu_q_lens, nu
         debug=debug,  # True: print the kernel's jaxpr and Mosaic module when it lowers
         name="ragged_paged_attention_mosaic",
     )(plan.item_seq, plan.item_first_pos, plan.item_q_len, kv_lens.astype(jnp.int32), pages.reshape(-1),
-      q_items, *cache)
+      q_items, *cache, *extra)
     return plan_lib.scatter_outputs(out[:, :, :bt * g], plan, hq)
 
 

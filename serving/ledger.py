@@ -111,6 +111,18 @@ PRESETS: dict[str, tuple[str, dict]] = {
                           original_max_position_embeddings=4096, type="yarn"),
         quantization_config=dict(activation_scheme="dynamic", fmt="e4m3", quant_method="fp8",
                                  weight_block_size=[128, 128]))),
+    # GPT-OSS 120B (its config.json; MXFP4 experts, dequantised to bf16 at load): 36 layers alternating a 128-token
+    # sliding window and full attention, 8 KV heads of 64, 128 experts of 2880 (top 4) with biases, attention sinks.
+    "gpt-oss-120b": ("GPT-OSS-120B", dict(
+        architectures=["GptOssForCausalLM"], attention_bias=True, head_dim=64, hidden_act="silu", hidden_size=2880,
+        intermediate_size=2880, layer_types=["sliding_attention", "full_attention"] * 18,
+        max_position_embeddings=131072, num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=36,
+        num_key_value_heads=8, num_local_experts=128, rms_norm_eps=1e-5, rope_theta=150000, sliding_window=128,
+        rope_scaling=dict(beta_fast=32.0, beta_slow=1.0, factor=32.0, original_max_position_embeddings=4096,
+                          rope_type="yarn", truncate=False),
+        swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088, eos_token_id=200002, pad_token_id=199999,
+        torch_dtype="bfloat16", quantization_config=dict(quant_method="mxfp4", modules_to_not_convert=[
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]))),
     # The source's example (§1.1): 32 layers, hidden 4096, no GQA, fp16 -> 512 KiB of KV per token. The rest of
     # its shape (MLP 11008, vocab 32000) is Llama-2-7B's, which is exactly such a model.
     "source-example": ("source example (32 layers, hidden 4096, no GQA)",

@@ -34,6 +34,9 @@ REASONING_FORMATS: dict[str, tuple[str, str, bool]] = {
     "deepseek_r1": ("<think>", "</think>", True),  # the template opens <think> in the prompt
     "qwen3": ("<think>", "</think>", False),  # the model may open a <think>...</think> block first
 }
+# Reasoning by message channel rather than markers (GPT-OSS's harmony format, serving.api.reasoning): the API splits
+# it; no grammar can start after it (its content opens after a multi-token header), so constrained decoding is refused.
+CHANNEL_REASONING = ("harmony",)
 
 
 # ---------------------------------------------------------------------------- errors

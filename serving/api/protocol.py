@@ -319,8 +319,7 @@ def parser_markers(tool_call_parser: str, reasoning_parser: str) -> tuple[str, .
     """The markers the chat parsers read, which decoded text must keep even where they are special tokens."""
     markers = tools_api.tool_parser(tool_call_parser).markers if tool_call_parser else ()
     if reasoning_parser:
-        p = reasoning_api.reasoning_parser(reasoning_parser)
-        markers += (p.START, p.END)
+        markers += reasoning_api.reasoning_parser(reasoning_parser).markers
     return markers
 
 

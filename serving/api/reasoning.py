@@ -1,9 +1,10 @@
 """Reasoning on the host: splits a model's generated text into `reasoning_content` and `content` at `<think>` /
 `</think>`, whole (`split`) or streamed (`feed`/`finish`), for the --reasoning_parser names `deepseek_r1` and
-`qwen3`; and where reasoning ends in the text (`reasoning_end_index`), so a grammar can start after `</think>`.
-Pure Python: no engine, no tokenizer."""
+`qwen3`, and by the harmony format's channels for `harmony` (GPT-OSS); and where reasoning ends in the text
+(`reasoning_end_index`), so a grammar can start after it. Pure Python: no engine, no tokenizer."""
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 Deltas = tuple[str | None, str | None]
@@ -29,6 +30,7 @@ class ReasoningParser:
     name: ClassVar[str]
     default_in_reasoning: ClassVar[bool | None]
     START, END = "<think>", "</think>"
+    markers: ClassVar[tuple[str, ...]] = (START, END)  # what decoded text must keep, even where special tokens
 
     def __init__(self, in_reasoning: bool | None = None):
         in_reasoning = self.default_in_reasoning if in_reasoning is None else in_reasoning
@@ -145,8 +147,100 @@ class Qwen3ReasoningParser(ReasoningParser):
     default_in_reasoning = None
 
 
+# The harmony format's special tokens (GPT-OSS; openai/harmony's spec)
+H_START, H_END, H_MESSAGE, H_CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+H_CONSTRAIN, H_RETURN, H_CALL = "<|constrain|>", "<|return|>", "<|call|>"
+HARMONY_MARKERS = (H_START, H_END, H_MESSAGE, H_CHANNEL, H_CONSTRAIN, H_RETURN, H_CALL)
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CHANNEL = re.compile(re.escape(H_CHANNEL) + r"(\w+)")
+
+
+class HarmonyReasoningParser(ReasoningParser):
+    """GPT-OSS's harmony format: the output is messages `[<|start|>assistant]<|channel|>CH[ to=R][ <|constrain|>T]
+    <|message|>BODY` each ended by `<|end|>` (or `<|call|>` / `<|return|>`, the stop tokens, usually not in the
+    text). The `analysis` channel is reasoning; `final` and a `commentary` message to no one (a preamble) are content;
+    a message to `functions.NAME` is a tool call, passed on in content as `<|channel|>commentary to=functions.NAME
+    <|constrain|>json<|message|>ARGS<|call|>` for the `harmony` tool parser (serving.api.tools). An output that does
+    not open with a header is content. Text between messages (none in the format) is dropped."""
+    name = "harmony"
+    default_in_reasoning = None
+    START, END = H_CHANNEL + "analysis" + H_MESSAGE, H_END  # END: reasoning tokens are counted up to it
+    markers = HARMONY_MARKERS
+    _TERMINATORS = (H_END, H_CALL, H_RETURN, H_START)
+
+    def __init__(self, in_reasoning: bool | None = None):
+        super().__init__(in_reasoning)
+        self._mode = "content" if in_reasoning is False else "header"
+        self._kind = ""  # the current message's: "reasoning", "content" or "call"
+        self._seen_header = False
+
+    def _step(self, final: bool) -> bool:
+        buf = self._buf
+        if self._mode == "content":  # not harmony: all content
+            if buf:
+                self._content.append(buf)
+                self._consume(len(buf))
+            return False
+        if self._mode == "header":
+            head = buf.lstrip()
+            if not head:  # whitespace: kept until what follows it decides
+                if final:
+                    self._consume(len(buf))
+                return False
+            if not head.startswith((H_START, H_CHANNEL)):
+                if not final and (H_START.startswith(head) or H_CHANNEL.startswith(head)):
+                    return False
+                if not self._seen_header:  # not harmony: all content
+                    self._mode, self.content_start = "content", self._offset
+                    return True
+                self._consume(len(buf) - len(head) + 1)  # stray text between messages
+                return True
+            self._seen_header = True
+            end = head.find(H_MESSAGE)
+            if end < 0:
+                if final:
+                    self._consume(len(buf))
+                return False
+            header = head[:end]
+            self._consume(len(buf) - len(head) + end + len(H_MESSAGE))
+            recipient = _RECIPIENT.search(header)
+            channel = _CHANNEL.search(header)
+            channel = channel.group(1) if channel else ""
+            if recipient and recipient.group(1).startswith("functions."):
+                self._kind = "call"
+                self._content.append(f"{H_CHANNEL}commentary to={recipient.group(1)} {H_CONSTRAIN}json{H_MESSAGE}")
+            else:
+                self._kind = "reasoning" if channel == "analysis" else "content"
+            if self._kind != "reasoning" and self.content_start is None:
+                self.content_start = self._offset
+            self._mode = "body"
+            return True
+        ends = [(i, t) for t in self._TERMINATORS if (i := buf.find(t)) >= 0]
+        if ends:
+            i, terminator = min(ends)
+            self._body(buf[:i])
+            self._consume(i if terminator == H_START else i + len(terminator))
+            self._end_message()
+            return True
+        keep = 0 if final else max(held(buf, t) for t in self._TERMINATORS)
+        self._body(buf[:len(buf) - keep])
+        self._consume(len(buf) - keep)
+        if final:
+            self._end_message()
+        return False
+
+    def _body(self, text: str) -> None:
+        if text:
+            (self._reasoning if self._kind == "reasoning" else self._content).append(text)
+
+    def _end_message(self) -> None:
+        if self._kind == "call":
+            self._content.append(H_CALL)
+        self._mode, self._kind = "header", ""
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser)}
+    p.name: p for p in (DeepSeekR1ReasoningParser, Qwen3ReasoningParser, HarmonyReasoningParser)}
 
 
 def reasoning_parser(name: str) -> type[ReasoningParser]:

@@ -343,8 +343,43 @@ class MistralToolParser(ToolParser):
         return calls
 
 
+class HarmonyToolParser(ToolParser):
+    """GPT-OSS's harmony format, after the `harmony` reasoning parser (serving.api.reasoning), which passes each
+    message to `functions.NAME` on in content as `<|channel|>commentary to=functions.NAME <|constrain|>json
+    <|message|>ARGS<|call|>`: a call of NAME with ARGS (the arguments JSON as the model wrote it); any number, among
+    content. A call cut off at the end of the output still counts."""
+    name = "harmony"
+    OPEN = "<|channel|>commentary to=functions."
+    MESSAGE, CALL = "<|message|>", "<|call|>"
+    markers = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>")
+
+    def _step(self, final: bool) -> bool:
+        if self._mode == "text":
+            if not self._text_until(self.OPEN, final):
+                return False
+            self._mode = "call"
+        start = self._buf.find(self.MESSAGE)
+        end = self._buf.find(self.CALL, max(start, 0))
+        if (start < 0 or end < 0) and not final:
+            return False
+        self._mode = "text"
+        if start < 0:  # a header cut off: nothing to call
+            self._consume(len(self._buf))
+            return True
+        header = self._buf[len(self.OPEN):start]
+        name = re.split(r"[\s<]", header, maxsplit=1)[0]
+        arguments = self._buf[start + len(self.MESSAGE):end if end >= 0 else len(self._buf)].strip()
+        stop = end + len(self.CALL) if end >= 0 else len(self._buf)
+        if name and isinstance(_loads(arguments), dict):
+            self._call(name, arguments)
+        else:  # no name, or arguments that are not a JSON object: the message is text
+            self._text(self._buf[:stop])
+        self._consume(stop)
+        return True
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, HarmonyToolParser)}
 
 
 def tool_parser(name: str) -> type[ToolParser]:
@@ -475,6 +510,9 @@ def tool_grammar(parser_name: str, tools: Any, tool_choice: Any, *,
     functions = check_tools(tools, tool_choice)
     if tool_choice in (None, "none", "auto"):
         return None
+    if parser_name == "harmony":  # its calls follow an analysis message the grammar would have to allow
+        raise ValueError(f"tool_choice {tool_choice!r} with the harmony tool-call format (GPT-OSS) is not "
+                         f"implemented; use 'auto' or 'none'")
     if parser_name == "hermes":
         call = json.dumps(_calls_schema(functions, "arguments"), ensure_ascii=False)
         start = f'{_marker("<tool_call>", special_tokens)} "\\n" call "\\n" {_marker("</tool_call>", special_tokens)}'

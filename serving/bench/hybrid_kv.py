@@ -117,7 +117,8 @@ def bench_ledger() -> None:
           ["model", "params e9", "KV KiB/token, every layer", "KiB/token of the full layers",
            "window layers: KiB/token x tokens held", "KV GiB per 32k request", "KiB/token at 32k", "32k requests fit",
            "engine sizing: 32k requests its pages hold"],
-          [row("gemma-3-27b", True), row("gemma-3-27b", False), row("qwen2.5-32b", True)])
+          [row("gemma-3-27b", True), row("gemma-3-27b", False), row("qwen2.5-32b", True),
+           row("gpt-oss-120b", True), row("gpt-oss-120b", False)])
 
 
 def main() -> None:

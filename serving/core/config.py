@@ -9,7 +9,7 @@ from pallas_kernels.target import canonical_platform
 from pallas_kernels.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
 from serving.config_flags import option
 from serving.core.platform import DTYPES, PlatformChoices, platform_choices
-from serving.params import REASONING_FORMATS
+from serving.params import CHANNEL_REASONING, REASONING_FORMATS
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 QUANTIZATIONS = ("none",) + WEIGHT_QUANTIZATIONS
@@ -139,7 +139,8 @@ class EngineConfig:
     reasoning_parser: str = option(
         "", "How the model marks its reasoning (<think>...</think>): chat responses carry it as reasoning_content, "
         "usage counts its tokens, and a response_format or forced tool call applies only after it; empty: no "
-        "reasoning.", choices=("",) + tuple(REASONING_FORMATS))
+        "reasoning; harmony: GPT-OSS's analysis / final channels (no constrained decoding with it).",
+        choices=("",) + tuple(REASONING_FORMATS) + CHANNEL_REASONING)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:

@@ -552,7 +552,9 @@ class ModelRunner:
             source = np.array([np.flatnonzero(old.slot_to_expert == e)[0] for e in new.slot_to_expert], np.int32)
             mlp = self.state["layers"][layer]["mlp"]
             with mesh_context(self.mesh):
-                for name in ("gate_proj", "up_proj", "down_proj"):
+                for name in ("gate_proj", "up_proj", "down_proj", "gate_bias", "up_bias", "down_bias"):
+                    if name not in mlp:  # the expert biases: GPT-OSS only
+                        continue
                     w = mlp[name].get_value()
                     gather = jax.jit(lambda w, i: w[i], out_shardings=w.sharding, donate_argnums=(0,))
                     mlp[name].set_value(gather(w, jnp.asarray(source)))

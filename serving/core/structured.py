@@ -21,7 +21,7 @@ import numpy as np
 
 # How a reasoning model marks its reasoning, {name: (start marker, end marker, whether the output starts inside it)}:
 # the reasoning parsers' own table, so the grammar and the text split agree. The markers must be single tokens.
-from serving.params import REASONING_FORMATS, InvalidSampling, StructuredOutput
+from serving.params import CHANNEL_REASONING, REASONING_FORMATS, InvalidSampling, StructuredOutput
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,8 @@ class StructuredOutputs:
         self.eos_token_ids = tuple(eos_token_ids)
         self.words = -(-vocab_size // 32)
         self.reasoning = None
-        if reasoning_parser:
+        self.channel_reasoning = reasoning_parser in CHANNEL_REASONING
+        if reasoning_parser and not self.channel_reasoning:
             if reasoning_parser not in REASONING_FORMATS:
                 raise ValueError(f"reasoning_parser: unknown {reasoning_parser!r}; use one of "
                                  f"{', '.join(sorted(REASONING_FORMATS))}")
@@ -176,6 +177,9 @@ class StructuredOutputs:
         refused before anything is queued); `attach` then finds it here. Callers on an event loop run it in a thread:
         a compile takes up to tens of milliseconds within the bounds (`check_bounds`, llguidance's fuel)."""
         check_bounds(spec)
+        if self.channel_reasoning:
+            raise InvalidSampling(f"structured.{spec.kind}: constrained decoding with the harmony format "
+                                  f"(--reasoning_parser=harmony, GPT-OSS) is not implemented")
         with self._lock:
             matcher = self._cache.get(spec)
             if matcher is not None:

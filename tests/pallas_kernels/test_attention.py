@@ -104,6 +104,32 @@ def test_bf16_within_bf16_tolerance(backend):
     _check(_run(backend, case, {}), case, {}, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("backend", JAX_BACKENDS)
+def test_attention_sinks(backend):
+    """GPT-OSS's sinks (a logit per query head in the softmax's denominator) in a sliding window with GQA 4, decodes
+    and prefills, padding: sinks from far below to far above the scores, so some heads attend almost only to the
+    sink and others ignore it."""
+    case = make_case(np.random.default_rng(11), [(1, 40), (9, 20), (5, 5)], num_q_heads=8, num_kv_heads=2,
+                     head_dim=64, page_size=8, num_tokens=24, num_seq_slots=4)
+    options = dict(sinks=np.array([-30.0, -1.0, 0.0, 0.5, 1.0, 2.0, 4.0, 30.0], np.float32), sliding_window=12)
+    out = _run(backend, case, options)
+    _check(out, case, options, atol=2e-5, rtol=2e-5)
+    assert np.max(np.abs(out - dense_attention(case, sm_scale=64 ** -0.5, sliding_window=12))) > 0.1
+    np.testing.assert_array_equal(out[15:], 0.0)  # padding tokens
+
+
+def test_native_cpu_backend_runs_sinks_on_the_xla_path(monkeypatch):
+    """The native kernel has no sinks: the entry point's cpu backend takes the XLA:CPU path for them."""
+    monkeypatch.setenv(pallas_kernels.attention.ENV_VAR, "cpu")
+    case = make_case(np.random.default_rng(12), [(1, 17), (6, 6)], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                     page_size=8)
+    sinks = np.array([0.5, -0.5, 1.0, 2.0], np.float32)
+    fn = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.125))
+    args = jax.tree.map(jnp.asarray, case.attention_args("cpu"))
+    assert "custom_call" not in fn.lower(*args, sinks=jnp.asarray(sinks)).as_text()
+    _check(np.asarray(fn(*args, sinks=jnp.asarray(sinks))), case, dict(sinks=sinks), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_padding_does_not_disturb_real_sequences(backend):
     seqs = [(1, 17), (6, 14)]
@@ -327,6 +353,15 @@ def test_gpu_split_k_at_batch_1_short_context_in_a_long_block_table(options, spl
     case = make_case(np.random.default_rng(5), [(1, 300)], num_q_heads=8, num_kv_heads=2, head_dim=64, page_size=16,
                      max_pages=256)
     out = _kernel_out(gpu.ragged_paged_attention_gpu, case, interpret=True, **split_kw, **options)
+    _check(out, case, options, atol=2e-5, rtol=2e-5)
+
+
+def test_gpu_split_k_with_sinks():
+    """Sinks applied to the merged splits (from their merged log-sum-exp), a sequence whose splits are all empty."""
+    case = make_case(np.random.default_rng(6), [(1, 300), (2, 2)], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, max_pages=32, num_seq_slots=3)
+    options = dict(sinks=np.linspace(-3.0, 5.0, 8).astype(np.float32))
+    out = _kernel_out(gpu.ragged_paged_attention_gpu, case, interpret=True, num_splits=4, step_tokens=32, **options)
     _check(out, case, options, atol=2e-5, rtol=2e-5)
 
 

@@ -310,3 +310,16 @@ def test_latent_kv_cache_is_one_row_per_token_replicated_over_tensor():
     assert fp8.kv_bytes_per_token == 61 * (576 + 4)  # fp8 values and a float32 scale per row
     gqa = ModelMemory(dataclasses.replace(cfg, kv_lora_rank=0, q_lora_rank=0, num_kv_heads=8, head_dim=128), "bfloat16")
     assert gqa.kv_bytes_per_token == 61 * 2 * 8 * 128 * 2  # the same model with GQA 8 x 128 caches 3.6x more
+
+
+def test_gpt_oss_120b_kv_bytes():
+    """GPT-OSS 120B: 18 full layers hold every token, 18 sliding ones (window 128) 128 + 16 (their pages); 8 KV heads
+    of 64 split over tp=8 (one per device); its MXFP4 experts counted as the bf16 they are dequantised to."""
+    _, cfg = ledger.load_config("gpt-oss-120b")
+    assert cfg.family == "gpt_oss" and cfg.mxfp4_experts and cfg.sliding_windows == (128, None) * 18
+    row = 2 * 8 * 64 * 2  # K and V of 8 heads of 64, bf16: one layer, one token
+    mm = ModelMemory(cfg, "bfloat16")
+    assert mm.windows == (128,) and mm.kv_bytes_per_token == 36 * row
+    assert (mm.pool_kv_bytes_per_token(None), mm.pool_kv_bytes_per_token(128)) == (18 * row, 18 * row)
+    assert mm.stage_kv_bytes_per_request(Layout(tp=8), 0, 32768, 16) == (18 * 32768 + 18 * 144) * row // 8
+    assert 116e9 < mm.num_params < 118e9

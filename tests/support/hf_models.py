@@ -71,13 +71,22 @@ def family_configs():
             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
                              "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0,
                              "beta_fast": 32, "beta_slow": 1}),
+        # GPT-OSS: a sliding (window 12) and a full layer, a sink logit per head, YaRN from 16 original positions
+        # (untruncated, as gpt-oss ships it), 4 experts with biases, top-2, the SwiGLU clamped at 0.5 (random weights'
+        # gate / up values cross it), attention biases.
+        "gpt_oss": lambda: tf.GptOssConfig(
+            **{**COMMON, "intermediate_size": 64, "max_position_embeddings": 128, "rms_norm_eps": 1e-5}, head_dim=16,
+            sliding_window=12,
+            num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.5,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}),
     }
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
 # Families whose 1-D parameters (norm weights, biases) are moved away from their init values (1, 0), so that a
 # loader or model that ignores them fails parity.
-PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3", "deepseek_v2", "deepseek_v3")
+PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3", "deepseek_v2", "deepseek_v3", "gpt_oss")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -93,8 +102,8 @@ def build_hf_model(family: str, seed: int = 0, dtype=torch.float32, **overrides)
     if family in PERTURBED:
         g = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
+            for name, p in model.named_parameters():
+                if p.ndim == 1 or name.endswith("_bias"):  # GPT-OSS's expert biases are [experts, N]
                     p.add_(0.2 * torch.randn(p.shape, generator=g))
             for name, b in model.named_buffers():  # DeepSeek-V3's routing bias: large enough to change choices
                 if name.endswith("e_score_correction_bias"):

@@ -97,8 +97,60 @@ def test_streaming_equals_split(name, in_reasoning, case):
 
 
 def test_the_parsers_follow_the_shared_table_of_reasoning_formats():
-    from serving.params import REASONING_FORMATS
-    assert set(REASONING_FORMATS) == set(REASONING_PARSERS)
+    from serving.params import CHANNEL_REASONING, REASONING_FORMATS
+    assert set(REASONING_FORMATS) | set(CHANNEL_REASONING) == set(REASONING_PARSERS)
     for name, (start, end, inside) in REASONING_FORMATS.items():
         p = REASONING_PARSERS[name]
         assert (p.START, p.END, p.default_in_reasoning is True) == (start, end, inside)
+
+
+# GPT-OSS's harmony format (openai/harmony's spec): what the model writes after the prompt's `<|start|>assistant`,
+# its stop tokens <|return|> / <|call|> usually cut off by the engine (both forms here)
+HARMONY = {
+    "analysis then final": (
+        "<|channel|>analysis<|message|>User asks 2+2. Simple.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>2 + 2 = 4.<|return|>", ("User asks 2+2. Simple.", "2 + 2 = 4."), []),
+    "final only, no stop token": ("<|channel|>final<|message|>Hi there", (None, "Hi there"), []),
+    "a tool call after analysis": (
+        "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+        "to=functions.get_weather <|constrain|>json<|message|>{\"location\": \"Paris\"}",
+        ("Need the weather.", None), [("get_weather", "{\"location\": \"Paris\"}")]),
+    "the recipient in the role, a preamble, two calls": (
+        "<|channel|>commentary<|message|>Checking both.<|end|><|start|>assistant to=functions.a<|channel|>commentary"
+        " json<|message|>{}<|call|><|start|>assistant<|channel|>commentary to=functions.b <|constrain|>json"
+        "<|message|>{\"x\": 1}<|call|>", (None, "Checking both."), [("a", "{}"), ("b", "{\"x\": 1}")]),
+    "not harmony": ("plain text <think>", (None, "plain text <think>"), []),
+}
+
+
+@pytest.mark.parametrize("case", HARMONY)
+def test_harmony_channels_and_tool_calls(case):
+    from serving.api.tools import tool_parser
+    text, (reasoning, content), calls = HARMONY[case]
+    r, c = reasoning_parser("harmony").split(text)
+    assert r == reasoning
+    content_text, parsed = tool_parser("harmony").parse(c or "")
+    assert content_text == content
+    assert [(call.name, call.arguments) for call in parsed] == calls
+
+
+@settings(derandomize=True, max_examples=100, deadline=None)
+@given(case=st.sampled_from(sorted(HARMONY)), cuts=st.lists(st.integers(0, 200), max_size=8))
+def test_harmony_streaming_equals_split(case, cuts):
+    """Any split of the text into deltas (markers cut anywhere) gives the whole text's split, through both parsers."""
+    from serving.api.tools import tool_parser
+    text = HARMONY[case][0]
+    cuts = sorted(min(c, len(text)) for c in cuts)
+    parser, tools, reasoning, events = reasoning_parser("harmony")(), tool_parser("harmony")(), [], []
+    for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True):
+        r, c = parser.feed(text[a:b])
+        reasoning.append(r or "")
+        events += tools.feed(c or "")
+    r, c = parser.finish()
+    reasoning.append(r or "")
+    events += tools.feed(c or "") + tools.finish()
+    whole = reasoning_parser("harmony").split(text)
+    assert ("".join(reasoning) or None) == whole[0]
+    content, calls = tool_parser("harmony").parse(whole[1] or "")
+    assert ("".join(e.content or "" for e in events) or None) == content
+    assert [c.name for c in tools.result()[1]] == [c.name for c in calls]

@@ -128,6 +128,10 @@ FRAGMENTS = {
     "mistral": ["[TOOL_CALLS]", "[TOOL_C", "[ARGS]", "[AR", "f", " ", "Hi", "[", "]", ", ", "{", '{"a": "}"}',
                 '{"name": "g", "arguments": {}}', '[TOOL_CALLS][{"name": "f", "arguments": {"a": 1}}]',
                 '[TOOL_CALLS]get_x[ARGS]{"b": [2]}'],
+    # as the harmony reasoning parser passes calls on (serving.api.reasoning)
+    "harmony": ["<|channel|>commentary to=functions.", "<|chan", "f", " ", "<|constrain|>json", "<|message|>",
+                "<|call|>", "<|ca", "Hi", "{", "}", '{"a": 1}',
+                '<|channel|>commentary to=functions.get <|constrain|>json<|message|>{"b": [2]}<|call|>'],
 }
 
 
@@ -248,8 +252,14 @@ def walker():
     return walk
 
 
+def test_harmony_refuses_forced_tool_calls():
+    with pytest.raises(ValueError, match="tool_choice 'required' with the harmony tool-call format"):
+        tool_grammar("harmony", TOOLS, "required")
+    assert tool_grammar("harmony", TOOLS, "auto") is None
+
+
 @pytest.mark.parametrize("tool_choice", ["required", "get_weather", "add", "ping"])
-@pytest.mark.parametrize("name", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("name", sorted(set(TOOL_PARSERS) - {"harmony"}))  # harmony: refused, above
 def test_grammar_walks_parse_as_one_valid_call(walker, name, tool_choice):
     jsonschema = pytest.importorskip("jsonschema")
     choice = tool_choice if tool_choice == "required" else named(tool_choice)

@@ -41,6 +41,8 @@ LAYOUTS = {  # (model, EngineConfig options)
     "llama-lora-tp2": ("llama", {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "tp": 2}),
     # local and global layers, the local ones on the hybrid KV cache's window pool
     "gemma3": ("gemma3", {}),
+    # attention sinks (split with the heads), sliding / full layers, experts with biases and the clamped SwiGLU
+    "gpt_oss-tp2-ep2": ("gpt_oss", {"tp": 2, "ep": 2}),
 }
 LATENT_KERNEL = {"gpu": "latent_attention_triton", "tpu": "tpu_custom_call"}
 # DeepSeek-V3's shape, small: power-of-two latent (64) and RoPE key (32), as the Triton kernel wants.
@@ -59,7 +61,9 @@ def models(tmp_path_factory):
                          ("mixtral", tf.MixtralConfig(**SHAPE, num_local_experts=4, num_experts_per_tok=2)),
                          ("deepseek", tf.DeepseekV3Config(**DEEPSEEK)),
                          ("gemma3", tf.Gemma3TextConfig(**SHAPE, head_dim=64, sliding_window=16,
-                                                        layer_types=["sliding_attention", "full_attention"]))):
+                                                        layer_types=["sliding_attention", "full_attention"])),
+                         ("gpt_oss", tf.GptOssConfig(**SHAPE, head_dim=64, sliding_window=16, num_local_experts=4,
+                                                     num_experts_per_tok=2))):
         out[name] = hf_models.save_config(config, root / name)
     return out
 
@@ -96,7 +100,8 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
         if program.kind != "sample":
             kernel = (LATENT_KERNEL if model == "deepseek" else KERNEL)[platform]
             assert kernel in text, program.name  # the platform's attention kernel, not XLA's
-            if model in ("mixtral", "deepseek"):  # the experts' grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
+            # the experts' grouped matmuls: megablox gmm on TPU, ragged_dot on GPU
+            if model in ("mixtral", "deepseek", "gpt_oss"):
                 assert (megablox_calls(text) > 0) == (platform == "tpu"), program.name
                 assert ("ragged_dot" in text) == (platform == "gpu"), program.name
             if program.lora:  # the LoRA update as XLA's grouped matmul (no native kernel, no one-hot over slots)
