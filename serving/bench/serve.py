@@ -65,7 +65,7 @@ _PLOT = flags.DEFINE_string("plot", "", "Write latency CDFs and throughput over 
 _DISABLE_TQDM = flags.DEFINE_boolean("disable_tqdm", False, "No progress bar.")
 _REQUEST_TIMEOUT_S = flags.DEFINE_float("request_timeout_s", 0.0, "Deadline of each request; 0: none.")
 _LORA_ADAPTERS = flags.DEFINE_list("lora_adapters", [], "LoRA adapters the requests name, in turn (request i: "
-                                   "adapter i mod count; gRPC sampling.adapter, OpenAI `model`); empty: the base model.")
+                                   "adapter i mod count; gRPC sampling.adapter, OpenAI `model`); empty: none.")
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)

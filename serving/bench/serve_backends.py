@@ -227,7 +227,8 @@ class OpenAIBackend:
         await asyncio.gather(*(detokenize(r) for r in todo))
 
     def body(self, req: SampleRequest) -> dict:
-        body = {"model": req.adapter or self.model, "stream": True, "stream_options": {"include_usage": True}, **self.sampling}
+        body = {"model": req.adapter or self.model, "stream": True, "stream_options": {"include_usage": True},
+                **self.sampling}
         if self.chat:
             text = req.prompt if isinstance(req.prompt, str) else req.prompt_text
             if not text:
