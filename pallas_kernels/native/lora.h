@@ -16,14 +16,29 @@
 // work to the pool cost more than the work).
 constexpr int64_t kLoraSerialMacs = 1 << 18;
 
+// The last columns of a row tile: a panel only as wide as they are (a rank-8 A is one vector wide; a full-width
+// panel would load and multiply masked-off vectors for nothing).
+template <int RT, int CB, typename WT>
+void LoraTail(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t width, float* out, int64_t ldo) {
+  if constexpr (CB > 1) {
+    if (width <= V::kLanes * (CB - 1)) return LoraTail<RT, CB - 1, WT>(xt, w, ldw, kb, width, out, ldo);
+  }
+  V::M masks[CB];
+  for (int c = 0; c < CB; ++c) masks[c] = V::Mask(width - V::kLanes * c);
+  WidenTile<RT, CB, WT>(xt, w, ldw, kb, out, ldo, masks, true);
+}
+
 template <int RT, typename WT>
 void LoraColumns(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t width, float* out, int64_t ldo) {
   constexpr int CB = CbFor(RT);
-  for (int64_t c0 = 0; c0 < width; c0 += V::kLanes * CB) {
+  constexpr int64_t panel = V::kLanes * CB;
+  int64_t c0 = 0;
+  if (width >= panel) {
     V::M masks[CB];
-    for (int c = 0; c < CB; ++c) masks[c] = V::Mask(width - c0 - V::kLanes * c);
-    WidenTile<RT, CB, WT>(xt, w + c0, ldw, kb, out + c0, ldo, masks, true);
+    for (int c = 0; c < CB; ++c) masks[c] = V::Mask(panel);
+    for (; c0 + panel <= width; c0 += panel) WidenTile<RT, CB, WT>(xt, w + c0, ldw, kb, out + c0, ldo, masks, true);
   }
+  if (c0 < width) LoraTail<RT, CB, WT>(xt, w + c0, ldw, kb, width - c0, out + c0, ldo);
 }
 
 // out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[kb, width] (row stride ldw) for i < m.

@@ -68,6 +68,8 @@ _RESULT_JSON = flags.DEFINE_string("result_json", "", "Write the result here as 
 _PLOT = flags.DEFINE_string("plot", "", "Write latency CDFs and throughput over time here (PNG).")
 _DISABLE_TQDM = flags.DEFINE_boolean("disable_tqdm", False, "No progress bar.")
 _REQUEST_TIMEOUT_S = flags.DEFINE_float("request_timeout_s", 0.0, "Deadline of each request; 0: none.")
+_LORA_ADAPTERS = flags.DEFINE_list("lora_adapters", [], "LoRA adapters the requests name, in turn (request i: "
+                                   "adapter i mod count; gRPC sampling.adapter, OpenAI `model`); empty: none.")
 
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 PERCENTILES = (50, 90, 99)
@@ -745,9 +747,12 @@ def main() -> None:
                              dataset_path=_DATASET_PATH.value, sharegpt_output_len=_SHAREGPT_OUTPUT_LEN.value,
                              multiturn=(_MULTITURN_CONVERSATIONS.value, _MULTITURN_HISTORY_LEN.value,
                                         _MULTITURN_TURN_LEN.value))
+    for i, req in enumerate(requests):  # adapters mixed uniformly over the requests, as they arrive
+        req.adapter = _LORA_ADAPTERS.value[i % len(_LORA_ADAPTERS.value)] if _LORA_ADAPTERS.value else ""
     where = ", ".join(f"{b} at {_TARGET.value if b == 'grpc' else _BASE_URL.value}" for b in backends)
     print(f"{num} requests through {where}: rate {_REQUEST_RATE.value}, burstiness {_BURSTINESS.value}, max "
-          f"concurrency {_MAX_CONCURRENCY.value or 'none'}", flush=True)
+          f"concurrency {_MAX_CONCURRENCY.value or 'none'}"
+          + (f", LoRA adapters {', '.join(_LORA_ADAPTERS.value)}" if _LORA_ADAPTERS.value else ""), flush=True)
     common = dict(base_url=_BASE_URL.value, dataset=_DATASET.value, request_rate=_REQUEST_RATE.value,
                   burstiness=_BURSTINESS.value, max_concurrency=_MAX_CONCURRENCY.value, seed=_SEED.value,
                   ignore_eos=_IGNORE_EOS.value, temperature=_TEMPERATURE.value,

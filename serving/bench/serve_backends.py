@@ -18,6 +18,7 @@ class SampleRequest:
     output_len: int
     prompt_text: str = ""  # random prompts' token ids as text, for chat (OpenAIBackend.prepare fills it)
     after: int = -1  # multi-turn: the index of the request (its previous turn) that must finish before it is sent
+    adapter: str = ""  # the LoRA adapter it names (gRPC sampling.adapter, OpenAI `model`); "": the base model
 
 
 @dataclasses.dataclass(slots=True)
@@ -109,7 +110,7 @@ class GrpcBackend:
         clock = _Clock(out, t0)
         try:
             async for r in self.client.generate(req.prompt, max_tokens=req.output_len, timeout=self.timeout,
-                                                **self.sampling):
+                                                adapter=req.adapter or None, **self.sampling):
                 if r.token_ids:
                     clock.chunk(len(r.token_ids), r.index)
                 if r.finish_reason and r.index == 0:
@@ -227,7 +228,8 @@ class OpenAIBackend:
         await asyncio.gather(*(detokenize(r) for r in todo))
 
     def body(self, req: SampleRequest) -> dict:
-        body = {"model": self.model, "stream": True, "stream_options": {"include_usage": True}, **self.sampling}
+        body = {"model": req.adapter or self.model, "stream": True, "stream_options": {"include_usage": True},
+                **self.sampling}
         if self.chat:
             text = req.prompt if isinstance(req.prompt, str) else req.prompt_text
             if not text:

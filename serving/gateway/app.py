@@ -22,6 +22,7 @@ from serving.gateway.admission import CLASSES, Admission, QueueFull, RateLimiter
 from serving.gateway.config import ConfigWatcher, GatewayConfig, TenantConfig
 from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker, Transition
 from serving.gateway.jobs import JobError, JobManager, JobStore
+from serving.gateway.lora import GatewayAdapters
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pools import Instance, InstancePools
 from serving.gateway.routing import Router, adapter_candidates, prompt_blocks
@@ -96,6 +97,8 @@ class Gateway:
         self.tenant_inflight: dict[str, int] = {}  # tenant -> its requests in the gateway (queued or streaming)
         self.auth = Authenticator(cfg)
         self.pools = InstancePools(self._on_report, self._on_failure)
+        self.lora = GatewayAdapters(lambda: [i for i in self.pools.instances.values() if self.health.routable(i.name)],
+                                    lambda: self.config.instance_admin_key_file)
         self.limits = ModelLimits()
         self.model_name = ""  # the instances' served model name (the HTTP API's `model`)
         self.draining = False  # both APIs refuse new requests
@@ -128,6 +131,7 @@ class Gateway:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.jobs.stop()
+        await self.lora.close()
         self.jobs.store.close()
         await self.pools.close()
         if self.provider is not None:
@@ -200,6 +204,7 @@ class Gateway:
             if not self._tokenizer_dir and mi.has_tokenizer and os.path.exists(mi.model):
                 # No tokenizer configured: the instances' own, where this host can read their model directory.
                 self._load_tokenizer(mi.model, f"the model directory instance {inst.name} reports")
+        self.lora.on_report(inst)  # one that lacks an adapter loaded through the gateway gets it
         self.admission.notify()
 
     def _on_failure(self, inst: Instance, reason: str) -> None:

@@ -173,6 +173,8 @@ class GatewayConfig:
     tokenizer: str = ""  # optional tokenizer directory: exact prompt lengths for the long lane
     instance_tls: tuple[tuple[str, str], ...] = ()  # ca / cert / key files for (mutual) TLS to instances
     instance_key_file: str = ""  # the key the gateway sends to its instances (their --api_key_file); re-read on change
+    # The key of the gateway's admin calls to instances (their --admin_key_file): LoRA adapter loads and unloads
+    instance_admin_key_file: str = ""
     # The chat parsers of the HTTP API (serving.api.tools / serving.api.reasoning); "": the instances' (ModelInfo)
     tool_call_parser: str = ""
     reasoning_parser: str = ""
@@ -240,8 +242,8 @@ def parse_config(raw: Any) -> GatewayConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
     known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks", "jobs",
-             "tokenizer", "instance_tls", "instance_key_file", "tool_call_parser", "reasoning_parser",
-             "allow_unauthenticated", "allow_no_instances", "disaggregation"}
+             "tokenizer", "instance_tls", "instance_key_file", "instance_admin_key_file", "tool_call_parser",
+             "reasoning_parser", "allow_unauthenticated", "allow_no_instances", "disaggregation"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
@@ -383,14 +385,16 @@ def parse_config(raw: Any) -> GatewayConfig:
     for k, v in tls.items():
         if not isinstance(v, str) or not os.path.isfile(v):
             raise ConfigError(f"instance_tls.{k}: not a readable file: {v!r}")
-    instance_key_file = raw.get("instance_key_file") or ""
-    if not isinstance(instance_key_file, str):
-        raise ConfigError(f"instance_key_file: expected a file path, got a {type(instance_key_file).__name__}")
-    if instance_key_file:
-        try:
-            read_keys(instance_key_file, "instance_key_file")  # its errors name the file and line, not the key
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+    key_files = {}
+    for key in ("instance_key_file", "instance_admin_key_file"):
+        key_files[key] = raw.get(key) or ""
+        if not isinstance(key_files[key], str):
+            raise ConfigError(f"{key}: expected a file path, got a {type(key_files[key]).__name__}")
+        if key_files[key]:
+            try:
+                read_keys(key_files[key], key)  # its errors name the file and line, not the key
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
     tokenizer = raw.get("tokenizer") or ""
     if not isinstance(tokenizer, str):
         raise ConfigError("tokenizer: expected a directory path")
@@ -416,7 +420,7 @@ def parse_config(raw: Any) -> GatewayConfig:
     return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
                          long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
                          callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
-                         instance_key_file=instance_key_file, disaggregation=disagg, **parsers, **flags)
+                         disaggregation=disagg, **key_files, **parsers, **flags)
 
 
 def webhook_key(secret: str, path: str) -> bytes:

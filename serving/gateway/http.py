@@ -20,6 +20,7 @@ from serving.api.guard import HttpLimits
 from serving.api.protocol import ApiError, EngineRequest
 from serving.api.responses import Delta, TokenLogprob
 from serving.gateway.app import Gateway, GatewayError, Prepared
+from serving.gateway.lora import AdapterError
 from serving.gateway.security import AuthError
 from serving.params import ModelLimits
 from serving.wire import meshserve_pb2 as pb
@@ -54,6 +55,15 @@ def api_error(e: GatewayError | AuthError, *, field: str = "prompt", renames: di
         headers["Retry-After"] = str(max(1, math.ceil(ms / 1000)))
     code = {429: "rate_limit_exceeded", 401: "invalid_api_key"}.get(status)
     return ApiError(status, e.details, code=code, headers=headers)
+
+
+def lora_api_error(e: AdapterError, param: str) -> ApiError:
+    """A refused LoRA load or unload as vLLM answers it: 404 for an unknown adapter (lora_name), 403 for a path an
+    instance may not read, 400 for one that does not fit (the instance's message), 503 with no instance to load on."""
+    status = STATUS.get(e.code, 500)
+    if status == 404:
+        return ApiError(404, e.details, param="lora_name", code="model_not_found")
+    return ApiError(status, e.details, param=param if status == 400 else ("lora_path" if status == 403 else None))
 
 
 def delta(r: pb.GenerateResponse) -> Delta:
@@ -174,12 +184,19 @@ class GatewayHTTP:
             raise api_error(e) from None
 
     async def load_adapter(self, name: str, path: str) -> dict:
-        raise ApiError(501, "the gateway loads no LoRA adapters: load them on the instances (POST "
-                       "/v1/load_lora_adapter or LoadLoRAAdapter there, with their admin key); it routes by their "
-                       "load reports")
+        """Loads the adapter on every instance with LoRA on (serving.gateway.lora); their refusal, as vLLM answers."""
+        try:
+            r = await self.gw.lora.load(name, path)
+        except AdapterError as e:
+            raise lora_api_error(e, "lora_path") from None
+        return {"name": r.adapter.name, "path": r.adapter.path}
 
     async def unload_adapter(self, name: str) -> dict:
-        return await self.load_adapter(name, "")
+        try:
+            n = await self.gw.lora.unload(name)
+        except AdapterError as e:
+            raise lora_api_error(e, "lora_name") from None
+        return {"name": name, "requests_in_flight": n}
 
     def run(self, ereq: EngineRequest, response_id: str, tenant, headers) -> _GatewayRun:
         """Each prompt as a GenerateRequest through the gateway's checks (serving.wire.requests, as an instance

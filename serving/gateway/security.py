@@ -72,7 +72,8 @@ class Authenticator:
             raise AuthError(grpc.StatusCode.PERMISSION_DENIED, "this RPC needs an admin key")
 
 
-ADMIN_METHODS = ("/meshserve.gateway.v1.GatewayAdmin/", "/meshserve.v1.Inference/Drain")
+ADMIN_METHODS = ("/meshserve.gateway.v1.GatewayAdmin/", "/meshserve.v1.Inference/Drain",
+                 "/meshserve.v1.Inference/LoadLoRAAdapter", "/meshserve.v1.Inference/UnloadLoRAAdapter")
 OPEN_METHODS = ("/grpc.health.v1.Health/",)  # readiness probes send no credentials
 
 

@@ -11,6 +11,7 @@ import grpc
 from serving.gateway.app import Gateway, GatewayError
 from serving.gateway.health import HEALTHY
 from serving.gateway.jobs import JobError
+from serving.gateway.lora import AdapterError
 from serving.gateway.proto import gateway_pb2 as gpb
 from serving.gateway.proto import gateway_pb2_grpc as gpb_grpc
 from serving.gateway.security import ADMIN, AuthError
@@ -141,6 +142,23 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         while True:
             yield self._fleet_report()
             await asyncio.sleep(interval)
+
+    async def LoadLoRAAdapter(self, request: pb.LoadLoRAAdapterRequest, context):
+        """Admin: loads the adapter on every instance with LoRA on (serving.gateway.lora, docs/lora.md)."""
+        try:
+            self.gw.auth.check_admin(context.invocation_metadata())
+            return await self.gw.lora.load(request.lora_name, request.lora_path)
+        except (AuthError, AdapterError) as e:
+            await _abort(context, e.code, e.details)
+
+    async def UnloadLoRAAdapter(self, request: pb.UnloadLoRAAdapterRequest, context):
+        """Admin: unloads the adapter everywhere; requests in flight on it finish on it."""
+        try:
+            self.gw.auth.check_admin(context.invocation_metadata())
+            n = await self.gw.lora.unload(request.lora_name)
+        except (AuthError, AdapterError) as e:
+            await _abort(context, e.code, e.details)
+        return pb.LoRAAdapterResponse(adapter=pb.LoRAAdapter(name=request.lora_name), requests_in_flight=n)
 
     async def Drain(self, request, context):
         try:

@@ -2,24 +2,37 @@
 OpenAI HTTP API, driven by the `openai` package) in front of two small gRPC instances that report which adapters they
 serve and hold in a slot. An adapter's requests land on the instance holding it (affinity), one no instance holds
 goes where a slot is free; a tenant limited to named adapters is refused the others; an adapter no instance serves
-is a 404 naming it."""
+is a 404 naming it. Then the gateway's own load / unload (vLLM's HTTP routes and the gRPC RPCs, admin key only) over
+two real instance servers (`python -m serving.server --enable_lora`, a small Llama, random PEFT adapters): loaded on
+both, PEFT's greedy tokens through the gateway, the instances' refusals passed through, reloaded on an instance that
+lost it, unloaded everywhere."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import openai
+import pytest
 import yaml
 
+from models.synthetic import shared_small_llama
+from serving.gateway import lora as gateway_lora
 from serving.gateway.app import Gateway
 from serving.gateway.http import GatewayHTTP
 from serving.gateway.routing import InstanceView, adapter_candidates
+from serving.gateway.security import GatewayAuthInterceptor
 from serving.gateway.service import InferenceServicer
 from serving.wire import meshserve_pb2 as pb
 from serving.wire import meshserve_pb2_grpc as pb_grpc
-from serving.wire.client import generate_request
+from serving.process import ServerProcess
+from serving.wire.client import Client, generate_request
 from tests.serving.gateway.test_gateway_inprocess import FakeInstance
+from tests.support import lora as peft_support
+from tests.support.server import running
 
 KEYS = {"limited": "limited-key-0123456789abcdef", "any": "any-key-0123456789abcdef-any"}
 SERVED = ["chat", "code", "sql"]
@@ -128,4 +141,142 @@ def _drive(http_port: int, grpc_port: int) -> dict:
                                metadata=[("authorization", f"Bearer {KEYS['any']}")]))
         except grpc.RpcError as e:
             out["grpc_unknown"] = (e.code(), "'nope'" in e.details())
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the gateway loads
+GW_ADMIN = "gateway-admin-key-0123456789abcdef"
+INSTANCE_ADMIN = "instance-admin-key-0123456789abcdef"
+PROMPT, STEPS = [5, 17, 42, 99, 3, 64], 5
+PEFT = {"sql": dict(r=8, alpha=16, targets=["q_proj", "v_proj", "down_proj"], seed=11),
+        "big": dict(r=32, alpha=32, targets=["q_proj"], seed=13)}  # rank over --max_lora_rank: refused
+
+
+def _post(port: int, path: str, body: dict, key: str) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.mark.e2e
+def test_gateway_loads_and_unloads_adapters_on_its_instances(tmp_path, monkeypatch):
+    monkeypatch.setattr(gateway_lora, "RETRY_S", 0.2)
+    model = shared_small_llama()
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    dirs = {n: peft_support.save_peft_adapter(model, str(root / n), **cfg) for n, cfg in PEFT.items()}
+    dirs["outside"] = peft_support.save_peft_adapter(model, str(outside / "sql"), **PEFT["sql"])
+    keys = tmp_path / "instance_admin.keys"
+    keys.write_text(INSTANCE_ADMIN + "\n")
+    def instance(i: int) -> ServerProcess:  # test_lora_server.py's shapes: the suite's compilation cache has them
+        return ServerProcess(model, str(tmp_path / f"run{i}"), "--enable_lora", "--max_loras=2", "--max_lora_rank=16",
+                             f"--lora_root={root}", f"--admin_key_file={keys}")
+    with running(instance(0)) as a, running(instance(1)) as b:  # one after the other: b compiles nothing
+        cfg = tmp_path / "gw.yaml"
+        cfg.write_text(yaml.safe_dump({
+            "pools": [{"name": "p", "instances": [{"name": n, "target": p.target} for n, p in (("a", a), ("b", b))]}],
+            "routing": {"load_interval_ms": 50}, "admin_keys": [GW_ADMIN], "instance_admin_key_file": str(keys),
+            "tenants": [{"name": "any", "api_keys": [KEYS["any"]]}]}))
+
+        async def main():
+            gw = Gateway(str(cfg), str(tmp_path / "jobs.sqlite"))
+            await gw.start()
+            grpc_server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gw.auth)])
+            pb_grpc.add_InferenceServicer_to_server(InferenceServicer(gw), grpc_server)
+            grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+            await grpc_server.start()
+            api = GatewayHTTP(gw)
+            http_port = await api.start("127.0.0.1", 0)
+            try:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and not (gw.model_name and all(
+                        i.report is not None and i.report.max_loras for i in gw.pools.instances.values())):
+                    await asyncio.sleep(0.05)
+                return await asyncio.to_thread(_drive_loads, http_port, grpc_port, a, b, dirs)
+            finally:
+                await api.stop()
+                await grpc_server.stop(0)
+                await gw.stop()
+
+        got = asyncio.run(main())
+    reference = peft_support.greedy(peft_support.reference_model(model, dirs["sql"]), PROMPT, STEPS)
+    assert got["tokens"] == reference
+
+
+def _served(client: Client) -> list[str]:
+    return list(client.get_load().lora_adapters)
+
+
+def _drive_loads(http_port: int, grpc_port: int, a, b, dirs: dict) -> dict:
+    out = {}
+    admin = [("authorization", f"Bearer {INSTANCE_ADMIN}")]
+    with Client(a.target, timeout=60) as ca, Client(b.target, timeout=60) as cb, \
+            openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=KEYS["any"], max_retries=0,
+                          timeout=120) as oai, grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        body = {"lora_name": "sql", "lora_path": dirs["sql"]}
+        # who may call: a tenant's key is not an admin key
+        status, text = _post(http_port, "/v1/load_lora_adapter", body, KEYS["any"])
+        assert status == 403 and "admin" in text, text
+        # the instances' refusals, passed through with their status and message
+        status, text = _post(http_port, "/v1/load_lora_adapter", {"lora_name": "sql", "lora_path": dirs["outside"]},
+                             GW_ADMIN)
+        assert status == 403 and "--lora_root" in text, text
+        status, text = _post(http_port, "/v1/load_lora_adapter", {"lora_name": "big", "lora_path": dirs["big"]},
+                             GW_ADMIN)
+        assert status == 400 and "32" in text and "16" in text, text
+        assert _served(ca) == _served(cb) == []  # nothing left behind by the refused loads
+        status, text = _post(http_port, "/v1/unload_lora_adapter", {"lora_name": "sql"}, GW_ADMIN)
+        assert status == 404 and "'sql'" in text, text
+        # loaded on both instances; requests for it through the gateway decode with it
+        status, text = _post(http_port, "/v1/load_lora_adapter", body, GW_ADMIN)
+        assert status == 200 and "sql" in text, text
+        assert _served(ca) == _served(cb) == ["sql"]
+        status, text = _post(http_port, "/v1/load_lora_adapter", body, GW_ADMIN)
+        assert status == 400 and "already loaded" in text, text
+        assert "sql" in [m.id for m in oai.models.list().data]
+        r = oai.completions.create(model="sql", prompt=PROMPT, max_tokens=STEPS, temperature=0,
+                                   extra_body={"ignore_eos": True})
+        assert r.model == "sql" and r.choices[0].text == ca.complete(
+            PROMPT, max_tokens=STEPS, temperature=0, ignore_eos=True, adapter="sql").text
+        stub = pb_grpc.InferenceStub(ch)
+        out["tokens"] = [t for resp in stub.Generate(
+            generate_request(PROMPT, max_tokens=STEPS, temperature=0, ignore_eos=True, adapter="sql"), timeout=120,
+            metadata=[("authorization", f"Bearer {KEYS['any']}")]) for t in resp.token_ids]
+        # an instance that lost it (restarted, or unloaded there) gets it again from its load reports
+        cb.unload_lora_adapter("sql", metadata=admin)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _served(cb) != ["sql"]:
+            time.sleep(0.05)
+        assert _served(cb) == ["sql"]
+        # gRPC: admin key only; unload removes it everywhere, then it is unknown
+        gw_admin = [("authorization", f"Bearer {GW_ADMIN}")]
+        try:
+            stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="sql"), timeout=30,
+                                   metadata=[("authorization", f"Bearer {KEYS['any']}")])
+            raise AssertionError("a tenant key unloaded an adapter")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.PERMISSION_DENIED
+        stub.UnloadLoRAAdapter(pb.UnloadLoRAAdapterRequest(lora_name="sql"), timeout=30, metadata=gw_admin)
+        assert _served(ca) == _served(cb) == []
+        try:
+            oai.completions.create(model="sql", prompt=PROMPT, max_tokens=2)
+            raise AssertionError("an unloaded adapter served")
+        except openai.NotFoundError as e:
+            assert "sql" in e.message
+        resp = stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="sql2", lora_path=dirs["sql"]), timeout=60,
+                                    metadata=gw_admin)
+        assert resp.adapter.name == "sql2" and resp.adapter.rank == 8
+        assert _served(ca) == _served(cb) == ["sql2"]
+        try:
+            stub.LoadLoRAAdapter(pb.LoadLoRAAdapterRequest(lora_name="x", lora_path=dirs["outside"]), timeout=60,
+                                 metadata=gw_admin)
+            raise AssertionError("a path outside the instances' root loaded")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "--lora_root" in e.details()
+        for c in (ca, cb):
+            load = c.get_load()
+            assert load.num_running == load.num_waiting == 0
     return out
