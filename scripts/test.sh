@@ -23,5 +23,6 @@ if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/
   fi
 fi
 # Two workers, a test file each at a time (module-scoped servers start once): tests that wait on processes and
-# sockets leave a core idle, so two share the machine's cores without slowing each other much.
-exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests "$@"
+# sockets leave a core idle, so two share the machine's cores without slowing each other much. The longest files go
+# first (tests/durations.json, see tests/conftest.py), not the files with the most tests (xdist's default).
+exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests "$@"

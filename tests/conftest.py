@@ -1,10 +1,13 @@
 """Test set-up: 8 fake CPU devices for mesh tests (must happen before jax is imported)."""
 import atexit
+import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -66,3 +69,26 @@ def pytest_runtest_protocol(item, nextitem):
         return (yield)
     finally:
         _E2E_ITEM["item"] = None
+
+
+# The longest files first (their seconds from a whole run: tests/durations.json, written by
+# `python scripts/test_durations.py junit.xml`; a file not in it counts as the median one): with `--dist loadfile`
+# and `--no-loadscope-reorder` (scripts/test.sh) the workers take files in this order, so no slow file starts last
+# while the other worker idles. Tests keep their order inside a file.
+_DURATIONS = Path(__file__).with_name("durations.json")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    try:
+        seconds = json.loads(_DURATIONS.read_text())
+    except FileNotFoundError:
+        return
+    default = statistics.median(seconds.values()) if seconds else 0.0
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.nodeid.split("::")[0], i)
+
+    def key(item):
+        path = item.nodeid.split("::")[0]
+        return -seconds.get(path, default), first[path]
+    items.sort(key=key)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -59,38 +60,54 @@ def index_reachable():
         pytest.skip(f"package index not reachable: {error}")
 
 
-_RESOLVED: dict[tuple[str, ...], dict[str, dict]] = {}
+def _distinct_extras() -> dict[tuple[str, ...], str]:
+    """One extra per distinct requirement list (`cuda` is `cuda12`): pip is given the same input, so it resolves once."""
+    out: dict[tuple[str, ...], str] = {}
+    for extra in CUDA_MAJOR:
+        out.setdefault(tuple(sorted(EXTRAS[extra])), extra)
+    return out
 
 
-def _resolve(extra: str, tmp_path: Path) -> dict[str, dict]:
-    """pip's resolver, dry run, for `-e ROOT[extra]`: {canonical name: metadata} of what it would install. Extras
-    with the same requirements (`cuda` is `cuda12`) share one resolution: pip is given the same input."""
-    key = tuple(sorted(EXTRAS[extra]))
-    if key not in _RESOLVED:
-        _RESOLVED[key] = _resolve_once(extra, tmp_path)
-    return _RESOLVED[key]
-
-
-def _resolve_once(extra: str, tmp_path: Path) -> dict[str, dict]:
-    report = tmp_path / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--no-input",
-           "--timeout", "30", "--retries", "2", "--report", str(report), "-e", f"{ROOT}[{extra}]"]
+@pytest.fixture(scope="module")
+def resolutions(index_reachable, tmp_path_factory):
+    """pip's resolver, dry run, for `-e ROOT[extra]` of every distinct extra, all started at once (each spends its
+    time waiting on the index, so side by side they take the time of the slowest): {requirements: pending run}."""
     env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    runs = {}
+    for key, extra in _distinct_extras().items():
+        work = tmp_path_factory.mktemp(f"resolve-{extra}")
+        cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--no-input",
+               "--timeout", "30", "--retries", "2", "--report", str(work / "report.json"), "-e", f"{ROOT}[{extra}]"]
+        with open(work / "pip.log", "w") as log:  # a file, not a pipe: nobody reads it while pip runs
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
+        runs[key] = (extra, proc, work, time.monotonic())
+    yield runs
+    for _, proc, _, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _resolve(extra: str, runs) -> dict[str, dict]:
+    """{canonical name: metadata} of what pip would install for `-e ROOT[extra]`."""
+    key = tuple(sorted(EXTRAS[extra]))
+    extra, proc, work, started = runs[key]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RESOLVE_TIMEOUT_S, env=env, cwd=tmp_path)
-    except subprocess.TimeoutExpired as e:
-        out = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (e.stdout, e.stderr) if o)
-        error = _network_error(out)
+        proc.wait(timeout=max(1.0, started + RESOLVE_TIMEOUT_S - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        error = _network_error((work / "pip.log").read_text(errors="replace"))
         if error:
             pytest.skip(f"package index not reachable (pip ran past {RESOLVE_TIMEOUT_S}s): {error}")
         raise
-    out = proc.stdout + proc.stderr
+    out = (work / "pip.log").read_text(errors="replace")
     if proc.returncode != 0:
         error = _network_error(out)
         if error and "ResolutionImpossible" not in out and "conflicting dependencies" not in out:
             pytest.skip(f"package index not reachable: {error}")
         pytest.fail(f"pip could not resolve .[{extra}] (rc={proc.returncode}):\n{out[-4000:]}")
-    data = json.loads(report.read_text())
+    data = json.loads((work / "report.json").read_text())
     return {canonicalize_name(item["metadata"]["name"]): item["metadata"] for item in data["install"]}
 
 
@@ -110,8 +127,8 @@ def test_extras_pin_the_main_jax_range():
 
 
 @pytest.mark.parametrize("extra", list(CUDA_MAJOR))
-def test_extra_resolves_to_matching_plugin(extra, tmp_path, index_reachable):
-    installs = _resolve(extra, tmp_path)
+def test_extra_resolves_to_matching_plugin(extra, resolutions):
+    installs = _resolve(extra, resolutions)
     assert "meshserve" in installs
     jax = _version(installs, "jax")
     assert MAIN_JAX.specifier.contains(jax), f"resolved jax {jax} outside the project's pin {MAIN_JAX}"

@@ -1,0 +1,39 @@
+"""Writes tests/durations.json, each test file's seconds (setup + call + teardown of its tests) from a whole run's
+JUnit XML: `scripts/test.sh --junitxml=junit.xml`, then `python scripts/test_durations.py junit.xml`. The test
+collection (tests/conftest.py) starts the longest files first with it; refresh it when files are added or slowed."""
+import json
+import sys
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def file_seconds(junit: str) -> dict[str, float]:
+    seconds: dict[str, float] = defaultdict(float)
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        module = case.get("classname", "")
+        # "tests.serving.test_demo" or "tests.serving.test_x.TestClass": the longest prefix that is a file.
+        parts = module.split(".")
+        for n in range(len(parts), 0, -1):
+            path = "/".join(parts[:n]) + ".py"
+            if (ROOT / path).is_file():
+                seconds[path] += float(case.get("time", 0.0))
+                break
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 2:
+        sys.exit(f"usage: {argv[0]} JUNIT_XML")
+    seconds = {path: round(s, 1) for path, s in file_seconds(argv[1]).items()}
+    out = ROOT / "tests" / "durations.json"
+    out.write_text(json.dumps(seconds, indent=0) + "\n")
+    print(f"{out}: {len(seconds)} files, {sum(seconds.values()):.0f} s in all; the longest:")
+    for path, s in list(seconds.items())[:10]:
+        print(f"  {s:8.1f} s  {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
