@@ -84,6 +84,14 @@ class ReadyFileProcess:
             self._log.close()
 
 
+def cpu_xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process on `devices` CPU devices, keeping this process's other XLA flags (a test run's
+    `--xla_backend_optimization_level=0`, tests/conftest.py)."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])
+
+
 # Small engine settings that start fast: one token bucket of 32, so warm-up compiles 9 programs.
 SMALL_ENGINE_FLAGS = ("--page_size=8", "--num_pages=512", "--max_num_seqs=32", "--max_num_batched_tokens=32",
                       "--min_token_bucket=32")
@@ -98,7 +106,7 @@ class ServerProcess(ReadyFileProcess):
         args = ["-m", module, f"--model={model_dir}", "--host=127.0.0.1", "--port=0", "--metrics_port=0",
                 *SMALL_ENGINE_FLAGS, *flags]
         super().__init__("server", args, workdir, env={"JAX_PLATFORMS": "cpu",
-                                                       "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+                                                       "XLA_FLAGS": cpu_xla_flags(1),
                                                        **(env or {})})
         self.start()
 

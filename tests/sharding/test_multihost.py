@@ -176,9 +176,9 @@ def test_grpc_server_across_two_processes(served_model, tmp_path):
     import grpc
 
     from serving.wire.client import Client, ClientError
-    from serving.process import ServerProcess
+    from serving.process import ServerProcess, cpu_xla_flags
     coord = _free_port()
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": cpu_xla_flags(4)}
     secret = tmp_path / "step.secret"
     secret.write_text(SECRET)
     common = (f"--coordinator_address=127.0.0.1:{coord}", "--num_processes=2", "--tp=8", "--min_token_bucket=32",

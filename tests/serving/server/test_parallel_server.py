@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from models.synthetic import make_test_tokenizer
 from serving.wire.client import AsyncClient, Client
 from models.synthetic import shared_small_llama
-from serving.process import ServerProcess
+from serving.process import ServerProcess, cpu_xla_flags
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_l
 def test_expert_parallel_server_exports_expert_load(tmp_path):
     model = _model(str(tmp_path / "moe"), tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2))
     server = ServerProcess(model, str(tmp_path / "srv"), "--ep=2", "--spare_expert_slots=2",
-                           "--enable_prefix_caching=false", env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                           "--enable_prefix_caching=false", env={"XLA_FLAGS": cpu_xla_flags(2)})
     try:
         server.wait_ready(600)
         fed = 0
@@ -60,7 +60,7 @@ def test_expert_parallel_server_exports_expert_load(tmp_path):
 def test_pipeline_server_exports_bubble_fraction(tmp_path):
     model = _model(str(tmp_path / "dense"), tf.LlamaConfig(**COMMON))
     server = ServerProcess(model, str(tmp_path / "srv"), "--pp=2", "--micro_batches=2",
-                           env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                           env={"XLA_FLAGS": cpu_xla_flags(2)})
     try:
         server.wait_ready(600)
         with Client(server.target) as client:
@@ -71,7 +71,7 @@ def test_pipeline_server_exports_bubble_fraction(tmp_path):
         server.terminate()
 
 
-EIGHT_DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+EIGHT_DEVICES = {"XLA_FLAGS": cpu_xla_flags(8)}
 DP_PROMPTS = [[3 + (37 * i + 11 * j) % 500 for j in range(3 + 4 * i)] for i in range(8)]
 
 
