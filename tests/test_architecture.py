@@ -2,7 +2,7 @@
 loop): the one-way direction of ARCHITECTURE.md between packages, no cycle between packages or between modules,
 `serving.core` free of gRPC and HTTP, the request contract (`serving.params`) on the bottom floor, the OpenAI app
 (`serving.api`) and the wire (`serving.wire`) free of both frontends, and the gateway reaching the instances only
-through the wire (never `serving.server` or `serving.core`)."""
+through the wire (never `serving.server` or `serving.core`). Also the house cap of 900 lines per source file."""
 from __future__ import annotations
 
 import ast
@@ -190,3 +190,30 @@ def test_the_checker_catches_cycles_and_wrong_directions(tmp_path):
     assert not any(line.startswith("serving.gateway.g imports serving.wire") for line in found)
     assert "serving.params imports numpy: serving.params must not import numpy" in found
     assert "serving.params imports serving.wire: serving.params must not import serving.wire" in found
+
+
+MAX_LINES = 900  # STYLE.md: no file past 900 lines
+SOURCE_DIRS = ("models", "serving", "sharding", "pallas_kernels", "jax_compat", "tests")
+
+
+def long_files(root: Path = ROOT, dirs=SOURCE_DIRS, limit: int = MAX_LINES) -> list[str]:
+    """'path: N lines' for every .py under `dirs` longer than `limit` (generated gRPC code, *_pb2*.py, excepted)."""
+    out = []
+    for d in dirs:
+        for path in sorted((root / d).rglob("*.py")):
+            if "_pb2" in path.name:
+                continue
+            n = len(path.read_text().splitlines())
+            if n > limit:
+                out.append(f"{path.relative_to(root)}: {n} lines (at most {limit}: split it along a seam)")
+    return out
+
+
+def test_no_source_file_is_past_900_lines(tmp_path):
+    assert long_files() == []
+    (tmp_path / "serving").mkdir()
+    (tmp_path / "serving" / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "serving" / "ok.py").write_text("x = 1\n" * MAX_LINES)
+    (tmp_path / "serving" / "big_pb2.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    assert long_files(tmp_path, ("serving",)) == [f"serving/long.py: {MAX_LINES + 1} lines (at most {MAX_LINES}: "
+                                                  "split it along a seam)"]
