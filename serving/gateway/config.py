@@ -235,19 +235,46 @@ def _str_list(raw, path: str, *, secret: bool = False) -> tuple[str, ...]:
     return tuple(raw)
 
 
+_TOP_LEVEL_KEYS = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks",
+                   "jobs", "tokenizer", "instance_tls", "instance_key_file", "instance_admin_key_file",
+                   "tool_call_parser", "reasoning_parser", "allow_unauthenticated", "allow_no_instances",
+                   "disaggregation"}
+
+
 def parse_config(raw: Any) -> GatewayConfig:
-    """A GatewayConfig from the file's parsed contents; raises ConfigError naming the bad key."""
+    """A GatewayConfig from the file's parsed contents; raises ConfigError naming the bad key. The sections are read
+    in a fixed order, so of several errors the first section's is the one raised."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"(top level): expected a mapping, got {type(raw).__name__}")
-    known = {"pools", "routing", "isolation", "long_lane", "admission", "tenants", "admin_keys", "callbacks", "jobs",
-             "tokenizer", "instance_tls", "instance_key_file", "instance_admin_key_file", "tool_call_parser",
-             "reasoning_parser", "allow_unauthenticated", "allow_no_instances", "disaggregation"}
     for key in raw:
-        if key not in known:
-            raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(known))}")
-    pools_raw = raw.get("pools") or []
+        if key not in _TOP_LEVEL_KEYS:
+            raise ConfigError(f"{key}: unknown key; known: {', '.join(sorted(_TOP_LEVEL_KEYS))}")
+    pools, instances = _pools(raw.get("pools") or [])
+    routing = _routing(_section(raw, "routing"))
+    iso = _isolation(_section(raw, "isolation"))
+    lane = _long_lane(_section(raw, "long_lane"), instances)
+    adm = _admission(_section(raw, "admission"))
+    tenants, admin_keys = _tenants(raw, pools)
+    callbacks = _callbacks(_section(raw, "callbacks"))
+    jobs = _jobs(_section(raw, "jobs"))
+    flags = _allow_flags(raw)
+    tls = _instance_tls(raw.get("instance_tls") or {})
+    key_files = _key_files(raw)
+    tokenizer = raw.get("tokenizer") or ""
+    if not isinstance(tokenizer, str):
+        raise ConfigError("tokenizer: expected a directory path")
+    parsers = _chat_parsers(raw)
+    disagg = _disaggregation(_section(raw, "disaggregation"), pools)
+    return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
+                         long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
+                         callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
+                         disaggregation=disagg, **key_files, **parsers, **flags)
+
+
+def _pools(pools_raw) -> tuple[list[str], list[InstanceConfig]]:
+    """The pool names and their instances; names and targets unique over every pool."""
     if not isinstance(pools_raw, list):
         raise ConfigError("pools: expected a list of {name, instances}")
     pools, instances, names, targets = [], [], set(), set()
@@ -261,31 +288,35 @@ def parse_config(raw: Any) -> GatewayConfig:
             raise ConfigError(f"pools[{i}].name: {p['name']!r} is defined twice")
         pools.append(p["name"])
         for j, inst in enumerate(p.get("instances") or []):
-            path = f"pools[{i}].instances[{j}]"
-            if not isinstance(inst, dict):
-                raise ConfigError(f"{path}: expected a mapping with name and target")
-            labels = inst.get("labels") or {}
-            if not isinstance(labels, dict):
-                raise ConfigError(f"{path}.labels: expected a mapping")
-            ic = _build(InstanceConfig, {k: v for k, v in inst.items() if k != "labels"}, path, pool=p["name"],
-                        labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())))
-            if not _NAME.match(ic.name or ""):
-                raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {ic.name!r}")
-            if ic.name in names:
-                raise ConfigError(f"{path}.name: instance {ic.name!r} is defined twice")
-            if not re.match(r"^[^\s:]+:\d+$", ic.target or ""):
-                raise ConfigError(f"{path}.target: expected host:port, got {ic.target!r}")
-            if ic.kv_events and ic.kv_events != "auto" and not re.match(r"^(tcp://[^\s:]+:\d+|ipc://\S+)$",
-                                                                         ic.kv_events):
-                raise ConfigError(f"{path}.kv_events: expected auto, tcp://host:port or ipc://path, got "
-                                  f"{ic.kv_events!r}")
-            if ic.target in targets:
-                raise ConfigError(f"{path}.target: {ic.target} is listed twice")
+            ic = _instance(inst, f"pools[{i}].instances[{j}]", p["name"], names, targets)
             names.add(ic.name)
             targets.add(ic.target)
             instances.append(ic)
+    return pools, instances
 
-    r = _section(raw, "routing")
+
+def _instance(inst, path: str, pool: str, names: set[str], targets: set[str]) -> InstanceConfig:
+    if not isinstance(inst, dict):
+        raise ConfigError(f"{path}: expected a mapping with name and target")
+    labels = inst.get("labels") or {}
+    if not isinstance(labels, dict):
+        raise ConfigError(f"{path}.labels: expected a mapping")
+    ic = _build(InstanceConfig, {k: v for k, v in inst.items() if k != "labels"}, path, pool=pool,
+                labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())))
+    if not _NAME.match(ic.name or ""):
+        raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {ic.name!r}")
+    if ic.name in names:
+        raise ConfigError(f"{path}.name: instance {ic.name!r} is defined twice")
+    if not re.match(r"^[^\s:]+:\d+$", ic.target or ""):
+        raise ConfigError(f"{path}.target: expected host:port, got {ic.target!r}")
+    if ic.kv_events and ic.kv_events != "auto" and not re.match(r"^(tcp://[^\s:]+:\d+|ipc://\S+)$", ic.kv_events):
+        raise ConfigError(f"{path}.kv_events: expected auto, tcp://host:port or ipc://path, got {ic.kv_events!r}")
+    if ic.target in targets:
+        raise ConfigError(f"{path}.target: {ic.target} is listed twice")
+    return ic
+
+
+def _routing(r: dict) -> RoutingConfig:
     weights = _build(ScoreWeights, r.get("weights") or {}, "routing.weights")
     routing = _build(RoutingConfig, {k: v for k, v in r.items() if k != "weights"}, "routing", weights=weights)
     if routing.policy not in POLICIES:
@@ -296,8 +327,11 @@ def parse_config(raw: Any) -> GatewayConfig:
     _positive("routing.stale_after_s", routing.stale_after_s)
     _positive("routing.prefix_block_chars", routing.prefix_block_chars)
     _positive("routing.prefix_index_size", routing.prefix_index_size)
+    return routing
 
-    iso = _build(IsolationConfig, _section(raw, "isolation"), "isolation")
+
+def _isolation(raw: dict) -> IsolationConfig:
+    iso = _build(IsolationConfig, raw, "isolation")
     _positive("isolation.window_s", iso.window_s)
     if iso.slow_ratio < 1:
         raise ConfigError(f"isolation.slow_ratio: must be >= 1, got {iso.slow_ratio}")
@@ -306,15 +340,21 @@ def parse_config(raw: Any) -> GatewayConfig:
     _positive("isolation.healthy_windows", iso.healthy_windows)
     _positive("isolation.probe_max_tokens", iso.probe_max_tokens)
     _positive("isolation.silent_after_s", iso.silent_after_s, zero_ok=True)
+    return iso
 
-    lane = _build(LongLaneConfig, _section(raw, "long_lane"), "long_lane")
+
+def _long_lane(raw: dict, instances: list[InstanceConfig]) -> LongLaneConfig:
+    lane = _build(LongLaneConfig, raw, "long_lane")
     _positive("long_lane.threshold_tokens", lane.threshold_tokens, zero_ok=True)
     _positive("long_lane.max_concurrent", lane.max_concurrent)
     _positive("long_lane.max_queue", lane.max_queue, zero_ok=True)
     if lane.threshold_tokens and not any(i.long_lane for i in instances):
         raise ConfigError("long_lane.threshold_tokens: set, but no instance has long_lane: true")
+    return lane
 
-    a = dict(_section(raw, "admission"))
+
+def _admission(raw: dict) -> AdmissionConfig:
+    a = dict(raw)
     bounds = a.pop("queue_bounds", None) or {}
     if not isinstance(bounds, dict) or set(bounds) - set(PRIORITY_CLASSES):
         raise ConfigError(f"admission.queue_bounds: expected a mapping of {', '.join(PRIORITY_CLASSES)} to sizes")
@@ -328,56 +368,73 @@ def parse_config(raw: Any) -> GatewayConfig:
     _positive("admission.max_tokens_cap", adm.max_tokens_cap, zero_ok=True)
     _positive("admission.default_max_tokens", adm.default_max_tokens)
     _positive("admission.request_timeout_s", adm.request_timeout_s)
+    return adm
 
+
+def _tenants(raw: dict, pools: list[str]) -> tuple[list[TenantConfig], tuple[str, ...]]:
+    """The tenants and the admin keys: every key belongs to one tenant or to the admins."""
     tenants, keys = [], {}
     tenants_raw = raw.get("tenants") or []
     if not isinstance(tenants_raw, list):
         raise ConfigError("tenants: expected a list of {name, api_keys, priority, pools, rate_limit}")
     admin_keys = _str_list(raw.get("admin_keys"), "admin_keys", secret=True)
     for i, t in enumerate(tenants_raw):
-        path = f"tenants[{i}]"
-        if not isinstance(t, dict):
-            raise ConfigError(f"{path}: expected a mapping")
-        t = dict(t)
-        rl = _build(RateLimit, t.pop("rate_limit", None) or {}, f"{path}.rate_limit")
-        _positive(f"{path}.rate_limit.requests_per_s", rl.requests_per_s, zero_ok=True)
-        _positive(f"{path}.rate_limit.burst", rl.burst, zero_ok=True)
-        _positive(f"{path}.rate_limit.tokens_per_s", rl.tokens_per_s, zero_ok=True)
-        _positive(f"{path}.rate_limit.token_burst", rl.token_burst, zero_ok=True)
-        api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys", secret=True)
-        tpools = _str_list(t.pop("pools", None), f"{path}.pools")
-        tadapters = _str_list(t.pop("adapters"), f"{path}.adapters") if "adapters" in t else None
-        tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl, adapters=tadapters)
-        if not _NAME.match(tc.name or ""):
-            raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {tc.name!r}")
-        if tc.name.lower() in RESERVED_TENANT_NAMES:
-            raise ConfigError(f"{path}.name: {tc.name!r} is reserved (admin keys act as it); choose another name")
-        if tc.name in {x.name for x in tenants}:
-            raise ConfigError(f"{path}.name: tenant {tc.name!r} is defined twice")
-        _positive(f"{path}.max_inflight", tc.max_inflight, zero_ok=True)
-        if tc.webhook_secret:
-            webhook_key(tc.webhook_secret, f"{path}.webhook_secret")
-        if tc.priority not in PRIORITY_CLASSES:
-            raise ConfigError(f"{path}.priority: {tc.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}")
-        for p in tpools:
-            if p not in pools:
-                raise ConfigError(f"{path}.pools: unknown pool {p!r}; pools: {', '.join(pools)}")
-        for k in api_keys:
+        tc = _tenant(t, f"tenants[{i}]", pools, tenants)
+        for k in tc.api_keys:
             if k in keys or k in admin_keys:
-                raise ConfigError(f"{path}.api_keys: a key is listed twice (also for {keys.get(k, 'admin')})")
+                raise ConfigError(f"tenants[{i}].api_keys: a key is listed twice (also for {keys.get(k, 'admin')})")
             keys[k] = tc.name
         tenants.append(tc)
+    return tenants, admin_keys
 
-    callbacks = _callbacks(_section(raw, "callbacks"))
-    jobs = _build(JobsConfig, _section(raw, "jobs"), "jobs")
+
+def _tenant(t, path: str, pools: list[str], earlier: list[TenantConfig]) -> TenantConfig:
+    if not isinstance(t, dict):
+        raise ConfigError(f"{path}: expected a mapping")
+    t = dict(t)
+    rl = _build(RateLimit, t.pop("rate_limit", None) or {}, f"{path}.rate_limit")
+    _positive(f"{path}.rate_limit.requests_per_s", rl.requests_per_s, zero_ok=True)
+    _positive(f"{path}.rate_limit.burst", rl.burst, zero_ok=True)
+    _positive(f"{path}.rate_limit.tokens_per_s", rl.tokens_per_s, zero_ok=True)
+    _positive(f"{path}.rate_limit.token_burst", rl.token_burst, zero_ok=True)
+    api_keys = _str_list(t.pop("api_keys", None), f"{path}.api_keys", secret=True)
+    tpools = _str_list(t.pop("pools", None), f"{path}.pools")
+    tadapters = _str_list(t.pop("adapters"), f"{path}.adapters") if "adapters" in t else None
+    tc = _build(TenantConfig, t, path, api_keys=api_keys, pools=tpools, rate_limit=rl, adapters=tadapters)
+    if not _NAME.match(tc.name or ""):
+        raise ConfigError(f"{path}.name: expected a name of letters, digits, _ . : -, got {tc.name!r}")
+    if tc.name.lower() in RESERVED_TENANT_NAMES:
+        raise ConfigError(f"{path}.name: {tc.name!r} is reserved (admin keys act as it); choose another name")
+    if tc.name in {x.name for x in earlier}:
+        raise ConfigError(f"{path}.name: tenant {tc.name!r} is defined twice")
+    _positive(f"{path}.max_inflight", tc.max_inflight, zero_ok=True)
+    if tc.webhook_secret:
+        webhook_key(tc.webhook_secret, f"{path}.webhook_secret")
+    if tc.priority not in PRIORITY_CLASSES:
+        raise ConfigError(f"{path}.priority: {tc.priority!r}; use one of {', '.join(PRIORITY_CLASSES)}")
+    for p in tpools:
+        if p not in pools:
+            raise ConfigError(f"{path}.pools: unknown pool {p!r}; pools: {', '.join(pools)}")
+    return tc
+
+
+def _jobs(raw: dict) -> JobsConfig:
+    jobs = _build(JobsConfig, raw, "jobs")
     _positive("jobs.max_crashes", jobs.max_crashes)
     _positive("jobs.retention_s", jobs.retention_s)
+    return jobs
+
+
+def _allow_flags(raw: dict) -> dict[str, bool]:
     flags = {}
     for key in ("allow_unauthenticated", "allow_no_instances"):
         flags[key] = raw.get(key, False)
         if not isinstance(flags[key], bool):
             raise ConfigError(f"{key}: expected true or false, got {flags[key]!r}")
-    tls = raw.get("instance_tls") or {}
+    return flags
+
+
+def _instance_tls(tls) -> dict[str, str]:
     if not isinstance(tls, dict) or set(tls) - {"ca", "cert", "key"}:
         raise ConfigError("instance_tls: expected a mapping with ca, and cert + key for mutual TLS")
     if ("cert" in tls) != ("key" in tls):
@@ -385,6 +442,10 @@ def parse_config(raw: Any) -> GatewayConfig:
     for k, v in tls.items():
         if not isinstance(v, str) or not os.path.isfile(v):
             raise ConfigError(f"instance_tls.{k}: not a readable file: {v!r}")
+    return tls
+
+
+def _key_files(raw: dict) -> dict[str, str]:
     key_files = {}
     for key in ("instance_key_file", "instance_admin_key_file"):
         key_files[key] = raw.get(key) or ""
@@ -395,15 +456,19 @@ def parse_config(raw: Any) -> GatewayConfig:
                 read_keys(key_files[key], key)  # its errors name the file and line, not the key
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-    tokenizer = raw.get("tokenizer") or ""
-    if not isinstance(tokenizer, str):
-        raise ConfigError("tokenizer: expected a directory path")
+    return key_files
+
+
+def _chat_parsers(raw: dict) -> dict[str, str]:
     parsers = {}
     for key, known_names in (("tool_call_parser", TOOL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
         parsers[key] = raw.get(key) or ""
         if parsers[key] and parsers[key] not in known_names:
             raise ConfigError(f"{key}: unknown {parsers[key]!r}; known: {', '.join(sorted(known_names))}")
-    d = _section(raw, "disaggregation")
+    return parsers
+
+
+def _disaggregation(d: dict, pools: list[str]) -> DisaggregationConfig:
     if set(d) - {"prefill_pools", "decode_pools"}:
         raise ConfigError(f"disaggregation.{sorted(set(d) - {'prefill_pools', 'decode_pools'})[0]}: unknown key; "
                           "known: prefill_pools, decode_pools")
@@ -417,10 +482,7 @@ def parse_config(raw: Any) -> GatewayConfig:
                 raise ConfigError(f"disaggregation.{key}: unknown pool {name!r}; pools: {', '.join(pools)}")
     if set(disagg.prefill_pools) & set(disagg.decode_pools):
         raise ConfigError("disaggregation: a pool is both a prefill and a decode pool")
-    return GatewayConfig(pools=tuple(pools), instances=tuple(instances), routing=routing, isolation=iso,
-                         long_lane=lane, admission=adm, tenants=tuple(tenants), admin_keys=admin_keys,
-                         callbacks=callbacks, jobs=jobs, tokenizer=tokenizer, instance_tls=tuple(sorted(tls.items())),
-                         disaggregation=disagg, **key_files, **parsers, **flags)
+    return disagg
 
 
 def webhook_key(secret: str, path: str) -> bytes:
