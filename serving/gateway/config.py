@@ -215,9 +215,12 @@ def _build(cls, raw: dict, path: str, **fixed):
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ConfigError(f"{path}.{key}: expected a number, got {shown}")
             value = float(value)
-        elif isinstance(default, str) and not isinstance(value, str):
+        elif (isinstance(default, str) or fields[key].type in ("str", str)) and not isinstance(value, str):
             raise ConfigError(f"{path}.{key}: expected a string, got {shown}")
         kw[key] = value
+    for key, f in fields.items():  # a required key (no default) left out
+        if key not in kw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{path}.{key}: required")
     return cls(**kw)
 
 

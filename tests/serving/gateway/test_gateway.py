@@ -95,6 +95,12 @@ def test_config_parses_pools_tenants_lanes():
     ({"disaggregation": {"prefill_pools": ["a"], "decode_pools": ["nope"]}}, "disaggregation.decode_pools: unknown"),
     ({"disaggregation": {"prefill_pools": ["a"], "decode_pools": ["a"]}}, "a pool is both a prefill and a decode"),
     ({"disaggregation": {"prefill": ["a"]}}, "disaggregation.prefill: unknown key"),
+    # required keys left out, and names of the wrong type: named, not a TypeError
+    ({"pools": [{"name": "a", "instances": [{"name": "i0"}]}]}, "pools[0].instances[0].target: required"),
+    ({"pools": [{"name": "a", "instances": [{"name": 7, "target": "h:1"}]}]},
+     "pools[0].instances[0].name: expected a string, got 7"),
+    ({"tenants": [{"api_keys": ["k9"]}]}, "tenants[0].name: required"),
+    ({"tenants": [{"name": ["x"]}]}, "tenants[0].name: expected a string"),
 ])
 def test_config_errors_name_the_key(patch, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
