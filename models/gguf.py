@@ -22,7 +22,11 @@ from models.gguf_files import GGUFError, gguf_files, is_gguf  # noqa: F401  (re-
 from models.safetensors_io import CheckpointError
 
 # llama.cpp architecture -> our family (a "llama" with experts is Mixtral; Mistral's dense models are "llama" too)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                 "gemma3": "gemma3", "phi3": "phi3"}
+# What llama.cpp's gemma3 does not read from the file but hard-codes: every sixth layer global, the local layers'
+# RoPE base, and the 27B (62 layers) softmax scale of 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim)
+GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
 # Tensor types read, each dequantized by gguf.quants (the float ones are views of the file)
 TENSOR_TYPES = tuple(GGMLQuantizationType[n] for n in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
@@ -264,7 +268,8 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
     if int(key("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModelError(f"{where}: value heads of {key('attention.value_length')} and key heads of "
                                     f"{head_dim} (one head size only)")
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
+    rotary = int(key("rope.dimension_count", head_dim))
+    if rotary != head_dim and not (arch == "phi3" and 0 < rotary < head_dim and rotary % 2 == 0):
         raise UnsupportedModelError(f"{where}: RoPE on {key('rope.dimension_count')} of {head_dim} head dimensions "
                                     "(partial rotary is not served)")
     if "token_embd.weight" not in tensors:
@@ -296,7 +301,45 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
                   norm_topk_prob=bool(key("expert_weights_norm", family != "qwen2_moe")),
                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
                   moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)))
+    if arch in ("gemma3", "phi3"):
+        kw.update(_gemma3_phi3_fields(model, arch, key, num_layers, head_dim, rotary, kw))
     return ModelConfig(**kw)
+
+
+def _gemma3_phi3_fields(model: GGUFModel, arch: str, key, num_layers: int, head_dim: int, rotary: int,
+                        kw: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's partial rotary and sliding window (every layer); Gemma 3's GeGLU, (1 + w) norms (stored as 1 + w:
+    `GGUFCheckpoint` subtracts the 1), local / global layers with their RoPEs, softmax scale and logit soft-cap."""
+    window = int(key("attention.sliding_window", 0)) or None
+    if arch == "phi3":
+        if "rope_factors_long.weight" in model.tensors or "rope_factors_short.weight" in model.tensors:
+            raise UnsupportedModelError(f"{model.path}: Phi-3 LongRoPE (rope_factors_long/short.weight) is not read "
+                                        "from GGUF yet (served from the HF checkpoint)")
+        return dict(rope=dataclasses.replace(kw["rope"], partial_rotary_factor=rotary / head_dim),
+                    sliding_windows=(window,) * num_layers)
+    pattern = model.metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        local = [(i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(num_layers)]
+    elif isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise GGUFError(f"{model.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                            f"{num_layers} layers")
+        local = [bool(p) for p in pattern]
+    else:
+        local = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    if window is None and any(local):
+        raise GGUFError(f"{model.path}: metadata {arch}.attention.sliding_window is missing (Gemma 3's local layers)")
+    if key("attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(f"{model.path}: {arch}.attn_logit_softcapping (Gemma 3 does not cap attention "
+                                    "scores; expected none)")
+    scale = key("attention.scale", None)  # 1 / sqrt(query_pre_attn_scalar) where a file says it
+    scalar = (1.0 / float(scale) ** 2 if scale is not None else
+              kw["hidden_size"] / kw["num_heads"] if num_layers == GEMMA3_27B_LAYERS else float(head_dim))
+    cap = key("final_logit_softcapping", None)
+    return dict(hidden_act="gelu_pytorch_tanh", rms_norm_unit_offset=True, query_pre_attn_scalar=scalar,
+                final_logit_softcapping=None if cap is None else float(cap),
+                sliding_windows=tuple(window if s else None for s in local),
+                rope_local=RopeConfig(theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))))
 
 
 def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
@@ -335,6 +378,14 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# per architecture, where its names differ (Gemma 3's four norms a layer; Phi-3's fused qkv and gate_up)
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+# architectures whose converter stores every norm weight w as 1 + w (llama.cpp's RMSNorm multiplies by the weight)
+_UNIT_OFFSET_NORMS = ("gemma3",)
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -348,6 +399,7 @@ class _Source:
     expert: int | None = None  # the expert's slice of a stacked [n_expert, out, in] tensor
     rope_heads: int = 0  # llama.cpp interleaved these rows for its RoPE: undo, with this many heads
     row: bool = False  # a vector stored for a [1, n] HF weight
+    minus_one: bool = False  # a norm weight stored as 1 + w
 
 
 class GGUFCheckpoint:
@@ -368,8 +420,9 @@ class GGUFCheckpoint:
                 self._sources[hf] = source
 
     def _hf_names(self, name: str, cfg: ModelConfig, arch: str, shape) -> list[tuple[str, _Source]]:
+        shift = arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight")
         if name in _GLOBAL_TENSORS:
-            return [(_GLOBAL_TENSORS[name], _Source(name))]
+            return [(_GLOBAL_TENSORS[name], _Source(name, minus_one=shift))]
         m = _LAYER_NAME.match(name)
         if not m or int(m[1]) >= cfg.num_layers:
             raise GGUFError(f"{self.model.path}: tensor {name!r} has no place in a {cfg.family} model")
@@ -384,12 +437,14 @@ class GGUFCheckpoint:
             if expert is not None:  # older files: one tensor per expert, blk.N.ffn_gate.E.weight
                 return [(f"{layer}.{moe}.experts.{expert}.{proj}.{suffix}", _Source(name))]
             return [(f"{layer}.{moe}.experts.{j}.{proj}.{suffix}", _Source(name, expert=j)) for j in range(shape[0])]
-        if kind not in _LAYER_TENSORS or expert is not None:
+        layer_tensors = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        if kind not in layer_tensors or expert is not None:
             raise GGUFError(f"{self.model.path}: tensor {name!r} has no place in a {cfg.family} model")
         # llama.cpp's "llama" architecture interleaves q/k rows for its RoPE (pairs 2i, 2i+1); HF rotates halves
         heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind, 0) if arch == "llama" else 0
-        return [(f"{layer}.{_LAYER_TENSORS[kind]}.{suffix}",
-                 _Source(name, rope_heads=heads, row=kind == "ffn_gate_inp_shexp" and len(shape) == 1))]
+        return [(f"{layer}.{layer_tensors[kind]}.{suffix}",
+                 _Source(name, rope_heads=heads, row=kind == "ffn_gate_inp_shexp" and len(shape) == 1,
+                         minus_one=shift))]
 
     def __contains__(self, name: str) -> bool:
         return name in self._sources
@@ -423,6 +478,8 @@ class GGUFCheckpoint:
             self._view = self.model.tensors[s.tensor]
         if s.rope_heads:
             w = unpermute_rope_rows(w, s.rope_heads)
+        if s.minus_one:  # in float32: 1 + (stored - 1) is the stored value again, as HF's (1 + w) is
+            w = np.asarray(w, np.float32) - np.float32(1.0)
         return w.reshape(1, -1) if s.row else w
 
 

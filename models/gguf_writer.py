@@ -17,7 +17,7 @@ from models.safetensors_io import SafetensorsCheckpoint
 
 # meshserve's model family -> llama.cpp's architecture
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "phi3": "phi3"}
 # HF names of an expert's gate, up and down projections per family (per-expert checkpoints)
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                  "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
@@ -60,6 +60,25 @@ def _router(tensors: SafetensorsCheckpoint, layer: int) -> np.ndarray:
     return tensors.get(mixtral if mixtral in tensors else f"model.layers.{layer}.mlp.gate.weight")
 
 
+def _check_gemma3(cfg: ModelConfig) -> None:
+    """What llama.cpp's gemma3 hard-codes rather than reads must hold: every sixth layer global (one window on the
+    others), the local layers' RoPE base 10000 unscaled, query_pre_attn_scalar = head_dim (hidden / heads at 27B)."""
+    from models.gguf import GEMMA3_27B_LAYERS, GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE
+    local = [s is not None for s in cfg.sliding_windows]
+    if local != [(i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(cfg.num_layers)] or \
+            len({s for s in cfg.sliding_windows if s}) > 1:
+        raise ValueError(f"write_gguf writes Gemma 3 with every {GEMMA3_GLOBAL_EVERY}th layer global (what llama.cpp "
+                         f"assumes), not sliding windows {cfg.sliding_windows}")
+    local_rope = cfg.rope_local
+    if local_rope is None or local_rope.rope_type != "default" or local_rope.theta != GEMMA3_LOCAL_ROPE_BASE:
+        raise ValueError(f"write_gguf writes Gemma 3 with local layers' plain RoPE base {GEMMA3_LOCAL_ROPE_BASE} "
+                         f"(what llama.cpp assumes), not {local_rope}")
+    scalar = cfg.hidden_size / cfg.num_heads if cfg.num_layers == GEMMA3_27B_LAYERS else cfg.head_dim
+    if cfg.query_pre_attn_scalar != scalar:
+        raise ValueError(f"write_gguf writes Gemma 3 with query_pre_attn_scalar {scalar} (what llama.cpp assumes), "
+                         f"not {cfg.query_pre_attn_scalar}")
+
+
 def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False,
                tensor_type: str | None = None, split_max_tensors: int = 0) -> Path:
     """Writes `model_dir` as GGUF at `path` and returns the path: Llama and Mixtral as llama.cpp's "llama"
@@ -75,10 +94,15 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     arch = GGUF_ARCHITECTURES.get(cfg.family)
     if arch is None:
         raise ValueError(f"write_gguf handles {', '.join(GGUF_ARCHITECTURES)} checkpoints, not {cfg.family!r}")
-    if cfg.rope.rope_type not in ("default", "llama3") or (cfg.rope.rope_type == "llama3" and arch != "llama"):
-        raise ValueError(f"write_gguf writes plain RoPE (and Llama 3's), not {cfg.rope.rope_type!r}")
-    if any(cfg.sliding_windows):
-        raise ValueError(f"write_gguf writes full attention only, not sliding windows {cfg.sliding_windows}")
+    scaled = {"llama": "llama3", "gemma3": "linear"}.get(arch)
+    if cfg.rope.rope_type not in ("default", scaled):
+        raise ValueError(f"write_gguf writes plain RoPE (and Llama 3's), not {cfg.rope.rope_type!r} (Gemma 3: linear "
+                         "too)")
+    if arch == "gemma3":
+        _check_gemma3(cfg)
+    elif any(cfg.sliding_windows) and not (arch == "phi3" and len(set(cfg.sliding_windows)) == 1):
+        raise ValueError(f"write_gguf writes full attention (Phi-3: one window on every layer), not sliding windows "
+                         f"{cfg.sliding_windows}")
     if cfg.family == "qwen3_moe" and not (cfg.norm_topk_prob and all(cfg.moe_layers)):
         # llama.cpp's qwen3moe renormalises the top-k weights and has a sparse MLP in every layer
         raise ValueError(f"write_gguf writes Qwen3-MoE with norm_topk_prob and every layer sparse, not "
@@ -107,9 +131,16 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     w.add_head_count_kv(kv_heads)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial_rotary_factor))
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if any(cfg.sliding_windows):
+        w.add_sliding_window(next(s for s in cfg.sliding_windows if s))
+    if cfg.rope.rope_type == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+    if cfg.final_logit_softcapping:
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if kind == "F32" else gguf.LlamaFileType[f"MOSTLY_{kind}"])
     vocab = cfg.vocab_size
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -136,8 +167,13 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
                          raw_dtype=gguf.GGMLQuantizationType.BF16)
 
     rope_rows = rope_pairs if arch == "llama" else lambda a, _: a
+    shift = np.float32(1.0 if arch == "gemma3" else 0.0)  # llama.cpp's converter stores Gemma's norms as 1 + w
+
+    def norm(name: str, a: np.ndarray) -> None:
+        add(name, np.asarray(a, np.float32) + shift)
+
     add("token_embd.weight", tensors.get("model.embed_tokens.weight"))
-    add("output_norm.weight", tensors.get("model.norm.weight"))
+    norm("output_norm.weight", tensors.get("model.norm.weight"))
     if not cfg.tie_word_embeddings:  # llama.cpp ties the head to the embedding when output.weight is absent
         add("output.weight", tensors.get("lm_head.weight"))
     if cfg.rope.rope_type == "llama3":
@@ -145,8 +181,10 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
         w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
-        for proj, h in (("q", heads), ("k", kv_heads), ("v", 0)):
+        norm(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
+        if arch == "phi3":  # fused, q rows then k then v
+            add(f"blk.{i}.attn_qkv.weight", tensors.get(p + "self_attn.qkv_proj.weight"))
+        for proj, h in (("q", heads), ("k", kv_heads), ("v", 0)) if arch != "phi3" else ():
             rows = (lambda a, n=h: rope_rows(a, n)) if h else (lambda a: a)
             add(f"blk.{i}.attn_{proj}.weight", rows(tensors.get(p + f"self_attn.{proj}_proj.weight")))
             if cfg.qkv_bias:
@@ -155,9 +193,14 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
         if cfg.o_bias:
             add(f"blk.{i}.attn_output.bias", tensors.get(p + "self_attn.o_proj.bias"))
         if cfg.qk_norm:
-            add(f"blk.{i}.attn_q_norm.weight", tensors.get(p + "self_attn.q_norm.weight"))
-            add(f"blk.{i}.attn_k_norm.weight", tensors.get(p + "self_attn.k_norm.weight"))
-        add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+            norm(f"blk.{i}.attn_q_norm.weight", tensors.get(p + "self_attn.q_norm.weight"))
+            norm(f"blk.{i}.attn_k_norm.weight", tensors.get(p + "self_attn.k_norm.weight"))
+        if arch == "gemma3":  # a norm before and after each of attention and the MLP
+            norm(f"blk.{i}.post_attention_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+            norm(f"blk.{i}.ffn_norm.weight", tensors.get(p + "pre_feedforward_layernorm.weight"))
+            norm(f"blk.{i}.post_ffw_norm.weight", tensors.get(p + "post_feedforward_layernorm.weight"))
+        else:
+            add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
         if cfg.moe_layers[i]:  # [n_expert, out, in] per projection (GGUF lists dimensions innermost first)
             add(f"blk.{i}.ffn_gate_inp.weight", _router(tensors, i))
             for name, a in zip(("gate", "up", "down"), _stacked_experts(tensors, i, cfg.family, cfg.num_experts)):
@@ -166,6 +209,10 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
                 for name in ("gate", "up", "down"):
                     add(f"blk.{i}.ffn_{name}_shexp.weight", tensors.get(p + f"mlp.shared_expert.{name}_proj.weight"))
                 add(f"blk.{i}.ffn_gate_inp_shexp.weight", tensors.get(p + "mlp.shared_expert_gate.weight")[0])
+            continue
+        if arch == "phi3":  # llama.cpp keeps gate_up fused as ffn_up (gate rows first)
+            add(f"blk.{i}.ffn_up.weight", tensors.get(p + "mlp.gate_up_proj.weight"))
+            add(f"blk.{i}.ffn_down.weight", tensors.get(p + "mlp.down_proj.weight"))
             continue
         for name in ("gate", "up", "down"):
             add(f"blk.{i}.ffn_{name}.weight", tensors.get(p + f"mlp.{name}_proj.weight"))

@@ -4,6 +4,7 @@ Llama / Qwen / Mixtral / Qwen-MoE models whose GGUF loads to the parameters and 
 split files, directories, and the errors that name what is wrong."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -125,7 +126,13 @@ def test_truncated_and_foreign_files_are_named(typed_file, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- safetensors twins
-TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3")
+# Gemma 3 as llama.cpp's gemma3 holds it (what it hard-codes rather than reads): the sixth layer global, the local
+# layers' RoPE base 10000, query_pre_attn_scalar = head_dim; the global layers keep their own base and linear scaling
+OVERRIDES = {"gemma3": dict(
+    num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})}
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +141,7 @@ def twins(tmp_path_factory):
     root = tmp_path_factory.mktemp("twins")
     out = {}
     for family in TWINS:
-        d = hf_models.cached_dir(str(root), family)
+        d = hf_models.cached_dir(str(root), family, **OVERRIDES.get(family, {}))
         out[family] = (d, write_gguf(d, root / f"{family}.gguf"))
     return out
 
@@ -147,16 +154,24 @@ def _params(model) -> dict:
 @pytest.mark.parametrize("family", TWINS)
 def test_gguf_loads_to_its_safetensors_twin(twins, family):
     """Every parameter equal (q/k rows back from llama.cpp's order, experts out of their stacks, Llama 3's RoPE
-    factors recognised), so the logits are identical."""
+    factors recognised, Phi-3's fused qkv / gate_up), so the logits are identical. Gemma 3's norms are stored as
+    1 + w: w comes back within float32 rounding of 1, and the 1 + w the model scales by is the twin's exactly."""
     hf_dir, path = twins[family]
     assert model_format(str(path)) == "gguf" and model_format(hf_dir) == "hf"
     cfg, want_cfg = read_config(str(path)), read_config(hf_dir)
     assert cfg.family == want_cfg.family and cfg.rope == want_cfg.rope and cfg.moe_layers == want_cfg.moe_layers
+    # all else equal: windows, Gemma 3's local RoPE / softmax scale / soft-cap (the GGUF rounds eps to float32)
+    assert cfg == dataclasses.replace(want_cfg, max_position_embeddings=cfg.max_position_embeddings,
+                                      rms_norm_eps=cfg.rms_norm_eps, pad_token_id=cfg.pad_token_id)
     ours, twin = load_model(str(path)), load_model(hf_dir)
     got, want = _params(ours), _params(twin)
     assert got.keys() == want.keys()
     for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=str(name))
+        if cfg.rms_norm_unit_offset and "norm" in str(name):
+            np.testing.assert_array_equal(np.float32(1) + got[name], np.float32(1) + want[name], err_msg=str(name))
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=2.0 ** -24, err_msg=str(name))
+        else:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=str(name))
     prompt = hf_models.random_prompt(12, cfg.vocab_size, seed=3)
     logits = [PagedRunner(m).token_logits([SeqChunk(prompt, 0, list(range(2)))]) for m in (ours, twin)]
     np.testing.assert_array_equal(logits[0], logits[1])
