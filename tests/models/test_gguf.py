@@ -216,8 +216,10 @@ def test_directory_with_two_models_is_refused(twins, tmp_path):
         load_model(str(tmp_path))
 
 
-def _tiny_file(path, arch: str, extra: dict[str, np.ndarray]):
+def _tiny_file(path, arch: str, extra: dict[str, np.ndarray], meta: dict[str, float] | None = None):
     w = gguf.GGUFWriter(str(path), arch)
+    for k, v in (meta or {}).items():
+        w.add_float32(f"{arch}.{k}", v)
     w.add_block_count(1)
     w.add_embedding_length(8)
     w.add_head_count(2)
@@ -233,8 +235,18 @@ def _tiny_file(path, arch: str, extra: dict[str, np.ndarray]):
 
 
 def test_unsupported_architecture_fails_naming_it(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma2' is not served .*llama, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma2' is not served .*llama, qwen2"
+                                                    ".*gemma3, phi3"):
         load_model(_tiny_file(tmp_path / "gemma.gguf", "gemma2", {}))
+
+
+@pytest.mark.parametrize("arch, extra, meta, error", [
+    ("phi3", {"rope_factors_long.weight": np.ones(2, np.float32)}, {}, "Phi-3 LongRoPE .*rope_factors_long"),
+    ("gemma3", {}, {"attn_logit_softcapping": 50.0, "attention.sliding_window": 4}, "gemma3.attn_logit_softcapping"),
+])
+def test_unsupported_variant_fails_naming_it(tmp_path, arch, extra, meta, error):
+    with pytest.raises(UnsupportedModelError, match=error):
+        load_model(_tiny_file(tmp_path / f"{arch}.gguf", arch, extra, meta))
 
 
 def test_stray_tensor_is_named(tmp_path):
