@@ -23,7 +23,7 @@ from models.safetensors_io import CheckpointError
 
 # llama.cpp architecture -> our family (a "llama" with experts is Mixtral; Mistral's dense models are "llama" too)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                 "gemma3": "gemma3", "phi3": "phi3"}
+                 "gemma3": "gemma3", "phi3": "phi3", "deepseek2": "deepseek_v2"}
 # What llama.cpp's gemma3 does not read from the file but hard-codes: every sixth layer global, the local layers'
 # RoPE base, and the 27B (62 layers) softmax scale of 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim)
 GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
@@ -264,12 +264,13 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
     num_layers = int(key("block_count"))
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // num_heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    mla = arch == "deepseek2"  # its key_length / value_length are the MQA view of the latent; the heads' are *_mla
+    head_dim = int(key("attention.key_length_mla" if mla else "attention.key_length", hidden // num_heads))
+    if not mla and int(key("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModelError(f"{where}: value heads of {key('attention.value_length')} and key heads of "
                                     f"{head_dim} (one head size only)")
     rotary = int(key("rope.dimension_count", head_dim))
-    if rotary != head_dim and not (arch == "phi3" and 0 < rotary < head_dim and rotary % 2 == 0):
+    if rotary != head_dim and not mla and not (arch == "phi3" and 0 < rotary < head_dim and rotary % 2 == 0):
         raise UnsupportedModelError(f"{where}: RoPE on {key('rope.dimension_count')} of {head_dim} head dimensions "
                                     "(partial rotary is not served)")
     if "token_embd.weight" not in tensors:
@@ -298,12 +299,32 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
         kw.update(num_experts=num_experts, num_experts_per_tok=int(key("expert_used_count")),
                   moe_intermediate_size=moe_ffn, intermediate_size=ffn or moe_ffn,
                   # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE
-                  norm_topk_prob=bool(key("expert_weights_norm", family != "qwen2_moe")),
+                  norm_topk_prob=bool(key("expert_weights_norm", family not in ("qwen2_moe", "deepseek_v2"))),
                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
                   moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)))
+    if mla:
+        kw.update(_deepseek2_fields(key, num_heads, head_dim, rotary, kw))
     if arch in ("gemma3", "phi3"):
         kw.update(_gemma3_phi3_fields(model, arch, key, num_layers, head_dim, rotary, kw))
     return ModelConfig(**kw)
+
+
+def _deepseek2_fields(key, num_heads: int, head_dim: int, rotary: int, kw: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 (llama.cpp's deepseek2): multi-head latent attention's sizes, shared experts without a gate,
+    routing: softmax scores (V2: greedy, or group-limited with expert groups) or sigmoid (V3: noaux_tc with the
+    correction bias exp_probs_b), the routed weights scaled by expert_weights_scale. RoPE values come in pairs, as
+    DeepSeek's checkpoints store them and llama.cpp rotates them."""
+    v3 = int(key("expert_gating_func", gguf.ExpertGatingFuncType.SOFTMAX)) == gguf.ExpertGatingFuncType.SIGMOID
+    groups, used = int(key("expert_group_count", 1)), int(key("expert_group_used_count", 1))
+    method = "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy"
+    return dict(family="deepseek_v3" if v3 else "deepseek_v2", num_kv_heads=num_heads,
+                kv_lora_rank=int(key("attention.kv_lora_rank")), q_lora_rank=int(key("attention.q_lora_rank", 0)),
+                qk_nope_head_dim=head_dim - rotary, qk_rope_head_dim=rotary,
+                v_head_dim=int(key("attention.value_length_mla")), rope_interleave=True,
+                shared_expert_intermediate_size=kw.get("moe_intermediate_size", 0) * int(key("expert_shared_count", 0)),
+                shared_expert_gate=False, scoring_func="sigmoid" if v3 else "softmax", topk_method=method,
+                n_group=groups if method != "greedy" else 1, topk_group=used if method != "greedy" else 1,
+                routed_scaling_factor=float(key("expert_weights_scale", 1.0)))
 
 
 def _gemma3_phi3_fields(model: GGUFModel, arch: str, key, num_layers: int, head_dim: int, rotary: int,
@@ -351,8 +372,11 @@ def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    if scaling == "yarn" and arch == "deepseek2":
+        return _deepseek2_yarn(model, arch, theta)
     if scaling != "none":
-        raise UnsupportedModelError(f"{where}: RoPE scaling {scaling!r} (served: none, linear, llama3)")
+        raise UnsupportedModelError(f"{where}: RoPE scaling {scaling!r} (served: none, linear, llama3; yarn for "
+                                    "deepseek2)")
     if "rope_freqs.weight" not in model.tensors:
         return RopeConfig(theta=theta)
     factors = np.asarray(model.tensor("rope_freqs.weight"), np.float64)
@@ -366,6 +390,23 @@ def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
                                     f"{rope.factor}, low/high frequency factors 1/4 and original context "
                                     f"{rope.original_max_position_embeddings}")
     return rope
+
+
+def _deepseek2_yarn(model: GGUFModel, arch: str, theta: float) -> RopeConfig:
+    """DeepSeek's YaRN as HF reads it, from llama.cpp's keys: yarn_log_multiplier is 0.1 * mscale_all_dim, and
+    llama.cpp takes mscale = mscale_all_dim (as every DeepSeek checkpoint has), so the RoPE's attention factor is 1."""
+    from models.config import _parse_rope
+    meta = model.metadata
+    if f"{arch}.rope.scaling.original_context_length" not in meta or f"{arch}.rope.scaling.factor" not in meta:
+        raise GGUFError(f"{model.path}: YaRN without {arch}.rope.scaling.factor / .original_context_length")
+    # the key is a float32 of 0.1 * mscale: 6 significant digits give back the config's value (0.707, not 0.70699996)
+    mscale = float(f"{float(meta.get(f'{arch}.rope.scaling.yarn_log_multiplier', 0.1)) / 0.1:.6g}")
+    return _parse_rope({"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+        "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+        "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        "mscale": mscale, "mscale_all_dim": mscale}}, "deepseek_v2")
 
 
 # ------------------------------------------------------------------------------------------------------ checkpoint
@@ -383,6 +424,11 @@ _ARCH_LAYER_TENSORS = {
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                  "ffn_down_shexp": "mlp.shared_experts.down_proj"},
 }
 # architectures whose converter stores every norm weight w as 1 + w (llama.cpp's RMSNorm multiplies by the weight)
 _UNIT_OFFSET_NORMS = ("gemma3",)
@@ -400,6 +446,7 @@ class _Source:
     rope_heads: int = 0  # llama.cpp interleaved these rows for its RoPE: undo, with this many heads
     row: bool = False  # a vector stored for a [1, n] HF weight
     minus_one: bool = False  # a norm weight stored as 1 + w
+    kv_b: str = ""  # MLA's kv_b_proj, split by llama.cpp: `tensor` is k_b [H, R, Dn], this v_b [H, Dv, R]
 
 
 class GGUFCheckpoint:
@@ -431,6 +478,15 @@ class GGUFCheckpoint:
         moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
         if kind == "ffn_gate_inp":
             return [(f"{layer}.{moe}.gate.{suffix}", _Source(name))]
+        if arch == "deepseek2" and kind in ("attn_k_b", "attn_v_b", "exp_probs_b"):
+            if kind == "exp_probs_b":  # V3's routing correction bias
+                return [(f"{layer}.mlp.gate.e_score_correction_bias", _Source(name))]
+            if kind == "attn_v_b":
+                return []  # read with attn_k_b
+            v_b = f"blk.{i}.attn_v_b.weight"
+            if v_b not in self.model.tensors:
+                raise GGUFError(f"{self.model.path}: {name!r} without {v_b!r} (MLA's kv_b split in two)")
+            return [(f"{layer}.self_attn.kv_b_proj.weight", _Source(name, kv_b=v_b))]
         if kind in _EXPERTS or (expert is not None and kind in ("ffn_gate", "ffn_up", "ffn_down")):
             proj = _EXPERTS.get(kind) or _LAYER_TENSORS[kind].split(".")[1]
             proj = _MIXTRAL_EXPERTS[proj] if cfg.family == "mixtral" else proj
@@ -455,6 +511,9 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         s = self._sources[name]
         shape = self.model.tensors[s.tensor].shape
+        if s.kv_b:
+            heads, rank, nope = shape
+            return heads * (nope + self.model.tensors[s.kv_b].shape[1]), rank
         return shape[1:] if s.expert is not None else (1, *shape) if s.row else shape
 
     def dtype_name(self, name: str) -> str:
@@ -473,6 +532,12 @@ class GGUFCheckpoint:
                     self.model.tensors[self._stack[0]].file.release(self.model.tensors[self._stack[0]])
                 self._stack = (s.tensor, self.model.tensor(s.tensor, self.dtype))
             return self._stack[1][s.expert]
+        if s.kv_b:  # [H, Dn + Dv, R] rows per head, k's first, as HF's kv_b_proj
+            k_b, v_b = self.model.tensor(s.tensor, self.dtype), self.model.tensor(s.kv_b, self.dtype)
+            w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+            for t in (self.model.tensors[s.tensor], self.model.tensors[s.kv_b]):
+                t.file.release(t)
+            return w
         w = self.model.tensor(s.tensor, self.dtype)
         if self.model.tensors[s.tensor].ggml_type in _FLOAT_VIEWS:
             self._view = self.model.tensors[s.tensor]

@@ -17,7 +17,8 @@ from models.safetensors_io import SafetensorsCheckpoint
 
 # meshserve's model family -> llama.cpp's architecture
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "phi3": "phi3"}
+                      "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "phi3": "phi3",
+                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 # HF names of an expert's gate, up and down projections per family (per-expert checkpoints)
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                  "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
@@ -79,6 +80,86 @@ def _check_gemma3(cfg: ModelConfig) -> None:
                          f"not {cfg.query_pre_attn_scalar}")
 
 
+def _check_deepseek2(cfg: ModelConfig) -> None:
+    """llama.cpp's deepseek2 rotates RoPE values in pairs (rope_interleave), takes YaRN's mscale = mscale_all_dim
+    (the RoPE attention factor 1) and has no per-layer frequency of MoE layers (dense ones lead)."""
+    if not cfg.rope_interleave:
+        raise ValueError("write_gguf writes DeepSeek with rope_interleave (what llama.cpp's deepseek2 rotates)")
+    if cfg.rope.rope_type == "yarn" and (abs(cfg.rope.attention_factor - 1.0) > 1e-6 or not cfg.rope.truncate):
+        raise ValueError(f"write_gguf writes DeepSeek's YaRN with mscale = mscale_all_dim and truncate, not attention "
+                         f"factor {cfg.rope.attention_factor}, truncate={cfg.rope.truncate}")
+    dense = cfg.moe_layers.index(True) if any(cfg.moe_layers) else cfg.num_layers
+    if cfg.moe_layers != (False,) * dense + (True,) * (cfg.num_layers - dense):
+        raise ValueError(f"write_gguf writes DeepSeek with dense layers first, then MoE ones, not {cfg.moe_layers}")
+
+
+def _deepseek2_metadata(w, cfg: ModelConfig) -> None:
+    """Multi-head latent attention as llama.cpp's converter describes it (an MQA view: one KV head of the latent
+    plus the RoPE key; the heads' sizes as *_mla) and DeepSeek MoE's routing."""
+    import gguf
+    rank, rope = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    w.add_head_count_kv(1)
+    w.add_key_length(rank + rope)
+    w.add_value_length(rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + rope)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_kv_lora_rank(rank)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_rope_dimension_count(rope)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_leading_dense_block_count(cfg.moe_layers.index(True) if any(cfg.moe_layers) else cfg.num_layers)
+    w.add_expert_shared_count(cfg.shared_expert_intermediate_size // max(1, cfg.moe_intermediate_size))
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    if cfg.norm_topk_prob:
+        w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if cfg.scoring_func == "sigmoid"
+                             else gguf.ExpertGatingFuncType.SOFTMAX)
+    if cfg.topk_method != "greedy":
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if cfg.rope.rope_type == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
+        w.add_rope_scaling_yarn_log_mul(0.1 * cfg.rope.mscale_all_dim)
+        w.add_rope_scaling_yarn_beta_fast(cfg.rope.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(cfg.rope.beta_slow)
+
+
+def _deepseek2_layer(add, tensors: SafetensorsCheckpoint, cfg: ModelConfig, i: int) -> None:
+    """Layer i of a DeepSeek-V2 / V3 but its input norm: kv_b_proj split per head into k_b [H, R, Dn] (transposed,
+    for llama.cpp's absorbed attention) and v_b [H, Dv, R], as llama.cpp's converter does."""
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    if cfg.q_lora_rank:
+        add(f"blk.{i}.attn_q_a.weight", tensors.get(a + "q_a_proj.weight"))
+        add(f"blk.{i}.attn_q_a_norm.weight", tensors.get(a + "q_a_layernorm.weight"))
+        add(f"blk.{i}.attn_q_b.weight", tensors.get(a + "q_b_proj.weight"))
+    else:
+        add(f"blk.{i}.attn_q.weight", tensors.get(a + "q_proj.weight"))
+    add(f"blk.{i}.attn_kv_a_mqa.weight", tensors.get(a + "kv_a_proj_with_mqa.weight"))
+    add(f"blk.{i}.attn_kv_a_norm.weight", tensors.get(a + "kv_a_layernorm.weight"))
+    kv_b = tensors.get(a + "kv_b_proj.weight")
+    kv_b = kv_b.reshape(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    add(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(kv_b[:, :cfg.qk_nope_head_dim].transpose(0, 2, 1)))
+    add(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, cfg.qk_nope_head_dim:]))
+    add(f"blk.{i}.attn_output.weight", tensors.get(a + "o_proj.weight"))
+    add(f"blk.{i}.ffn_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+    if not cfg.moe_layers[i]:
+        for name in ("gate", "up", "down"):
+            add(f"blk.{i}.ffn_{name}.weight", tensors.get(p + f"mlp.{name}_proj.weight"))
+        return
+    add(f"blk.{i}.ffn_gate_inp.weight", tensors.get(p + "mlp.gate.weight"))
+    if cfg.topk_method == "noaux_tc":
+        add(f"blk.{i}.exp_probs_b.bias", tensors.get(p + "mlp.gate.e_score_correction_bias"))
+    for name in ("gate", "up", "down"):
+        add(f"blk.{i}.ffn_{name}_exps.weight",
+            np.stack([tensors.get(p + f"mlp.experts.{j}.{name}_proj.weight") for j in range(cfg.num_experts)]))
+        if cfg.shared_expert_intermediate_size:
+            add(f"blk.{i}.ffn_{name}_shexp.weight", tensors.get(p + f"mlp.shared_experts.{name}_proj.weight"))
+
+
 def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool = False,
                tensor_type: str | None = None, split_max_tensors: int = 0) -> Path:
     """Writes `model_dir` as GGUF at `path` and returns the path: Llama and Mixtral as llama.cpp's "llama"
@@ -94,12 +175,14 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     arch = GGUF_ARCHITECTURES.get(cfg.family)
     if arch is None:
         raise ValueError(f"write_gguf handles {', '.join(GGUF_ARCHITECTURES)} checkpoints, not {cfg.family!r}")
-    scaled = {"llama": "llama3", "gemma3": "linear"}.get(arch)
+    scaled = {"llama": "llama3", "gemma3": "linear", "deepseek2": "yarn"}.get(arch)
     if cfg.rope.rope_type not in ("default", scaled):
         raise ValueError(f"write_gguf writes plain RoPE (and Llama 3's), not {cfg.rope.rope_type!r} (Gemma 3: linear "
                          "too)")
     if arch == "gemma3":
         _check_gemma3(cfg)
+    elif arch == "deepseek2":
+        _check_deepseek2(cfg)
     elif any(cfg.sliding_windows) and not (arch == "phi3" and len(set(cfg.sliding_windows)) == 1):
         raise ValueError(f"write_gguf writes full attention (Phi-3: one window on every layer), not sliding windows "
                          f"{cfg.sliding_windows}")
@@ -123,15 +206,18 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     if cfg.num_experts:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch in ("qwen2moe", "qwen3moe"):
+    if arch in ("qwen2moe", "qwen3moe", "deepseek2"):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if cfg.shared_expert_intermediate_size:
+    if cfg.shared_expert_intermediate_size and arch != "deepseek2":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial_rotary_factor))
+    if arch == "deepseek2":
+        _deepseek2_metadata(w, cfg)
+    else:
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope.partial_rotary_factor))
     w.add_rope_freq_base(cfg.rope.theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if any(cfg.sliding_windows):
@@ -182,6 +268,9 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         norm(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
+        if arch == "deepseek2":
+            _deepseek2_layer(add, tensors, cfg, i)
+            continue
         if arch == "phi3":  # fused, q rows then k then v
             add(f"blk.{i}.attn_qkv.weight", tensors.get(p + "self_attn.qkv_proj.weight"))
         for proj, h in (("q", heads), ("k", kv_heads), ("v", 0)) if arch != "phi3" else ():

@@ -126,7 +126,7 @@ def test_truncated_and_foreign_files_are_named(typed_file, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- safetensors twins
-TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3")
+TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "deepseek_v2", "deepseek_v3")
 # Gemma 3 as llama.cpp's gemma3 holds it (what it hard-codes rather than reads): the sixth layer global, the local
 # layers' RoPE base 10000, query_pre_attn_scalar = head_dim; the global layers keep their own base and linear scaling
 OVERRIDES = {"gemma3": dict(
@@ -192,6 +192,17 @@ def test_llama_q_rows_really_are_reordered_in_the_file(twins):
     hf = tf.AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
     assert not np.array_equal(stored, hf)
     np.testing.assert_array_equal(mgguf.unpermute_rope_rows(stored, 4), hf)
+
+
+def test_deepseek_kv_b_really_is_split_in_the_file(twins):
+    """MLA's kv_b_proj is in the file as llama.cpp's converter writes it: k_b [H, R, Dn] (transposed) and v_b
+    [H, Dv, R], no attn_kv_b; the twin test's equal kv_b_proj is their recombination."""
+    _, path = twins["deepseek_v2"]
+    model = mgguf.GGUFModel.open(str(path))
+    assert "blk.0.attn_kv_b.weight" not in model.tensors
+    assert model.tensors["blk.0.attn_k_b.weight"].shape == (4, 32, 16)
+    assert model.tensors["blk.0.attn_v_b.weight"].shape == (4, 24, 32)
+    assert model.metadata["deepseek2.attention.head_count_kv"] == 1
 
 
 def test_split_files_and_directories(twins, tmp_path):
