@@ -23,10 +23,13 @@ from models.safetensors_io import CheckpointError
 
 # llama.cpp architecture -> our family (a "llama" with experts is Mixtral; Mistral's dense models are "llama" too)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-                 "gemma3": "gemma3", "phi3": "phi3", "deepseek2": "deepseek_v2"}
+                 "gemma3": "gemma3", "phi3": "phi3", "deepseek2": "deepseek_v2",
+                 "gpt-oss": "gpt_oss"}
 # What llama.cpp's gemma3 does not read from the file but hard-codes: every sixth layer global, the local layers'
 # RoPE base, and the 27B (62 layers) softmax scale of 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim)
 GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
+# ... and for gpt-oss: every second layer global, the SwiGLU's clamp and sigmoid scale
+GPT_OSS_GLOBAL_EVERY, GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 2, 7.0, 1.702
 # Tensor types read, each dequantized by gguf.quants (the float ones are views of the file)
 TENSOR_TYPES = tuple(GGMLQuantizationType[n] for n in (
     "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
@@ -304,6 +307,12 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
                   moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)))
     if mla:
         kw.update(_deepseek2_fields(key, num_heads, head_dim, rotary, kw))
+    if arch == "gpt-oss":
+        window = int(key("attention.sliding_window", 0)) or None
+        kw.update(attention_sinks=True, router_bias="blk.0.ffn_gate_inp.bias" in tensors,
+                  expert_bias="blk.0.ffn_gate_exps.bias" in tensors, norm_topk_prob=True,
+                  swiglu_alpha=GPT_OSS_SWIGLU_ALPHA, swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+                  sliding_windows=tuple(window if (i + 1) % GPT_OSS_GLOBAL_EVERY else None for i in range(num_layers)))
     if arch in ("gemma3", "phi3"):
         kw.update(_gemma3_phi3_fields(model, arch, key, num_layers, head_dim, rotary, kw))
     return ModelConfig(**kw)
@@ -374,9 +383,16 @@ def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
         return RopeConfig(theta=theta, rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
     if scaling == "yarn" and arch == "deepseek2":
         return _deepseek2_yarn(model, arch, theta)
+    if scaling == "yarn" and arch == "gpt-oss":  # untruncated, as gpt-oss's config has it
+        from models.config import _parse_rope
+        return _parse_rope({"rope_parameters": {
+            "rope_type": "yarn", "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+            "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}}, "gpt_oss")
     if scaling != "none":
         raise UnsupportedModelError(f"{where}: RoPE scaling {scaling!r} (served: none, linear, llama3; yarn for "
-                                    "deepseek2)")
+                                    "deepseek2 and gpt-oss)")
     if "rope_freqs.weight" not in model.tensors:
         return RopeConfig(theta=theta)
     factors = np.asarray(model.tensor("rope_freqs.weight"), np.float64)
@@ -429,6 +445,7 @@ _ARCH_LAYER_TENSORS = {
                   "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
                   "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
                   "ffn_down_shexp": "mlp.shared_experts.down_proj"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm"},
 }
 # architectures whose converter stores every norm weight w as 1 + w (llama.cpp's RMSNorm multiplies by the weight)
 _UNIT_OFFSET_NORMS = ("gemma3",)
@@ -447,6 +464,8 @@ class _Source:
     row: bool = False  # a vector stored for a [1, n] HF weight
     minus_one: bool = False  # a norm weight stored as 1 + w
     kv_b: str = ""  # MLA's kv_b_proj, split by llama.cpp: `tensor` is k_b [H, R, Dn], this v_b [H, Dv, R]
+    up: str = ""  # GPT-OSS's gate_up_proj: `tensor` the gate [N, I, E] (or bias [N, I]), this the up; interleaved
+    transpose: bool = False  # GPT-OSS's down_proj: [N, E, I] stored for HF's [N, I, E]
 
 
 class GGUFCheckpoint:
@@ -476,8 +495,10 @@ class GGUFCheckpoint:
         i, kind, expert, suffix = int(m[1]), m[2], m[3], m[4]
         layer = f"model.layers.{i}"
         moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
-        if kind == "ffn_gate_inp":
+        if kind == "ffn_gate_inp" and arch != "gpt-oss":
             return [(f"{layer}.{moe}.gate.{suffix}", _Source(name))]
+        if arch == "gpt-oss" and kind in ("ffn_gate_inp", "attn_sinks", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+            return self._gpt_oss_names(name, layer, i, kind, suffix)
         if arch == "deepseek2" and kind in ("attn_k_b", "attn_v_b", "exp_probs_b"):
             if kind == "exp_probs_b":  # V3's routing correction bias
                 return [(f"{layer}.mlp.gate.e_score_correction_bias", _Source(name))]
@@ -502,6 +523,24 @@ class GGUFCheckpoint:
                  _Source(name, rope_heads=heads, row=kind == "ffn_gate_inp_shexp" and len(shape) == 1,
                          minus_one=shift))]
 
+    def _gpt_oss_names(self, name: str, layer: str, i: int, kind: str, suffix: str) -> list[tuple[str, _Source]]:
+        """GPT-OSS in transformers' layout: the router, the sinks, and the experts fused again (gate_up_proj
+        [N, E, 2I], gate and up interleaved by column; down_proj [N, I, E])."""
+        if kind == "ffn_gate_inp":
+            return [(f"{layer}.mlp.router.{suffix}", _Source(name))]
+        if kind == "attn_sinks":
+            return [(f"{layer}.self_attn.sinks", _Source(name))]
+        fused = "experts.gate_up_proj" if kind != "ffn_down_exps" else "experts.down_proj"
+        hf = f"{layer}.mlp.{fused}" + ("_bias" if suffix == "bias" else "")
+        if kind == "ffn_up_exps":
+            return []  # read with the gate
+        if kind == "ffn_down_exps":
+            return [(hf, _Source(name, transpose=suffix == "weight"))]
+        up = f"blk.{i}.ffn_up_exps.{suffix}"
+        if up not in self.model.tensors:
+            raise GGUFError(f"{self.model.path}: {name!r} without {up!r}")
+        return [(hf, _Source(name, up=up))]
+
     def __contains__(self, name: str) -> bool:
         return name in self._sources
 
@@ -511,6 +550,10 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         s = self._sources[name]
         shape = self.model.tensors[s.tensor].shape
+        if s.up:
+            return (shape[0], shape[2], 2 * shape[1]) if len(shape) == 3 else (shape[0], 2 * shape[1])
+        if s.transpose:
+            return shape[0], shape[2], shape[1]
         if s.kv_b:
             heads, rank, nope = shape
             return heads * (nope + self.model.tensors[s.kv_b].shape[1]), rank
@@ -532,6 +575,17 @@ class GGUFCheckpoint:
                     self.model.tensors[self._stack[0]].file.release(self.model.tensors[self._stack[0]])
                 self._stack = (s.tensor, self.model.tensor(s.tensor, self.dtype))
             return self._stack[1][s.expert]
+        if s.up or s.transpose:
+            a = self.model.tensor(s.tensor, self.dtype)
+            if s.transpose:
+                w = np.ascontiguousarray(a.transpose(0, 2, 1))
+            else:  # gate in the even columns, up in the odd ones
+                b = self.model.tensor(s.up, self.dtype)
+                a, b = (a.transpose(0, 2, 1), b.transpose(0, 2, 1)) if a.ndim == 3 else (a, b)
+                w = np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+            for t in {s.tensor, s.up} - {""}:
+                self.model.tensors[t].file.release(self.model.tensors[t])
+            return w
         if s.kv_b:  # [H, Dn + Dv, R] rows per head, k's first, as HF's kv_b_proj
             k_b, v_b = self.model.tensor(s.tensor, self.dtype), self.model.tensor(s.kv_b, self.dtype)
             w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])

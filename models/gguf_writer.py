@@ -18,7 +18,7 @@ from models.safetensors_io import SafetensorsCheckpoint
 # meshserve's model family -> llama.cpp's architecture
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gemma3": "gemma3", "phi3": "phi3",
-                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+                      "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}
 # HF names of an expert's gate, up and down projections per family (per-expert checkpoints)
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
                  "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
@@ -91,6 +91,44 @@ def _check_deepseek2(cfg: ModelConfig) -> None:
     dense = cfg.moe_layers.index(True) if any(cfg.moe_layers) else cfg.num_layers
     if cfg.moe_layers != (False,) * dense + (True,) * (cfg.num_layers - dense):
         raise ValueError(f"write_gguf writes DeepSeek with dense layers first, then MoE ones, not {cfg.moe_layers}")
+
+
+def _check_gpt_oss(cfg: ModelConfig) -> None:
+    """llama.cpp's gpt-oss hard-codes every second layer global, the SwiGLU's limit 7 and alpha 1.702; GPT-OSS's
+    YaRN is untruncated, and its experts are written dequantised (float)."""
+    from models.gguf import GPT_OSS_GLOBAL_EVERY, GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT
+    local = [s is not None for s in cfg.sliding_windows]
+    if local != [(i + 1) % GPT_OSS_GLOBAL_EVERY != 0 for i in range(cfg.num_layers)]:
+        raise ValueError(f"write_gguf writes GPT-OSS with every {GPT_OSS_GLOBAL_EVERY}nd layer global (what llama.cpp "
+                         f"assumes), not sliding windows {cfg.sliding_windows}")
+    if (cfg.swiglu_limit, cfg.swiglu_alpha) != (GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA):
+        raise ValueError(f"write_gguf writes GPT-OSS with swiglu_limit {GPT_OSS_SWIGLU_LIMIT} and alpha "
+                         f"{GPT_OSS_SWIGLU_ALPHA} (what llama.cpp assumes), not {cfg.swiglu_limit}, {cfg.swiglu_alpha}")
+    if cfg.rope.rope_type == "yarn" and cfg.rope.truncate:
+        raise ValueError("write_gguf writes GPT-OSS's YaRN untruncated (as gpt-oss ships it), not truncate=True")
+    if cfg.mxfp4_experts:
+        raise ValueError("write_gguf writes float experts, not MXFP4 blocks (dequantise the checkpoint first)")
+
+
+def _gpt_oss_layer(add, tensors: SafetensorsCheckpoint, cfg: ModelConfig, i: int) -> None:
+    """Layer i of a GPT-OSS but its input norm, as llama.cpp's converter writes float experts: gate_up_proj
+    [N, E, 2I] split by column parity (gate the even ones) into [N, I, E] stacks, down_proj as [N, E, I]."""
+    p = f"model.layers.{i}."
+    for proj in ("q", "k", "v", "o"):
+        out = "output" if proj == "o" else proj
+        add(f"blk.{i}.attn_{out}.weight", tensors.get(p + f"self_attn.{proj}_proj.weight"))
+        add(f"blk.{i}.attn_{out}.bias", tensors.get(p + f"self_attn.{proj}_proj.bias"))
+    add(f"blk.{i}.attn_sinks.weight", tensors.get(p + "self_attn.sinks"))
+    add(f"blk.{i}.post_attention_norm.weight", tensors.get(p + "post_attention_layernorm.weight"))
+    add(f"blk.{i}.ffn_gate_inp.weight", tensors.get(p + "mlp.router.weight"))
+    add(f"blk.{i}.ffn_gate_inp.bias", tensors.get(p + "mlp.router.bias"))
+    e = p + "mlp.experts."
+    gate_up, gate_up_bias = tensors.get(e + "gate_up_proj"), tensors.get(e + "gate_up_proj_bias")
+    for half, name in ((0, "gate"), (1, "up")):
+        add(f"blk.{i}.ffn_{name}_exps.weight", np.ascontiguousarray(gate_up[..., half::2].transpose(0, 2, 1)))
+        add(f"blk.{i}.ffn_{name}_exps.bias", np.ascontiguousarray(gate_up_bias[..., half::2]))
+    add(f"blk.{i}.ffn_down_exps.weight", np.ascontiguousarray(tensors.get(e + "down_proj").transpose(0, 2, 1)))
+    add(f"blk.{i}.ffn_down_exps.bias", tensors.get(e + "down_proj_bias"))
 
 
 def _deepseek2_metadata(w, cfg: ModelConfig) -> None:
@@ -175,7 +213,7 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     arch = GGUF_ARCHITECTURES.get(cfg.family)
     if arch is None:
         raise ValueError(f"write_gguf handles {', '.join(GGUF_ARCHITECTURES)} checkpoints, not {cfg.family!r}")
-    scaled = {"llama": "llama3", "gemma3": "linear", "deepseek2": "yarn"}.get(arch)
+    scaled = {"llama": "llama3", "gemma3": "linear", "deepseek2": "yarn", "gpt-oss": "yarn"}.get(arch)
     if cfg.rope.rope_type not in ("default", scaled):
         raise ValueError(f"write_gguf writes plain RoPE (and Llama 3's), not {cfg.rope.rope_type!r} (Gemma 3: linear "
                          "too)")
@@ -183,6 +221,8 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
         _check_gemma3(cfg)
     elif arch == "deepseek2":
         _check_deepseek2(cfg)
+    elif arch == "gpt-oss":
+        _check_gpt_oss(cfg)
     elif any(cfg.sliding_windows) and not (arch == "phi3" and len(set(cfg.sliding_windows)) == 1):
         raise ValueError(f"write_gguf writes full attention (Phi-3: one window on every layer), not sliding windows "
                          f"{cfg.sliding_windows}")
@@ -206,7 +246,7 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     if cfg.num_experts:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch in ("qwen2moe", "qwen3moe", "deepseek2"):
+    if arch in ("qwen2moe", "qwen3moe", "deepseek2", "gpt-oss"):
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if cfg.shared_expert_intermediate_size and arch != "deepseek2":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
@@ -222,6 +262,10 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if any(cfg.sliding_windows):
         w.add_sliding_window(next(s for s in cfg.sliding_windows if s))
+    if cfg.rope.rope_type == "yarn" and arch == "gpt-oss":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope.original_max_position_embeddings)
     if cfg.rope.rope_type == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope.factor)
@@ -270,6 +314,9 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
         norm(f"blk.{i}.attn_norm.weight", tensors.get(p + "input_layernorm.weight"))
         if arch == "deepseek2":
             _deepseek2_layer(add, tensors, cfg, i)
+            continue
+        if arch == "gpt-oss":
+            _gpt_oss_layer(add, tensors, cfg, i)
             continue
         if arch == "phi3":  # fused, q rows then k then v
             add(f"blk.{i}.attn_qkv.weight", tensors.get(p + "self_attn.qkv_proj.weight"))

@@ -126,13 +126,15 @@ def test_truncated_and_foreign_files_are_named(typed_file, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- safetensors twins
-TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "deepseek_v2", "deepseek_v3")
+TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "deepseek_v2", "deepseek_v3",
+         "gpt_oss")
 # Gemma 3 as llama.cpp's gemma3 holds it (what it hard-codes rather than reads): the sixth layer global, the local
 # layers' RoPE base 10000, query_pre_attn_scalar = head_dim; the global layers keep their own base and linear scaling
 OVERRIDES = {"gemma3": dict(
     num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
     rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
-                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})}
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "gpt_oss": dict(swiglu_limit=7.0)}  # llama.cpp's gpt-oss clamps at 7 (the test family at 0.5)
 
 
 @pytest.fixture(scope="module")
