@@ -26,7 +26,7 @@ from tests.support.paged_runner import PagedRunner
 
 # Byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN)
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 
 
 def _random_tensor(kind: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -37,6 +37,8 @@ def _random_tensor(kind: str, rows: int, cols: int, rng) -> np.ndarray:
         return rng.standard_normal((rows, cols)).astype(ml_dtypes.bfloat16).view(np.uint16)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if kind == "MXFP4":  # one E8M0 scale byte a block: powers of two near 1
+        blocks[..., 0] = rng.integers(118, 130, (rows, cols // block))
     for at in SCALE_FIELDS[kind]:
         scale = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
         blocks[..., at:at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
@@ -117,8 +119,9 @@ def test_truncated_and_foreign_files_are_named(typed_file, tmp_path):
     short = tmp_path / "short.gguf"
     short.write_bytes(data[:-100])
     model = mgguf.GGUFModel.open(str(short))
-    with pytest.raises(mgguf.GGUFError, match="'Q6_K' .* runs past the end of the file"):
-        model.tensor("Q6_K")
+    last = mgguf.TENSOR_TYPES[-1].name  # the file's last tensor
+    with pytest.raises(mgguf.GGUFError, match=f"'{last}' .* runs past the end of the file"):
+        model.tensor(last)
     other = tmp_path / "other.gguf"
     other.write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(mgguf.GGUFError, match=r"not a GGUF file \(starts with b'PK"):
