@@ -498,7 +498,8 @@ class GGUFCheckpoint:
         moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
         if kind == "ffn_gate_inp" and arch != "gpt-oss":
             return [(f"{layer}.{moe}.gate.{suffix}", _Source(name))]
-        if arch == "gpt-oss" and kind in ("ffn_gate_inp", "attn_sinks", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"):
+        if arch == "gpt-oss" and kind in ("ffn_gate_inp", "attn_sinks", "ffn_gate_exps", "ffn_up_exps",
+                                          "ffn_down_exps"):
             return self._gpt_oss_names(name, layer, i, kind, suffix)
         if arch == "deepseek2" and kind in ("attn_k_b", "attn_v_b", "exp_probs_b"):
             if kind == "exp_probs_b":  # V3's routing correction bias

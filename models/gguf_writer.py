@@ -1,6 +1,6 @@
-"""`write_gguf`: an HF checkpoint (Llama, Qwen2/3, Mixtral, Qwen2/3-MoE in safetensors) as a GGUF file of the same
-weights, laid out as llama.cpp's converter writes it, with gguf's writer. The llama.cpp benchmarks
-(serving/bench/llamacpp.py) and the GGUF loader's tests (its safetensors twin) use it.
+"""`write_gguf`: an HF checkpoint (Llama, Qwen2/3, Mixtral, Qwen2/3-MoE, Gemma 3, Phi-3, DeepSeek-V2 / V3, GPT-OSS in
+safetensors) as a GGUF file of the same weights, laid out as llama.cpp's converter writes it, with gguf's writer. The
+llama.cpp benchmarks (serving/bench/llamacpp.py) and the GGUF loader's tests (its safetensors twin) use it.
 
     python -m models.gguf_writer --hf_dir=DIR --out=FILE.gguf [--tensor_type=F32|BF16|Q8_0|...]
 """
@@ -203,7 +203,9 @@ def write_gguf(model_dir: str | os.PathLike, path: str | os.PathLike, q8_0: bool
     """Writes `model_dir` as GGUF at `path` and returns the path: Llama and Mixtral as llama.cpp's "llama"
     architecture (q/k rows reordered for its interleaved RoPE; Llama 3 RoPE scaling as rope_freqs.weight), Qwen2,
     Qwen3, Qwen2-MoE and Qwen3-MoE under their own names (NEOX RoPE as HF's: rows as stored); experts stacked as
-    ffn_{gate,up,down}_exps [n_expert, out, in], the router as ffn_gate_inp, a shared expert as *_shexp.
+    ffn_{gate,up,down}_exps [n_expert, out, in], the router as ffn_gate_inp, a shared expert as *_shexp; Gemma 3
+    (norms as 1 + w), Phi-3 (fused qkv / gate_up), DeepSeek (deepseek2: kv_b split into k_b / v_b) and GPT-OSS
+    (float experts) as the converter writes them, refusing what llama.cpp would compute otherwise.
     Matrices in the checkpoint's float type, or `tensor_type` (one of QUANTIZED_TYPES, "F32", "BF16", "F16";
     `q8_0`: "Q8_0", what `llama-quantize ... Q8_0` writes); norms and biases float32. With `split_max_tensors` the
     model is split as `gguf-split` does (path-0000k-of-0000n.gguf; the first part's path is returned)."""
