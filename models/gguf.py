@@ -22,10 +22,18 @@ from models.gguf_files import GGUFError, gguf_files, is_gguf  # noqa: F401  (re-
 from models.safetensors_io import CheckpointError
 
 # llama.cpp architecture -> our family (a "llama" with experts is Mixtral; Mistral's dense models are "llama" too)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+                 "gemma3": "gemma3", "phi3": "phi3", "deepseek2": "deepseek_v2",
+                 "gpt-oss": "gpt_oss"}
+# What llama.cpp's gemma3 does not read from the file but hard-codes: every sixth layer global, the local layers'
+# RoPE base, and the 27B (62 layers) softmax scale of 1 / sqrt(hidden / heads) instead of 1 / sqrt(head_dim)
+GEMMA3_GLOBAL_EVERY, GEMMA3_LOCAL_ROPE_BASE, GEMMA3_27B_LAYERS = 6, 10000.0, 62
+# ... and for gpt-oss: every second layer global, the SwiGLU's clamp and sigmoid scale
+GPT_OSS_GLOBAL_EVERY, GPT_OSS_SWIGLU_LIMIT, GPT_OSS_SWIGLU_ALPHA = 2, 7.0, 1.702
 # Tensor types read, each dequantized by gguf.quants (the float ones are views of the file)
 TENSOR_TYPES = tuple(GGMLQuantizationType[n] for n in (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "MXFP4"))  # MXFP4: gpt-oss's experts as llama.cpp's converter repacks them
 _FLOAT_VIEWS = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                 GGMLQuantizationType.BF16: ml_dtypes.bfloat16}
 _SCALARS = {GGUFValueType.UINT8: "<B", GGUFValueType.INT8: "<b", GGUFValueType.UINT16: "<H", GGUFValueType.INT16: "<h",
@@ -260,11 +268,13 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
     num_layers = int(key("block_count"))
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // num_heads))
-    if int(key("attention.value_length", head_dim)) != head_dim:
+    mla = arch == "deepseek2"  # its key_length / value_length are the MQA view of the latent; the heads' are *_mla
+    head_dim = int(key("attention.key_length_mla" if mla else "attention.key_length", hidden // num_heads))
+    if not mla and int(key("attention.value_length", head_dim)) != head_dim:
         raise UnsupportedModelError(f"{where}: value heads of {key('attention.value_length')} and key heads of "
                                     f"{head_dim} (one head size only)")
-    if int(key("rope.dimension_count", head_dim)) != head_dim:
+    rotary = int(key("rope.dimension_count", head_dim))
+    if rotary != head_dim and not mla and not (arch == "phi3" and 0 < rotary < head_dim and rotary % 2 == 0):
         raise UnsupportedModelError(f"{where}: RoPE on {key('rope.dimension_count')} of {head_dim} head dimensions "
                                     "(partial rotary is not served)")
     if "token_embd.weight" not in tensors:
@@ -293,10 +303,74 @@ def config_from_gguf(model: GGUFModel) -> ModelConfig:
         kw.update(num_experts=num_experts, num_experts_per_tok=int(key("expert_used_count")),
                   moe_intermediate_size=moe_ffn, intermediate_size=ffn or moe_ffn,
                   # llama.cpp renormalises the top-k weights for Mixtral and Qwen3-MoE, not for Qwen2-MoE
-                  norm_topk_prob=bool(key("expert_weights_norm", family != "qwen2_moe")),
+                  norm_topk_prob=bool(key("expert_weights_norm", family not in ("qwen2_moe", "deepseek_v2"))),
                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0)),
                   moe_layers=tuple(f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(num_layers)))
+    if mla:
+        kw.update(_deepseek2_fields(key, num_heads, head_dim, rotary, kw))
+    if arch == "gpt-oss":
+        window = int(key("attention.sliding_window", 0)) or None
+        kw.update(attention_sinks=True, router_bias="blk.0.ffn_gate_inp.bias" in tensors,
+                  expert_bias="blk.0.ffn_gate_exps.bias" in tensors, norm_topk_prob=True,
+                  swiglu_alpha=GPT_OSS_SWIGLU_ALPHA, swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+                  sliding_windows=tuple(window if (i + 1) % GPT_OSS_GLOBAL_EVERY else None for i in range(num_layers)))
+    if arch in ("gemma3", "phi3"):
+        kw.update(_gemma3_phi3_fields(model, arch, key, num_layers, head_dim, rotary, kw))
     return ModelConfig(**kw)
+
+
+def _deepseek2_fields(key, num_heads: int, head_dim: int, rotary: int, kw: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 (llama.cpp's deepseek2): multi-head latent attention's sizes, shared experts without a gate,
+    routing: softmax scores (V2: greedy, or group-limited with expert groups) or sigmoid (V3: noaux_tc with the
+    correction bias exp_probs_b), the routed weights scaled by expert_weights_scale. RoPE values come in pairs, as
+    DeepSeek's checkpoints store them and llama.cpp rotates them."""
+    v3 = int(key("expert_gating_func", gguf.ExpertGatingFuncType.SOFTMAX)) == gguf.ExpertGatingFuncType.SIGMOID
+    groups, used = int(key("expert_group_count", 1)), int(key("expert_group_used_count", 1))
+    method = "noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy"
+    return dict(family="deepseek_v3" if v3 else "deepseek_v2", num_kv_heads=num_heads,
+                kv_lora_rank=int(key("attention.kv_lora_rank")), q_lora_rank=int(key("attention.q_lora_rank", 0)),
+                qk_nope_head_dim=head_dim - rotary, qk_rope_head_dim=rotary,
+                v_head_dim=int(key("attention.value_length_mla")), rope_interleave=True,
+                shared_expert_intermediate_size=kw.get("moe_intermediate_size", 0) * int(key("expert_shared_count", 0)),
+                shared_expert_gate=False, scoring_func="sigmoid" if v3 else "softmax", topk_method=method,
+                n_group=groups if method != "greedy" else 1, topk_group=used if method != "greedy" else 1,
+                routed_scaling_factor=float(key("expert_weights_scale", 1.0)))
+
+
+def _gemma3_phi3_fields(model: GGUFModel, arch: str, key, num_layers: int, head_dim: int, rotary: int,
+                        kw: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3's partial rotary and sliding window (every layer); Gemma 3's GeGLU, (1 + w) norms (stored as 1 + w:
+    `GGUFCheckpoint` subtracts the 1), local / global layers with their RoPEs, softmax scale and logit soft-cap."""
+    window = int(key("attention.sliding_window", 0)) or None
+    if arch == "phi3":
+        if "rope_factors_long.weight" in model.tensors or "rope_factors_short.weight" in model.tensors:
+            raise UnsupportedModelError(f"{model.path}: Phi-3 LongRoPE (rope_factors_long/short.weight) is not read "
+                                        "from GGUF yet (served from the HF checkpoint)")
+        return dict(rope=dataclasses.replace(kw["rope"], partial_rotary_factor=rotary / head_dim),
+                    sliding_windows=(window,) * num_layers)
+    pattern = model.metadata.get(f"{arch}.attention.sliding_window_pattern")
+    if pattern is None:
+        local = [(i + 1) % GEMMA3_GLOBAL_EVERY != 0 for i in range(num_layers)]
+    elif isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise GGUFError(f"{model.path}: {arch}.attention.sliding_window_pattern has {len(pattern)} entries for "
+                            f"{num_layers} layers")
+        local = [bool(p) for p in pattern]
+    else:
+        local = [(i + 1) % int(pattern) != 0 for i in range(num_layers)]
+    if window is None and any(local):
+        raise GGUFError(f"{model.path}: metadata {arch}.attention.sliding_window is missing (Gemma 3's local layers)")
+    if key("attn_logit_softcapping", None) is not None:
+        raise UnsupportedModelError(f"{model.path}: {arch}.attn_logit_softcapping (Gemma 3 does not cap attention "
+                                    "scores; expected none)")
+    scale = key("attention.scale", None)  # 1 / sqrt(query_pre_attn_scalar) where a file says it
+    scalar = (1.0 / float(scale) ** 2 if scale is not None else
+              kw["hidden_size"] / kw["num_heads"] if num_layers == GEMMA3_27B_LAYERS else float(head_dim))
+    cap = key("final_logit_softcapping", None)
+    return dict(hidden_act="gelu_pytorch_tanh", rms_norm_unit_offset=True, query_pre_attn_scalar=scalar,
+                final_logit_softcapping=None if cap is None else float(cap),
+                sliding_windows=tuple(window if s else None for s in local),
+                rope_local=RopeConfig(theta=float(key("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE))))
 
 
 def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
@@ -308,8 +382,18 @@ def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(meta[f"{arch}.rope.scaling.factor"]))
+    if scaling == "yarn" and arch == "deepseek2":
+        return _deepseek2_yarn(model, arch, theta)
+    if scaling == "yarn" and arch == "gpt-oss":  # untruncated, as gpt-oss's config has it
+        from models.config import _parse_rope
+        return _parse_rope({"rope_parameters": {
+            "rope_type": "yarn", "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+            "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+            "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)), "truncate": False}}, "gpt_oss")
     if scaling != "none":
-        raise UnsupportedModelError(f"{where}: RoPE scaling {scaling!r} (served: none, linear, llama3)")
+        raise UnsupportedModelError(f"{where}: RoPE scaling {scaling!r} (served: none, linear, llama3; yarn for "
+                                    "deepseek2 and gpt-oss)")
     if "rope_freqs.weight" not in model.tensors:
         return RopeConfig(theta=theta)
     factors = np.asarray(model.tensor("rope_freqs.weight"), np.float64)
@@ -325,6 +409,23 @@ def _rope(model: GGUFModel, arch: str, head_dim: int) -> RopeConfig:
     return rope
 
 
+def _deepseek2_yarn(model: GGUFModel, arch: str, theta: float) -> RopeConfig:
+    """DeepSeek's YaRN as HF reads it, from llama.cpp's keys: yarn_log_multiplier is 0.1 * mscale_all_dim, and
+    llama.cpp takes mscale = mscale_all_dim (as every DeepSeek checkpoint has), so the RoPE's attention factor is 1."""
+    from models.config import _parse_rope
+    meta = model.metadata
+    if f"{arch}.rope.scaling.original_context_length" not in meta or f"{arch}.rope.scaling.factor" not in meta:
+        raise GGUFError(f"{model.path}: YaRN without {arch}.rope.scaling.factor / .original_context_length")
+    # the key is a float32 of 0.1 * mscale: 6 significant digits give back the config's value (0.707, not 0.70699996)
+    mscale = float(f"{float(meta.get(f'{arch}.rope.scaling.yarn_log_multiplier', 0.1)) / 0.1:.6g}")
+    return _parse_rope({"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": theta, "factor": float(meta[f"{arch}.rope.scaling.factor"]),
+        "original_max_position_embeddings": int(meta[f"{arch}.rope.scaling.original_context_length"]),
+        "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+        "mscale": mscale, "mscale_all_dim": mscale}}, "deepseek_v2")
+
+
 # ------------------------------------------------------------------------------------------------------ checkpoint
 # llama.cpp's per-layer tensor -> the HF module it was converted from (blk.N.<ours>.weight|bias)
 _LAYER_TENSORS = {
@@ -335,6 +436,20 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# per architecture, where its names differ (Gemma 3's four norms a layer; Phi-3's fused qkv and gate_up)
+_ARCH_LAYER_TENSORS = {
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    "deepseek2": {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+                  "attn_q_b": "self_attn.q_b_proj", "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+                  "attn_kv_a_norm": "self_attn.kv_a_layernorm", "attn_kv_b": "self_attn.kv_b_proj",
+                  "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+                  "ffn_down_shexp": "mlp.shared_experts.down_proj"},
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm"},
+}
+# architectures whose converter stores every norm weight w as 1 + w (llama.cpp's RMSNorm multiplies by the weight)
+_UNIT_OFFSET_NORMS = ("gemma3",)
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
 _EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -348,6 +463,10 @@ class _Source:
     expert: int | None = None  # the expert's slice of a stacked [n_expert, out, in] tensor
     rope_heads: int = 0  # llama.cpp interleaved these rows for its RoPE: undo, with this many heads
     row: bool = False  # a vector stored for a [1, n] HF weight
+    minus_one: bool = False  # a norm weight stored as 1 + w
+    kv_b: str = ""  # MLA's kv_b_proj, split by llama.cpp: `tensor` is k_b [H, R, Dn], this v_b [H, Dv, R]
+    up: str = ""  # GPT-OSS's gate_up_proj: `tensor` the gate [N, I, E] (or bias [N, I]), this the up; interleaved
+    transpose: bool = False  # GPT-OSS's down_proj: [N, E, I] stored for HF's [N, I, E]
 
 
 class GGUFCheckpoint:
@@ -368,28 +487,61 @@ class GGUFCheckpoint:
                 self._sources[hf] = source
 
     def _hf_names(self, name: str, cfg: ModelConfig, arch: str, shape) -> list[tuple[str, _Source]]:
+        shift = arch in _UNIT_OFFSET_NORMS and name.endswith("norm.weight")
         if name in _GLOBAL_TENSORS:
-            return [(_GLOBAL_TENSORS[name], _Source(name))]
+            return [(_GLOBAL_TENSORS[name], _Source(name, minus_one=shift))]
         m = _LAYER_NAME.match(name)
         if not m or int(m[1]) >= cfg.num_layers:
             raise GGUFError(f"{self.model.path}: tensor {name!r} has no place in a {cfg.family} model")
         i, kind, expert, suffix = int(m[1]), m[2], m[3], m[4]
         layer = f"model.layers.{i}"
         moe = "block_sparse_moe" if cfg.family == "mixtral" else "mlp"
-        if kind == "ffn_gate_inp":
+        if kind == "ffn_gate_inp" and arch != "gpt-oss":
             return [(f"{layer}.{moe}.gate.{suffix}", _Source(name))]
+        if arch == "gpt-oss" and kind in ("ffn_gate_inp", "attn_sinks", "ffn_gate_exps", "ffn_up_exps",
+                                          "ffn_down_exps"):
+            return self._gpt_oss_names(name, layer, i, kind, suffix)
+        if arch == "deepseek2" and kind in ("attn_k_b", "attn_v_b", "exp_probs_b"):
+            if kind == "exp_probs_b":  # V3's routing correction bias
+                return [(f"{layer}.mlp.gate.e_score_correction_bias", _Source(name))]
+            if kind == "attn_v_b":
+                return []  # read with attn_k_b
+            v_b = f"blk.{i}.attn_v_b.weight"
+            if v_b not in self.model.tensors:
+                raise GGUFError(f"{self.model.path}: {name!r} without {v_b!r} (MLA's kv_b split in two)")
+            return [(f"{layer}.self_attn.kv_b_proj.weight", _Source(name, kv_b=v_b))]
         if kind in _EXPERTS or (expert is not None and kind in ("ffn_gate", "ffn_up", "ffn_down")):
             proj = _EXPERTS.get(kind) or _LAYER_TENSORS[kind].split(".")[1]
             proj = _MIXTRAL_EXPERTS[proj] if cfg.family == "mixtral" else proj
             if expert is not None:  # older files: one tensor per expert, blk.N.ffn_gate.E.weight
                 return [(f"{layer}.{moe}.experts.{expert}.{proj}.{suffix}", _Source(name))]
             return [(f"{layer}.{moe}.experts.{j}.{proj}.{suffix}", _Source(name, expert=j)) for j in range(shape[0])]
-        if kind not in _LAYER_TENSORS or expert is not None:
+        layer_tensors = {**_LAYER_TENSORS, **_ARCH_LAYER_TENSORS.get(arch, {})}
+        if kind not in layer_tensors or expert is not None:
             raise GGUFError(f"{self.model.path}: tensor {name!r} has no place in a {cfg.family} model")
         # llama.cpp's "llama" architecture interleaves q/k rows for its RoPE (pairs 2i, 2i+1); HF rotates halves
         heads = {"attn_q": cfg.num_heads, "attn_k": cfg.num_kv_heads}.get(kind, 0) if arch == "llama" else 0
-        return [(f"{layer}.{_LAYER_TENSORS[kind]}.{suffix}",
-                 _Source(name, rope_heads=heads, row=kind == "ffn_gate_inp_shexp" and len(shape) == 1))]
+        return [(f"{layer}.{layer_tensors[kind]}.{suffix}",
+                 _Source(name, rope_heads=heads, row=kind == "ffn_gate_inp_shexp" and len(shape) == 1,
+                         minus_one=shift))]
+
+    def _gpt_oss_names(self, name: str, layer: str, i: int, kind: str, suffix: str) -> list[tuple[str, _Source]]:
+        """GPT-OSS in transformers' layout: the router, the sinks, and the experts fused again (gate_up_proj
+        [N, E, 2I], gate and up interleaved by column; down_proj [N, I, E])."""
+        if kind == "ffn_gate_inp":
+            return [(f"{layer}.mlp.router.{suffix}", _Source(name))]
+        if kind == "attn_sinks":
+            return [(f"{layer}.self_attn.sinks", _Source(name))]
+        fused = "experts.gate_up_proj" if kind != "ffn_down_exps" else "experts.down_proj"
+        hf = f"{layer}.mlp.{fused}" + ("_bias" if suffix == "bias" else "")
+        if kind == "ffn_up_exps":
+            return []  # read with the gate
+        if kind == "ffn_down_exps":
+            return [(hf, _Source(name, transpose=suffix == "weight"))]
+        up = f"blk.{i}.ffn_up_exps.{suffix}"
+        if up not in self.model.tensors:
+            raise GGUFError(f"{self.model.path}: {name!r} without {up!r}")
+        return [(hf, _Source(name, up=up))]
 
     def __contains__(self, name: str) -> bool:
         return name in self._sources
@@ -400,6 +552,13 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         s = self._sources[name]
         shape = self.model.tensors[s.tensor].shape
+        if s.up:
+            return (shape[0], shape[2], 2 * shape[1]) if len(shape) == 3 else (shape[0], 2 * shape[1])
+        if s.transpose:
+            return shape[0], shape[2], shape[1]
+        if s.kv_b:
+            heads, rank, nope = shape
+            return heads * (nope + self.model.tensors[s.kv_b].shape[1]), rank
         return shape[1:] if s.expert is not None else (1, *shape) if s.row else shape
 
     def dtype_name(self, name: str) -> str:
@@ -418,11 +577,30 @@ class GGUFCheckpoint:
                     self.model.tensors[self._stack[0]].file.release(self.model.tensors[self._stack[0]])
                 self._stack = (s.tensor, self.model.tensor(s.tensor, self.dtype))
             return self._stack[1][s.expert]
+        if s.up or s.transpose:
+            a = self.model.tensor(s.tensor, self.dtype)
+            if s.transpose:
+                w = np.ascontiguousarray(a.transpose(0, 2, 1))
+            else:  # gate in the even columns, up in the odd ones
+                b = self.model.tensor(s.up, self.dtype)
+                a, b = (a.transpose(0, 2, 1), b.transpose(0, 2, 1)) if a.ndim == 3 else (a, b)
+                w = np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+            for t in {s.tensor, s.up} - {""}:
+                self.model.tensors[t].file.release(self.model.tensors[t])
+            return w
+        if s.kv_b:  # [H, Dn + Dv, R] rows per head, k's first, as HF's kv_b_proj
+            k_b, v_b = self.model.tensor(s.tensor, self.dtype), self.model.tensor(s.kv_b, self.dtype)
+            w = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+            for t in (self.model.tensors[s.tensor], self.model.tensors[s.kv_b]):
+                t.file.release(t)
+            return w
         w = self.model.tensor(s.tensor, self.dtype)
         if self.model.tensors[s.tensor].ggml_type in _FLOAT_VIEWS:
             self._view = self.model.tensors[s.tensor]
         if s.rope_heads:
             w = unpermute_rope_rows(w, s.rope_heads)
+        if s.minus_one:  # in float32: 1 + (stored - 1) is the stored value again, as HF's (1 + w) is
+            w = np.asarray(w, np.float32) - np.float32(1.0)
         return w.reshape(1, -1) if s.row else w
 
 

@@ -4,6 +4,7 @@ Llama / Qwen / Mixtral / Qwen-MoE models whose GGUF loads to the parameters and 
 split files, directories, and the errors that name what is wrong."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -25,7 +26,7 @@ from tests.support.paged_runner import PagedRunner
 
 # Byte offsets of each block's float16 scale fields (random bytes there could be inf / NaN)
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 
 
 def _random_tensor(kind: str, rows: int, cols: int, rng) -> np.ndarray:
@@ -36,6 +37,8 @@ def _random_tensor(kind: str, rows: int, cols: int, rng) -> np.ndarray:
         return rng.standard_normal((rows, cols)).astype(ml_dtypes.bfloat16).view(np.uint16)
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
     blocks = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    if kind == "MXFP4":  # one E8M0 scale byte a block: powers of two near 1
+        blocks[..., 0] = rng.integers(118, 130, (rows, cols // block))
     for at in SCALE_FIELDS[kind]:
         scale = (rng.standard_normal((rows, cols // block)) * 0.01).astype(np.float16)
         blocks[..., at:at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
@@ -116,8 +119,9 @@ def test_truncated_and_foreign_files_are_named(typed_file, tmp_path):
     short = tmp_path / "short.gguf"
     short.write_bytes(data[:-100])
     model = mgguf.GGUFModel.open(str(short))
-    with pytest.raises(mgguf.GGUFError, match="'Q6_K' .* runs past the end of the file"):
-        model.tensor("Q6_K")
+    last = mgguf.TENSOR_TYPES[-1].name  # the file's last tensor
+    with pytest.raises(mgguf.GGUFError, match=f"'{last}' .* runs past the end of the file"):
+        model.tensor(last)
     other = tmp_path / "other.gguf"
     other.write_bytes(b"PK\x03\x04" + data[4:])
     with pytest.raises(mgguf.GGUFError, match=r"not a GGUF file \(starts with b'PK"):
@@ -125,7 +129,15 @@ def test_truncated_and_foreign_files_are_named(typed_file, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------- safetensors twins
-TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+TWINS = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "phi3", "deepseek_v2", "deepseek_v3",
+         "gpt_oss")
+# Gemma 3 as llama.cpp's gemma3 holds it (what it hard-codes rather than reads): the sixth layer global, the local
+# layers' RoPE base 10000, query_pre_attn_scalar = head_dim; the global layers keep their own base and linear scaling
+OVERRIDES = {"gemma3": dict(
+    num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"], query_pre_attn_scalar=16,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "gpt_oss": dict(swiglu_limit=7.0)}  # llama.cpp's gpt-oss clamps at 7 (the test family at 0.5)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +146,7 @@ def twins(tmp_path_factory):
     root = tmp_path_factory.mktemp("twins")
     out = {}
     for family in TWINS:
-        d = hf_models.cached_dir(str(root), family)
+        d = hf_models.cached_dir(str(root), family, **OVERRIDES.get(family, {}))
         out[family] = (d, write_gguf(d, root / f"{family}.gguf"))
     return out
 
@@ -147,16 +159,24 @@ def _params(model) -> dict:
 @pytest.mark.parametrize("family", TWINS)
 def test_gguf_loads_to_its_safetensors_twin(twins, family):
     """Every parameter equal (q/k rows back from llama.cpp's order, experts out of their stacks, Llama 3's RoPE
-    factors recognised), so the logits are identical."""
+    factors recognised, Phi-3's fused qkv / gate_up), so the logits are identical. Gemma 3's norms are stored as
+    1 + w: w comes back within float32 rounding of 1, and the 1 + w the model scales by is the twin's exactly."""
     hf_dir, path = twins[family]
     assert model_format(str(path)) == "gguf" and model_format(hf_dir) == "hf"
     cfg, want_cfg = read_config(str(path)), read_config(hf_dir)
     assert cfg.family == want_cfg.family and cfg.rope == want_cfg.rope and cfg.moe_layers == want_cfg.moe_layers
+    # all else equal: windows, Gemma 3's local RoPE / softmax scale / soft-cap (the GGUF rounds eps to float32)
+    assert cfg == dataclasses.replace(want_cfg, max_position_embeddings=cfg.max_position_embeddings,
+                                      rms_norm_eps=cfg.rms_norm_eps, pad_token_id=cfg.pad_token_id)
     ours, twin = load_model(str(path)), load_model(hf_dir)
     got, want = _params(ours), _params(twin)
     assert got.keys() == want.keys()
     for name in want:
-        np.testing.assert_array_equal(got[name], want[name], err_msg=str(name))
+        if cfg.rms_norm_unit_offset and "norm" in str(name):
+            np.testing.assert_array_equal(np.float32(1) + got[name], np.float32(1) + want[name], err_msg=str(name))
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=2.0 ** -24, err_msg=str(name))
+        else:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=str(name))
     prompt = hf_models.random_prompt(12, cfg.vocab_size, seed=3)
     logits = [PagedRunner(m).token_logits([SeqChunk(prompt, 0, list(range(2)))]) for m in (ours, twin)]
     np.testing.assert_array_equal(logits[0], logits[1])
@@ -177,6 +197,17 @@ def test_llama_q_rows_really_are_reordered_in_the_file(twins):
     hf = tf.AutoModelForCausalLM.from_pretrained(hf_dir).state_dict()["model.layers.0.self_attn.q_proj.weight"].numpy()
     assert not np.array_equal(stored, hf)
     np.testing.assert_array_equal(mgguf.unpermute_rope_rows(stored, 4), hf)
+
+
+def test_deepseek_kv_b_really_is_split_in_the_file(twins):
+    """MLA's kv_b_proj is in the file as llama.cpp's converter writes it: k_b [H, R, Dn] (transposed) and v_b
+    [H, Dv, R], no attn_kv_b; the twin test's equal kv_b_proj is their recombination."""
+    _, path = twins["deepseek_v2"]
+    model = mgguf.GGUFModel.open(str(path))
+    assert "blk.0.attn_kv_b.weight" not in model.tensors
+    assert model.tensors["blk.0.attn_k_b.weight"].shape == (4, 32, 16)
+    assert model.tensors["blk.0.attn_v_b.weight"].shape == (4, 24, 32)
+    assert model.metadata["deepseek2.attention.head_count_kv"] == 1
 
 
 def test_split_files_and_directories(twins, tmp_path):
@@ -201,8 +232,10 @@ def test_directory_with_two_models_is_refused(twins, tmp_path):
         load_model(str(tmp_path))
 
 
-def _tiny_file(path, arch: str, extra: dict[str, np.ndarray]):
+def _tiny_file(path, arch: str, extra: dict[str, np.ndarray], meta: dict[str, float] | None = None):
     w = gguf.GGUFWriter(str(path), arch)
+    for k, v in (meta or {}).items():
+        w.add_float32(f"{arch}.{k}", v)
     w.add_block_count(1)
     w.add_embedding_length(8)
     w.add_head_count(2)
@@ -218,8 +251,18 @@ def _tiny_file(path, arch: str, extra: dict[str, np.ndarray]):
 
 
 def test_unsupported_architecture_fails_naming_it(tmp_path):
-    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma2' is not served .*llama, qwen2"):
+    with pytest.raises(UnsupportedModelError, match="GGUF architecture 'gemma2' is not served .*llama, qwen2"
+                                                    ".*gemma3, phi3"):
         load_model(_tiny_file(tmp_path / "gemma.gguf", "gemma2", {}))
+
+
+@pytest.mark.parametrize("arch, extra, meta, error", [
+    ("phi3", {"rope_factors_long.weight": np.ones(2, np.float32)}, {}, "Phi-3 LongRoPE .*rope_factors_long"),
+    ("gemma3", {}, {"attn_logit_softcapping": 50.0, "attention.sliding_window": 4}, "gemma3.attn_logit_softcapping"),
+])
+def test_unsupported_variant_fails_naming_it(tmp_path, arch, extra, meta, error):
+    with pytest.raises(UnsupportedModelError, match=error):
+        load_model(_tiny_file(tmp_path / f"{arch}.gguf", arch, extra, meta))
 
 
 def test_stray_tensor_is_named(tmp_path):

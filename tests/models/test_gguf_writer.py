@@ -203,3 +203,12 @@ def test_qwen3moe_gguf_refuses_what_llamacpp_would_compute_otherwise(tmp_path):
     tf.Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     with pytest.raises(ValueError, match="norm_topk_prob=False"):
         gguf_writer.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
+
+
+def test_gemma3_gguf_refuses_what_llamacpp_would_assume_otherwise(tmp_path):
+    """llama.cpp's gemma3 reads no layer pattern, local RoPE base or softmax scale: a Gemma 3 whose own differ (the
+    test family's: global every second layer) is refused rather than written to compute otherwise."""
+    from tests.support import hf_models
+    hf_models.save_hf_model("gemma3", str(tmp_path / "hf"))
+    with pytest.raises(ValueError, match="every 6th layer global"):
+        gguf_writer.write_gguf(tmp_path / "hf", tmp_path / "m.gguf")
