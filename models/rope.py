@@ -1,6 +1,6 @@
 """Rotary position embeddings (HF `rotate_half` layout, over the first `partial_rotary_factor` of each head):
-default / linear / llama3 / yarn / longrope (short and long factors) frequencies, yarn's and longrope's attention factor,
-and which longrope factor set each token of a ragged batch rotates by."""
+default / linear / llama3 / yarn / longrope (short and long factors) frequencies, yarn's and longrope's attention
+factor, and which longrope factor set each token of a ragged batch rotates by."""
 from __future__ import annotations
 
 import math
