@@ -53,4 +53,4 @@ def test_greedy_past_the_original_context_matches_hf_generate(hf, hf_dir):
     steps = 12  # the short prompt ends at 15 positions, within the 16 original ones
     expected = [hf_models.hf_greedy(hf, p, steps) for p in prompts]
     runner = PagedRunner(load_hf_model(hf_dir), page_size=8, num_pages=32)
-    assert runner.generate(prompts, steps) == expected
+    assert runner.generate(prompts, steps, num_tokens=32, num_seqs=4) == expected  # one shape: one compilation
