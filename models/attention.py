@@ -15,7 +15,7 @@ from models.config import ModelConfig
 from models.kv_cache import KVCacheSpec, attention_spec
 from models.layers import RMSNorm, linear, linear_param, zeros
 from models.lora import apply_lora
-from models.rope import apply_rope, inverse_frequencies
+from models.rope import apply_rope, inverse_frequencies, longrope_long_tokens
 from pallas_kernels import kv_quant
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
 from sharding.mesh import axis_size, mesh_axis
@@ -52,6 +52,10 @@ class Attention(nnx.Module):
         rope = cfg.rope_local if self.sliding_window is not None and cfg.rope_local is not None else cfg.rope
         self.inv_freq = tuple(float(f) for f in inverse_frequencies(rope, d))
         self.rope_attention_factor = rope.attention_factor  # yarn / longrope scale cos and sin by it
+        # longrope: a sequence longer than the original context rotates by the long factors (models.rope)
+        self.long_inv_freq = (tuple(float(f) for f in inverse_frequencies(rope, d, long=True))
+                              if rope.rope_type == "longrope" else None)
+        self.rope_original = rope.original_max_position_embeddings
         self.lora = nnx.data(None)  # adapter slots of q/k/v/o (models.lora.LoRAStacks), set when serving LoRA
 
     @staticmethod
@@ -82,8 +86,11 @@ class Attention(nnx.Module):
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq, self.rope_attention_factor)
-        k = apply_rope(k, positions, self.inv_freq, self.rope_attention_factor)
+        use_long = None
+        if self.long_inv_freq is not None:
+            use_long = longrope_long_tokens(batch.attention.kv_lens, batch.attention.cu_q_lens, t, self.rope_original)
+        q = apply_rope(q, positions, self.inv_freq, self.rope_attention_factor, self.long_inv_freq, use_long)
+        k = apply_rope(k, positions, self.inv_freq, self.rope_attention_factor, self.long_inv_freq, use_long)
         # a sliding-window layer reads its window's own page pool when the batch carries one (hybrid KV cache)
         out, kv_pages = paged_attention(q, k, v, kv_pages, batch.attention_for(self.sliding_window),
                                         sm_scale=self.sm_scale, sliding_window=self.sliding_window,

@@ -58,10 +58,12 @@ class RopeConfig:
     # yarn, longrope: the factor cos and sin are scaled by (the attention temperature); 1.0 for the others
     attention_factor: float = 1.0
     short_factor: tuple[float, ...] = ()  # longrope: a divisor per frequency, within the original context
+    long_factor: tuple[float, ...] = ()  # longrope: a divisor per frequency, for sequences past the original context
     partial_rotary_factor: float = 1.0  # the share of head_dim that is rotated (the rest passes through)
 
     def __post_init__(self):
         object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))  # from JSON lists
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -264,13 +266,16 @@ def _yarn_or_longrope(hf: dict[str, Any], merged: dict[str, Any], rope: RopeConf
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
     head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // int(hf["num_attention_heads"]))
-    short = merged.get("short_factor")
     rotated = int(head_dim * rope.partial_rotary_factor) // 2
-    if not isinstance(short, list) or len(short) != rotated:
-        raise _unsupported(f"longrope short_factor {short!r} (expected a list of {rotated} numbers, one per "
-                           f"rotated frequency)")
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = merged.get(name)
+        if not isinstance(value, list) or len(value) != rotated:
+            raise _unsupported(f"longrope {name} {value!r} (expected a list of {rotated} numbers, one per "
+                               f"rotated frequency)")
+        factors[name] = tuple(value)
     return dataclasses.replace(rope, factor=factor, original_max_position_embeddings=original,
-                               attention_factor=float(attention_factor), short_factor=tuple(short))
+                               attention_factor=float(attention_factor), **factors)
 
 
 def _sliding_windows(hf: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, ...]:
@@ -435,13 +440,6 @@ def _parse_hf(hf: dict[str, Any]) -> ModelConfig:
         kw.update(_deepseek_fields(hf, family, num_layers))
     elif family == "gpt_oss":
         kw.update(_gpt_oss_fields(hf))
-    rope = kw["rope"]
-    if rope.rope_type == "longrope" and kw["max_position_embeddings"] > rope.original_max_position_embeddings:
-        # Past its original context HF recomputes the whole sequence with long_factor (Phi3ForCausalLM drops its
-        # cache there): a paged cache cannot, so the context served is the original one, where HF uses short_factor.
-        log.warning("longrope: serving %d positions (original_max_position_embeddings), not %d: long_factor is not "
-                    "implemented", rope.original_max_position_embeddings, kw["max_position_embeddings"])
-        kw["max_position_embeddings"] = rope.original_max_position_embeddings
     if kw["dtype"] not in ("float32", "bfloat16", "float16"):
         raise _unsupported(f"checkpoint dtype {kw['dtype']!r}")
     _mxfp4(hf, family)

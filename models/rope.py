@@ -1,5 +1,6 @@
 """Rotary position embeddings (HF `rotate_half` layout, over the first `partial_rotary_factor` of each head):
-default / linear / llama3 / yarn / longrope (short factors) frequencies, and yarn's and longrope's attention factor."""
+default / linear / llama3 / yarn / longrope (short and long factors) frequencies, yarn's and longrope's attention
+factor, and which longrope factor set each token of a ragged batch rotates by."""
 from __future__ import annotations
 
 import math
@@ -16,8 +17,9 @@ def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
     return int(head_dim * rope.partial_rotary_factor)
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Host-side. The `rotary_dim // 2` inverse frequencies, scaled as `rope.rope_type` says."""
+def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> np.ndarray:
+    """Host-side. The `rotary_dim // 2` inverse frequencies, scaled as `rope.rope_type` says (`long`: longrope's
+    long factors, for sequences past the original context)."""
     dim = rotary_dim(rope, head_dim)
     inv = 1.0 / (rope.theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if rope.rope_type == "linear":
@@ -34,8 +36,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> np.ndarray:
         inv = np.where(medium, smoothed, scaled)
     elif rope.rope_type == "yarn":
         inv = _yarn(rope, dim, inv)
-    elif rope.rope_type == "longrope":  # within the original context (models.config caps the context there)
-        inv = inv / np.asarray(rope.short_factor, np.float64)
+    elif rope.rope_type == "longrope":
+        inv = inv / np.asarray(rope.long_factor if long else rope.short_factor, np.float64)
     return inv.astype(np.float32)
 
 
@@ -58,12 +60,25 @@ def _yarn(rope: RopeConfig, dim: int, inv: np.ndarray) -> np.ndarray:
     return inv / rope.factor * (1.0 - extrapolated) + inv * extrapolated
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, attention_factor: float = 1.0) -> jax.Array:
+def longrope_long_tokens(kv_lens: jax.Array, cu_q_lens: jax.Array, num_tokens: int, original: int) -> jax.Array:
+    """Pure. [T] bool: the tokens whose sequence is longer than `original` positions once this step is in its
+    cache (`kv_lens[S]`, tokens laid out by `cu_q_lens[S + 1]`): HF's longrope picks long factors for a forward
+    whose last position is past the original context, short ones otherwise."""
+    seq = jnp.searchsorted(cu_q_lens, jnp.arange(num_tokens, dtype=cu_q_lens.dtype), side="right") - 1
+    seq = jnp.clip(seq, 0, kv_lens.shape[0] - 1)
+    return kv_lens[seq] > original
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq, attention_factor: float = 1.0, long_inv_freq=None,
+               use_long: jax.Array | None = None) -> jax.Array:
     """Pure. Rotates the first `2 * len(inv_freq)` values of each head of `x[T, H, D]` by `positions[T]` (the rest
     pass through), cos and sin scaled by `attention_factor` as HF does; computed in float32, returned in x's
-    dtype."""
+    dtype. With `long_inv_freq` (longrope), the tokens where `use_long[T]` is set rotate by those instead."""
     inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
+    per_token = inv_freq[None, :]
+    if long_inv_freq is not None:
+        per_token = jnp.where(use_long[:, None], jnp.asarray(long_inv_freq, jnp.float32)[None, :], per_token)
+    freqs = positions.astype(jnp.float32)[:, None] * per_token  # [T, R/2]
     cos = jnp.cos(freqs)[:, None, :]
     sin = jnp.sin(freqs)[:, None, :]
     if attention_factor != 1.0:

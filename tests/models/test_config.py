@@ -81,15 +81,18 @@ def _phi3(**over):
                 original_max_position_embeddings=4096, rope_theta=10000.0, **over)
 
 
-def test_phi4_mini_longrope_within_its_original_context():
-    """Phi-4-mini's config.json (legacy fields): longrope's short factors and attention factor, a quarter of each
-    24-wide head not rotated, and the context served capped at the original 4096 positions (beyond it HF recomputes
-    the sequence with long_factor, which a paged cache cannot)."""
+def test_phi4_mini_longrope_past_its_original_context():
+    """Phi-4-mini's config.json (legacy fields): longrope's short and long factors and attention factor, a quarter of
+    each 24-wide head not rotated, and the whole context served (no longer capped at the original 4096 positions)."""
     cfg = ModelConfig.from_hf(_phi3(partial_rotary_factor=0.75, rope_scaling={
         "type": "longrope", "short_factor": [1.0] * 8 + [2.0], "long_factor": [4.0] * 9}))
     assert cfg.family == "phi3" and cfg.rope.rope_type == "longrope" and cfg.rope.partial_rotary_factor == 0.75
-    assert cfg.rope.short_factor == (1.0,) * 8 + (2.0,) and cfg.max_position_embeddings == 4096
+    assert cfg.rope.short_factor == (1.0,) * 8 + (2.0,) and cfg.rope.long_factor == (4.0,) * 9
+    assert cfg.max_position_embeddings == 131072 and cfg.rope.original_max_position_embeddings == 4096
     assert cfg.rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    with pytest.raises(UnsupportedModelError, match=r"long_factor \[4.0\] \(expected a list of 9 numbers"):
+        ModelConfig.from_hf(_phi3(partial_rotary_factor=0.75, rope_scaling={
+            "type": "longrope", "short_factor": [1.0] * 9, "long_factor": [4.0]}))
     with pytest.raises(UnsupportedModelError, match=r"short_factor \[1.0, 2.0\] \(expected a list of 9 numbers"):
         ModelConfig.from_hf(_phi3(partial_rotary_factor=0.75, rope_scaling={
             "type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [4.0] * 9}))

@@ -79,7 +79,7 @@ def test_mistral_sliding_window_is_exercised(hf_dirs):
 @pytest.mark.parametrize("family, change", [
     ("qwen3_yarn", dict(rope_type="default")), ("qwen3_yarn", dict(attention_factor=1.0)),
     ("phi4_mini", dict(short_factor=(1.0,) * 6)),
-    ("phi4_mini", dict(partial_rotary_factor=1.0, short_factor=(1.0,) * 8))])
+    ("phi4_mini", dict(partial_rotary_factor=1.0, short_factor=(1.0,) * 8, long_factor=(1.0,) * 8))])
 def test_rope_scaling_is_exercised(family, change, hf_dirs):
     """The parity above covers each part of the scaling only if it changes the result: plain RoPE, yarn without its
     attention factor, longrope without its short factors or rotating the whole head all differ from HF (yarn's

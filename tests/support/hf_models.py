@@ -41,6 +41,13 @@ def family_configs():
                                                             "partial_rotary_factor": 0.75,
                                                             "short_factor": [1.0, 1.1, 1.3, 1.8, 2.5, 3.0],
                                                             "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}),
+        # Phi-3-mini-128k's longrope from 16 original positions to 64: short factors within them, long ones (and
+        # the same attention factor) for a sequence past them; the whole 16-wide head rotated.
+        "phi3_longrope": lambda: tf.Phi3Config(
+            **{**COMMON, "max_position_embeddings": 64}, original_max_position_embeddings=16,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                             "short_factor": [1.0, 1.0, 1.1, 1.2, 1.4, 1.7, 2.0, 2.5],
+                             "long_factor": [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]}),
         # Gemma 3: local (window 12) and global layers interleaved, each kind with its RoPE (the global one scaled),
         # query_pre_attn_scalar 24 (not head_dim 16), a final logit soft-cap, tied embeddings, GeGLU.
         "gemma3": lambda: tf.Gemma3TextConfig(
@@ -86,7 +93,8 @@ def family_configs():
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "phi3", "gemma3")
 # Families whose 1-D parameters (norm weights, biases) are moved away from their init values (1, 0), so that a
 # loader or model that ignores them fails parity.
-PERTURBED = ("phi3", "phi4_mini", "qwen3_yarn", "qwen2_yarn", "gemma3", "deepseek_v2", "deepseek_v3", "gpt_oss")
+PERTURBED = ("phi3", "phi4_mini", "phi3_longrope", "qwen3_yarn", "qwen2_yarn", "gemma3", "deepseek_v2", "deepseek_v3",
+             "gpt_oss")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
