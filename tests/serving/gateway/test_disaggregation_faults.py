@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from serving.wire import meshserve_pb2 as pb
 from serving.wire.client import Client, ClientError
@@ -72,7 +74,7 @@ def _load(proc) -> pb.LoadReport:
 def _assert_idle(*procs) -> None:
     """Every page free (or only cached, evictable) and nothing running, on each of `procs`."""
     for proc in procs:
-        def idle():
+        def idle(proc=proc):
             load = _load(proc)
             return load if load.num_running == 0 and load.kv_pages_free == load.kv_pages_total else None
         try:
@@ -115,6 +117,12 @@ def _kill_during_pull(gw, victim, decode: str):
         return fut.result(timeout=60)
 
 
+def _counters(gw, name: str, label: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{gw.info['metrics_port']}/metrics", timeout=10).read().decode()
+    return {s.labels[label]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
 def _states(gw) -> dict[str, str]:
     return {name: i.state for name, i in gw.instances(ADMIN_KEY).items()}
 
@@ -130,6 +138,7 @@ def test_a_decode_instance_that_refuses_is_retried_on_another(fleet):
     # d0 (preferred) got the decode stage and refused it; d1 pulled the still-held pages again and finished it
     assert {n: after[n] - routed[n] for n in after} == {"p0": 1, "d0": 1, "d1": 1}
     assert _states(gw)["d0"] == "healthy"  # a full queue is no failure
+    assert _counters(gw, "meshserve:gateway_retries_total", "code") == {"RESOURCE_EXHAUSTED": 1}
     _assert_idle(procs["p0"], procs["d0"], procs["d1"])
 
 
@@ -139,6 +148,7 @@ def test_a_decode_instance_killed_before_its_first_token_is_retried_on_another(f
     tokens, err = _kill_during_pull(gw, procs["d0"], "d0")
     assert err is None and tokens == ref  # the pages were still held: d1 pulled them and finished the stream
     assert _states(gw)["d0"] == "failed"
+    assert _counters(gw, "meshserve:gateway_retries_total", "code") == {"RESOURCE_EXHAUSTED": 1, "UNAVAILABLE": 1}
     _assert_idle(procs["p0"], procs["d1"])
 
 
@@ -151,4 +161,6 @@ def test_the_prefill_instance_killed_mid_transfer_is_an_explicit_error(fleet):
     assert err is not None and err.code == grpc.StatusCode.UNAVAILABLE, err
     assert "decode stage" in err.details and procs["p0"].target in err.details, err.details
     assert _states(gw)["d1"] == "healthy"  # the prefill side failed, not d1: it stays routable
+    outcomes = _counters(gw, "meshserve:gateway_disaggregated_requests_total", "outcome")
+    assert (outcomes.get("prefill_decode"), outcomes.get("decode_failed")) == (2, 1)
     _assert_idle(procs["d1"])
