@@ -617,10 +617,16 @@ class Gateway:
                 if r.finish_reason:  # counted before the last yield: a caller may stop reading after it
                     self.metrics.disaggregated.labels("prefill_decode").inc()
                 yield r, inst
-        except GatewayError:
+        except GatewayError as e:
             self.metrics.disaggregated.labels("decode_failed").inc()
             await self._release_transfer(source, handoff.transfer_id)
-            raise
+            if e.code not in RETRIABLE:
+                raise
+            # (e.g. ABORTED: the decode side's pull from a prefill instance that died) the client's stream has its
+            # first token: it ends with UNAVAILABLE, retried by nobody but the client
+            raise GatewayError(grpc.StatusCode.UNAVAILABLE, f"the decode stage failed after the first token was sent "
+                               f"by prefill instance {source.name} ({source.config.target}) ({e.code.name}: "
+                               f"{e.details}); retry the request") from None
 
     async def _release_transfer(self, inst: Instance, transfer_id: str) -> None:
         """After a failed decode stage: frees the prefill instance's pages now rather than at its timeout (best

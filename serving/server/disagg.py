@@ -166,7 +166,7 @@ class Disaggregation:
 
     async def pull(self, src: pb.KVSource, timeout_s: float) -> tuple[list[np.ndarray], dict]:
         """The pages of transfer `src` from its prefill instance, per cache leaf [pages, ...] (still held there:
-        `release`). Raises TransferError (UNAVAILABLE: the prefill instance failed or is gone; FAILED_PRECONDITION:
+        `release`). Raises TransferError (ABORTED: the prefill instance failed or is gone; FAILED_PRECONDITION:
         the two sides' pages differ)."""
         t0 = time.perf_counter()
         stub = self._stub(src.address)
@@ -187,7 +187,8 @@ class Disaggregation:
                 parts.append(list(msg.leaves))
                 nbytes += sum(len(b) for b in msg.leaves)
         except grpc.RpcError as e:
-            code = grpc.StatusCode.UNAVAILABLE if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED else e.code()
+            # ABORTED, not UNAVAILABLE: this instance is fine (a gateway marks an UNAVAILABLE instance failed)
+            code = grpc.StatusCode.ABORTED if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED else e.code()
             raise TransferError(code, f"kv_source: pulling transfer {src.transfer_id} from {src.address} failed "
                                 f"({e.code().name}: {e.details()}); retry the request from its prefill") from None
         data = []

@@ -15,15 +15,16 @@ from serving.process import ServerProcess
 
 
 class InstanceProcess(ServerProcess):
-    """ServerProcess started through tests.support.gateway_instance: `set_delay(s)` slows every step at run time."""
+    """ServerProcess started through tests.support.gateway_instance: `set_delay(s)` slows every step at run time;
+    `env` adds environment variables (e.g. MESHSERVE_DEBUG_PULL_CHUNK_DELAY_S, test-only: see gateway_instance)."""
 
-    def __init__(self, model_dir: str, workdir: str, *flags: str):
+    def __init__(self, model_dir: str, workdir: str, *flags: str, env: dict | None = None):
         os.makedirs(workdir, exist_ok=True)
         self.delay_file = os.path.join(workdir, "step_delay")
         with open(self.delay_file, "w") as f:
             f.write("0")
         super().__init__(model_dir, workdir, "--metrics_port=-1", *flags, module="tests.support.gateway_instance",
-                         env={"MESHSERVE_DEBUG_STEP_DELAY_FILE": self.delay_file})
+                         env={"MESHSERVE_DEBUG_STEP_DELAY_FILE": self.delay_file, **(env or {})})
 
     def set_delay(self, seconds: float) -> None:
         """Returns once the instance has re-read the delay (it polls every 0.1 s): until then its steps run at

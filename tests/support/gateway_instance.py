@@ -1,12 +1,29 @@
 """`python -m tests.support.gateway_instance <serving.server flags>`: an instance server whose debug step delay is re-read
 from the file named by $MESHSERVE_DEBUG_STEP_DELAY_FILE every 0.1 s, so gateway tests can slow an instance down
-and back at run time without a server flag for it."""
+and back at run time without a server flag for it. Test-only too: $MESHSERVE_DEBUG_PULL_CHUNK_DELAY_S (seconds) makes
+a --role=prefill instance wait that long before each PullKV chunk it sends, a deterministic window in which a fault
+test kills an instance mid-transfer (tests/serving/gateway/test_disaggregation_faults.py)."""
 import os
 import runpy
 import threading
 import time
 
 _PATH = os.environ.get("MESHSERVE_DEBUG_STEP_DELAY_FILE", "")
+_PULL_DELAY_S = float(os.environ.get("MESHSERVE_DEBUG_PULL_CHUNK_DELAY_S", "0") or 0)
+
+if _PULL_DELAY_S > 0:
+    import asyncio
+
+    import serving.server.disagg as _disagg
+
+    _orig_pull_kv = _disagg.Disaggregation.pull_kv
+
+    async def _slow_pull_kv(self, request, context):
+        async for msg in _orig_pull_kv(self, request, context):
+            await asyncio.sleep(_PULL_DELAY_S)  # before each chunk leaves: the decode side is mid-pull meanwhile
+            yield msg
+
+    _disagg.Disaggregation.pull_kv = _slow_pull_kv
 
 if _PATH:
     import serving.server.app as _app
