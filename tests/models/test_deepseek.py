@@ -40,14 +40,7 @@ def test_prompt_logits_match_hf(family, hf_dirs):
     assert cfg.is_mla and cfg.rope.original_max_position_embeddings == 16  # the prompt runs 24 positions past it
     runner = PagedRunner(load_hf_model(hf_dirs[family]), page_size=8)
     assert runner.kv[0].shape == (128, 8, 1, 48)  # one latent row per token: kv_lora_rank 32 + RoPE key 16
-    full = runner.token_logits([SeqChunk(prompt, 0, runner.alloc(PROMPT_LEN))])
-    table, other = runner.alloc(PROMPT_LEN), runner.alloc(PROMPT_LEN)
-    chunked = []
-    for start in range(0, PROMPT_LEN, 5):
-        logits = runner.token_logits([SeqChunk(prompt[start:start + 5], start, table),
-                                      SeqChunk(prompt[::-1][start:start + 5], start, other)])
-        chunked.append(logits[:5])
-    err, err_chunked = float(np.max(np.abs(full - ref))), float(np.max(np.abs(np.concatenate(chunked) - ref)))
+    err, err_chunked = runner.prefill_errors(prompt, ref)
     print(f"PARITY {family}: max |logit diff| full prefill {err:.2e}, chunked {err_chunked:.2e}")
     assert err < 1e-4 and err_chunked < 1e-4
 

@@ -29,17 +29,8 @@ def test_prompt_logits_match_hf(family, hf_dirs):
     prompt = hf_models.random_prompt(PROMPT_LEN, hf.config.vocab_size, seed=1)
     ref = hf_models.hf_logits(hf, prompt)
     runner = PagedRunner(load_hf_model(hf_dirs[family]), page_size=8)
-    # The whole prompt as one prefill: logits at every position.
-    full = runner.token_logits([SeqChunk(prompt, 0, runner.alloc(PROMPT_LEN))])
-    err = float(np.max(np.abs(full - ref)))
-    # The same prompt in 5-token chunks through the paged cache, beside another sequence's prefill.
-    table, other = runner.alloc(PROMPT_LEN), runner.alloc(PROMPT_LEN)
-    chunked = []
-    for start in range(0, PROMPT_LEN, 5):
-        logits = runner.token_logits([SeqChunk(prompt[start:start + 5], start, table),
-                                      SeqChunk(prompt[::-1][start:start + 5], start, other)])
-        chunked.append(logits[:5])
-    err_chunked = float(np.max(np.abs(np.concatenate(chunked) - ref)))
+    # The whole prompt as one prefill, and in 5-token chunks through the paged cache beside another sequence's.
+    err, err_chunked = runner.prefill_errors(prompt, ref)
     print(f"PARITY {family}: max |logit diff| full prefill {err:.2e}, chunked {err_chunked:.2e}")
     assert err < 1e-4 and err_chunked < 1e-4
 

@@ -61,6 +61,19 @@ class PagedRunner:
         logits, self.kv = self._all_logits(self.state, self.kv, self._arrays(chunks, None, None))
         return np.asarray(logits)[:sum(len(c.token_ids) for c in chunks)]
 
+    def prefill_errors(self, prompt: list[int], ref) -> tuple[float, float]:
+        """Max |logit - ref| for `prompt` prefilled whole, and in 5-token chunks through the paged cache beside
+        another sequence's prefill (the prompt reversed)."""
+        n = len(prompt)
+        full = self.token_logits([SeqChunk(prompt, 0, self.alloc(n))])
+        table, other = self.alloc(n), self.alloc(n)
+        chunked = []
+        for start in range(0, n, 5):
+            logits = self.token_logits([SeqChunk(prompt[start:start + 5], start, table),
+                                        SeqChunk(prompt[::-1][start:start + 5], start, other)])
+            chunked.append(logits[:min(5, n - start)])
+        return float(np.max(np.abs(full - ref))), float(np.max(np.abs(np.concatenate(chunked) - ref)))
+
     def generate(self, prompts: list[list[int]], steps: int, chunk: int | None = None, num_tokens: int | None = None,
                  num_seqs: int | None = None) -> list[list[int]]:
         """Greedy. Prompts are prefilled in chunks of `chunk` tokens (staggered: sequence i starts one step after
