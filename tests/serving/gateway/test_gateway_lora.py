@@ -9,6 +9,7 @@ lost it, unloaded everywhere."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import urllib.error
@@ -80,24 +81,10 @@ def test_gateway_routes_adapters_to_the_instance_holding_them(tmp_path):
                                                   for n, port in zip("ab", ports)]}],
             "tenants": [{"name": "limited", "api_keys": [KEYS["limited"]], "adapters": ["sql"]},
                         {"name": "any", "api_keys": [KEYS["any"]]}]}))
-        gw = Gateway(str(path), str(tmp_path / "jobs.sqlite"))
-        await gw.start()
-        grpc_server = grpc.aio.server()
-        pb_grpc.add_InferenceServicer_to_server(InferenceServicer(gw), grpc_server)
-        grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
-        await grpc_server.start()
-        api = GatewayHTTP(gw)
-        http_port = await api.start("127.0.0.1", 0)
         try:
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not (gw.model_name and all(
-                    i.report is not None and i.report.lora_adapters for i in gw.pools.instances.values())):
-                await asyncio.sleep(0.05)
-            return await asyncio.to_thread(_drive, http_port, grpc_port), fakes
+            async with _gateway(path, tmp_path, lambda r: r.lora_adapters, 10) as (http_port, grpc_port):
+                return await asyncio.to_thread(_drive, http_port, grpc_port), fakes
         finally:
-            await api.stop()
-            await grpc_server.stop(0)
-            await gw.stop()
             for s in servers:
                 await s.stop(0)
 
@@ -182,28 +169,36 @@ def test_gateway_loads_and_unloads_adapters_on_its_instances(tmp_path, monkeypat
             "tenants": [{"name": "any", "api_keys": [KEYS["any"]]}]}))
 
         async def main():
-            gw = Gateway(str(cfg), str(tmp_path / "jobs.sqlite"))
-            await gw.start()
-            grpc_server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gw.auth)])
-            pb_grpc.add_InferenceServicer_to_server(InferenceServicer(gw), grpc_server)
-            grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
-            await grpc_server.start()
-            api = GatewayHTTP(gw)
-            http_port = await api.start("127.0.0.1", 0)
-            try:
-                deadline = time.monotonic() + 30
-                while time.monotonic() < deadline and not (gw.model_name and all(
-                        i.report is not None and i.report.max_loras for i in gw.pools.instances.values())):
-                    await asyncio.sleep(0.05)
+            async with _gateway(cfg, tmp_path, lambda r: r.max_loras, 30, auth=True) as (http_port, grpc_port):
                 return await asyncio.to_thread(_drive_loads, http_port, grpc_port, a, b, dirs)
-            finally:
-                await api.stop()
-                await grpc_server.stop(0)
-                await gw.stop()
 
         got = asyncio.run(main())
     reference = peft_support.greedy(peft_support.reference_model(model, dirs["sql"]), PROMPT, STEPS)
     assert got["tokens"] == reference
+
+
+@contextlib.asynccontextmanager
+async def _gateway(config, tmp_path, ready, timeout_s: float, auth: bool = False):
+    """An in-process gateway (gRPC, with its auth interceptor if `auth`, and HTTP) on 127.0.0.1 for `config`,
+    yielded as (http port, grpc port) once every instance's load report satisfies `ready` (or after `timeout_s`)."""
+    gw = Gateway(str(config), str(tmp_path / "jobs.sqlite"))
+    await gw.start()
+    grpc_server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gw.auth)] if auth else None)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(gw), grpc_server)
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    api = GatewayHTTP(gw)
+    http_port = await api.start("127.0.0.1", 0)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not (gw.model_name and all(
+                i.report is not None and ready(i.report) for i in gw.pools.instances.values())):
+            await asyncio.sleep(0.05)
+        yield http_port, grpc_port
+    finally:
+        await api.stop()
+        await grpc_server.stop(0)
+        await gw.stop()
 
 
 def _served(client: Client) -> list[str]:
