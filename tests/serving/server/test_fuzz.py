@@ -4,7 +4,7 @@ values, token ids outside the vocabulary, prompts longer than the context, unkno
 OpenAI HTTP bodies (wrong types and values, raw NaN/Infinity, invalid UTF-8, huge and cut-short bodies, wrong content
 types) and raw bytes on the gRPC, HTTP and metrics ports. Every answer is a result or a status naming a field the
 request set wrongly (tests/support/fuzz.py judges which); afterwards both still serve, no page or request is left over
-and memory did not grow. CI (MESHSERVE_CI=1) draws the same examples every run; locally each run explores new ones
+and memory did not grow. Every run draws the same examples (tests/conftest.py); MESHSERVE_EXPLORE=1 explores new ones
 (MESHSERVE_FUZZ_SCALE=10 draws ten times as many). Bytes protobuf cannot decode (a string that is not UTF-8, a corrupt
 message) are INVALID_ARGUMENT naming the field (serving/wire/decoding.py); messages past the transport's limit are
 refused before they are decoded; grammars over the size and nesting bounds are INVALID_ARGUMENT; HTTP bodies past the
