@@ -192,7 +192,7 @@ class Disaggregation:
             raise TransferError(code, f"kv_source: pulling transfer {src.transfer_id} from {src.address} failed "
                                 f"({e.code().name}: {e.details()}); retry the request from its prefill") from None
         data = []
-        for k, ((shape, _), pool) in enumerate(zip(theirs, self.transfers.mover.pages)):
+        for k, ((shape, _), pool) in enumerate(zip(theirs, self.transfers.mover.leaves)):
             buf = b"".join(p[k] for p in parts if p)
             data.append(np.frombuffer(buf, pool.dtype).reshape((-1,) + shape))
         data = repack(data, page_size, self.transfers.page_size)  # the receiver repacks to its page size
