@@ -28,8 +28,8 @@ from pallas_kernels.target import canonical_platform, lowering_platform, tracing
 from serving import ledger
 from serving.core import sampling
 from serving.core.batch import BatchBuilder
-from serving.core.config import DTYPES, EngineConfig
-from serving.core.platform import default_compilation_cache_dir
+from serving.core.config import EngineConfig
+from serving.core.platform import DTYPES, default_compilation_cache_dir
 from serving.core.request import Request
 from serving.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement

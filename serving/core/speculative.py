@@ -20,7 +20,8 @@ from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.target import tracing_for
 from serving.core import sampling
 from serving.core.batch import BatchBuilder, build_batch
-from serving.core.config import DTYPES, SpeculativeConfig
+from serving.core.config import SpeculativeConfig
+from serving.core.platform import DTYPES
 from serving.core.model_runner import Program
 from sharding.mesh import mesh_context
 from serving.core.request import Request, RequestStatus
