@@ -1,5 +1,5 @@
-"""DeepSeek-V2 / V3 (multi-head latent attention, DeepSeek MoE) served end to end: a real `python -m serving.server`
-process with a small random checkpoint answers HF's greedy tokens over gRPC, again from the prefix cache (latent pages
+"""DeepSeek-V2 / V3 (multi-head latent attention, DeepSeek MoE) and Phi-3 with longrope (its prompts past the
+original context) served end to end: a real `python -m serving.server` process with a small random checkpoint answers HF's greedy tokens over gRPC, again from the prefix cache (latent pages
 reused), as n = 2 samples and under a structured-output regex through the `openai` package, and through the gateway
 (gRPC and HTTP); idle, no page held."""
 import re
@@ -19,7 +19,7 @@ VOCAB = 512  # the test tokenizer's (256 bytes, specials and merges)
 REQUEST_LINE = r"(GET|PUT) /[a-z]{1,5} HTTP/1\.1"
 
 
-@pytest.mark.parametrize("family", hf_models.MLA_FAMILIES)
+@pytest.mark.parametrize("family", hf_models.MLA_FAMILIES + ("phi3_longrope",))
 def test_deepseek_through_the_server(family, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(family) / "model")
     hf = hf_models.save_hf_model(family, path, vocab_size=VOCAB)
@@ -32,7 +32,7 @@ def test_deepseek_through_the_server(family, tmp_path_factory):
         first = client.complete(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
         again = client.complete(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)
         assert first.token_ids == again.token_ids == want
-        assert again.cached_prompt_tokens == 32  # the latent pages of the prompt (its last token recomputed)
+        assert again.cached_prompt_tokens == 32  # the (latent) pages of the prompt (its last token recomputed)
         with openai.OpenAI(base_url=f"http://127.0.0.1:{server.info['http_port']}/v1", api_key="unused",
                            max_retries=0, timeout=120) as oai:
             pair = oai.completions.create(model=family, prompt=prompt[:30], max_tokens=16, temperature=0, n=2,
