@@ -32,19 +32,18 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
 
     Same contract as `reference.ragged_paged_attention_reference` (see `metadata.py` for the arrays); `kv_pages` is
     an array or a `kv_quant.QuantizedKV`, dequantised inside the kernel. `sinks[Hq]` (float32, GPT-OSS): each query
-    head's sink logit in its softmax's denominator; the native CPU kernel does not take them (the XLA:CPU path runs).
+    head's sink logit in its softmax's denominator, on every backend.
     """
     backend = attention_backend()
     if backend == "cpu":
-        fn = native.ragged_paged_attention if sinks is None and native.attention_supported(q, kv_pages) else \
-            cpu.ragged_paged_attention_cpu
+        fn = native.ragged_paged_attention if native.attention_supported(q, kv_pages) else cpu.ragged_paged_attention_cpu
     elif backend == "gpu":  # the accelerator backends load their Pallas lowering stacks only where they run
         from pallas_kernels.gpu import ragged_paged_attention_gpu as fn
     elif backend == "tpu":
         from pallas_kernels.tpu import ragged_paged_attention_tpu as fn
     else:
         fn = reference.ragged_paged_attention_reference
-    extra = {} if sinks is None else {"sinks": sinks}  # the native kernel's signature has no sinks
+    extra = {} if sinks is None else {"sinks": sinks}
     return fn(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale,
               sliding_window=sliding_window, logit_soft_cap=logit_soft_cap, **extra)
 

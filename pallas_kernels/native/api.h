@@ -40,6 +40,7 @@ struct AttnShape {
   int64_t hq, hkv, d, page_size, max_pages;
   float sm_scale, soft_cap;
   int64_t window;  // 0: none
+  const float* sinks = nullptr;  // [hq]: each query head's sink logit in its softmax's denominator (GPT-OSS); null: none
 };
 
 // A latent (multi-head latent attention) cache: h query heads, rows of d values, the first dv of them the values.

@@ -155,10 +155,13 @@ void AttendUnit(const AttnShape& a, const Unit& u, const QT* q, const KT* kv, co
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = l[r] > 0 ? 1.0f / l[r] : 0.0f;
+    const int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
+    // A sink joins the denominator only (no value): l counts weights relative to m. A row with no key (m still
+    // -1e30) then gets exp(huge) = inf and stays zero, as without a sink.
+    const float denom = a.sinks ? l[r] + std::exp(a.sinks[head] - m[r]) : l[r];
+    const float inv = denom > 0 ? 1.0f / denom : 0.0f;
     float* ar = acc + r * d;
     for (int64_t e = 0; e < d; ++e) ar[e] *= inv;
-    const int64_t tok = u.t0 + r / g, head = u.head * g + r % g;
     StoreRow<QT>(ar, out + (tok * a.hq + head) * d, d);
   }
 }

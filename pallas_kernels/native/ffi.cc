@@ -163,7 +163,7 @@ ffi::Error MatmulInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
 // scales operand, or quantized: int8 or float8_e4m3fn (also as uint8 bits) values with float32 scales [P, page, 2Hkv].
 ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer kv, ffi::AnyBuffer kv_scales,
                          ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> page_indices,
-                         ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                         ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> sinks,
                          ffi::Result<ffi::AnyBuffer> out, float sm_scale, float soft_cap, int64_t window, int32_t isa) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
@@ -177,6 +177,10 @@ ffi::Error AttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (static_cast<int64_t>(kv_lens.element_count()) != seqs ||
       static_cast<int64_t>(cu_q_lens.element_count()) != seqs + 1)
     return ffi::Error::InvalidArgument("attention: kv_lens[S] and cu_q_lens[S+1] must match page_indices[S, M]");
+  const int64_t num_sinks = static_cast<int64_t>(sinks.element_count());
+  if (num_sinks != 0 && num_sinks != a.hq)
+    return ffi::Error::InvalidArgument("attention: sinks must be empty or one float32 per query head [Hq]");
+  if (num_sinks) a.sinks = sinks.typed_data();
   const int64_t n = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, seqs);
   auto qt = q.element_type(), kt = kv.element_type();
   if (qt != ffi::DataType::F32 && qt != ffi::DataType::BF16)
@@ -426,6 +430,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveRaggedPagedAttention, meshserve::Attentio
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("sm_scale")
                                   .Attr<float>("soft_cap")

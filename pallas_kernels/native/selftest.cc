@@ -316,6 +316,7 @@ std::vector<double> RefAttention(const AttnCase& c, const Buf& q, const Buf& kv)
         sum += wgt;
         for (int64_t e = 0; e < a.d; ++e) o[e] += wgt * key(p, 1, e);
       }
+      if (a.sinks) sum += std::exp(a.sinks[h] - m);  // the sink: in the denominator only (no keys: 0 / inf)
       for (int64_t e = 0; e < a.d; ++e) o[e] = sum > 0 ? o[e] / sum : 0;
     }
   }
@@ -342,10 +343,13 @@ Worst CheckAttention(const Kernels& k) {
     for (int64_t p = 0; p < (c.kv_lens[i] + 3) / 4; ++p) c.pages[i * c.a.max_pages + p] = perm[used++];
   for (Dt dt : {Dt::kF32, Dt::kBf16}) {
     const Buf q = Random(dt, c.t * c.a.hq * c.a.d, rng, 2), kv = Random(dt, num_pages * 4 * 4 * c.a.d, rng, 2);
+    // GPT-OSS's sinks (a logit per query head, from far below the scores to far above), with the window
+    const float sink_logits[] = {-30.0f, 0.5f, 2.0f, 30.0f};
     for (int64_t window : {0, 16})
-      for (float cap : {0.0f, 2.0f}) {
+      for (float cap : {0.0f, 2.0f, -1.0f}) {  // -1: no cap, with sinks
         c.a.window = window;
-        c.a.soft_cap = cap;
+        c.a.soft_cap = cap < 0 ? 0.0f : cap;
+        c.a.sinks = cap < 0 ? sink_logits : nullptr;
         const std::vector<double> want = RefAttention(c, q, kv);
         for (int threads : kThreadCounts) {
           Buf o(dt, c.t * c.a.hq * c.a.d);
@@ -354,7 +358,8 @@ Worst CheckAttention(const Kernels& k) {
                         c.kv_lens.data(), c.pages.data(), c.cu.data(), c.num_seqs, o.data());
           });
           Compare(worst, o, want,
-                  Case("%s window=%lld soft_cap=%g threads=%d", DtName(dt), (long long)window, cap, threads));
+                  Case("%s window=%lld soft_cap=%g sinks=%d threads=%d", DtName(dt), (long long)window,
+                       c.a.soft_cap, c.a.sinks != nullptr, threads));
         }
       }
   }

@@ -228,9 +228,9 @@ def attention_supported(q: jax.Array, kv_pages) -> bool:
 
 
 def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                           sliding_window=None, logit_soft_cap=None):
+                           sliding_window=None, logit_soft_cap=None, sinks=None):
     """Pure. Same contract as `reference.ragged_paged_attention_reference`; a `QuantizedKV` is dequantised row by
-    row inside the kernel (native/attention.h)."""
+    row inside the kernel (native/attention.h); `sinks[Hq]`: each query head's sink logit (GPT-OSS)."""
     _require()
     i32 = lambda a: jnp.asarray(a, jnp.int32)
     if isinstance(kv_pages, QuantizedKV):
@@ -238,8 +238,9 @@ def ragged_paged_attention(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_se
     else:  # an unquantized cache has no scales: an empty operand
         values, scales = kv_pages, jnp.zeros((0,), jnp.float32)
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(q.shape[1])
     return call(q, values, scales, i32(kv_lens), i32(page_indices), i32(cu_q_lens),
-                jnp.reshape(i32(num_seqs), (1,)), sm_scale=np.float32(sm_scale),
+                jnp.reshape(i32(num_seqs), (1,)), sinks, sm_scale=np.float32(sm_scale),
                 soft_cap=np.float32(logit_soft_cap or 0.0), window=np.int64(sliding_window or 0), isa=_isa_attr())
 
 
