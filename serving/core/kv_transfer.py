@@ -121,7 +121,7 @@ class KVTransfers:
 
     def open(self, request) -> str:
         """Before `request`'s prefill runs (a prompt of several chunks): a transfer whose full blocks are held as
-        the steps compute them (`advance`), pullable meanwhile; `close` ends it. Returns its id."""
+        the steps compute them (`advance`), pullable meanwhile; `finish` ends it. Returns its id."""
         holder = PageHolder(open=True, token_ids=list(request.prompt_token_ids), root=prefix_root(request))
         transfer_id = uuid.uuid4().hex
         self.held[transfer_id] = holder
@@ -137,7 +137,7 @@ class KVTransfers:
         bm = self.scheduler.block_manager
         return sum(bm.pin_more(h, h.token_ids, h.root) for h in self.held.values() if h.open) > 0
 
-    def close(self, transfer_id: str, first_token_id: int) -> int:
+    def finish(self, transfer_id: str, first_token_id: int) -> int:
         """The open transfer's prefill ended with `first_token_id`: holds the rest of its prompt's cached blocks
         and starts its timeout; returns the pages held (KeyError: released meanwhile)."""
         holder = self.held[transfer_id]

@@ -147,7 +147,7 @@ class Disaggregation:
     async def finish(self, transfer_id: str, request, first_token_id: int) -> pb.KVTransfer:
         """The streaming transfer's prefill ended: its pulls get the rest and the first token."""
         try:
-            n = await self._call(lambda: self.transfers.close(transfer_id, first_token_id))
+            n = await self._call(lambda: self.transfers.finish(transfer_id, first_token_id))
         finally:
             self._wake()
         return pb.KVTransfer(transfer_id=transfer_id, prompt_token_ids=request.prompt_token_ids, num_pages=n,
