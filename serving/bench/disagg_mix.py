@@ -1,7 +1,8 @@
 """`python -m serving.bench disagg_mix`: issue 40's benchmark, scaled to the shipped tiny model (context 256): long
 prompts arrive while N requests decode; the decodes' inter-token latency (ITL) and the long prompts' TTFT with one
 instance doing both (chunked prefill) vs a prefill + a decode instance (--role), the same total cores (2 vs 1 + 1,
-pinned), a gateway in front of each. Results: docs/disaggregation.md."""
+pinned), a gateway in front of each (it and this client pinned to the cores that decode). Results:
+docs/disaggregation.md."""
 from __future__ import annotations
 
 import asyncio
@@ -64,8 +65,9 @@ async def _one(stub, ids: list[int], max_tokens: int, arrivals: list[float]) -> 
 
 
 async def _drive(target: str) -> dict:
-    """The decodes start; once each has its first token the long prompts arrive; returns the decodes' ITL (ms)
-    between the first long prompt's arrival and the last one's first token, and the long prompts' TTFT (ms)."""
+    """The decodes start; once each has 3 tokens (a P/D pair: past its handoff) and 1 s more, the long prompts
+    arrive; returns the decodes' ITL (ms) in that second ("before") and from the first long prompt's arrival to the
+    last one's first token ("during"), their first-to-second token gap, and the long prompts' TTFT (ms)."""
     import random
 
     from serving.wire import meshserve_pb2_grpc as pb_grpc
@@ -77,9 +79,10 @@ async def _drive(target: str) -> dict:
         decodes = [[] for _ in range(FLAGS.decodes)]
         tasks = [asyncio.ensure_future(_one(stub, [rng.randrange(3, 8000) for _ in range(16)], FLAGS.decode_tokens,
                                             d)) for d in decodes]
-        while not all(decodes):
+        while not all(len(d) >= 3 for d in decodes):  # every decode past its handoff (P/D: on the decode side)
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.5)
+        t_base = time.monotonic()
+        await asyncio.sleep(1.0)
         longs, starts, t_first = [[] for _ in range(FLAGS.long_prompts)], [], time.monotonic()
         for k in range(FLAGS.long_prompts):
             starts.append(time.monotonic())
@@ -92,8 +95,9 @@ async def _drive(target: str) -> dict:
         await asyncio.gather(*tasks)
         still = sum(1 for d in decodes if d[-1] < t_last)  # finished before the window ended
     itl = [(b - a) * 1e3 for d in decodes for a, b in zip(d, d[1:]) if t_first <= b <= t_last]
-    base = [(b - a) * 1e3 for d in decodes for a, b in zip(d, d[1:]) if b < t_first]
-    return {"itl": itl, "itl_before": base, "ttft": [(lg[0] - s) * 1e3 for lg, s in zip(longs, starts)],
+    base = [(b - a) * 1e3 for d in decodes for a, b in zip(d, d[1:]) if t_base <= a and b < t_first]
+    return {"itl": itl, "itl_before": base, "handoff": [(d[1] - d[0]) * 1e3 for d in decodes],
+            "ttft": [(lg[0] - s) * 1e3 for lg, s in zip(longs, starts)],
             "finished_early": still}
 
 
@@ -124,16 +128,25 @@ def main() -> None:
                 config.update({"routing": {"load_interval_ms": 100}, "isolation": {"enabled": False}})
                 gw = _gateway(os.path.join(workdir, "gw" + str(len(rows))), config)
                 procs.append(gw)
-                res = asyncio.run(_drive(gw.target))
+                # the gateway and this client run where the decodes run (a P/D pair: the decode instance's core)
+                decode_cores = both if label.startswith("colocated") else two
+                os.sched_setaffinity(gw.proc.pid, decode_cores)
+                mine = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, decode_cores)
+                try:
+                    res = asyncio.run(_drive(gw.target))
+                finally:
+                    os.sched_setaffinity(0, mine)
             finally:
                 for p in reversed(procs):
                     p.stop(timeout=30)
             rows.append([label, _pct(res["itl_before"], 50), _pct(res["itl"], 50), _pct(res["itl"], 99),
                          max(res["itl"]), _pct(res["ttft"], 50), max(res["ttft"]), len(res["itl"]),
-                         FLAGS.decodes - res["finished_early"]])
+                         FLAGS.decodes - res["finished_early"], _pct(res["handoff"], 50)])
             print(rows[-1], flush=True)
     table(f"{FLAGS.decodes} decodes of {FLAGS.decode_tokens} tokens; {FLAGS.long_prompts} prompts of "
           f"{FLAGS.long_tokens} tokens, one every {FLAGS.long_interval_s:g}s; --max_num_batched_tokens="
           f"{FLAGS.max_num_batched_tokens}; cores {cores}; times in ms",
           ["config", "ITL p50 before", "ITL p50 during", "ITL p99 during", "ITL max during", "long TTFT p50",
-           "long TTFT max", "ITL samples", "decodes still running at the end"], rows)
+           "long TTFT max", "ITL samples", "decodes still running at the end",
+           "token 1 -> 2 gap p50 (P/D: the handoff)"], rows)
