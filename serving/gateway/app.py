@@ -604,8 +604,10 @@ class Gateway:
                         await self._cancel(early[1])
                     dreq = self._decode_request(base, inst, r.kv_transfer, None)
                     queue: asyncio.Queue = asyncio.Queue()
-                    early = (r.kv_transfer.transfer_id, asyncio.ensure_future(self._pump(
-                        self._decode_stage(p, dreq, deadline, span, inst, r.kv_transfer.transfer_id), queue)), queue)
+                    # (a failed early stage leaves the transfer to its prefill, which is still running: released
+                    # below once the prefill handed off)
+                    early = (r.kv_transfer.transfer_id, asyncio.ensure_future(self._pump(self._decode_stage(
+                        p, dreq, deadline, span, inst, r.kv_transfer.transfer_id, release=False), queue)), queue)
                     continue
                 if r.token_ids:
                     last_token = r.token_ids[-1]
@@ -624,6 +626,7 @@ class Gateway:
                 queue = early[2]
                 while (item := await queue.get()) is not None:
                     if isinstance(item, BaseException):
+                        await self._release_transfer(source, handoff.transfer_id)
                         raise item
                     yield item
                 return
@@ -678,7 +681,10 @@ class Gateway:
             pass
 
     async def _decode_stage(self, p: Prepared, dreq: pb.GenerateRequest, deadline: float, span, source: Instance,
-                            transfer_id: str) -> AsyncIterator[tuple[pb.GenerateResponse, Instance]]:
+                            transfer_id: str, *, release: bool = True
+                            ) -> AsyncIterator[tuple[pb.GenerateResponse, Instance]]:
+        """The decode stage (with retries); on its failure, frees the transfer on `source` (`release`) and raises
+        UNAVAILABLE for a retriable failure (the client has its first token)."""
         pd = self.config.disaggregation
         try:
             # (the decode instance counts the first token as output: its usage is the client's request's)
@@ -689,7 +695,8 @@ class Gateway:
                 yield r, inst
         except GatewayError as e:
             self.metrics.disaggregated.labels("decode_failed").inc()
-            await self._release_transfer(source, transfer_id)
+            if release:
+                await self._release_transfer(source, transfer_id)
             if e.code not in RETRIABLE:
                 raise
             # (e.g. ABORTED: the decode side's pull from a prefill instance that died) the client's stream has its

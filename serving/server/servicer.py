@@ -208,13 +208,14 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         try:
                             response.kv_transfer.CopyFrom(await self.disagg.finish(tid, out.request,
                                                                                    out.request.output_token_ids[-1]))
-                        except KeyError:  # released meanwhile (the gateway gave up on its decode stage)
-                            pass
+                        except KeyError:  # a ReleaseKV while the prefill ran: no continuation (not a short answer)
+                            failure = (grpc.StatusCode.ABORTED, f"kv_export: KV transfer {tid} was released while "
+                                       "the prefill ran (ReleaseKV); retry the request", ())
+                            break
                     else:
                         response.kv_transfer.CopyFrom(await self.disagg.hold(out.request))
-                    if response.HasField("kv_transfer"):
-                        response.finish_reason = pb.FINISH_REASON_UNSPECIFIED
-                        self.tracer.event(span, "kv_hold", {"meshserve.kv_pages": response.kv_transfer.num_pages})
+                    response.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+                    self.tracer.event(span, "kv_hold", {"meshserve.kv_pages": response.kv_transfer.num_pages})
                 yield response
                 first = False
         except TransferError as e:
