@@ -88,7 +88,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         use_long = None
         if self.long_inv_freq is not None:
-            use_long = longrope_long_tokens(batch.attention.kv_lens, batch.attention.cu_q_lens, t, self.rope_original)
+            use_long = batch.rope_long if batch.rope_long is not None else longrope_long_tokens(
+                batch.attention.kv_lens, batch.attention.cu_q_lens, t, self.rope_original)
         q = apply_rope(q, positions, self.inv_freq, self.rope_attention_factor, self.long_inv_freq, use_long)
         k = apply_rope(k, positions, self.inv_freq, self.rope_attention_factor, self.long_inv_freq, use_long)
         # a sliding-window layer reads its window's own page pool when the batch carries one (hybrid KV cache)

@@ -15,7 +15,7 @@ from pallas_kernels.metadata import AttentionMetadata
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["input_ids", "positions", "attention", "logits_indices", "lora_slots", "window_pages"],
+    data_fields=["input_ids", "positions", "attention", "logits_indices", "lora_slots", "window_pages", "rope_long"],
     meta_fields=["windows"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,10 @@ class RaggedBatch:
     # layer reads `attention`'s pages
     window_pages: tuple = ()
     windows: tuple[int, ...] = ()
+    # Longrope: [T] bool, the tokens whose sequence's K/V is rotated by the long factors (the engine's batches:
+    # decided per sequence by its length, as HF does, `Request.rope_long`); None: decided in the step from each
+    # sequence's KV length after it (models.rope.longrope_long_tokens)
+    rope_long: jax.Array | None = None
 
     def attention_for(self, sliding_window: int | None) -> AttentionMetadata:
         """The metadata a layer of `sliding_window` (None: full attention) reads its pages by: its window pool's
@@ -55,7 +59,7 @@ class RaggedBatch:
         RaggedBatch."""
         windows = tuple(a.get("windows", ()))
         return cls(input_ids=a["input_ids"], positions=a["positions"], logits_indices=a["logits_indices"],
-                   lora_slots=a.get("lora_slots"),
+                   lora_slots=a.get("lora_slots"), rope_long=a.get("rope_long"),
                    attention=AttentionMetadata(slot_mapping=a["slot_mapping"], kv_lens=a["kv_lens"],
                                                page_indices=a["page_indices"], cu_q_lens=a["cu_q_lens"],
                                                num_seqs=a["num_seqs"]),

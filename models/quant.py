@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-WEIGHT_QUANTIZATIONS = ("int8", "fp8")
+from pallas_kernels.names import WEIGHT_QUANTIZATIONS
+
 VALUE_DTYPES = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude each format holds
 

@@ -9,7 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")  # "auto": the model's dtype, unquantized
+from pallas_kernels.names import KV_CACHE_DTYPES, check_kv_cache_dtype  # noqa: F401 - re-exported
+
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest magnitude a row's absmax is scaled to
 VALUE_DTYPE_NAMES = {"int8": "int8", "fp8_e4m3": "float8_e4m3fn"}  # each quantized format's values
 SCALE_BYTES = 4  # a float32 scale per row (token, KV head, K or V)
@@ -32,13 +33,6 @@ class QuantizedKV:
     def kv_cache_dtype(self) -> str:
         """"int8" or "fp8_e4m3" (KV_CACHE_DTYPES), from the values' dtype."""
         return cache_format(self.values.dtype)
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """`kv_cache_dtype` if it is one of KV_CACHE_DTYPES, else ValueError naming them."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
-    return kv_cache_dtype
 
 
 def values_dtype(kv_cache_dtype: str, backend: str):

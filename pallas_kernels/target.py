@@ -6,22 +6,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
-import jax
+from pallas_kernels.names import PLATFORMS, canonical_platform  # noqa: F401 - re-exported
 
-PLATFORMS = ("cpu", "gpu", "tpu")
-_ALIASES = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 _TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("meshserve_target_platform", default=None)
-
-
-def canonical_platform(name: str | None = None) -> str:
-    """'cpu', 'gpu' or 'tpu' for a JAX platform or backend name (cuda and rocm are 'gpu'); None: JAX's default
-    backend (returned as it is if it is none of those). Raises ValueError naming the platforms for any other name."""
-    if name is None:
-        return _ALIASES.get(jax.default_backend(), jax.default_backend())
-    name = name.strip().lower()
-    if name not in _ALIASES:
-        raise ValueError(f"unknown platform {name!r}: expected one of {', '.join(sorted(_ALIASES))}")
-    return _ALIASES[name]
 
 
 def lowering_platform(platform: str) -> str:

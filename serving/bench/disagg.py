@@ -33,8 +33,8 @@ def main() -> None:
         read_s = time.perf_counter() - t
         nbytes = sum(len(x) for c in chunks for x in c)
         t = time.perf_counter()
-        data = [np.frombuffer(b"".join(c[i] for c in chunks), pool.dtype).reshape((-1,) + pool.shape[1:])
-                for i, pool in enumerate(into.mover.pages)]
+        data = [np.frombuffer(b"".join(c[i] for c in chunks), h.dtype).reshape((-1,) + h.row_shape)
+                for i, h in enumerate(into.mover.leaves)]
         dreq = b.engine.make_request(f"d{trial}", prompt + list(req.output_token_ids), sp)
         assert into.write(dreq, data) == n
         write_s = time.perf_counter() - t

@@ -39,15 +39,18 @@ class BatchBuilder:
         self._free_rows = list(range(max_seqs - 1, -1, -1))
 
     def build(self, chunks: Sequence, *, num_tokens: int, num_seqs: int,
-              lora_slots: Sequence[int] | None = None) -> RaggedBatch:
+              lora_slots: Sequence[int] | None = None, rope_long: Sequence[bool] | None = None) -> RaggedBatch:
         """The step's batch of `chunks`, padded to `num_tokens` tokens and `num_seqs` sequences (numpy arrays);
-        `lora_slots`: each chunk's LoRA adapter slot (-1: none; `lora_token_slots`)."""
+        `lora_slots`: each chunk's LoRA adapter slot (-1: none; `lora_token_slots`); `rope_long`: longrope, each
+        chunk's factor set (True: long; `RaggedBatch.rope_long`)."""
         return RaggedBatch.from_layout(self.layout(chunks, num_tokens=num_tokens, num_seqs=num_seqs,
-                                                   lora_slots=lora_slots))
+                                                   lora_slots=lora_slots, rope_long=rope_long))
 
     def layout(self, chunks: Sequence, *, num_tokens: int, num_seqs: int,
-               lora_slots: Sequence[int] | None = None) -> dict[str, np.ndarray]:
-        """`build`'s arrays by name (`ragged_layout`'s dict, and `lora_slots` when a chunk has an adapter)."""
+               lora_slots: Sequence[int] | None = None, rope_long: Sequence[bool] | None = None
+               ) -> dict[str, np.ndarray]:
+        """`build`'s arrays by name (`ragged_layout`'s dict, `lora_slots` when a chunk has an adapter, `rope_long`
+        when given)."""
         s, width = len(chunks), self.max_pages
         if s > num_seqs or s > len(self.tables):
             raise ValueError(f"{s} seqs do not fit bucket {num_seqs} (rows: {len(self.tables)})")
@@ -83,6 +86,9 @@ class BatchBuilder:
         token_slots = lora_token_slots(lora_slots, lens, num_tokens)
         if token_slots is not None:
             arrays["lora_slots"] = token_slots
+        if rope_long is not None:
+            arrays["rope_long"] = np.zeros(num_tokens, bool)
+            arrays["rope_long"][:sum(lens)] = np.repeat(np.asarray(rope_long, bool), np.asarray(lens, np.int64))
         return arrays
 
     def _steal_row(self, old: dict) -> int:

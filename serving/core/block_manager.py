@@ -91,6 +91,11 @@ class HostTier:
         assert {s: k for k, s in self.cache.items()} == {s: self.key[s] for s in used}, "host index disagrees"
 
 
+# Longrope: a sequence's K/V rotated by the long factors never serves one rotated by the short ones (and back): the
+# long ones cache under their own root, as if salted
+LONGROPE_SALT = "\x1flongrope"
+
+
 def cache_root(salt: str = "", adapter_uid: int = 0):
     """The parent key of a first cached block: requests of different salts (Request.cache_salt) or adapters share no
     entry."""
@@ -103,7 +108,8 @@ def prefix_root(request: Request):
     minus its load's uid (never a block's id, which count up from 1), under the request's cache salt if it has one:
     a page computed under one adapter or salt never serves another."""
     adapter = request.adapter
-    return cache_root(request.cache_salt, 0 if adapter is None else adapter.uid)
+    salt = request.cache_salt + LONGROPE_SALT if request.rope_long else request.cache_salt
+    return cache_root(salt, 0 if adapter is None else adapter.uid)
 
 
 class BlockManager:

@@ -3,13 +3,15 @@ when built, and the token buckets they imply; SpeculativeConfig, the speculation
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-from models.quant import WEIGHT_QUANTIZATIONS
-from pallas_kernels.target import canonical_platform
-from pallas_kernels.kv_quant import KV_CACHE_DTYPES, check_kv_cache_dtype
+from pallas_kernels.names import (FLOAT_DTYPES, KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS, canonical_platform,
+                                  check_kv_cache_dtype)
 from serving.config_flags import option
-from serving.core.platform import DTYPES, PlatformChoices, platform_choices
 from serving.params import CHANNEL_REASONING, REASONING_FORMATS
+
+if TYPE_CHECKING:  # JAX-free at import: `serving.server --help` defines its flags from this module
+    from serving.core.platform import PlatformChoices
 
 SPECULATIVE_METHODS = ("draft", "ngram")
 QUANTIZATIONS = ("none",) + WEIGHT_QUANTIZATIONS
@@ -48,7 +50,7 @@ class EngineConfig:
     model: str = option(help="HF model directory, GGUF file (a split one's part, or a directory holding one), or Orbax "
                         "checkpoint (models.convert).")
     dtype: str = option("float32", "Parameter and activation dtype (and the KV cache's with --kv_cache_dtype=auto).",
-                        choices=tuple(DTYPES))
+                        choices=FLOAT_DTYPES)
     quantization: str = option(
         "none", "Matmul weights quantized at load, per-channel scales (int8 symmetric, fp8 e4m3); 'none': as the "
         "checkpoint holds them (a compressed-tensors or block-wise fp8 checkpoint loads quantized as it is).",
@@ -143,8 +145,8 @@ class EngineConfig:
         choices=("",) + tuple(REASONING_FORMATS) + CHANNEL_REASONING)
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(FLOAT_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -205,6 +207,7 @@ class EngineConfig:
     def platform_choices(self, num_devices: int | None = None, num_processes: int = 1) -> PlatformChoices:
         """The platform's choices for these settings (`serving.core.platform`); `num_devices` defaults to the
         devices these parallel degrees use."""
+        from serving.core.platform import platform_choices  # JAX: not at import (the flags' --help)
         return platform_choices(self.platform, dtype=self.dtype, max_num_batched_tokens=self.max_num_batched_tokens,
                                 min_bucket=self.min_token_bucket, greedy_head_screen=self.greedy_head_screen,
                                 compilation_cache_dir=self.compilation_cache_dir,

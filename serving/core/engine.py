@@ -286,8 +286,11 @@ class Engine:
         now = time.monotonic() if arrival_time is None else arrival_time
         request = Request(request_id, prompt_ids, params, arrival_time=now, priority=priority, deadline=deadline,
                           eos_token_ids=self.eos_token_ids, cache_salt=cache_salt)
+        rope = self.model_config.rope
+        original = rope.original_max_position_embeddings if rope.rope_type == "longrope" else 0
         for sample in request.samples:
             sample.adapter = lora
+            sample.rope_original, sample.rope_long = original, bool(original) and len(prompt_ids) > original
         self.structured.attach(request)  # compiles (or finds) its grammar: a bad one is an InvalidSampling here
         return request
 

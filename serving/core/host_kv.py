@@ -1,7 +1,7 @@
 """`HostKVPool`: the host-memory tier's data under the prefix cache: a bounded pool of KV pages in host memory laid
-out like the device cache (every leaf of it: a quantized cache's values and scales), the bucketed gather (device ->
-staging) and scatter (host -> device pages) programs, and the copies the block manager's `HostTier` queues.
-Details: docs/engine.md ("Host KV tier")."""
+out like the device cache (every leaf of it: a quantized cache's values and scales; a sharded cache's pages kept and
+moved shard by shard), the bucketed gather (device -> staging) and scatter (host -> device pages) programs, and the
+copies the block manager's `HostTier` queues. Details: docs/engine.md ("Host KV tier")."""
 from __future__ import annotations
 
 import collections
@@ -37,10 +37,80 @@ def transfer_buckets(max_pages: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _shard_key(index: tuple, shape: tuple) -> tuple:
+    """A shard's place in a leaf's row dims (every axis but the pages'): ((start, stop), ...)."""
+    return tuple((range(n)[s].start, range(n)[s].stop) for s, n in zip(index, shape))
+
+
+class _HostLeaf:
+    """One cache leaf's host pages: a numpy array [num_slots, *shard row shape] per distinct shard of the device
+    leaf (a replicated shard once), so a tensor-parallel cache moves shard by shard, each device's straight to and
+    from its own host array, and a process only ever holds the shards its devices hold."""
+
+    def __init__(self, leaf, num_slots: int):
+        self.row_shape = tuple(leaf.shape[1:])
+        self.dtype = leaf.dtype
+        self.page_bytes = int(np.prod(self.row_shape)) * leaf.dtype.itemsize
+        self.shards: dict[tuple, np.ndarray] = {}
+        for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values():
+            if range(leaf.shape[0])[index[0]] != range(leaf.shape[0]):
+                raise ValueError(f"host KV tier: the cache's page axis is sharded ({leaf.sharding}); it moves "
+                                 "pages of caches sharded on their head or feature axes only")
+            key = _shard_key(index[1:], self.row_shape)
+            if key not in self.shards:
+                self.shards[key] = np.zeros((num_slots,) + tuple(b - a for a, b in key), leaf.dtype)
+
+    def stage(self, out) -> dict[tuple, object]:
+        """One device shard of gather output `out` per host shard, its device -> host copy started."""
+        staged = {}
+        for shard in out.addressable_shards:
+            key = _shard_key(shard.index[1:], self.row_shape)
+            if key in self.shards and key not in staged:
+                shard.data.copy_to_host_async()
+                staged[key] = shard.data
+        if staged.keys() != self.shards.keys():  # laid out unlike the cache: take the whole array
+            out.copy_to_host_async()
+            staged = {key: _Slice(out, key) for key in self.shards}
+        return staged
+
+    def to_device(self, leaf, slots: list[int], bucket: int):
+        """A [bucket, ...] array laid out like device `leaf`, its first len(slots) pages from host `slots`: each
+        device's shard copied from its host shard (padding: zeros)."""
+        shape = (bucket,) + self.row_shape
+        arrays = []
+        for device, index in leaf.sharding.addressable_devices_indices_map(shape).items():
+            host = self.shards[_shard_key(index[1:], self.row_shape)]
+            d = np.zeros((bucket,) + host.shape[1:], host.dtype)
+            d[:len(slots)] = host[slots]  # a copy: the slots may take new blocks before the scatter runs
+            arrays.append(jax.device_put(d, device))
+        return jax.make_array_from_single_device_arrays(shape, leaf.sharding, arrays)
+
+    def land(self, staged: dict, slots: list[int]) -> None:
+        for key, data in staged.items():
+            self.shards[key][slots] = np.asarray(data)[:len(slots)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.shards.values())
+
+
+@dataclasses.dataclass(slots=True)
+class _Slice:
+    """A shard read from a whole staged array (a gather laid out unlike the cache)."""
+    out: object
+    key: tuple
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.out)[(slice(None),) + tuple(slice(a, b) for a, b in self.key)]
+
+    def is_ready(self) -> bool:
+        return self.out.is_ready()
+
+
 @dataclasses.dataclass(slots=True)
 class _Offload:
     """A gather whose device -> host copy is under way: lands in `slots` of the pool when its data is on the host."""
-    staging: list  # per leaf, [bucket, ...] jax arrays (copy_to_host_async called)
+    staging: list  # per leaf, {host shard: its [bucket, ...] device shard} (copy_to_host_async called)
     slots: list[int]
 
 
@@ -54,23 +124,23 @@ class _Load:
 
 
 class HostKVPool:
-    """The host tier's pages ([num_slots, page_size, rows, row_dim] numpy per cache leaf) and its transfers. Plain
-    numpy on every platform in this cut: on CPU the device cache is host memory too, so a transfer is a memcpy; an
-    accelerator's D2H copy runs asynchronously (`copy_to_host_async`) and lands at a later step, and an H2D copy
-    (`device_put`) likewise: its scatter into the cache is launched only once the data is on the device (`poll`), so
-    no step queues behind a load it does not read."""
+    """The host tier's pages ([num_slots, page_size, rows, row_dim] numpy per cache leaf and shard: `_HostLeaf`) and
+    its transfers. Plain numpy on every platform in this cut: on CPU the device cache is host memory too, so a
+    transfer is a memcpy; an accelerator's D2H copy runs asynchronously (`copy_to_host_async`) and lands at a later
+    step, and an H2D copy (`device_put`) likewise: its scatter into the cache is launched only once the data is on
+    the device (`poll`), so no step queues behind a load it does not read."""
 
     def __init__(self, runner, num_slots: int, max_pages_per_step: int):
         self.runner = runner
         leaves = jax.tree.leaves(runner.kv_caches)
         self.treedef = jax.tree.structure(runner.kv_caches)
         self.num_slots = num_slots
-        self.pages = [np.zeros((num_slots,) + tuple(leaf.shape[1:]), leaf.dtype) for leaf in leaves]
+        self.leaves = [_HostLeaf(leaf, num_slots) for leaf in leaves]
         self.page_bytes = page_bytes(runner.kv_caches)
         self.buckets = transfer_buckets(max_pages_per_step)
         self.num_device_pages = leaves[0].shape[0]
         self._donate = (0,) if runner.choices.donate_kv_cache else ()
-        self._gather = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves])
+        self._gathers: dict[tuple, object] = {}  # per cache layout: staged laid out like the cache (shard by shard)
         self._scatters: dict[tuple, object] = {}  # per cache layout: the pages leave as they came (no recompile)
         self._inflight: collections.deque[_Offload] = collections.deque()
         self._loads: collections.deque[_Load] = collections.deque()
@@ -88,16 +158,25 @@ class HostKVPool:
         layout the caches have now: call after the forward's warm-up (its output layout is the one served)."""
         for b in self.buckets:
             self._launch_gather([0] * b, b)
-            self._launch_scatter(np.full(b, self.num_device_pages, np.int32),
-                                 self._to_device([np.zeros((b,) + p.shape[1:], p.dtype) for p in self.pages]))
+            self._launch_scatter(np.full(b, self.num_device_pages, np.int32), self._to_device([], b))
         self.flush()
         return 2 * len(self.buckets)
 
-    def _launch_gather(self, pages: list[int], bucket: int) -> list:
+    def _launch_gather(self, pages: list[int], bucket: int, host: bool = False) -> list:
+        """Gathers `pages` (padded to `bucket`) per cache leaf, laid out like the leaf, and starts their device ->
+        host copy: whole arrays, or (`host`) one shard per host shard (`_HostLeaf.stage`)."""
         idx = np.zeros(bucket, np.int32)
         idx[:len(pages)] = pages  # padding reads page 0, dropped on landing
+        leaves = jax.tree.leaves(self.runner.kv_caches)
+        layout = tuple(leaf.sharding for leaf in leaves)
+        fn = self._gathers.get(layout)
+        if fn is None:
+            fn = self._gathers[layout] = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves],
+                                                 out_shardings=list(layout))
         with mesh_context(self.runner.mesh), tracing_for(self.runner.platform):
-            out = self._gather(jax.tree.leaves(self.runner.kv_caches), idx)
+            out = fn(leaves, idx)
+        if host:
+            return [h.stage(a) for h, a in zip(self.leaves, out)]
         for a in out:
             a.copy_to_host_async()
         return out
@@ -115,11 +194,13 @@ class HostKVPool:
     @property
     def compiled_programs(self) -> int:
         """Gather and scatter programs compiled so far (tests: none on the serving path)."""
-        return self._gather._cache_size() + sum(f._cache_size() for f in self._scatters.values())
+        return sum(f._cache_size() for f in (*self._gathers.values(), *self._scatters.values()))
 
-    def _to_device(self, data: list[np.ndarray]) -> list:
-        """Starts the host -> device copy of a load's pages, each leaf laid out (sharded) like its cache leaf."""
-        return [jax.device_put(d, leaf.sharding) for d, leaf in zip(data, jax.tree.leaves(self.runner.kv_caches))]
+    def _to_device(self, slots: list[int], bucket: int) -> list:
+        """Starts the host -> device copy of host `slots`, per leaf a [bucket, ...] array laid out like its cache
+        leaf, shard by shard."""
+        leaves = jax.tree.leaves(self.runner.kv_caches)
+        return [h.to_device(leaf, slots, bucket) for h, leaf in zip(self.leaves, leaves)]
 
     def _launch_scatter(self, idx: np.ndarray, data: list) -> None:
         r = self.runner
@@ -140,8 +221,8 @@ class HostKVPool:
         idx = np.full(b, self.num_device_pages, np.int32)  # padding: out of range, dropped
         idx[:len(pages)] = pages
         padded = []
-        for pool, d in zip(self.pages, data):
-            full = np.zeros((b,) + pool.shape[1:], pool.dtype)
+        for h, d in zip(self.leaves, data):
+            full = np.zeros((b,) + h.row_shape, h.dtype)
             full[:len(pages)] = d
             padded.append(full)
         self._launch_scatter(idx, padded)
@@ -167,7 +248,7 @@ class HostKVPool:
             i = j
 
     def _offload(self, pages: list[int], slots: list[int]) -> None:
-        staging = self._launch_gather(pages, self._bucket(len(pages)))
+        staging = self._launch_gather(pages, self._bucket(len(pages)), host=True)
         self._inflight.append(_Offload(staging, slots))
         self.bytes_to_host += len(pages) * self.page_bytes
         self.land(block=False)
@@ -181,12 +262,7 @@ class HostKVPool:
         b = self._bucket(len(pages))
         idx = np.full(b, self.num_device_pages, np.int32)  # padding: out of range, dropped
         idx[:len(pages)] = pages
-        data = []
-        for pool in self.pages:
-            d = np.zeros((b,) + pool.shape[1:], pool.dtype)
-            d[:len(slots)] = pool[slots]  # a copy: the slots may take new blocks before the scatter runs
-            data.append(d)
-        self._loads.append(_Load(self._to_device(data), idx, list(pages), time.perf_counter()))
+        self._loads.append(_Load(self._to_device(slots, b), idx, list(pages), time.perf_counter()))
         self.bytes_to_device += len(pages) * self.page_bytes
 
     @property
@@ -221,12 +297,11 @@ class HostKVPool:
         matters); `block`: waits for all of them."""
         while self._inflight:
             o = self._inflight[0]
-            if not block and not all(a.is_ready() for a in o.staging):
+            if not block and not all(a.is_ready() for staged in o.staging for a in staged.values()):
                 return
             self._inflight.popleft()
-            n = len(o.slots)
-            for pool, a in zip(self.pages, o.staging):
-                pool[o.slots] = np.asarray(a)[:n]
+            for h, staged in zip(self.leaves, o.staging):
+                h.land(staged, o.slots)
 
     def flush(self) -> None:
         self.land(block=True)
@@ -241,4 +316,4 @@ class HostKVPool:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.pages)
+        return sum(h.nbytes for h in self.leaves)

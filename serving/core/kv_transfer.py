@@ -102,7 +102,7 @@ class KVTransfers:
 
     def layout(self) -> list[tuple[tuple[int, ...], str]]:
         """Per cache leaf, one page's shape and dtype name: both sides must agree."""
-        return [(tuple(p.shape[1:]), p.dtype.name) for p in self.mover.pages]
+        return [(h.row_shape, h.dtype.name) for h in self.mover.leaves]
 
     @property
     def num_held_pages(self) -> int:

@@ -28,8 +28,8 @@ from pallas_kernels.target import canonical_platform, lowering_platform, tracing
 from serving import ledger
 from serving.core import sampling
 from serving.core.batch import BatchBuilder
-from serving.core.config import DTYPES, EngineConfig
-from serving.core.platform import default_compilation_cache_dir
+from serving.core.config import EngineConfig
+from serving.core.platform import DTYPES, default_compilation_cache_dir
 from serving.core.request import Request
 from serving.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutput
 from sharding.experts import balanced_placement, identity_placement
@@ -238,6 +238,8 @@ class ModelRunner:
             self._expert_load = jnp.zeros((len(self._placements), slots), jnp.int32)
         self.batch_builder = BatchBuilder(page_size=config.page_size, max_pages=self.max_pages,
                                           max_seqs=config.max_num_seqs)
+        # longrope: the original context (0: the model is not longrope); batches carry each token's factor set
+        self.rope_original = mc.rope.original_max_position_embeddings if mc.rope.rope_type == "longrope" else 0
         self._penalty_window = 1 << (self.max_model_len - 1).bit_length()
         self._num_candidates = min(256, mc.vocab_size)
         self.compile_count = 0
@@ -395,8 +397,15 @@ class ModelRunner:
     # ------------------------------------------------------------------ buckets and warm-up
     def step_batch(self, chunks, num_tokens: int, num_seqs: int, lora_slots=None) -> RaggedBatch:
         """Host-side. The step's input, padded to the bucket, as the forward takes it (a pipelined runner lays it
-        out its own way); `lora_slots`: each chunk's adapter slot (-1: none)."""
-        return self.batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs, lora_slots=lora_slots)
+        out its own way); `lora_slots`: each chunk's adapter slot (-1: none). A longrope model's batches always
+        carry each token's factor set (one program structure): a scheduled request's (`Request.rope_long`), else
+        long once the chunk ends past the original context."""
+        rope_long = None
+        if self.rope_original:
+            rope_long = [c.request.rope_long if hasattr(c, "request") else c.start + len(c.token_ids) >
+                         self.rope_original for c in chunks]
+        return self.batch_builder.build(chunks, num_tokens=num_tokens, num_seqs=num_seqs, lora_slots=lora_slots,
+                                        rope_long=rope_long)
 
     def _program_batch(self, program: Program) -> RaggedBatch:
         """An empty step of `program`'s bucket (its LoRA variant: every token of no adapter)."""

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 from pallas_kernels import native
 from pallas_kernels.attention import attention_backend
 from pallas_kernels.reference import kv_storage_dtype
+from pallas_kernels.names import FLOAT_DTYPES
 from pallas_kernels.target import canonical_platform, tracing_for
 
 COMPILATION_CACHE_ENV = "MESHSERVE_COMPILATION_CACHE"
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {name: getattr(jnp, name) for name in FLOAT_DTYPES}  # the scalar types
 
 
 @dataclasses.dataclass(frozen=True)

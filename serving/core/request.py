@@ -88,7 +88,8 @@ class Request:
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "sampling_params", "priority", "deadline",
                  "eos_token_ids", "stop_token_ids", "status", "num_computed_tokens", "block_table",
                  "block_prefix_ids", "finish_reason", "stop_reason", "metrics", "max_num_tokens", "order",
-                 "num_pending", "sample_index", "group", "grammar", "cache_salt", "adapter", "lora_slot")
+                 "num_pending", "sample_index", "group", "grammar", "cache_salt", "adapter", "lora_slot",
+                 "rope_original", "rope_long")
 
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int], sampling_params: SamplingParams,
                  *, arrival_time: float, priority: int = Priority.INTERACTIVE, deadline: float | None = None,
@@ -121,6 +122,11 @@ class Request:
         self.grammar = None  # structured outputs: its GrammarState (serving.core.structured), set by the engine
         self.adapter = None  # its LoRA adapter (serving.core.lora.Adapter), set by the engine; None: the base model
         self.lora_slot = -1  # the device slot holding that adapter while it runs (serving.core.lora.LoRASlots)
+        # Longrope (Phi-3): the original context (0: not longrope; set by the engine) and whether this request's
+        # K/V is computed with the long factors, decided when it is admitted (`Scheduler`): a sequence longer
+        # than the original context is, as HF computes it (the scheduler recomputes one that grows past it)
+        self.rope_original = 0
+        self.rope_long = False
         if sampling_params.n > 1:
             self.group = SampleGroup(request_id, [self])
             for i in range(1, sampling_params.n):

@@ -258,6 +258,14 @@ class Scheduler:
                 i += 1
                 continue
             pos, n = r.num_computed_tokens, len(r.token_ids)
+            if r.rope_original and not r.rope_long and pos >= r.rope_original and pos + 1 == n + r.num_pending:
+                # Longrope: this decode would take the sequence past the original context. HF then recomputes it
+                # all with the long factors; so do we: by preemption, once its last token is known
+                if not r.num_pending:
+                    self._preempt(r)  # (running[i] is now the next request)
+                else:
+                    i += 1
+                continue
             if r.num_pending:  # its next input is the token of the step in flight
                 if r.num_pending > 1 or n + 1 >= r.max_num_tokens:
                     i += 1  # that token ends it by length (or it is already a step ahead)
@@ -474,7 +482,11 @@ class Scheduler:
         an n > 1 request forks the prompt's full pages from its group (or a running sample) when it can."""
         cfg, bm, ps = self.config, self.block_manager, self.config.page_size
         n = len(r.token_ids)
-        donor = self._prompt_donor(r) if r.group is not None else None
+        if r.rope_original:  # longrope: the factor set of its whole K/V, as HF picks it for the sequence's length
+            r.rope_long = n > r.rope_original
+        # (a sample recomputed past a longrope original context shares no page with its group's short prompt)
+        donor = (self._prompt_donor(r) if r.group is not None
+                 and r.rope_long == (r.num_prompt_tokens > r.rope_original > 0) else None)
         if donor is None:
             # at least one token is computed
             pages, prefix_ids = bm.match_prefix(r.token_ids, (n - 1) // ps, prefix_root(r))

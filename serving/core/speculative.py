@@ -20,7 +20,8 @@ from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.target import tracing_for
 from serving.core import sampling
 from serving.core.batch import BatchBuilder, build_batch
-from serving.core.config import DTYPES, SpeculativeConfig
+from serving.core.config import SpeculativeConfig
+from serving.core.platform import DTYPES
 from serving.core.model_runner import Program
 from sharding.mesh import mesh_context
 from serving.core.request import Request, RequestStatus
@@ -416,6 +417,8 @@ class SpeculativeDecoder:
             if (batch_on and caught_up and s.sample and len(s.token_ids) == 1 and end == len(r.token_ids)
                     and self.steps >= state.off_until):
                 k_i = min(k, r.max_num_tokens - len(r.token_ids) - 1, max_tokens - verify_total)
+                if r.rope_original and not r.rope_long:  # longrope: no draft past the original context, where the
+                    k_i = min(k_i, r.rope_original - end)  # scheduler recomputes the sequence with the long set
                 if k_i > 0 and not use_draft:
                     drafts = ngram_propose(r.token_ids, k_i, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
                     k_i = len(drafts)
@@ -438,7 +441,9 @@ class SpeculativeDecoder:
             verify_chunks.append(_SpecSeqChunk(list(s.token_ids) + drafts, s.start, s.request.block_table)
                                  if row.num_draft else s)
         verify = e.batch_builder.build(verify_chunks, num_tokens=t_bucket, num_seqs=s_bucket,
-                                       lora_slots=[row.seq.request.lora_slot for row in rows])
+                                       lora_slots=[row.seq.request.lora_slot for row in rows],
+                                       rope_long=[row.seq.request.rope_long for row in rows] if e.rope_original
+                                       else None)
         draft_batch = None
         if use_draft:
             draft_chunks = []

@@ -44,6 +44,9 @@ class InstanceConfig:
     # Its KV-event stream, which then feeds its prefix affinity: "auto" (the endpoint its ModelInfo reports), a ZMQ
     # address (tcp://host:port, ipc://path), or "" (off: the gateway's guess from where it sent prompts)
     kv_events: str = ""
+    # Its KV-event replay socket (ZMQ ROUTER), read when subscribing and after a gap: "" = the one its ModelInfo
+    # reports when kv_events is "auto", else none; or a ZMQ address
+    kv_events_replay: str = ""
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -314,6 +317,9 @@ def _instance(inst, path: str, pool: str, names: set[str], targets: set[str]) ->
         raise ConfigError(f"{path}.target: expected host:port, got {ic.target!r}")
     if ic.kv_events and ic.kv_events != "auto" and not re.match(r"^(tcp://[^\s:]+:\d+|ipc://\S+)$", ic.kv_events):
         raise ConfigError(f"{path}.kv_events: expected auto, tcp://host:port or ipc://path, got {ic.kv_events!r}")
+    if ic.kv_events_replay and not re.match(r"^(tcp://[^\s:]+:\d+|ipc://\S+)$", ic.kv_events_replay):
+        raise ConfigError(f"{path}.kv_events_replay: expected tcp://host:port or ipc://path, got "
+                          f"{ic.kv_events_replay!r}")
     if ic.target in targets:
         raise ConfigError(f"{path}.target: {ic.target} is listed twice")
     return ic

@@ -105,8 +105,37 @@ class KVEventIndex:
         return n / len(keys) if keys else 0.0
 
 
-async def subscribe(endpoint: str, index: KVEventIndex, stopped) -> None:
-    """Applies the batches published on `endpoint` (ZMQ SUB) to `index` until `stopped()` or cancelled."""
+REPLAY_END = -1  # the replay's last message (serving.core.kv_events.REPLAY_END; the gateway does not import core)
+
+
+async def replay(ctx, endpoint: str, start: int, timeout_s: float = 5.0) -> list[tuple[int, list]] | None:
+    """The batches numbered `start` and later that the instance's replay socket (`endpoint`, ZMQ ROUTER) still
+    keeps, oldest first; None when it does not answer in `timeout_s`."""
+    import msgpack
+    import zmq
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    out = []
+    try:
+        await sock.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
+        while True:
+            if not await sock.poll(int(timeout_s * 1000)):
+                log.warning("KV events: replay from %s did not answer in %.0f s", endpoint, timeout_s)
+                return None
+            frames = await sock.recv_multipart()
+            seq = int.from_bytes(frames[-2], "big", signed=True)
+            if seq == REPLAY_END:
+                return out
+            out.append((seq, msgpack.unpackb(frames[-1])))
+    finally:
+        sock.close()
+
+
+async def subscribe(endpoint: str, index: KVEventIndex, stopped, replay_endpoint: str = "") -> None:
+    """Applies the batches published on `endpoint` (ZMQ SUB) to `index` until `stopped()` or cancelled. With the
+    instance's `replay_endpoint`: first the batches it published before this subscription (still kept), and after
+    a gap in the numbers the ones missed, instead of emptying the index."""
     import msgpack
     import zmq
     import zmq.asyncio
@@ -114,9 +143,19 @@ async def subscribe(endpoint: str, index: KVEventIndex, stopped) -> None:
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(endpoint)
-    log.info("KV events: subscribed to %s", endpoint)
+    sock.connect(endpoint)  # first: what is published from now on queues while the replay runs
+    log.info("KV events: subscribed to %s%s", endpoint, f" (replay {replay_endpoint})" if replay_endpoint else "")
+    replayed = -1  # batches up to this number came from the replay: their live copies are skipped
+
+    async def catch_up(start: int) -> None:
+        nonlocal replayed
+        for seq, batch in await replay(ctx, replay_endpoint, start) or ():
+            index.apply(seq, batch)
+            replayed = seq
+
     try:
+        if replay_endpoint:
+            await catch_up(0)
         while not stopped():
             if not await sock.poll(500):
                 continue
@@ -124,7 +163,15 @@ async def subscribe(endpoint: str, index: KVEventIndex, stopped) -> None:
             if len(frames) != 3:
                 continue
             try:
-                index.apply(int.from_bytes(frames[1], "big", signed=True), msgpack.unpackb(frames[2]))
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if 0 <= seq <= replayed:  # applied from the replay already
+                    continue
+                replayed = -1
+                if replay_endpoint and index.last_seq >= 0 and seq > index.last_seq + 1:
+                    await catch_up(index.last_seq + 1)  # lost at the socket: the replay has them
+                    if seq <= index.last_seq:
+                        continue
+                index.apply(seq, msgpack.unpackb(frames[2]))
             except (ValueError, TypeError, IndexError, KeyError) as e:  # a malformed batch: start over
                 log.warning("KV events from %s: bad batch (%s); index reset", endpoint, e)
                 index.clear()

@@ -59,6 +59,12 @@ class Instance:
             return self.model_info.kv_events_endpoint if self.model_info is not None else ""
         return endpoint
 
+    def kv_events_replay_endpoint(self) -> str:
+        """Its KV-event replay socket ("" when none is known)."""
+        if self.config.kv_events_replay or self.config.kv_events != "auto" or self.model_info is None:
+            return self.config.kv_events_replay
+        return self.model_info.kv_events_replay_endpoint
+
     def metadata(self, extra=()) -> list[tuple[str, str]]:
         """Metadata for a call to this instance: `extra` and the instance key (which the file may have rotated)."""
         key = self._key()
@@ -166,7 +172,8 @@ class InstancePools:
                 endpoint = inst.kv_events_endpoint()
                 if endpoint and inst.kv_task is None:
                     inst.kv_index = KVEventIndex()
-                    inst.kv_task = asyncio.ensure_future(subscribe(endpoint, inst.kv_index, lambda: inst.removed))
+                    inst.kv_task = asyncio.ensure_future(subscribe(
+                        endpoint, inst.kv_index, lambda: inst.removed, inst.kv_events_replay_endpoint()))
                 call = inst.stub.WatchLoad(pb.WatchLoadRequest(interval_ms=self._interval_ms),
                                            metadata=inst.metadata())
                 async for report in call:

@@ -227,7 +227,7 @@ class Disaggregation:
         t0 = time.perf_counter()
         stub = self._stub(src.address)
         mine = self.transfers.layout()
-        pools = self.transfers.mover.pages
+        pools = self.transfers.mover.leaves
         holder = PageHolder()
         self.aengine.call(lambda e: self.transfers.begin_import(holder))  # commands run in order: no await
         theirs, repacker, last = mine, None, None

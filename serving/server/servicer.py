@@ -483,7 +483,8 @@ def lora_message(info: dict) -> pb.LoRAAdapter:
 def host_kv_info(engine) -> dict:
     """ModelInfo's host KV tier fields (its pages and bytes; none when the tier is off) and the KV-event endpoint."""
     events = getattr(engine, "kv_events", None)
-    out = dict(kv_events_endpoint=events.endpoint) if events is not None else {}
+    out = (dict(kv_events_endpoint=events.endpoint, kv_events_replay_endpoint=events.replay_endpoint)
+           if events is not None else {})
     stats = getattr(engine, "host_kv_stats", dict)()
     if not stats:
         return out

@@ -54,3 +54,32 @@ def test_greedy_past_the_original_context_matches_hf_generate(hf, hf_dir):
     expected = [hf_models.hf_greedy(hf, p, steps) for p in prompts]
     runner = PagedRunner(load_hf_model(hf_dir), page_size=8, num_pages=32)
     assert runner.generate(prompts, steps, num_tokens=32, num_seqs=4) == expected  # one shape: one compilation
+
+
+def test_engine_matches_hf_for_chunked_long_prompts_crossings_and_cross_kind_prefixes(hf, hf_dir):
+    """Through the engine, as HF `generate` computes longrope: a prompt past the original context prefilled in
+    16-token chunks rotates all of it by the long factors; a sequence that grows past it while decoding is
+    recomputed with them (a preemption, as HF drops its cache there); a prefix cached under one factor set never
+    serves the other."""
+    from serving.core.llm import LLM
+    from serving.core.sampling_params import SamplingParams
+    llm = LLM(hf_dir, warmup=False, page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16,
+              min_token_bucket=16)
+    sched = llm.engine.scheduler
+    greedy = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    vocab = hf.config.vocab_size
+    short, long = hf_models.random_prompt(10, vocab, seed=5), hf_models.random_prompt(40, vocab, seed=6)
+    shared = short[:8] + hf_models.random_prompt(22, vocab, seed=7)  # long (30), its first block short's
+    assert [o.token_ids for o in llm.generate([long], greedy(6))] == [hf_models.hf_greedy(hf, long, 6)]
+    assert [o.token_ids for o in llm.generate([short], greedy(3))] == [hf_models.hf_greedy(hf, short, 3)]
+    hits = sched.prefix_cache_hits
+    assert [o.token_ids for o in llm.generate([shared], greedy(4))] == [hf_models.hf_greedy(hf, shared, 4)]
+    assert sched.prefix_cache_hits == hits  # short's first block was rotated by the short factors ...
+    again = short[:8] + hf_models.random_prompt(2, vocab, seed=8)
+    assert [o.token_ids for o in llm.generate([again], greedy(3))] == [hf_models.hf_greedy(hf, again, 3)]
+    assert sched.prefix_cache_hits > hits  # ... and serves a short sequence
+    assert sched.num_preemptions == 0
+    grows = hf_models.random_prompt(10, vocab, seed=9)
+    assert llm.generate([grows], greedy(12))[0].token_ids == hf_models.hf_greedy(hf, grows, 12)  # past 16 at its 7th
+    assert sched.num_preemptions == 1  # the recompute at the crossing
+    sched.block_manager.check_idle()

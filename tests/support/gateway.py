@@ -1,7 +1,9 @@
 """Helpers for the gateway tests and benchmark-style checks: instance processes with a run-time step delay (see
-tests/support/gateway_instance.py), a `python -m serving.gateway` process, and its clients."""
+tests/support/gateway_instance.py), a `python -m serving.gateway` process, an in-process gateway, and clients."""
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 
@@ -85,3 +87,64 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
             return value
         time.sleep(interval)
     raise TimeoutError(f"{what} not reached in {timeout}s")
+
+
+@contextlib.asynccontextmanager
+async def in_process_gateway(config, tmp_path, ready, timeout_s: float, auth: bool = False):
+    """An in-process gateway (gRPC, with its auth interceptor if `auth`, and HTTP) on 127.0.0.1 for the config file
+    `config`, yielded as (http port, grpc port) once every instance's load report satisfies `ready` (or after
+    `timeout_s`)."""
+    from serving.gateway.app import Gateway
+    from serving.gateway.http import GatewayHTTP
+    from serving.gateway.security import GatewayAuthInterceptor
+    from serving.gateway.service import InferenceServicer
+    from serving.wire import meshserve_pb2_grpc as pb_grpc
+    gw = Gateway(str(config), str(tmp_path / "jobs.sqlite"))
+    await gw.start()
+    grpc_server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gw.auth)] if auth else None)
+    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(gw), grpc_server)
+    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    api = GatewayHTTP(gw)
+    http_port = await api.start("127.0.0.1", 0)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and not (gw.model_name and all(
+                i.report is not None and ready(i.report) for i in gw.pools.instances.values())):
+            await asyncio.sleep(0.05)
+        yield http_port, grpc_port
+    finally:
+        await api.stop()
+        await grpc_server.stop(0)
+        await gw.stop()
+
+
+def through_gateway(targets: list[str], tmp_path, drive, timeout_s: float = 60.0):
+    """`drive(http_port, grpc_port)` (run in a thread) against an in-process gateway with one pool of the instances
+    at `targets`, once each has sent a load report; returns what it returns."""
+    config = tmp_path / "gateway.yaml"
+    write_config(str(config), {"pools": [{"name": "p", "instances": [
+        {"name": f"i{k}", "target": t} for k, t in enumerate(targets)]}]})
+
+    async def main():
+        async with in_process_gateway(config, tmp_path, lambda report: True, timeout_s) as ports:
+            return await asyncio.to_thread(drive, *ports)
+    return asyncio.run(main())
+
+
+def greedy_through_gateway(target: str, tmp_path, model: str, prompt: list[int], max_tokens: int):
+    """The greedy completion of token-id `prompt` through an in-process gateway in front of the instance at
+    `target`, over gRPC (its token ids) and the `openai` package (its text)."""
+    import openai
+
+    from serving.wire.client import Client
+
+    def drive(http_port, grpc_port):
+        with Client(f"127.0.0.1:{grpc_port}", timeout=120) as client:
+            tokens = client.complete(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True).token_ids
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="unused", max_retries=0,
+                           timeout=120) as oai:
+            done = oai.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        return list(tokens), done.choices[0].text
+    return through_gateway([target], tmp_path, drive)

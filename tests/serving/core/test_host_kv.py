@@ -4,6 +4,7 @@ unbounded pool with no page leaked in either tier; an int8 cache moves values an
 shard by shard; the host tier's metrics; the KV-event stream (pyzmq subscriber) matches both tiers."""
 import time
 
+import jax
 import pytest
 import transformers as tf
 from prometheus_client import generate_latest
@@ -77,6 +78,9 @@ def test_evicted_prefix_hits_host_tier(llama, kv_cache_dtype, tp):
         hf = tf.AutoModelForCausalLM.from_pretrained(llama, attn_implementation="eager").eval()
         assert first[0] == hf_models.hf_greedy(hf, a, 6)
     assert host.hit_blocks == 5 and host.loaded_pages == 5
+    for h, leaf in zip(pool.leaves, jax.tree.leaves(engine.runner.kv_caches)):  # a host array per distinct shard
+        assert [a.shape[1:] for a in h.shards.values()] == [s.data.shape[1:] for s in leaf.addressable_shards[:tp]]
+        assert len(h.shards) == tp and h.nbytes == pool.num_slots * h.page_bytes
     assert pool.bytes_to_device == 5 * pool.page_bytes and pool.bytes_to_host == host.offloaded_pages * pool.page_bytes
     if warm:  # no program compiled while serving
         assert (pool.compiled_programs, engine.runner._forward_fn._cache_size()) == compiled

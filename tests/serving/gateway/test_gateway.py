@@ -220,6 +220,56 @@ def test_kv_event_index_and_held_affinity():
         parse_config(raw)
 
 
+def test_kv_event_subscription_replays_batches_published_before_it_and_lost_after():
+    """With the instance's replay socket (a real KVEventPublisher, ZMQ on 127.0.0.1) the gateway's subscription first
+    applies the batches published before it connected, and a batch lost at the socket is replayed instead of
+    emptying the index; the replay address is a checked config key."""
+    import zmq
+
+    from serving.core.kv_events import KVEventPublisher
+    from serving.gateway.kv_index import KVEventIndex, subscribe
+    pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
+    a = list(range(100, 113))  # three blocks of 4 and one more token
+    pub.publish([("stored", 11, None, a[:4], "GPU")])
+    pub.publish([("stored", 12, 11, a[4:8], "GPU")])
+    ix = KVEventIndex()
+
+    async def until(cond, what):
+        for _ in range(200):
+            if cond():
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"timed out waiting for {what} (index at batch {ix.last_seq})")
+
+    async def run():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(subscribe(pub.endpoint, ix, stop.is_set, pub.replay_endpoint))
+        await until(lambda: ix.last_seq == 1, "the replay of batches 0-1")
+        assert ix.match(ix.prompt_keys(a[:9])) == 1.0  # stored before the subscription
+        while ix.last_seq < 2 or ix.batches < 3:  # until the live stream reaches the subscriber
+            pub.publish([("removed", 999, "GPU")])  # a block it never held: changes nothing
+            await asyncio.sleep(0.05)
+        await until(lambda: ix.last_seq == pub._seq - 1, "the live batches")
+        send = pub._pub.send_multipart
+        pub._pub.send_multipart = lambda *a, **k: (_ for _ in ()).throw(zmq.Again())  # this batch is lost
+        pub.publish([("stored", 13, 12, a[8:12], "GPU")])
+        pub._pub.send_multipart = send
+        pub.publish([("removed", 999, "GPU")])  # the gap shows: the subscriber replays the lost batch
+        await until(lambda: ix.last_seq == pub._seq - 1, "the batch after the lost one")
+        assert ix.match(ix.prompt_keys(a)) == 1.0 and len(ix) == 3  # nothing emptied, the lost block known
+        stop.set()
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        pub.close()
+    raw = {"pools": [{"name": "p", "instances": [{"name": "i", "target": "h:1", "kv_events": "auto",
+                                                  "kv_events_replay": "udp://h:1"}]}]}
+    with pytest.raises(ConfigError, match="kv_events_replay"):
+        parse_config(raw)
+
+
 def test_health_quarantines_after_n_windows_and_readmits_after_m():
     h = HealthTracker(IsolationConfig(abnormal_windows=2, healthy_windows=2, slow_ratio=3, slow_min_delta_s=0.02))
     for n in "abc":

@@ -1,7 +1,7 @@
 """Gemma 3 served end to end on the hybrid KV cache: a real `python -m serving.server` process with a small random
 Gemma 3 (local layers of a 16-token window beside a global one) answers a prompt four windows long with HF's greedy
 tokens over gRPC, again from the prefix cache, and as n = 2 samples through the `openai` package; idle, its books
-(both page pools) hold no page."""
+(both page pools) hold no page; the same through the gateway."""
 import openai
 import pytest
 import torch
@@ -11,6 +11,7 @@ from models.synthetic import make_test_tokenizer
 from serving.process import ServerProcess
 from serving.wire.client import Client
 from tests.support import hf_models
+from tests.support.gateway import greedy_through_gateway
 from tests.support.server import running, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -49,5 +50,7 @@ def test_gemma3_through_the_server(gemma3, tmp_path_factory):
         texts = [c.text for c in sorted(pair.choices, key=lambda c: c.index)]
         short = client.complete(prompt[:60], max_tokens=24, temperature=0.0, ignore_eos=True)
         assert short.token_ids == hf_models.hf_greedy(hf, prompt[:60], 24) and texts == [short.text] * 2
+        assert greedy_through_gateway(server.target, tmp_path_factory.mktemp("gemma3_gw"), "gemma3", prompt,
+                                      24) == (want, first.text)  # through the gateway (gRPC and HTTP)
         load = wait_idle(client)  # check_idle of both pools, on the server
         assert load.invariant_error == "" and load.kv_pages_free == load.kv_pages_total and load.kv_cache_usage == 0

@@ -1,7 +1,8 @@
 """GPT-OSS served end to end: a real `python -m serving.server` process with a small random GPT-OSS (attention sinks,
 a 12-token sliding layer on the hybrid KV cache beside a full one, MoE with biases and the clamped SwiGLU) and the
 harmony parsers answers a prompt past the window with HF's greedy tokens over gRPC and the `openai` package's
-completions; a chat reply comes back through the harmony reasoning / tool parsers as content; idle, no page held."""
+completions, also through the gateway; a chat reply comes back through the harmony reasoning / tool parsers as
+content; idle, no page held."""
 import openai
 import pytest
 
@@ -10,6 +11,7 @@ from serving.api.reasoning import HARMONY_MARKERS
 from serving.process import ServerProcess
 from serving.wire.client import Client
 from tests.support import hf_models
+from tests.support.gateway import greedy_through_gateway
 from tests.support.server import running, wait_idle
 
 pytestmark = pytest.mark.e2e
@@ -45,6 +47,8 @@ def test_gpt_oss_through_the_server(gpt_oss, tmp_path_factory):
             chat = oai.chat.completions.create(model="gpt-oss", messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=8, temperature=0, logit_bias=bias,
                                                extra_body={"ignore_eos": True})
+        assert greedy_through_gateway(server.target, tmp_path_factory.mktemp("gpt_oss_gw"), "gpt-oss", prompt,
+                                      16) == (want, first.text)  # through the gateway (gRPC and HTTP)
         message = chat.choices[0].message
         assert message.content and getattr(message, "reasoning_content", None) is None and not message.tool_calls
         assert chat.usage.completion_tokens == 8
