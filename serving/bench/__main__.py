@@ -26,6 +26,7 @@ BENCHMARKS = {
     "lora": "LoRA adapters: decode tok/s and TPOT at batch 1 and 32, no adapter / 1 / 8 mixed (ranks 8, 64)",
     "hybrid_kv": "Gemma 3's hybrid KV cache: pages a 32k prompt holds with and without it; 27B's ledger on 8 x 80 GB",
     "accelerator": "acceptance run on a GPU/TPU host: kernels vs oracle, KV write, parity, roofline (--smoke on CPU)",
+    "disagg_mix": "prefill/decode disaggregation: decode ITL and long-prompt TTFT, one instance vs a P/D pair",
     "mla": "multi-head latent attention: DeepSeek-V3's KV per token (ledger), decode vs GQA/MHA, absorbed vs expanded",
 }
 

@@ -283,15 +283,35 @@ class BlockManager:
         self.acquire_cached(holder, pages[:n], ids[:n])
         return n
 
+    def pin_more(self, holder, token_ids: list[int], root) -> int:
+        """pin_prefix that goes on after the blocks `holder` holds already (a prefill's chunks as they end, each
+        step): holds the next cached device blocks of `token_ids`; returns how many it added."""
+        ps, refs = self.page_size, self.ref_counts
+        held = len(holder.block_table)
+        parent, added = (holder.block_prefix_ids[-1] if held else root), 0
+        for i in range(held, len(token_ids) // ps):
+            page = self.cache.get((parent, tuple(token_ids[i * ps:(i + 1) * ps])))
+            if page is None:
+                break
+            if refs[page] == 0:
+                del self.evictable[page]
+            refs[page] += 1
+            parent = self.page_prefix_id[page]
+            holder.block_table.append(page)
+            holder.block_prefix_ids.append(parent)
+            added += 1
+        return added
+
     def adopt_blocks(self, holder, token_ids: list[int], root, num_blocks: int) -> list[tuple[int, int]]:
         """Puts the first `num_blocks` full blocks of `token_ids` (under `root`) in the prefix cache, held by
         `holder` until `free(holder)`: blocks already cached are only held; the others get a device page (free,
         or an idle cached block's, evicted). Stops at a block in the host tier or when no page is left. Returns
-        (block index, page) for each page whose K/V the caller must write."""
-        assert not holder.block_table, "adopt_blocks on a holder that already holds pages"
+        (block index, page) for each page whose K/V the caller must write. A holder that holds blocks already
+        (an earlier call's, the same tokens) goes on after them."""
         ps, refs = self.page_size, self.ref_counts
-        parent, out = root, []
-        for i in range(min(num_blocks, len(token_ids) // ps)):
+        held = len(holder.block_table)
+        parent, out = (holder.block_prefix_ids[-1] if held else root), []
+        for i in range(held, min(num_blocks, len(token_ids) // ps)):
             key = (parent, tuple(token_ids[i * ps:(i + 1) * ps]))
             page = self.cache.get(key)
             if page is not None:

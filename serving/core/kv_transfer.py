@@ -29,6 +29,30 @@ def repack(data: list[np.ndarray], page_size: int, to_page_size: int) -> list[np
     return out
 
 
+class Repacker:
+    """`repack` piece by piece (a streamed pull): each `add` returns the receiver's whole pages its pieces have
+    completed so far, as (first block index, [pages, to_page_size, ...] per leaf); the tokens left over wait for
+    the next piece."""
+
+    def __init__(self, page_size: int, to_page_size: int):
+        self.page_size, self.to_page_size = page_size, to_page_size
+        self.pending: list[np.ndarray] | None = None
+        self.next_block = 0
+
+    def add(self, data: list[np.ndarray]) -> tuple[int, list[np.ndarray]]:
+        first = self.next_block
+        if self.page_size == self.to_page_size:
+            self.next_block += data[0].shape[0]
+            return first, data
+        tokens = [d.reshape((-1,) + d.shape[2:]) for d in data]
+        if self.pending is not None:
+            tokens = [np.concatenate([p, t]) for p, t in zip(self.pending, tokens)]
+        n, to = tokens[0].shape[0] // self.to_page_size, self.to_page_size
+        self.pending = [t[n * to:] for t in tokens]
+        self.next_block += n
+        return first, [t[:n * to].reshape((n, to) + t.shape[1:]) for t in tokens]
+
+
 def compatible(theirs: list[tuple[tuple[int, ...], str]], mine: list[tuple[tuple[int, ...], str]]) -> bool:
     """Whether pages of layout `theirs` (KVTransfers.layout) can be repacked into `mine`: the same leaves, rows and
     dtypes; the page size (each page shape's first axis) may differ."""
@@ -41,7 +65,11 @@ class PageHolder:
     block_table: list[int] = dataclasses.field(default_factory=list)
     block_prefix_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
-    created: float = 0.0  # time.monotonic()
+    created: float = 0.0  # time.monotonic(): when the prefill ended (the hold's timeout counts from there)
+    open: bool = False  # a streaming transfer whose prefill still runs: its blocks are held as its chunks end
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # open: the prompt
+    root: object = None  # open: the prompt's prefix root
+    first_token_id: int = -1  # once the prefill ended (streaming)
 
 
 class KVTransfers:
@@ -61,6 +89,7 @@ class KVTransfers:
         self.engine = engine
         self.scheduler = engine.scheduler
         self.page_size = engine.config.page_size
+        self.chunk_tokens = engine.config.max_num_batched_tokens  # a longer prompt's prefill takes several steps
         self.mover = HostKVPool(engine.runner, 0, PAGES_PER_CHUNK)  # no host slots: only its transfer programs
         self.held: dict[str, PageHolder] = {}
         self.pages_out = self.pages_in = 0
@@ -90,6 +119,37 @@ class KVTransfers:
         self.scheduler.kv_holders.append(holder)
         return transfer_id, n
 
+    def open(self, request) -> str:
+        """Before `request`'s prefill runs (a prompt of several chunks): a transfer whose full blocks are held as
+        the steps compute them (`advance`), pullable meanwhile; `finish` ends it. Returns its id."""
+        holder = PageHolder(open=True, token_ids=list(request.prompt_token_ids), root=prefix_root(request))
+        transfer_id = uuid.uuid4().hex
+        self.held[transfer_id] = holder
+        self.scheduler.kv_holders.append(holder)
+        return transfer_id
+
+    @property
+    def streaming(self) -> bool:
+        return any(h.open for h in self.held.values())
+
+    def advance(self) -> bool:
+        """After a step: holds the blocks it completed of every open transfer; whether any were added."""
+        bm = self.scheduler.block_manager
+        return sum(bm.pin_more(h, h.token_ids, h.root) for h in self.held.values() if h.open) > 0
+
+    def finish(self, transfer_id: str, first_token_id: int) -> int:
+        """The open transfer's prefill ended with `first_token_id`: holds the rest of its prompt's cached blocks
+        and starts its timeout; returns the pages held (KeyError: released meanwhile)."""
+        holder = self.held[transfer_id]
+        self.scheduler.block_manager.pin_more(holder, holder.token_ids, holder.root)
+        holder.open, holder.first_token_id, holder.created = False, int(first_token_id), time.monotonic()
+        return len(holder.block_table)
+
+    def state(self, transfer_id: str) -> tuple[int, bool, int]:
+        """(pages held, prefill still running, first token or -1) of a transfer (KeyError: unknown id)."""
+        h = self.held[transfer_id]
+        return len(h.block_table), h.open, h.first_token_id
+
     def read(self, transfer_id: str, first: int, count: int) -> list[np.ndarray]:
         """Pages first .. first + count of a held transfer, per cache leaf (KeyError: unknown id)."""
         pages = self.held[transfer_id].block_table[first:first + count]
@@ -112,25 +172,43 @@ class KVTransfers:
 
     def expired(self, timeout_s: float) -> list[str]:
         now = time.monotonic()
-        return [t for t, h in self.held.items() if now - h.created > timeout_s]
+        return [t for t, h in self.held.items() if not h.open and now - h.created > timeout_s]
 
     # ---- decode side
-    def write(self, request, data: list[np.ndarray]) -> int:
+    def begin_import(self, holder: PageHolder) -> None:
+        """A streamed pull's blocks stay held by `holder` between its pieces (`write(..., holder=)`) until
+        `end_import`."""
+        self.scheduler.kv_holders.append(holder)
+
+    def end_import(self, holder: PageHolder) -> None:
+        """Drops a streamed pull's hold (a no-op the second time): its blocks stay cached, evictable, for the
+        request admitted next."""
+        if holder in self.scheduler.kv_holders:
+            self.scheduler.kv_holders.remove(holder)
+            self.scheduler.block_manager.free(holder)
+
+    def write(self, request, data: list[np.ndarray], *, holder: PageHolder | None = None, first_block: int = 0
+              ) -> int:
         """Registers the received pages ([num_pages, ...] per leaf) as the prefix-cache blocks of `request`'s
         prompt, writing those it did not hold; returns how many blocks the cache has for it now (the request's
         prefix hit). Pages short (all in use) end the run: the rest is recomputed."""
         bm = self.scheduler.block_manager
-        holder = PageHolder()
+        streamed = holder is not None
+        holder = holder if streamed else PageHolder()
         num_blocks = data[0].shape[0] if data else 0
-        writes = bm.adopt_blocks(holder, list(request.prompt_token_ids), prefix_root(request), num_blocks)
+        if streamed and (first_block != len(holder.block_table) or holder not in self.scheduler.kv_holders):
+            return len(holder.block_table)  # an earlier piece ran out of pages: the rest is recomputed
+        writes = bm.adopt_blocks(holder, list(request.prompt_token_ids), prefix_root(request),
+                                 first_block + num_blocks)
         cached = len(holder.block_table)
         try:
             for k in range(0, len(writes), PAGES_PER_CHUNK):
                 part = writes[k:k + PAGES_PER_CHUNK]
-                blocks = [i for i, _ in part]
+                blocks = [i - first_block for i, _ in part]
                 self.mover.write_pages([p for _, p in part], [d[blocks] for d in data])
             self.pages_in += len(writes)
             self.bytes_in += sum(d[:1].nbytes for d in data) * len(writes)
         finally:
-            bm.free(holder)  # the blocks stay cached (evictable) for the request admitted next
+            if not streamed:
+                bm.free(holder)  # the blocks stay cached (evictable) for the request admitted next
         return cached

@@ -549,7 +549,9 @@ class Gateway:
                         self.health.observe_latency(inst.name, gap)
                         inst.observe_latency(gap)
                     last = now
-                    started = True
+                    # a streaming handoff (a prefill's first response, no tokens) is not the answer's start: a
+                    # failure after it is still retried
+                    started = started or not (r.HasField("kv_transfer") and r.kv_transfer.streaming)
                     yield r, inst
                 return
             except grpc.RpcError as e:
@@ -579,8 +581,10 @@ class Gateway:
     async def _disaggregated(self, p: Prepared, deadline: float, span
                              ) -> AsyncIterator[tuple[pb.GenerateResponse, Instance]]:
         """Prefill on a prefill-pool instance (kv_export: the first token, pages held there), then decode on a
-        decode-pool instance that pulls those pages (kv_source); the client sees one stream. Usage is the client's
-        request's: the first token counts as output, not as the decode instance's prompt."""
+        decode-pool instance that pulls those pages (kv_source); the client sees one stream. A prompt of several
+        prefill chunks is handed off at once (a streaming transfer): the decode stage starts then and pulls the
+        chunks' pages as they end; its responses follow the prefill's. Usage is the client's request's: the first
+        token counts as output, not as the decode instance's prompt."""
         pd = self.config.disaggregation
         req = pb.GenerateRequest()
         req.CopyFrom(p.request)
@@ -590,26 +594,98 @@ class Gateway:
         base.CopyFrom(req)
         req.kv_export = True
         handoff, source, last_token = None, None, None
+        early: tuple[str, asyncio.Task, asyncio.Queue] | None = None  # (transfer id, decode stage, its responses)
         t0 = time.monotonic()
-        async for r, inst in self._attempts(dataclasses.replace(p, pools=pd.prefill_pools), req, deadline, span,
-                                            "prefill"):
-            if r.token_ids:
-                last_token = r.token_ids[-1]
-            if r.HasField("kv_transfer"):
-                handoff, source = r.kv_transfer, inst
-                r.ClearField("kv_transfer")
-                r.ClearField("timing")
-                r.usage.completion_tokens = r.usage.cached_prompt_tokens = 0
-            elif r.finish_reason:
-                self.metrics.disaggregated.labels("prefill_only").inc()
-            yield r, inst
-        if handoff is None:  # the first token ended it (EOS, a stop, max_tokens 1)
-            return
-        self.metrics.prefill_seconds.observe(time.monotonic() - t0)
+        try:
+            async for r, inst in self._attempts(dataclasses.replace(p, pools=pd.prefill_pools), req, deadline, span,
+                                                "prefill"):
+                if r.HasField("kv_transfer") and r.kv_transfer.streaming:
+                    if early is not None:  # a retried prefill: its new transfer replaces the failed one's
+                        await self._cancel(early[1])
+                    dreq = self._decode_request(base, inst, r.kv_transfer, None)
+                    queue: asyncio.Queue = asyncio.Queue()
+                    # (a failed early stage leaves the transfer to its prefill, which is still running: released
+                    # below once the prefill handed off)
+                    early = (r.kv_transfer.transfer_id, asyncio.ensure_future(self._pump(self._decode_stage(
+                        p, dreq, deadline, span, inst, r.kv_transfer.transfer_id, release=False), queue)), queue)
+                    continue
+                if r.token_ids:
+                    last_token = r.token_ids[-1]
+                if r.HasField("kv_transfer"):
+                    handoff, source = r.kv_transfer, inst
+                    r.ClearField("kv_transfer")
+                    r.ClearField("timing")
+                    r.usage.completion_tokens = r.usage.cached_prompt_tokens = 0
+                elif r.finish_reason:
+                    self.metrics.disaggregated.labels("prefill_only").inc()
+                yield r, inst
+            if handoff is None:  # the first token ended it (EOS, a stop, max_tokens 1)
+                return
+            self.metrics.prefill_seconds.observe(time.monotonic() - t0)
+            if early is not None and early[0] == handoff.transfer_id:
+                queue = early[2]
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        await self._release_transfer(source, handoff.transfer_id)
+                        raise item
+                    yield item
+                return
+            dreq = self._decode_request(base, source, handoff, last_token)
+            stage = self._decode_stage(p, dreq, deadline, span, source, handoff.transfer_id)
+            try:
+                async for item in stage:
+                    yield item
+            finally:
+                await stage.aclose()
+        finally:
+            if early is not None:
+                await self._cancel(early[1])
+
+    @staticmethod
+    def _decode_request(base: pb.GenerateRequest, source: Instance, handoff: pb.KVTransfer,
+                        first_token: int | None) -> pb.GenerateRequest:
+        """The decode stage's request: the client's, continued from `handoff` on `source` (first_token None: a
+        streaming transfer, whose first token comes with its pages)."""
         dreq = pb.GenerateRequest()
         dreq.CopyFrom(base)
         dreq.kv_source.CopyFrom(pb.KVSource(address=source.config.target, transfer_id=handoff.transfer_id,
-                                            prompt_token_ids=handoff.prompt_token_ids, first_token_id=last_token))
+                                            prompt_token_ids=handoff.prompt_token_ids))
+        if first_token is None:
+            dreq.kv_source.streamed = True
+        else:
+            dreq.kv_source.first_token_id = first_token
+        return dreq
+
+    @staticmethod
+    async def _pump(stage: AsyncIterator, queue: asyncio.Queue) -> None:
+        """Runs a decode stage started on a streaming handoff into `queue` (its items, then None or its error)."""
+        try:
+            async for item in stage:
+                queue.put_nowait(item)
+            queue.put_nowait(None)
+        except GatewayError as e:
+            queue.put_nowait(e)
+        finally:
+            await stage.aclose()
+
+    @staticmethod
+    async def _cancel(task: asyncio.Task) -> None:
+        if not task.done():
+            task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            if not task.cancelled():  # this coroutine's own cancel
+                raise
+        except Exception:  # noqa: BLE001 - ended with an error nobody reads any more
+            pass
+
+    async def _decode_stage(self, p: Prepared, dreq: pb.GenerateRequest, deadline: float, span, source: Instance,
+                            transfer_id: str, *, release: bool = True
+                            ) -> AsyncIterator[tuple[pb.GenerateResponse, Instance]]:
+        """The decode stage (with retries); on its failure, frees the transfer on `source` (`release`) and raises
+        UNAVAILABLE for a retriable failure (the client has its first token)."""
+        pd = self.config.disaggregation
         try:
             # (the decode instance counts the first token as output: its usage is the client's request's)
             async for r, inst in self._attempts(dataclasses.replace(p, pools=pd.decode_pools), dreq, deadline, span,
@@ -619,7 +695,8 @@ class Gateway:
                 yield r, inst
         except GatewayError as e:
             self.metrics.disaggregated.labels("decode_failed").inc()
-            await self._release_transfer(source, handoff.transfer_id)
+            if release:
+                await self._release_transfer(source, transfer_id)
             if e.code not in RETRIABLE:
                 raise
             # (e.g. ABORTED: the decode side's pull from a prefill instance that died) the client's stream has its

@@ -155,7 +155,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
             await self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"request_id: {rid!r} is already in flight")
         if kv_source is not None:
             try:
-                resume(ereq, kv_source.first_token_id)
+                # a streamed transfer's first token comes with its last pages (after the pull)
+                resume(ereq, kv_source.first_token_id, check_only=kv_source.streamed)
             except ValueError as e:
                 await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, status_details(e))
         num_prompt_tokens, params, deadline = ereq.num_prompt_tokens, ereq.sampling_params, ereq.deadline
@@ -167,7 +168,13 @@ class InferenceServicer(pb_grpc.InferenceServicer):
         last_request, final, failure = None, None, None  # failure: (code, details, trailing)
         remaining = params.n  # samples not finished
         stream = self.aengine.stream(ereq)
+        # kv_export of a prompt of several prefill chunks: pullable chunk by chunk while they run
+        streaming_tid = ""
         try:
+            if export_max_tokens > 1 and num_prompt_tokens > self.disagg.transfers.chunk_tokens:
+                handoff = await self.disagg.open(ereq)
+                streaming_tid = handoff.transfer_id
+                yield pb.GenerateResponse(request_id=rid, kv_transfer=handoff)
             if kv_source is not None:
                 await self._pull_kv(kv_source, ereq, span, context.time_remaining())
             first = True
@@ -196,7 +203,17 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                 if (out.finished and export_max_tokens > 1 and out.finish_reason is FinishReason.LENGTH
                         and out.request.num_tokens < self.engine.max_model_len):
                     # the client's request goes on on a decode instance, from the pages held here
-                    response.kv_transfer.CopyFrom(await self.disagg.hold(out.request))
+                    if streaming_tid:
+                        tid, streaming_tid = streaming_tid, ""
+                        try:
+                            response.kv_transfer.CopyFrom(await self.disagg.finish(tid, out.request,
+                                                                                   out.request.output_token_ids[-1]))
+                        except KeyError:  # a ReleaseKV while the prefill ran: no continuation (not a short answer)
+                            failure = (grpc.StatusCode.ABORTED, f"kv_export: KV transfer {tid} was released while "
+                                       "the prefill ran (ReleaseKV); retry the request", ())
+                            break
+                    else:
+                        response.kv_transfer.CopyFrom(await self.disagg.hold(out.request))
                     response.finish_reason = pb.FINISH_REASON_UNSPECIFIED
                     self.tracer.event(span, "kv_hold", {"meshserve.kv_pages": response.kv_transfer.num_pages})
                 yield response
@@ -223,6 +240,8 @@ class InferenceServicer(pb_grpc.InferenceServicer):
                         reason = FinishReason.TIMEOUT
                 self.aengine.abort(rid, reason)
             await stream.aclose()
+            if streaming_tid:  # failed, cancelled, or ended by its first token: the held pages go, the pulls end
+                self.disagg.abandon(streaming_tid)
             self.end(rid)
             if remaining and failure is None:  # cancelled: count it, with what it had got
                 self.record_abort(last_request, reason, num_prompt_tokens=num_prompt_tokens, arrival_time=arrival)
@@ -235,15 +254,19 @@ class InferenceServicer(pb_grpc.InferenceServicer):
     async def _pull_kv(self, src: pb.KVSource, ereq: Request, span, time_remaining: float | None) -> None:
         """Decode side: pulls the prefill instance's pages of `src` and registers them in the prefix cache, before
         `ereq` is scheduled (its admission command runs after this one on the engine thread)."""
-        data, info = await self.disagg.pull(src, time_remaining or self.disagg.timeout_s)
-        cached = await self.disagg.import_pages(ereq, data)
+        cached, info = await self.disagg.pull(src, ereq, time_remaining or self.disagg.timeout_s)
+        if src.streamed:
+            resume(ereq, info["first_token_id"])
         self.tracer.event(span, "kv_transfer", {"meshserve.kv_bytes": info["bytes"],
                                                 "meshserve.kv_seconds": info["seconds"],
                                                 "meshserve.kv_transport": info["transport"],
-                                                "meshserve.kv_pages": int(data[0].shape[0]) if data else 0,
+                                                "meshserve.kv_pages": info["pages"],
+                                                "meshserve.kv_pieces": info["pieces"],
+                                                "meshserve.kv_pieces_during_prefill": info["pieces_during_prefill"],
                                                 "meshserve.kv_cached_blocks": cached})
         if self.metrics is not None:
-            self.metrics.observe_kv_transfer(info["bytes"], info["seconds"])
+            self.metrics.observe_kv_transfer(info["bytes"], info["seconds"], info["pieces"],
+                                             info["pieces_during_prefill"])
 
     def _response(self, rid: str, out, first: bool) -> pb.GenerateResponse:
         resp = pb.GenerateResponse(request_id=rid, token_ids=out.new_token_ids, text=out.new_text, index=out.index)

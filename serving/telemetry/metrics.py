@@ -164,6 +164,10 @@ class ServerMetrics:
         self.kv_transfer_seconds = Histogram(PREFIX + "kv_transfer_seconds", "Time to pull one request's KV pages "
                                              "from its prefill instance (--role=decode).", labels,
                                              buckets=STEP_BUCKETS, registry=r)
+        self.kv_transfer_pieces = Counter(PREFIX + "kv_transfer_pieces", "KVPages messages with pages pulled from "
+                                          "prefill instances (--role=decode), by whether the prefill still ran "
+                                          "(during: a streamed transfer's chunk) or had ended (after).",
+                                          labels + ["prefill"], registry=r)
         self.model_name = model_name
         # Every series exists from the start (at zero), so rates and dashboards work before the first event.
         for metric in (self.prefix_cache_queries, self.prefix_cache_hits, self.num_preemptions, self.prompt_tokens,
@@ -270,9 +274,11 @@ class ServerMetrics:
         for a, b in zip(token_times, token_times[1:]):
             itl.observe(max(0.0, b - a))
 
-    def observe_kv_transfer(self, nbytes: int, seconds: float) -> None:
+    def observe_kv_transfer(self, nbytes: int, seconds: float, pieces: int = 0, during_prefill: int = 0) -> None:
         self.kv_transfer_bytes.labels(self.model_name).inc(nbytes)
         self.kv_transfer_seconds.labels(self.model_name).observe(seconds)
+        self.kv_transfer_pieces.labels(self.model_name, "during").inc(during_prefill)
+        self.kv_transfer_pieces.labels(self.model_name, "after").inc(pieces - during_prefill)
 
     def observe_error(self, code: str) -> None:
         self.request_errors.labels(self.model_name, code).inc()

@@ -153,32 +153,36 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[_Union[Priority, str]] = ..., tenant: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., cache_salt: _Optional[str] = ..., kv_export: _Optional[bool] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
 
 class KVSource(_message.Message):
-    __slots__ = ("address", "transfer_id", "prompt_token_ids", "first_token_id")
+    __slots__ = ("address", "transfer_id", "prompt_token_ids", "first_token_id", "streamed")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
     address: str
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
-    def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    streamed: bool
+    def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., streamed: _Optional[bool] = ...) -> None: ...
 
 class KVTransfer(_message.Message):
-    __slots__ = ("transfer_id", "prompt_token_ids", "num_pages", "page_size", "transport", "timeout_s")
+    __slots__ = ("transfer_id", "prompt_token_ids", "num_pages", "page_size", "transport", "timeout_s", "streaming")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    STREAMING_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_pages: int
     page_size: int
     transport: str
     timeout_s: float
-    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., transport: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    streaming: bool
+    def __init__(self, transfer_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., num_pages: _Optional[int] = ..., page_size: _Optional[int] = ..., transport: _Optional[str] = ..., timeout_s: _Optional[float] = ..., streaming: _Optional[bool] = ...) -> None: ...
 
 class PullKVRequest(_message.Message):
     __slots__ = ("transfer_id", "pages_per_chunk")
@@ -197,20 +201,26 @@ class KVLeaf(_message.Message):
     def __init__(self, page_shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVPages(_message.Message):
-    __slots__ = ("first_page", "num_pages", "leaves", "layout", "page_size", "total_pages")
+    __slots__ = ("first_page", "num_pages", "leaves", "layout", "page_size", "total_pages", "prefill_done", "last", "first_token_id")
     FIRST_PAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_PAGES_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     first_page: int
     num_pages: int
     leaves: _containers.RepeatedScalarFieldContainer[bytes]
     layout: _containers.RepeatedCompositeFieldContainer[KVLeaf]
     page_size: int
     total_pages: int
-    def __init__(self, first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., leaves: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Iterable[_Union[KVLeaf, _Mapping]]] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ...) -> None: ...
+    prefill_done: bool
+    last: bool
+    first_token_id: int
+    def __init__(self, first_page: _Optional[int] = ..., num_pages: _Optional[int] = ..., leaves: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Iterable[_Union[KVLeaf, _Mapping]]] = ..., page_size: _Optional[int] = ..., total_pages: _Optional[int] = ..., prefill_done: _Optional[bool] = ..., last: _Optional[bool] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
     __slots__ = ("transfer_id",)

@@ -4,6 +4,8 @@ output equals a single instance's token for token, both instances hold no page o
 same prefix hits the decode instance's prefix cache, and the transfer RPC refuses callers without the instance key."""
 from __future__ import annotations
 
+import concurrent.futures
+import time
 import urllib.request
 
 import grpc
@@ -194,3 +196,127 @@ def test_unpulled_pages_are_released_after_the_timeout_and_a_failed_pull_is_an_e
         assert e.value.code() == grpc.StatusCode.ABORTED and "127.0.0.1:1" in e.value.details()
     load = _idle(decode)
     assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0
+
+
+
+
+def _long(tag: str) -> str:
+    """A prompt of several prefill chunks (the instances' --max_num_batched_tokens=32: 4 chunks, 15 full pages),
+    new to every prefix cache (`tag` first)."""
+    return f"{tag}: " + " ".join(f"{PROMPT} {w}" for w in ("one", "two", "three", "four"))
+STEP_S = 0.3  # the prefill instance's step delay while a test watches its chunks (tests.support.gateway_instance)
+
+
+def _export(stub, prompt: str, **kw):
+    return stub.Generate(pb.GenerateRequest(text=prompt, kv_export=True, sampling=pb.SamplingParameters(
+        max_tokens=8, temperature=0.0, ignore_eos=True)), timeout=60, metadata=MD, **kw)
+
+
+def test_a_long_prompts_pages_are_pullable_chunk_by_chunk_while_its_prefill_runs(fleet):
+    prefill, _, _ = fleet
+    prefill.set_delay(STEP_S)
+    try:
+        with grpc.insecure_channel(prefill.target) as ch:
+            stub = pb_grpc.InferenceStub(ch)
+            call = _export(stub, _long("Pieces"))
+            early = next(call)  # before the prefill ran: names the transfer, no token yet
+            handoff = early.kv_transfer
+            assert handoff.streaming and not early.token_ids and handoff.transfer_id
+            full = len(handoff.prompt_token_ids) // 8
+            assert len(handoff.prompt_token_ids) > 3 * 32 and full >= 12
+            pieces = list(stub.PullKV(pb.PullKVRequest(transfer_id=handoff.transfer_id), timeout=60, metadata=MD))
+            rest = list(call)
+    finally:
+        prefill.set_delay(0.0)
+    first_token = rest[-1].token_ids[0]
+    assert rest[-1].kv_transfer.transfer_id == handoff.transfer_id and rest[-1].kv_transfer.num_pages == full
+    with_pages = [m for m in pieces if m.num_pages]
+    # the pages came in pieces as the chunks ended, several of them while later chunks still ran
+    assert sum(not m.prefill_done for m in with_pages) >= 2, [(m.num_pages, m.prefill_done) for m in pieces]
+    assert [m.first_page for m in with_pages] == [sum(m.num_pages for m in with_pages[:i])
+                                                  for i in range(len(with_pages))]
+    assert sum(m.num_pages for m in with_pages) == full
+    assert pieces[-1].last and pieces[-1].first_token_id == first_token and not pieces[-1].num_pages
+    with grpc.insecure_channel(prefill.target) as ch:  # pulled again once the prefill ended: the same bytes
+        stub = pb_grpc.InferenceStub(ch)
+        again = list(stub.PullKV(pb.PullKVRequest(transfer_id=handoff.transfer_id), timeout=60, metadata=MD))
+        assert all(m.prefill_done for m in again)
+        for k in range(len(with_pages[0].leaves)):
+            assert (b"".join(m.leaves[k] for m in with_pages)
+                    == b"".join(m.leaves[k] for m in again if m.num_pages))
+        assert stub.ReleaseKV(pb.ReleaseKVRequest(transfer_id=handoff.transfer_id), timeout=10, metadata=MD).released
+    load = _idle(prefill)
+    assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0
+
+
+def test_a_long_prompt_through_the_gateway_starts_its_decode_stage_before_the_first_token(fleet):
+    prefill, decode, gw = fleet
+    prompt = _long("Gateway")
+    salted = pb.GenerateRequest(text=prompt, cache_salt="reference", sampling=pb.SamplingParameters(
+        max_tokens=8, temperature=0.0, ignore_eos=True))  # its own prefix-cache entries: the prompt stays new
+    with grpc.insecure_channel(prefill.target) as ch:
+        ref = [t for r in pb_grpc.InferenceStub(ch).Generate(salted, timeout=60, metadata=MD) for t in r.token_ids]
+    assert len(ref) == 8
+    seen: dict[str, float] = {}
+
+    def run():
+        out = []
+        with Client(gw.target, timeout=60) as c:
+            for r in c.generate(prompt, max_tokens=8, temperature=0.0, ignore_eos=True,
+                                metadata=[("authorization", f"Bearer {TENANT_KEY}")]):
+                if r.token_ids and not out:
+                    seen.setdefault("first_token", time.monotonic())
+                out.extend(r.token_ids)
+                if r.usage.cached_prompt_tokens:
+                    seen["cached"] = r.usage.cached_prompt_tokens
+        return out
+
+    prefill.set_delay(STEP_S)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(run)
+            wait_for(lambda: gw.instances(ADMIN_KEY)["d0"].inflight == 1 or None, 30, interval=0.02,
+                     what="the decode stage")
+            seen["decode_stage"] = time.monotonic()
+            tokens = fut.result(timeout=60)
+    finally:
+        prefill.set_delay(0.0)
+    assert tokens == ref
+    # the decode stage was routed (and pulling) while the prefill's chunks still ran
+    assert seen["decode_stage"] < seen["first_token"], seen
+    assert seen["cached"] == len(_tokens(prefill, prompt)) // 8 * 8  # every full page came from the prefill
+    for proc in (prefill, decode):
+        load = _idle(proc)
+        assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0, proc.target
+
+
+def test_a_prefill_cancelled_mid_stream_ends_its_decode_stage_cleanly(fleet):
+    """The prefill request dies while the decode instance pulls its chunks: the decode side ends with ABORTED
+    naming the transfer, and neither instance holds a page after."""
+    prefill, decode, _ = fleet
+    prompt = _long("Cancelled")
+    prefill.set_delay(STEP_S)
+    try:
+        with grpc.insecure_channel(prefill.target) as pch, grpc.insecure_channel(decode.target) as dch:
+            call = _export(pb_grpc.InferenceStub(pch), prompt)
+            handoff = next(call).kv_transfer
+            src = pb.KVSource(address=prefill.target, transfer_id=handoff.transfer_id,
+                              prompt_token_ids=handoff.prompt_token_ids, streamed=True)
+            dcall = pb_grpc.InferenceStub(dch).Generate(pb.GenerateRequest(
+                kv_source=src, sampling=pb.SamplingParameters(max_tokens=8, temperature=0.0)), timeout=60,
+                metadata=MD)
+            time.sleep(1.5 * STEP_S)  # a chunk or so pulled
+            call.cancel()
+            with pytest.raises(grpc.RpcError) as e:
+                list(dcall)
+    finally:
+        prefill.set_delay(0.0)
+    assert e.value.code() == grpc.StatusCode.ABORTED and handoff.transfer_id in e.value.details(), e.value
+    for proc in (prefill, decode):
+        load = _idle(proc)
+        assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0, proc.target
+
+
+def _tokens(proc, text: str) -> list[int]:
+    with _instance(proc) as c:
+        return list(c.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=10, metadata=MD).token_ids)
