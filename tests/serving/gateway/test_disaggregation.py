@@ -198,13 +198,13 @@ def test_unpulled_pages_are_released_after_the_timeout_and_a_failed_pull_is_an_e
     assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0
 
 
+STEP_S = 0.3  # the prefill instance's step delay while a test watches its chunks (tests.support.gateway_instance)
 
 
 def _long(tag: str) -> str:
     """A prompt of several prefill chunks (the instances' --max_num_batched_tokens=32: 4 chunks, 15 full pages),
     new to every prefix cache (`tag` first)."""
     return f"{tag}: " + " ".join(f"{PROMPT} {w}" for w in ("one", "two", "three", "four"))
-STEP_S = 0.3  # the prefill instance's step delay while a test watches its chunks (tests.support.gateway_instance)
 
 
 def _export(stub, prompt: str, **kw):
