@@ -572,6 +572,9 @@ class Gateway:
                     exclude.add(inst.name)
                     continue
                 trailing = tuple((k, v) for k, v in (e.trailing_metadata() or ()) if k == RETRY_PUSHBACK_KEY)
+                if stage == "prefill" and code in RETRIABLE:  # (a dead instance's "Socket closed" names nothing)
+                    details = (f"the prefill stage failed on prefill instance {inst.name} ({inst.config.target}) "
+                               f"before its first token ({code.name}: {details}); retry the request")
                 raise GatewayError(code, details, trailing) from None
             finally:
                 if call is not None:

@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation end to end: a real gateway in front of a --role=prefill and a --role=decode instance
 (the shipped tiny model, API keys on both), driven over gRPC and through the real `openai` package: the greedy
 output equals a single instance's token for token, both instances hold no page once idle, a second request with the
-same prefix hits the decode instance's prefix cache, and the transfer RPC refuses callers without the instance key."""
+same prefix hits the decode instance's prefix cache, and the transfer RPC refuses callers without the instance key.
+Long prompts (several prefill chunks) stream their pages while the prefill runs; the last test kills the prefill
+instance mid-stream."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from serving.wire import meshserve_pb2 as pb
 from serving.wire import meshserve_pb2_grpc as pb_grpc
-from serving.wire.client import Client
+from serving.wire.client import Client, ClientError
 from tests.support.gateway import GatewayProcess, InstanceProcess, wait_for
 from tests.support.tiny import model_dir
 
@@ -320,3 +322,50 @@ def test_a_prefill_cancelled_mid_stream_ends_its_decode_stage_cleanly(fleet):
 def _tokens(proc, text: str) -> list[int]:
     with _instance(proc) as c:
         return list(c.stub.Tokenize(pb.TokenizeRequest(text=text), timeout=10, metadata=MD).token_ids)
+
+
+def test_the_prefill_instance_killed_mid_stream_is_an_explicit_error(fleet):
+    """LAST in this module: it kills the prefill instance (SIGKILL) while its chunked prefill runs and the decode
+    instance already holds pieces it pulled: the client's stream ends with an explicit error, the decode instance
+    holds no page, runs nothing and stays routable, and the gateway still answers."""
+    prefill, decode, gw = fleet
+    seen: dict = {"tokens": []}
+
+    def run():
+        with Client(gw.target, timeout=60) as c:
+            for r in c.generate(_long("Killed"), max_tokens=8, temperature=0.0, ignore_eos=True,
+                                metadata=[("authorization", f"Bearer {TENANT_KEY}")]):
+                seen["tokens"].extend(r.token_ids)
+
+    def pieces_held():  # pulled pieces are held by the pull until it ends: pages used on the decode side
+        load = _load(decode)
+        return load.kv_pages_total - load.kv_pages_free or None
+
+    prefill.set_delay(3 * STEP_S)  # four chunks of 0.9 s: a wide window to kill in after the first piece
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(run)
+        wait_for(lambda: gw.instances(ADMIN_KEY)["d0"].inflight == 1 or None, 30, interval=0.02,
+                 what="the decode stage")
+        held = wait_for(pieces_held, 30, interval=0.02, what="a piece pulled")
+        assert prefill.proc.poll() is None and not seen["tokens"]  # the prefill still runs: no first token yet
+        prefill.proc.kill()
+        prefill.proc.wait(10)
+        t_kill = time.monotonic()
+        with pytest.raises(ClientError) as e:
+            fut.result(timeout=30)
+    ended_s = time.monotonic() - t_kill
+    assert 0 < held < len(_tokens(decode, _long("Killed"))) // 8  # only part of the prompt's pages had come
+    assert not seen["tokens"]
+    err = e.value  # the prefill stage failed before its first token, with no other prefill instance to retry on
+    assert err.code == grpc.StatusCode.UNAVAILABLE, err
+    assert "prefill" in err.details and prefill.target in err.details, err.details
+    assert ended_s < 10, ended_s
+    load = _idle(decode)
+    assert load.kv_pages_free == load.kv_pages_total and load.num_running == 0
+    states = {name: i.state for name, i in gw.instances(ADMIN_KEY).items()}
+    assert states == {"p0": "failed", "d0": "healthy"}, states
+    with Client(decode.target, timeout=60) as c:  # the decode instance still serves
+        assert len(c.complete(PROMPT, max_tokens=2, temperature=0.0, ignore_eos=True, metadata=MD).token_ids) == 2
+    with Client(gw.target, timeout=30) as c, pytest.raises(ClientError) as e:  # the gateway answers: no prefill left
+        c.complete(PROMPT, max_tokens=2, metadata=[("authorization", f"Bearer {TENANT_KEY}")])
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE and "no healthy" in e.value.details, e.value
