@@ -34,16 +34,28 @@ BACKENDS = {
 PLATFORMS = {"gpu_interpret": "gpu", "tpu_interpret": "tpu"}  # whose cache storage a backend takes (else cpu's)
 
 
+@functools.cache
+def _jitted(backend, sm_scale, options):
+    """One jitted function per (JAX backend, options): cases of the same shapes (the random batches' fixed buckets)
+    share its compiled program."""
+    return jax.jit(functools.partial(BACKENDS[backend], sm_scale=sm_scale, **dict(options)))
+
+
 def _run(backend, case, options):
-    # a fresh partial: a fresh trace, so a native path forced here is the one compiled in
-    fn = jax.jit(functools.partial(BACKENDS[backend], sm_scale=case.q.shape[-1] ** -0.5, **options))
-    args = jax.tree.map(jnp.asarray, case.attention_args(PLATFORMS.get(backend, "cpu")))
+    sm_scale = case.q.shape[-1] ** -0.5
+    if backend.startswith("native-") or any(isinstance(v, np.ndarray) for v in options.values()):
+        # a fresh partial: a fresh trace, so a native path forced here is the one compiled in
+        fn = jax.jit(functools.partial(BACKENDS[backend], sm_scale=sm_scale, **options))
+    else:
+        fn = _jitted(backend, sm_scale, tuple(sorted(options.items())))
+    # device_put, not jnp.asarray: that compiles a copy program for each new shape (seconds over the file)
+    args = jax.device_put(case.attention_args(PLATFORMS.get(backend, "cpu")))
     if backend.startswith("native-"):
         with native.use_isa(backend.removeprefix("native-")):
             lowered = fn.lower(*args)
         assert f"isa = {native.ISAS.index(backend.removeprefix('native-'))} : i32" in lowered.as_text()
-        return np.asarray(lowered.compile()(*args).astype(jnp.float32))
-    return np.asarray(fn(*args).astype(jnp.float32))
+        return np.asarray(lowered.compile()(*args)).astype(np.float32)
+    return np.asarray(fn(*args)).astype(np.float32)  # on the host: no convert program
 
 
 def _check(out, case, options, *, atol, rtol):
@@ -125,10 +137,10 @@ def test_cpu_backend_runs_sinks_natively_where_the_kernels_are_on(monkeypatch):
                      page_size=8)
     sinks = np.array([0.5, -0.5, 1.0, 2.0], np.float32)
     fn = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.125))
-    args = jax.tree.map(jnp.asarray, case.attention_args("cpu"))
-    text = fn.lower(*args, sinks=jnp.asarray(sinks)).as_text()
+    args = jax.device_put(case.attention_args("cpu"))
+    text = fn.lower(*args, sinks=jax.device_put(sinks)).as_text()
     assert ("meshserve_cpu_ragged_paged_attention" in text) == native.enabled(), text[:2000]
-    _check(np.asarray(fn(*args, sinks=jnp.asarray(sinks))), case, dict(sinks=sinks), atol=2e-5, rtol=2e-5)
+    _check(np.asarray(fn(*args, sinks=jax.device_put(sinks))), case, dict(sinks=sinks), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -267,7 +279,7 @@ def test_entry_point_matches_oracle_under_jit(monkeypatch):
     case = make_case(np.random.default_rng(11), [(1, 9), (5, 5)], num_q_heads=4, num_kv_heads=2, head_dim=64,
                      page_size=8, num_tokens=8, num_seq_slots=3)
     fn = jax.jit(functools.partial(pallas_kernels.ragged_paged_attention, sm_scale=0.125))
-    out = np.asarray(fn(*[jnp.asarray(a) for a in case.attention_args()]))
+    out = np.asarray(fn(*jax.device_put(case.attention_args())))
     _check(out, case, {}, atol=2e-5, rtol=2e-5)
 
 
@@ -340,9 +352,9 @@ def test_quantized_cache_is_never_converted_whole_on_cpu(kv_cache_dtype, backend
 
 
 def _kernel_out(fn, case, **kw):
-    args = jax.tree.map(jnp.asarray, case.attention_args())
-    return np.asarray(jax.jit(functools.partial(fn, sm_scale=case.q.shape[-1] ** -0.5, **kw))(*args)
-                      .astype(jnp.float32))
+    args = jax.device_put(case.attention_args())
+    return np.asarray(jax.jit(functools.partial(fn, sm_scale=case.q.shape[-1] ** -0.5, **kw))(*args)).astype(
+        np.float32)
 
 
 @pytest.mark.parametrize("options", [{}, dict(sliding_window=100, logit_soft_cap=20.0)])
@@ -369,18 +381,22 @@ def test_gpu_split_k_with_sinks():
 def test_gpu_splits_share_the_real_steps():
     """Every split's steps, for ranges of every length: disjoint, in order, covering exactly the range; with a
     wide table and a short context (3 steps, 8 splits) the work is spread, not left to split 0."""
+    # every (lo, hi) pair at once: [lo, hi, split] arrays through the (elementwise) function
+    lo = np.array([0, 1, 127, 128, 700], np.int32)[:, None, None]
+    hi = np.r_[np.arange(0, 1300, 37), 300].astype(np.int32)[None, :, None]
+    s_lo, s_hi = lo // 128, np.maximum(-(-hi // 128), lo // 128)
     for num_splits, min_steps in [(1, 1), (3, 1), (8, 1), (8, 2), (16, 4)]:
-        for lo in (0, 1, 127, 128, 700):
-            for hi in range(0, 1300, 37):
-                b, e = gpu.split_steps(jnp.int32(lo), jnp.int32(hi), jnp.arange(num_splits), block_k=128,
-                                       num_splits=num_splits, min_split_steps=min_steps)
-                b, e = np.asarray(b), np.asarray(e)
-                s_lo, s_hi = lo // 128, max(-(-hi // 128), lo // 128)
-                assert (b <= e).all() and b[0] == s_lo and e[-1] == s_hi and (b[1:] == e[:-1]).all()
-                per = max(-(-(s_hi - s_lo) // num_splits), min_steps)
-                assert (e - b).max() == min(per, s_hi - s_lo)
-    b, e = gpu.split_steps(jnp.int32(0), jnp.int32(300), jnp.arange(8), block_k=128, num_splits=8, min_split_steps=1)
-    assert np.asarray(e - b).tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+        steps = jax.jit(functools.partial(gpu.split_steps, block_k=128, num_splits=num_splits,
+                                          min_split_steps=min_steps))  # one program, not one per op
+        b, e = steps(lo, hi, np.arange(num_splits, dtype=np.int32))
+        b, e = np.asarray(b), np.asarray(e)
+        assert b.shape == e.shape == (lo.size, hi.size, num_splits)
+        assert (b <= e).all() and (b[..., 0:1] == s_lo).all() and (e[..., -1:] == s_hi).all()
+        assert (b[..., 1:] == e[..., :-1]).all()
+        per = np.maximum(-(-(s_hi - s_lo) // num_splits), min_steps)
+        np.testing.assert_array_equal((e - b).max(-1, keepdims=True), np.minimum(per, s_hi - s_lo))
+        if (num_splits, min_steps) == (8, 1):  # lo 0, hi 300
+            assert (e - b)[0, -1].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("dtype,hkv,d", [(jnp.bfloat16, 1, 64), (jnp.bfloat16, 3, 128), (jnp.float16, 2, 64)])

@@ -42,6 +42,19 @@ def path(request, monkeypatch):
     return request.param
 
 
+def put(a, dtype=None) -> jax.Array:
+    """A host array on the device without a program (jnp.asarray compiles a copy for each new shape: seconds over
+    this file's cases); float64 values cast as JAX casts them (to float32 first)."""
+    a = np.asarray(a)
+    if dtype is not None:
+        a = a.astype(np.float32 if a.dtype == np.float64 else a.dtype).astype(dtype)
+    return jax.device_put(a)
+
+
+def zeros(shape, dtype=np.float32) -> jax.Array:
+    return put(np.zeros(shape, dtype))
+
+
 def quantize(rng, k: int, n: int, groups: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """A random [K, N] weight quantized symmetrically to int8: (q [K, N], scale [G, N]), one scale per column and
     group of K/G rows."""
@@ -104,10 +117,10 @@ PACKED_CASES = [(1, 768, 192, 1), (2, 33, 64, 1), (3, 100, 128, 1), (5, 256, 128
 def test_packed_int8_matches_oracle(path, m, k, n, groups, dtypes):
     rng = np.random.default_rng(m * 1000 + k + n + groups)
     q, scale = quantize(rng, k, n, groups)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtypes[0])
-    w = native.pack_weights([jnp.asarray(q)])[0]
+    x = put(rng.standard_normal((m, k)), dtypes[0])
+    w = native.pack_weights([put(q)])[0]
     assert native.is_packed(w) and w.shape == (n // 64, -(-k // 4), 64, 4)
-    s = jnp.asarray(scale if groups > 1 else scale[0])
+    s = put(scale if groups > 1 else scale[0])
     out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, w, s)
     assert out.dtype == dtypes[1] and out.shape == (m, n)
     assert_close(out, x, q, scale, dot=path[1] == "dot")
@@ -131,9 +144,9 @@ def test_many_rows_match_oracle(monkeypatch, isa, method, m, k, n, groups, dtype
     monkeypatch.setenv(native.INT8_ENV_VAR, method)
     rng = np.random.default_rng(m * 1000 + k + n + groups)
     q, scale = quantize(rng, k, n, groups)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtypes[0])
-    w = native.pack_weights([jnp.asarray(q)])[0]
-    out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, w, jnp.asarray(scale))
+    x = put(rng.standard_normal((m, k)), dtypes[0])
+    w = native.pack_weights([put(q)])[0]
+    out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, w, put(scale))
     assert out.dtype == dtypes[1] and out.shape == (m, n)
     assert_close(out, x, q, scale, dot=method == "auto" and native.int8_dot_runs(isa) and dtypes[0] == jnp.bfloat16)
 
@@ -148,17 +161,17 @@ def test_auto_is_exact_where_it_should_be(monkeypatch, isa):
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
     rng = np.random.default_rng(8)
     q, scale = quantize(rng, 256, 128, 2)
-    w = native.pack_weights([jnp.asarray(q)])[0]
+    w = native.pack_weights([put(q)])[0]
     dot = native.int8_dot_runs(isa)
     for dtype, rows, twin in ((jnp.float32, 2, "widen"), (jnp.float32, 40, "widen"),
                               (jnp.bfloat16, 2, "dot" if dot else "widen"),
                               (jnp.bfloat16, 40, "dot" if dot and isa not in PAIR_PATHS else "widen")):
-        x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
+        x = put(rng.standard_normal((rows, 256)), dtype)
         outs = {}
         for method in ("auto", twin):
             monkeypatch.setenv(native.INT8_ENV_VAR, method)
             fn = lambda x, w, s: matmul(x, w, out_dtype=jnp.float32, scale=s)  # a fresh trace per method
-            outs[method] = np.asarray(_call(fn, x, w, jnp.asarray(scale)))
+            outs[method] = np.asarray(_call(fn, x, w, put(scale)))
         np.testing.assert_array_equal(outs["auto"], outs[twin])
 
 
@@ -172,8 +185,8 @@ def test_row_major_int8_matches_oracle(path, m, k, n, groups, dtypes):
     """Row-major weights take the widened products whatever the method (the dot method needs quads)."""
     rng = np.random.default_rng(m * 1000 + k + n + groups)
     q, scale = quantize(rng, k, n, groups)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtypes[0])
-    out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, jnp.asarray(q), jnp.asarray(scale))
+    x = put(rng.standard_normal((m, k)), dtypes[0])
+    out = _call(lambda x, w, s: matmul(x, w, out_dtype=dtypes[1], scale=s), x, put(q), put(scale))
     assert out.dtype == dtypes[1] and out.shape == (m, n)
     assert_close(out, x, q, scale, dot=False)
 
@@ -182,14 +195,14 @@ def test_int8_takes_leading_dims_output_layout_scales_and_zero_rows(path):
     """x [2, 3, K]; scales as the model holds them ((H, D) per column, (G, H, D) per group) are flattened."""
     rng = np.random.default_rng(0)
     q, scale = quantize(rng, 128, 128, 2)
-    x = jnp.asarray(rng.standard_normal((2, 3, 128)), jnp.float32)
-    w = native.pack_weights([jnp.asarray(q)])[0]
-    out = _call(lambda x, w, s: matmul(x, w, scale=s), x, w, jnp.asarray(scale.reshape(2, 4, 32)))
+    x = put(rng.standard_normal((2, 3, 128)), jnp.float32)
+    w = native.pack_weights([put(q)])[0]
+    out = _call(lambda x, w, s: matmul(x, w, scale=s), x, w, put(scale.reshape(2, 4, 32)))
     assert out.shape == (2, 3, 128)
     assert_close(np.asarray(out).reshape(6, 128), np.asarray(x).reshape(6, 128), q, scale, dot=path[1] == "dot")
-    out = _call(lambda x, w, s: matmul(x, w, scale=s), x, w, jnp.asarray(scale[0].reshape(4, 32)))
+    out = _call(lambda x, w, s: matmul(x, w, scale=s), x, w, put(scale[0].reshape(4, 32)))
     assert_close(np.asarray(out).reshape(6, 128), np.asarray(x).reshape(6, 128), q, scale[:1], dot=path[1] == "dot")
-    assert _call(lambda x, w, s: matmul(x, w, scale=s), jnp.zeros((0, 128)), w, jnp.asarray(scale)).shape == (0, 128)
+    assert _call(lambda x, w, s: matmul(x, w, scale=s), zeros((0, 128), np.float32), w, put(scale)).shape == (0, 128)
 
 
 def test_non_finite_rows_stay_non_finite(path):
@@ -198,8 +211,8 @@ def test_non_finite_rows_stay_non_finite(path):
     q, scale = quantize(rng, 64, 64)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     x[1, 5] = np.nan
-    w = native.pack_weights([jnp.asarray(q)])[0]
-    out = np.asarray(_call(lambda x, w, s: matmul(x, w, scale=s), jnp.asarray(x), w, jnp.asarray(scale[0])))
+    w = native.pack_weights([put(q)])[0]
+    out = np.asarray(_call(lambda x, w, s: matmul(x, w, scale=s), put(x), w, put(scale[0])))
     assert np.isnan(out[1]).all()
     assert_close(out[[0, 2]], x[[0, 2]], q, scale, dot=path[1] == "dot")
 
@@ -212,12 +225,12 @@ def test_dot_method_error_against_widened_products_is_bounded():
     the rounding of the largest output to bfloat16 (2^-9 of it), which a bfloat16 model's step applies anyway."""
     rng = np.random.default_rng(2)
     q, scale = quantize(rng, 768, 256, 6)
-    w = native.pack_weights([jnp.asarray(q)])[0]
+    w = native.pack_weights([put(q)])[0]
     isa = next(p for p, m in PATHS if m == "dot")
     for outlier, largest in ((1, 1e-4), (50, 2.0 ** -9)):
         x = rng.standard_normal((16, 768)).astype(np.float32)
         x[:, 7] *= outlier
-        x = jnp.asarray(x, jnp.bfloat16)
+        x = put(x, jnp.bfloat16)
         outs = {}
         for method in ("widen", "dot"):
             with native.use_isa(isa), native.env_var(native.INT8_ENV_VAR, method):
@@ -245,8 +258,8 @@ def test_dot_method_is_exact_on_rows_its_two_digits_hold(monkeypatch, groups):
     isa = next(p for p, m in PATHS if m == "dot")
     monkeypatch.setenv(native.ISA_ENV_VAR, isa)
     monkeypatch.setenv(native.INT8_ENV_VAR, "dot")
-    w = native.pack_weights([jnp.asarray(q)])[0]
-    out = _call(lambda x, w, s: matmul(x, w, scale=s), jnp.asarray(x), w, jnp.asarray(scale))
+    w = native.pack_weights([put(q)])[0]
+    out = _call(lambda x, w, s: matmul(x, w, scale=s), put(x), w, put(scale))
     assert_close(out, x, q, scale, dot=False)
 
 
@@ -272,17 +285,17 @@ def test_dispatch_takes_xla_where_the_kernel_does_not_and_stays_right():
     converted weight (packed: unpacked first), same results."""
     rng = np.random.default_rng(3)
     q, scale = quantize(rng, 64, 64)
-    x = jnp.asarray(rng.standard_normal((native.MAX_INT8_ROWS + 1, 64)), jnp.float32)
+    x = put(rng.standard_normal((native.MAX_INT8_ROWS + 1, 64)), jnp.float32)
     fn = lambda x, w, s: matmul(x, w, scale=s)
-    assert _custom_calls(fn, x, jnp.asarray(q), jnp.asarray(scale)) == set()
-    assert_close(jax.jit(fn)(x, jnp.asarray(q), jnp.asarray(scale)), x, q, scale, dot=False)
-    assert _custom_calls(fn, x[:4], jnp.asarray(q), jnp.asarray(scale)) == {"meshserve_cpu_matmul_int8"}
+    assert _custom_calls(fn, x, put(q), put(scale)) == set()
+    assert_close(jax.jit(fn)(x, put(q), put(scale)), x, q, scale, dot=False)
+    assert _custom_calls(fn, x[:4], put(q), put(scale)) == {"meshserve_cpu_matmul_int8"}
     q, scale = quantize(rng, 30, 64, 3)  # groups of 10 rows
-    w = native.pack_weights([jnp.asarray(q)])[0]
-    assert _custom_calls(fn, x[:4, :30], w, jnp.asarray(scale)) == set()
-    assert_close(jax.jit(fn)(x[:4, :30], w, jnp.asarray(scale)), x[:4, :30], q, scale, dot=False)
+    w = native.pack_weights([put(q)])[0]
+    assert _custom_calls(fn, x[:4, :30], w, put(scale)) == set()
+    assert_close(jax.jit(fn)(x[:4, :30], w, put(scale)), x[:4, :30], q, scale, dot=False)
     with pytest.raises(ValueError, match="does not hold per-column or per-group scales of 64 columns"):
-        jax.jit(fn)(x[:4, :30], w, jnp.ones((65,), jnp.float32))
+        jax.jit(fn)(x[:4, :30], w, put(np.ones((65,), np.float32)))
 
 
 @pytest.mark.parametrize("wdtype,packed", [(jnp.int8, False), (jnp.int8, True), (jnp.float8_e4m3fn, False)],
@@ -297,11 +310,11 @@ def test_xla_path_matches_oracle(monkeypatch, wdtype, packed, groups, xdtype):
     q, scale = quantize(rng, 256, 128, groups)
     if wdtype != jnp.int8:  # float8 values: the int8 ones scaled into e4m3's range, rounded to it
         q = np.asarray(jnp.asarray(q.astype(np.float32) / 4, wdtype))
-    x = jnp.asarray(rng.standard_normal((2, 5, 256)), xdtype)
-    w = native.pack_weights([jnp.asarray(q)])[0] if packed else jnp.asarray(q)
+    x = put(rng.standard_normal((2, 5, 256)), xdtype)
+    w = native.pack_weights([put(q)])[0] if packed else put(q)
     fn = lambda x, w, s: matmul(x, w, out_dtype=jnp.float32, scale=s)
-    assert _custom_calls(fn, x, w, jnp.asarray(scale)) == set()
-    out = jax.jit(fn)(x, w, jnp.asarray(scale))
+    assert _custom_calls(fn, x, w, put(scale)) == set()
+    out = jax.jit(fn)(x, w, put(scale))
     assert out.shape == (2, 5, 128)
     assert_close(np.asarray(out).reshape(10, 128), np.asarray(x).reshape(10, 256), np.asarray(q, np.float64), scale,
                  dot=False)
@@ -349,14 +362,14 @@ def test_gpu_and_tpu_programs_convert_the_weight_only_into_the_dot(platform, gro
 @pytest.mark.parametrize("k,n", [(64, 64), (33, 128), (1, 192), (770, 64)])
 def test_int8_pack_weight_round_trips_and_pads_k_to_quads(k, n):
     q = np.random.default_rng(k + n).integers(-127, 128, (k, n)).astype(np.int8)
-    p = native.pack_weight(jnp.asarray(q))
+    p = native.pack_weight(put(q))
     kp = -(-k // 4) * 4
     assert p.dtype == jnp.int8 and p.shape == (n // 64, kp // 4, 64, 4) and native.is_packed(p)
     assert native.packed_shape(p, k) == (k, n)
     np.testing.assert_array_equal(np.asarray(native.unpack_weight(p, k)), q)
     full = np.asarray(native.unpack_weight(p, kp))
     assert not full[k:].any()  # the padding rows are zeros
-    np.testing.assert_array_equal(np.asarray(native.pack_weights([jnp.asarray(q)])[0]), np.asarray(p))
+    np.testing.assert_array_equal(np.asarray(native.pack_weights([put(q)])[0]), np.asarray(p))
     # element (k, n) sits at [n / 64, k / 4, n % 64, k % 4]
     assert p[(n - 1) // 64, (k - 1) // 4, (n - 1) % 64, (k - 1) % 4] == q[k - 1, n - 1]
     with pytest.raises(ValueError, match="rows of K"):
@@ -364,14 +377,14 @@ def test_int8_pack_weight_round_trips_and_pads_k_to_quads(k, n):
 
 
 def test_is_packed_tells_packed_int8_from_other_4d_arrays():
-    assert native.is_packed(jnp.zeros((2, 3, 64, 4), jnp.int8))
-    assert not native.is_packed(jnp.zeros((2, 3, 64, 4), jnp.float32))  # f32 panels are [.., 32, 1]
-    assert not native.is_packed(jnp.zeros((2, 3, 64, 4), jnp.uint8))
-    assert not native.is_packed(jnp.zeros((2, 3, 64, 2), jnp.int8))  # the bf16 pair layout, in int8
-    assert not native.is_packed(jnp.zeros((2, 3, 32, 4), jnp.int8))
-    assert native.is_packed(jnp.zeros((2, 3, 64, 2), jnp.bfloat16)) and native.is_packed(jnp.zeros((2, 3, 32, 1)))
-    assert native.can_pack(jnp.zeros((5, 128), jnp.int8)) and not native.can_pack(jnp.zeros((5, 96), jnp.int8))
-    assert not native.can_pack(jnp.zeros((5, 128), jnp.float8_e4m3fn))
+    assert native.is_packed(zeros((2, 3, 64, 4), jnp.int8))
+    assert not native.is_packed(zeros((2, 3, 64, 4), jnp.float32))  # f32 panels are [.., 32, 1]
+    assert not native.is_packed(zeros((2, 3, 64, 4), jnp.uint8))
+    assert not native.is_packed(zeros((2, 3, 64, 2), jnp.int8))  # the bf16 pair layout, in int8
+    assert not native.is_packed(zeros((2, 3, 32, 4), jnp.int8))
+    assert native.is_packed(zeros((2, 3, 64, 2), jnp.bfloat16)) and native.is_packed(zeros((2, 3, 32, 1)))
+    assert native.can_pack(zeros((5, 128), jnp.int8)) and not native.can_pack(zeros((5, 96), jnp.int8))
+    assert not native.can_pack(zeros((5, 128), jnp.float8_e4m3fn))
 
 
 class _Attention(nnx.Module):
@@ -381,7 +394,7 @@ class _Attention(nnx.Module):
         def quantized(h):
             q, s = quantize(rng, e, h * d, groups[h])
             shape = (groups[h], h, d) if groups[h] > 1 else (h, d)
-            return nnx.Param(jnp.asarray(q.reshape(e, h, d))), nnx.Param(jnp.asarray(s.reshape(shape)))
+            return nnx.Param(put(q.reshape(e, h, d))), nnx.Param(put(s.reshape(shape)))
         self.q_proj, self.q_proj_scale = quantized(heads[0])
         self.k_proj, self.k_proj_scale = quantized(heads[1])
         self.v_proj, self.v_proj_scale = quantized(heads[2])
@@ -410,7 +423,7 @@ def test_pack_groups_fuses_int8_weights_and_concatenates_their_scales(groups):
     assert all(getattr(a, n) is None and getattr(a, n + "_scale") is None for n in names)
     assert native.is_packed(a.qkv_proj[...]) and a.qkv_proj[...].dtype == jnp.int8
     assert a.qkv_proj_scale[...].shape == ((256,) if groups == 1 else (groups, 256))
-    got = np.asarray(jax.jit(lambda x: matmul(x, a.qkv_proj[...], scale=a.qkv_proj_scale[...]))(jnp.asarray(x)))
+    got = np.asarray(jax.jit(lambda x: matmul(x, a.qkv_proj[...], scale=a.qkv_proj_scale[...]))(put(x)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
     assert pack_groups([(a, "qkv_proj", names, e)]) == 0  # already packed: left alone
 
@@ -429,5 +442,5 @@ def test_pack_groups_packs_int8_parts_alone_where_their_groups_differ():
     for n in names:
         assert native.is_packed(getattr(a, n)[...])
         np.testing.assert_array_equal(np.asarray(getattr(a, n + "_scale")[...]), scales[n])  # kept as they were
-        parts.append(np.asarray(matmul(jnp.asarray(x), getattr(a, n)[...], scale=getattr(a, n + "_scale")[...])))
+        parts.append(np.asarray(matmul(put(x), getattr(a, n)[...], scale=getattr(a, n + "_scale")[...])))
     np.testing.assert_allclose(np.concatenate(parts, axis=1), want, rtol=1e-4, atol=1e-3)
