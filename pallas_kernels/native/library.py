@@ -1,6 +1,7 @@
-"""The native CPU kernels' library (C++ in this directory): its build into a cache (`build`, and the self-test's
-`build_selftest`), its load and FFI registration, and the per-CPU instruction-set choice read at trace time (`enabled`,
-`isa`, `use_isa`); `python -m pallas_kernels.native` builds it ahead (`main`)."""
+"""The native CPU kernels' library (C++ in this directory): its build into a cache (`build`: the paths this CPU runs,
+`cpu_paths`, or every path; and the self-test's `build_selftest`), its load and FFI registration, and the per-CPU
+instruction-set choice read at trace time (`enabled`, `isa`, `use_isa`); `python -m pallas_kernels.native` builds
+it ahead (`main`)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -28,6 +29,7 @@ SOURCE_DIR = Path(__file__).parent
 ENV_VAR = "MESHSERVE_CPU_KERNELS"  # native (default when it builds) | xla
 ISA_ENV_VAR = "MESHSERVE_CPU_ISA"  # unset/auto: the best this CPU runs | one of ISAS (a lower path, e.g. avx2)
 CACHE_ENV = "MESHSERVE_NATIVE_CACHE"
+PATHS_ENV = "MESHSERVE_NATIVE_PATHS"  # unset/cpu: build the paths this CPU runs | all: every path of the architecture
 _MATMUL = "meshserve_cpu_matmul"
 _ATTENTION = "meshserve_cpu_ragged_paged_attention"
 _MATMUL_PACKED = "meshserve_cpu_matmul_packed"
@@ -99,17 +101,24 @@ def _machine_reason() -> str | None:
     return None
 
 
-def compile_jobs(cxx: str, arch: str, workdir: Path, include: str | None) -> list[list[str]]:
-    """The compiler commands that build the objects of the library for `arch` (one per instruction set, plus the
-    CPU check, plus the FFI handlers when `include` (jaxlib's FFI headers) is given) into `workdir`."""
+def compile_jobs(cxx: str, arch: str, workdir: Path, include: str | None, paths=None,
+                 opt: str = "-O3") -> list[list[str]]:
+    """The compiler commands that build the objects of the library for `arch` (one per instruction set in `paths`,
+    default all of the architecture's, plus the CPU check, plus the FFI handlers when `include` (jaxlib's FFI
+    headers) is given) into `workdir`; `opt`: the optimisation level (a compile check needs less than -O3)."""
+    flags_for = ARCH_ISAS[arch]
     jobs = []
-    for name, flags in ARCH_ISAS[arch].items():
-        jobs.append([cxx, *_CXXFLAGS, "-fvisibility=hidden", f"-DMESHSERVE_ISA_ID={ISAS.index(name)}", *flags, "-c",
-                     str(SOURCE_DIR / "kernels.cc"), "-o", str(workdir / f"kernels_{name}.o")])
-    jobs.append([cxx, *_CXXFLAGS, "-c", str(SOURCE_DIR / "cpu.cc"), "-o", str(workdir / "cpu.o")])
+    for name in (flags_for if paths is None else paths):
+        jobs.append([cxx, *_flags(opt), "-fvisibility=hidden", f"-DMESHSERVE_ISA_ID={ISAS.index(name)}",
+                     *flags_for[name], "-c", str(SOURCE_DIR / "kernels.cc"), "-o", str(workdir / f"kernels_{name}.o")])
+    jobs.append([cxx, *_flags(opt), "-c", str(SOURCE_DIR / "cpu.cc"), "-o", str(workdir / "cpu.o")])
     if include is not None:
-        jobs.append([cxx, *_CXXFLAGS, f"-I{include}", "-c", str(SOURCE_DIR / "ffi.cc"), "-o", str(workdir / "ffi.o")])
+        jobs.append([cxx, *_flags(opt), f"-I{include}", "-c", str(SOURCE_DIR / "ffi.cc"), "-o", str(workdir / "ffi.o")])
     return jobs
+
+
+def _flags(opt: str) -> list[str]:
+    return [opt if f == "-O3" else f for f in _CXXFLAGS]
 
 
 def run_jobs(jobs: list[list[str]]) -> None:
@@ -130,22 +139,77 @@ def _source_key(cxx: str, *extra) -> str:
     return key.hexdigest()[:16]
 
 
-def build(force: bool = False) -> Path:
+def _all_paths_wanted() -> bool:
+    value = os.environ.get(PATHS_ENV, "").strip().lower()
+    if value not in ("", "cpu", "all"):
+        raise ValueError(f"{PATHS_ENV}={value!r}: expected cpu (the paths this CPU runs, the default) or all")
+    return value == "all"
+
+
+# The CPU check on its own (cpu.cc): which paths `CpuRuns` says this CPU runs, as a bit per Isa id.
+_PROBE_MAIN = """#include <cstdio>
+#include "api.h"
+int main() {
+  int bits = 0;
+  for (int i = 0; i < meshserve::kNumIsas; ++i) bits |= meshserve::CpuRuns(i) ? 1 << i : 0;
+  std::printf("%d\\n", bits);
+}
+"""
+
+
+def cpu_paths(cxx: str | None = None) -> tuple[str, ...]:
+    """The instruction-set paths of this architecture that this CPU runs, lowest first, as the library's own CPU
+    check (cpu.cc, built once into a small program in the cache) reports them: the paths a library for this CPU
+    needs."""
+    from filelock import FileLock
+
+    cxx = cxx or _compiler()
+    probe = _cache_dir() / f"cpu_probe_{machine()}_{_source_key(cxx, 'probe')}"
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(probe) + ".lock"):
+        if not probe.is_file():
+            with tempfile.TemporaryDirectory(dir=probe.parent) as tmp:
+                (Path(tmp) / "probe.cc").write_text(_PROBE_MAIN)
+                cmd = [cxx, *_flags("-O1"), f"-I{SOURCE_DIR}", str(Path(tmp) / "probe.cc"), str(SOURCE_DIR / "cpu.cc"),
+                       "-o", str(Path(tmp) / "probe")]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"compiling failed ({' '.join(cmd)}):\n{done.stderr[-4000:]}")
+                os.replace(Path(tmp) / "probe", probe)
+    done = subprocess.run([str(probe)], capture_output=True, text=True)
+    if done.returncode != 0 or not done.stdout.strip().isdigit():
+        raise RuntimeError(f"the CPU check {probe} failed (exit {done.returncode}): {done.stdout}{done.stderr}")
+    bits = int(done.stdout)
+    return tuple(name for name in ARCH_ISAS[machine()] if name == "generic" or bits >> ISAS.index(name) & 1)
+
+
+def build(force: bool = False, all_paths: bool | None = None) -> Path:
     """Compiles the kernels (or finds them in the cache) and returns the shared library's path. Its objects stay
-    beside it (`<library>.objs/`: the self-test links them)."""
+    beside it (`<library>.objs/`: the self-test links them). The library holds the paths this CPU runs
+    (`cpu_paths`), or every path of the architecture with `all_paths` (default: MESHSERVE_NATIVE_PATHS=all), for
+    a cache built on one machine and used on others; a library of every path already in the cache serves any CPU."""
     from filelock import FileLock
 
     reason = _machine_reason()
     if reason:
         raise RuntimeError(reason)
     cxx = _compiler()
-    lib = _cache_dir() / f"meshserve_cpu_{machine()}_{_source_key(cxx, jax.__version__)}.so"
+    key = _source_key(cxx, jax.__version__)
+    every = tuple(ARCH_ISAS[machine()])
+    if all_paths is None:
+        all_paths = _all_paths_wanted()
+    all_lib = _library_path(key, every)
+    if all_paths or (all_lib.exists() and _objects_dir(all_lib).is_dir()):
+        paths = every
+    else:
+        paths = cpu_paths(cxx)
+    lib = _library_path(key, paths)
     lib.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(lib) + ".lock"):
         if force or not lib.exists() or not _objects_dir(lib).is_dir():
             with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
                 work = Path(tmp)
-                jobs = compile_jobs(cxx, machine(), work / "objs", jax.ffi.include_dir())
+                jobs = compile_jobs(cxx, machine(), work / "objs", jax.ffi.include_dir(), paths=paths)
                 (work / "objs").mkdir()
                 run_jobs(jobs)
                 link = [cxx, "-shared", *(j[-1] for j in jobs), "-o", str(work / "lib.so")]
@@ -155,8 +219,15 @@ def build(force: bool = False) -> Path:
                 shutil.rmtree(_objects_dir(lib), ignore_errors=True)
                 os.replace(work / "objs", _objects_dir(lib))
                 os.replace(work / "lib.so", lib)
-            log.info("built native CPU kernels: %s", lib)
+            log.info("built native CPU kernels (%s): %s", ", ".join(paths), lib)
     return lib
+
+
+def _library_path(key: str, paths: tuple[str, ...]) -> Path:
+    """Keyed by the sources, compiler, jaxlib and the paths built in it ("all": the architecture's every path), so
+    CPUs of different instruction sets sharing a home directory each build their own."""
+    tag = "all" if paths == tuple(ARCH_ISAS[machine()]) else "-".join(paths)
+    return _cache_dir() / f"meshserve_cpu_{machine()}_{key}_{tag}.so"
 
 
 def _objects_dir(lib: Path) -> Path:
@@ -164,21 +235,25 @@ def _objects_dir(lib: Path) -> Path:
 
 
 def kernel_objects() -> list[Path]:
-    """The built library's per-instruction-set kernel objects and its CPU check (building it if needed)."""
+    """The built library's per-instruction-set kernel objects (the paths it holds, lowest first) and its CPU check
+    (building it if needed)."""
     objs = _objects_dir(build())
-    return [objs / f"kernels_{name}.o" for name in ARCH_ISAS[machine()]] + [objs / "cpu.o"]
+    return [objs / f"kernels_{name}.o" for name in ARCH_ISAS[machine()] if (objs / f"kernels_{name}.o").is_file()] + [
+        objs / "cpu.o"]
 
 
-def build_selftest(cxx: str, arch: str, out: Path, static: bool = False, objects: list[Path] | None = None) -> Path:
+def build_selftest(cxx: str, arch: str, out: Path, static: bool = False, objects: list[Path] | None = None,
+                   opt: str = "-O3") -> Path:
     """Compiles `native/selftest.cc` (every kernel path the CPU runs against double-precision references; no
-    jaxlib) with the kernels for `arch` into the executable `out`: with a cross compiler and `static`, for running
-    another architecture's paths under qemu-user. `objects`: the kernels already compiled (`kernel_objects()`)."""
+    jaxlib) with the kernels for `arch` (every path of it, at `opt`) into the executable `out`: with a cross compiler
+    and `static`, for running another architecture's paths under qemu-user. `objects`: the kernels already compiled
+    (`kernel_objects()`)."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         work = Path(tmp)
-        jobs = [] if objects is not None else compile_jobs(cxx, arch, work, include=None)
-        jobs.append([cxx, *_CXXFLAGS, "-c", str(SOURCE_DIR / "selftest.cc"), "-o", str(work / "selftest.o")])
+        jobs = [] if objects is not None else compile_jobs(cxx, arch, work, include=None, opt=opt)
+        jobs.append([cxx, *_flags(opt), "-c", str(SOURCE_DIR / "selftest.cc"), "-o", str(work / "selftest.o")])
         run_jobs(jobs)
         inputs = [*(j[-1] for j in jobs), *map(str, objects or [])]
         link = [cxx, *(["-static"] if static else []), "-pthread", *inputs, "-o", str(out)]
@@ -308,13 +383,19 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description="Build the native CPU kernels into their cache.")
     parser.add_argument("--force", action="store_true", help="rebuild even if cached")
+    parser.add_argument("--all-paths", action="store_true",
+                        help=f"build every instruction-set path of this architecture, not only those this CPU runs "
+                             f"(as {PATHS_ENV}=all): for a cache built here and used on other CPUs")
     args = parser.parse_args(argv)
     reason = _machine_reason()
     if reason:
         print(f"native CPU kernels not built: {reason} (XLA's kernels will be used)")
         return 0
     try:
-        lib = build(force=args.force)
+        lib = build(force=args.force, all_paths=args.all_paths or None)
+    except ValueError as exc:  # a setting with no meaning: say so, do not fall back quietly
+        print(f"native CPU kernels not built: {exc}")
+        return 2
     except RuntimeError as exc:
         print(f"native CPU kernels not built (XLA's kernels will be used): {str(exc).splitlines()[0]}")
         return 0

@@ -3,6 +3,7 @@ instruction-set path against double-precision references, with no jaxlib or FFI 
 (generic, NEON, NEON with bf16 dot products) cross-compiled and run under qemu-user, so an x86-64 machine checks
 them too."""
 import concurrent.futures
+import ctypes
 import hashlib
 import os
 import shutil
@@ -18,6 +19,16 @@ from pallas_kernels import native
 _ALL_OK = ("matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok, expert_mlp ok, "
            "latent_attention ok, lora ok")
 _DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
+# The optimisation level of a compile that only checks the code (the paths this CPU cannot run): -Og defines
+# __OPTIMIZE__ as -O3 does (the intrinsics headers take the same inline-function form) and, unlike -O0, inlines the
+# library's header functions as the nm check needs; an AVX-512 copy took 10 s of a Zen 1 core (-O1 25 s, -O3 ~50).
+_CHECK_OPT = "-Og"
+# The aarch64 selftest's optimisation level: the emulated run checks the NEON paths' logic (and their hwcaps gating),
+# so it is built like the check-only copies above: all four objects 30 s of a Zen 1 core against ~315 s at -O3, and
+# the two qemu runs 65 s of CPU. The -O3 machine code that ships is built and checked on an aarch64 machine itself
+# (test_selftest_runs_every_path_on_this_cpu runs there natively).
+_AARCH64_OPT = _CHECK_OPT
+_A72_EVERY = 4
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
 
 
@@ -31,13 +42,14 @@ def _aarch64_selftest(cxx: str) -> Path:
     (keyed like the library, by the sources, selftest.cc, the compiler and its flags), so a rerun or a second
     worker does not spend minutes of a slow machine's cores recompiling three copies of the kernels."""
     selftest = hashlib.sha256((native.library.SOURCE_DIR / "selftest.cc").read_bytes()).hexdigest()
-    exe = native.library._cache_dir() / f"selftest_aarch64_{native.library._source_key(cxx, 'static', selftest)}"
+    key = native.library._source_key(cxx, "static", _AARCH64_OPT, selftest)
+    exe = native.library._cache_dir() / f"selftest_aarch64_{key}"
     exe.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(exe) + ".lock"):
         if not exe.is_file():
             with tempfile.TemporaryDirectory(dir=exe.parent) as tmp:
                 # Static: qemu-user then needs no aarch64 sysroot.
-                built = native.build_selftest(cxx, "aarch64", Path(tmp) / "selftest", static=True)
+                built = native.build_selftest(cxx, "aarch64", Path(tmp) / "selftest", static=True, opt=_AARCH64_OPT)
                 os.replace(built, exe)
     return exe
 
@@ -71,6 +83,10 @@ def test_selftest_runs_every_path_on_this_cpu(tmp_path):
     rc, out = _run([exe])
     assert rc == 0, out
     runnable = set(native.runnable_isas())
+    # The library holds the paths the CPU check says this CPU runs (or every path, where one of all is cached).
+    held = {obj.stem.removeprefix("kernels_") for obj in native.kernel_objects()[:-1]}
+    assert held in (set(native.cpu_paths()), set(native.ARCH_ISAS[native.machine()])), held
+    assert native.cpu_paths() == native.runnable_isas()
     passed = _passed(out)
     assert "generic" in passed, out
     if runnable:  # the library's own detection (cpu.cc too) agrees with the selftest's
@@ -82,8 +98,8 @@ def test_selftest_runs_every_path_on_this_cpu(tmp_path):
     assert f"selftest: {len(passed)} paths passed" in out.splitlines(), out
 
 
-# Cross-compiling three copies of the kernels takes ~35 s of 2 Zen 5 cores and ~7 min of 2 Zen 1 cores shared with
-# other jobs (once: see _aarch64_selftest); the two qemu runs, side by side, ~10 s and ~3 min.
+# Cross-compiling three copies of the kernels at -Og takes ~30 s of a Zen 1 core (once per source change: see
+# _aarch64_selftest); the two qemu runs, side by side, ~65 s of CPU.
 @pytest.mark.timeout(1200)
 def test_aarch64_paths_compile_and_run_under_qemu():
     cxx = shutil.which("aarch64-linux-gnu-g++")
@@ -95,9 +111,11 @@ def test_aarch64_paths_compile_and_run_under_qemu():
     if qemu is None:
         pytest.skip("the aarch64 selftest built, but qemu-aarch64 is missing to run it: Debian package qemu-user; "
                     "scripts/test.sh installs it where apt can")
-    # -cpu max has FEAT_BF16: every aarch64 path runs; a Cortex-A72 has neither bf16 nor dotprod. Both at once.
+    # -cpu max has FEAT_BF16: every aarch64 path runs, every case; a Cortex-A72 has neither bf16 nor dotprod: the
+    # run shows the hwcaps gating, and generic and NEON passing without them, on every 4th case. Both at once.
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_run, [qemu, "-cpu", cpu, exe], timeout=600) for cpu in ("max", "cortex-a72")]
+        runs = [pool.submit(_run, [qemu, "-cpu", cpu, exe, *args], timeout=600)
+                for cpu, args in (("max", []), ("cortex-a72", [f"--every={_A72_EVERY}"]))]
         (rc, out), (rc_a72, out_a72) = (r.result() for r in runs)
     assert rc == 0, out
     assert _passed(out) == {"generic", "neon", "neon_bf16"}, out
@@ -110,23 +128,47 @@ def test_aarch64_paths_compile_and_run_under_qemu():
     assert "neon_bf16: not run (this CPU lacks it)" in out.splitlines(), out
 
 
-def test_each_path_defines_only_its_own_table():
+def test_each_path_defines_only_its_own_table(tmp_path):
     """The copies of kernels.cc built for different instruction sets share no code: each object defines nothing
     global but its own table (weak: a build may lack a path) and the C++ runtime's personality pointer, so the
     linker can never pick one copy's inline function (built for AVX-512) to serve another (run on an AVX2 CPU). Every
-    other symbol is internal to its copy's namespace."""
+    other symbol is internal to its copy's namespace. The library holds only the paths this CPU runs: the others
+    are compiled here (at -Og, a compile check, not code to run), so every path of the architecture is checked."""
     if native.library._machine_reason():
         pytest.skip(f"native kernels cannot be built here: {native.library._machine_reason()}")
+    built = native.kernel_objects()[:-1]
+    have = {obj.stem.removeprefix("kernels_") for obj in built}
+    missing = [p for p in native.ARCH_ISAS[native.machine()] if p not in have]
+    jobs = native.compile_jobs(native.library._compiler(), native.machine(), tmp_path, include=None, paths=missing,
+                               opt=_CHECK_OPT)
+    native.run_jobs(jobs[:-1])  # the kernels only (the CPU check is the library's)
     tables = []
-    for obj in native.kernel_objects()[:-1]:
+    for obj in built + [Path(j[-1]) for j in jobs[:-1]]:
         name = obj.stem.removeprefix("kernels_")
         table = "meshserve::Kernels" + "".join(part.capitalize() for part in name.split("_")) + "()"
         rc, out = _run(["nm", "-C", "--defined-only", "-g", obj])
         assert rc == 0, out
         defined = {line.split(" ", 2)[2] for line in out.splitlines() if line.strip()}
         assert defined <= {table, "DW.ref.__gxx_personality_v0"} and table in defined, (name, defined)
-        tables.append(table)
-    assert len(tables) == len(native.ARCH_ISAS[native.machine()])
+        tables.append(name)
+    assert sorted(tables) == sorted(native.ARCH_ISAS[native.machine()])
+    # Those objects together are a library of every path (MESHSERVE_NATIVE_PATHS=all): it links, and on this CPU it
+    # offers exactly the paths the library built for this CPU does.
+    objs = native.kernel_objects()[-1].parent
+    link = [native.library._compiler(), "-shared", *built, *(j[-1] for j in jobs[:-1]), objs / "cpu.o", objs / "ffi.o",
+            "-o", tmp_path / "all.so"]
+    rc, out = _run(link)
+    assert rc == 0, out
+    bits = ctypes.CDLL(str(tmp_path / "all.so")).MeshserveCpuIsas()
+    assert tuple(n for i, n in enumerate(native.ISAS) if bits >> i & 1) == native.runnable_isas()
+
+
+def test_a_paths_setting_other_than_cpu_or_all_is_a_clear_error(monkeypatch):
+    if native.library._machine_reason():
+        pytest.skip(f"native kernels cannot be built here: {native.library._machine_reason()}")
+    monkeypatch.setenv(native.PATHS_ENV, "every")
+    with pytest.raises(ValueError, match=r"MESHSERVE_NATIVE_PATHS='every': expected cpu \(the paths this CPU runs"):
+        native.build()
 
 
 @pytest.mark.e2e
