@@ -43,6 +43,8 @@ LAYOUTS = {  # (model, EngineConfig options)
     "gemma3": ("gemma3", {}),
     # attention sinks (split with the heads), sliding / full layers, experts with biases and the clamped SwiGLU
     "gpt_oss-tp2-ep2": ("gpt_oss", {"tp": 2, "ep": 2}),
+    # Phi-3's fused projections and longrope (each token's factor set an input of the step)
+    "phi3-longrope": ("phi3", {}),
 }
 LATENT_KERNEL = {"gpu": "latent_attention_triton", "tpu": "tpu_custom_call"}
 # DeepSeek-V3's shape, small: power-of-two latent (64) and RoPE key (32), as the Triton kernel wants.
@@ -63,7 +65,12 @@ def models(tmp_path_factory):
                          ("gemma3", tf.Gemma3TextConfig(**SHAPE, head_dim=64, sliding_window=16,
                                                         layer_types=["sliding_attention", "full_attention"])),
                          ("gpt_oss", tf.GptOssConfig(**SHAPE, head_dim=64, sliding_window=16, num_local_experts=4,
-                                                     num_experts_per_tok=2))):
+                                                     num_experts_per_tok=2)),
+                         ("phi3", tf.Phi3Config(**{**SHAPE, "max_position_embeddings": 64},
+                                                original_max_position_embeddings=16, rope_parameters={
+                                                    "rope_type": "longrope", "rope_theta": 10000.0,
+                                                    "short_factor": [1.0 + i / 32 for i in range(32)],
+                                                    "long_factor": [1.0 + i / 4 for i in range(32)]}))):
         out[name] = hf_models.save_config(config, root / name)
     return out
 
@@ -111,6 +118,8 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
                 assert engine.runner.window_pages == {16: 25}, engine.runner.window_pages
                 dtype = {"bfloat16": "bf16", "float32": "f32"}[engine.config.dtype]
                 assert f"tensor<25x16x4x64x{dtype}>" in text and f"tensor<32x16x4x64x{dtype}>" in text, program.name
+            if model == "phi3":  # longrope: each token's factor set (RaggedBatch.rope_long) is an input
+                assert re.search(rf"tensor<{program.tokens}xi1>", text), program.name
             if "quantization" in options:  # the weights stay 8-bit in the program's inputs
                 assert WEIGHT_TYPES[options["quantization"]] in text, program.name
             # the step's token rows are the bucket's (whole tiles), not a CPU height
