@@ -22,6 +22,12 @@ from pallas_kernels.matmul import matmul
 from sharding.axes import EMBED, VOCAB
 
 
+
+def embed_inputs(config, table: jax.Array, input_ids: jax.Array) -> jax.Array:
+    """Pure. The input embeddings as the model takes them: the table's rows (Gemma 3 scales them by sqrt(hidden))."""
+    x = embed_lookup(table, input_ids)
+    return scale_embeddings(x, config.hidden_size) if config.family == "gemma3" else x
+
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, EMBED, dtype)
@@ -61,9 +67,7 @@ class CausalLM(nnx.Module):
     def __call__(self, batch: RaggedBatch, kv_caches: list) -> tuple[jax.Array, list]:
         """Pure given the module state. Returns final-normed hidden states [T, E] and the updated caches (one per
         layer: an array or a `QuantizedKV`, as `models.kv_cache.init_kv_caches` makes them from `kv_cache_specs`)."""
-        x = embed_lookup(self.embed_tokens[...], batch.input_ids)
-        if self.config.family == "gemma3":
-            x = scale_embeddings(x, self.config.hidden_size)
+        x = embed_inputs(self.config, self.embed_tokens[...], batch.input_ids)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
             x, kv = layer(x, batch.positions, kv, batch)

@@ -11,8 +11,9 @@ import numpy as np
 from flax import nnx
 
 from models.batch import RaggedBatch
-from models.layers import embed_lookup
+from models.gemma3 import soft_cap
 from models.moe import ExpertCounts, MoE
+from models.transformer import embed_inputs
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.target import tracing_for
 from serving.core.batch import build_layout, micro_batch_tokens, split_micro_batches
@@ -40,10 +41,14 @@ class PipelineModelRunner(ModelRunner):
             config = dataclasses.replace(config, min_token_bucket=self.num_micro)
         super().__init__(config, model=model, mesh=mesh)
         mc = self.model_config
-        caches = sorted({f"{s.attention} {s.sliding_window or ''}".strip() for s in self.kv_cache_specs})
-        if len(caches) > 1:  # untested: the hybrid KV cache (window pools) is off under pp, each slot all pages
-            raise ValueError(f"pipeline parallelism with layers of different KV caches ({caches}, e.g. Gemma 3's "
-                             "sliding-window and global layers) is not implemented")
+        # The hybrid KV cache (window pools) is off under pp: a sliding-window layer holds every page, as a global one
+        # does (its slots are its own kind: plan_slots), and reads its window from them; the caches must then only
+        # agree in layout (a latent cache beside a full one would not)
+        caches = sorted({f"{'latent' if s.attention == 'latent' else 'kv'} {s.page_row_shape} {s.dtype} "
+                         f"{s.kv_cache_dtype}" for s in self.kv_cache_specs})
+        if len(caches) > 1:
+            raise ValueError(f"pipeline parallelism with layers of different KV cache layouts ({caches}) is not "
+                             "implemented")
         self.stages = pipeline.stage_layers(mc.num_layers, pp)
         model = nnx.merge(self.graphdef, self.state)
         # A layer's kind is its structure (dense or MoE MLP, its attention's window): slots hold layers of one kind.
@@ -109,7 +114,7 @@ class PipelineModelRunner(ModelRunner):
     def _forward(self, state, kv_caches, arrays, expert_load, greedy_only):
         outer, micro = state["outer"], arrays["micro"]
         m, tm = micro["positions"].shape
-        x = embed_lookup(outer["embed"], arrays["input_ids"])  # [T, E]: the bucket's rows
+        x = embed_inputs(self.model_config, outer["embed"], arrays["input_ids"])  # [T, E]: the bucket's rows
         x = jnp.pad(x, ((0, m * tm - x.shape[0]), (0, 0))).reshape(m, tm, -1)  # the last micro-batch's padding
         y, kv_caches, counts = self._run(state["slots"], kv_caches, x, {k: micro[k] for k in _MD_FIELDS})
         if expert_load is not None:  # [stages, slots, expert slots] -> [MoE layers, expert slots]
@@ -117,7 +122,9 @@ class PipelineModelRunner(ModelRunner):
             expert_load = expert_load + counts[stage, slot]
         hidden = nnx.merge(self.norm_graphdef, outer["norm"])(y.reshape(m * tm, -1))[arrays["logits_indices"]]
         head = outer["embed"].T if outer["lm_head"] is None else outer["lm_head"]
-        return jnp.dot(hidden, head, preferred_element_type=jnp.float32), None, kv_caches, expert_load
+        logits = soft_cap(jnp.dot(hidden, head, preferred_element_type=jnp.float32),
+                          self.model_config.final_logit_softcapping)
+        return logits, None, kv_caches, expert_load
 
     def rebalance_experts(self) -> dict[str, float]:
         raise ValueError("rebalance_experts is not implemented under pipeline parallelism (the expert weights are "

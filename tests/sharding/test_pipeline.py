@@ -167,9 +167,12 @@ def moe_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_moe")
     deepseek = hf_models.family_configs()["deepseek_v3"]()
     deepseek.num_hidden_layers = 4
+    gpt_oss = hf_models.family_configs()["gpt_oss"]()  # sliding and full layers: slots of each kind, all pages
+    gpt_oss.num_hidden_layers, gpt_oss.layer_types = 4, ["sliding_attention", "full_attention"] * 2
     configs = {"deepseek_v3": deepseek,
                "mixtral": tf.MixtralConfig(**{**hf_models.COMMON, "num_hidden_layers": 3}, num_local_experts=4,
-                                           num_experts_per_tok=2)}
+                                           num_experts_per_tok=2),
+               "gpt_oss": gpt_oss}
     out = {}
     for name, config in configs.items():
         path = hf_models.save_config(config, root / name)
@@ -181,7 +184,7 @@ def moe_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, layout", [("deepseek_v3", dict(pp=2)), ("mixtral", dict(pp=3, ep=2)),
-                                          ("deepseek_v3", dict(pp=2, tp=2, ep=2))])
+                                          ("deepseek_v3", dict(pp=2, tp=2, ep=2)), ("gpt_oss", dict(pp=2, ep=2))])
 def test_moe_models_take_pipeline_parallelism(moe_models, name, layout):
     """pp x ep (x tp) for MoE models: HF's greedy tokens (= pp=1's); layers of two kinds (DeepSeek's dense first
     layer) on slots of their kind, padding slots exact no-ops (NaN weights dropped, no KV written); the expert load
@@ -189,7 +192,7 @@ def test_moe_models_take_pipeline_parallelism(moe_models, name, layout):
     path, expected = moe_models[name]
     engine = Engine(EngineConfig(model=path, **SMALL, **layout))
     runner = engine.runner
-    assert runner.slot_plan.num_slots == {"deepseek_v3": 3, "mixtral": 1}[name]
+    assert runner.slot_plan.num_slots == {"deepseek_v3": 3, "mixtral": 1, "gpt_oss": 2}[name]
     _poison_padding_slots(runner)
     assert _greedy(engine, PROMPTS[:4]) == expected
     load = runner.expert_load()
@@ -211,10 +214,12 @@ def test_moe_models_take_pipeline_parallelism(moe_models, name, layout):
         runner.rebalance_experts()
 
 
-def test_layers_of_different_kv_caches_are_refused(tmp_path):
-    """Gemma 3's sliding-window and global layers under pp: refused by name (not implemented), not run wrong."""
+def test_sliding_window_and_global_layers_take_pipeline_parallelism(tmp_path):
+    """Gemma 3's sliding-window and global layers (their own RoPE each) under pp: slots of each kind, every layer's
+    cache holding all pages (the hybrid cache is off under pp), the sliding layers reading their window from them:
+    HF's greedy tokens."""
     path = str(tmp_path / "gemma3")
-    hf_models.save_hf_model("gemma3", path)
-    with pytest.raises(ValueError, match=r"pipeline parallelism with layers of different KV caches \(\['full', "
-                                         r"'sliding_window 12'\]"):
-        Engine(EngineConfig(model=path, **SMALL, pp=2))
+    hf = hf_models.save_hf_model("gemma3", path)
+    engine = Engine(EngineConfig(model=path, **SMALL, pp=2))
+    assert not engine.runner.window_pages and engine.runner.slot_plan.num_slots == 2  # [S F] [S]: an S and an F slot
+    assert _greedy(engine, PROMPTS[:4]) == [hf_models.hf_greedy(hf, p, STEPS) for p in PROMPTS[:4]]
