@@ -32,7 +32,8 @@ LARK_LANGUAGE = re.compile(r"SELECT (\*|[a-z]{1,8}(, [a-z]{1,8}){0,2}) FROM [a-z
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(TINY, warmup=False, max_num_seqs=64, max_num_batched_tokens=256)
+    """Token buckets 16..256 (the float32 default starts at 1: nine buckets, each compiled on first use)."""
+    return LLM(TINY, warmup=False, max_num_seqs=64, max_num_batched_tokens=256, min_token_bucket=16)
 
 
 def _texts(llm, spec: StructuredOutput, samples: int = SAMPLES, max_tokens: int = 256) -> list:
@@ -88,8 +89,8 @@ def test_unconstrained_neighbours_in_a_greedy_batch_are_untouched(llm):
 def test_n_samples_preemption_and_aborts_leave_no_pages_or_grammar_state():
     # Few pages: constrained samples are preempted and recomputed mid-grammar (the grammar follows the tokens);
     # a small prefill chunk and a shared prefix exercise chunked prefill and the prefix cache.
-    llm = LLM(TINY, warmup=False, max_num_seqs=16, max_num_batched_tokens=64, max_prefill_chunk=32, page_size=8,
-              num_pages=40, enable_prefix_caching=True)
+    llm = LLM(TINY, warmup=False, max_num_seqs=16, max_num_batched_tokens=64, min_token_bucket=16,
+              max_prefill_chunk=32, page_size=8, num_pages=40, enable_prefix_caching=True)
     eng = llm.engine
     schema = SCHEMAS["arrays"]
     long_prompt = PROMPT + "Some context. " * 20
@@ -125,7 +126,8 @@ def test_n_samples_preemption_and_aborts_leave_no_pages_or_grammar_state():
 
 
 def test_speculative_decoding_leaves_constrained_requests_to_the_plain_step():
-    llm = LLM(TINY, warmup=False, max_num_seqs=8, speculative_method="ngram", num_speculative_tokens=3)
+    llm = LLM(TINY, warmup=False, max_num_seqs=8, max_num_batched_tokens=128, min_token_bucket=16,
+              speculative_method="ngram", num_speculative_tokens=3)
     schema = SCHEMAS["bounds"]
     outs = llm.generate([PROMPT] * 6 + ["one two three one two three one two"] * 2,
                         [SamplingParams(temperature=1.0, max_tokens=96,
@@ -159,7 +161,9 @@ def test_a_bad_grammar_is_refused_before_anything_is_queued(llm):
 
 
 def test_constrained_steps_reuse_the_warmed_up_programs():
-    llm = LLM(TINY, max_num_seqs=16, max_num_batched_tokens=64)
+    # Token buckets 4..64 over two sequence buckets, 4 (with the screened greedy forward) and 16: 26 programs to warm
+    # up instead of the 40 of buckets 1..64.
+    llm = LLM(TINY, max_num_seqs=16, max_num_batched_tokens=64, min_token_bucket=4)
     runner = llm.engine.runner
     programs = (runner._forward_fn._cache_size(), runner._sample_fn._cache_size())
     masked = [SamplingParams(temperature=0.0, max_tokens=5, structured=StructuredOutput(regex="[a-z ]+")),
@@ -168,7 +172,7 @@ def test_constrained_steps_reuse_the_warmed_up_programs():
                              structured=StructuredOutput(choice=("a b", "c")))]
     llm.generate([PROMPT] * 3, masked)  # the masked variant, then masked with penalties (the general one)
     llm.generate([PROMPT] * 2, [masked[0], SamplingParams(temperature=0.0, logit_bias={5: 2.0}, max_tokens=5)])
-    llm.generate([PROMPT] * 20, masked[1])  # a larger sequence bucket
+    llm.generate([PROMPT] * 20, masked[1])  # a larger sequence bucket (16 slots; the decodes above: 4)
     assert (runner._forward_fn._cache_size(), runner._sample_fn._cache_size()) == programs
 
 
