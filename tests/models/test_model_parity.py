@@ -43,8 +43,9 @@ def test_greedy_decode_matches_hf_generate(family, hf_dirs):
     prompts.append(hf_models.random_prompt(7, hf.config.vocab_size, seed=4))
     expected = [hf_models.hf_greedy(hf, p, DECODE_STEPS) for p in prompts]
     runner = PagedRunner(load_hf_model(hf_dirs[family]), page_size=8, num_pages=64)
-    # Staggered starts and 16-token prefill chunks: steps mix prefill chunks with decode tokens.
-    got = runner.generate(prompts, DECODE_STEPS, chunk=16)
+    # Staggered starts and 16-token prefill chunks: steps mix prefill chunks with decode tokens. Every step padded
+    # to one shape (at most 16 + 16 + 7 tokens of 3 sequences): one compile per family instead of one per bucket.
+    got = runner.generate(prompts, DECODE_STEPS, chunk=16, num_tokens=40, num_seqs=4)
     assert got == expected
 
 

@@ -96,27 +96,26 @@ def test_group_wise_scales_match_hf_on_the_same_quantized_weights(family, tmp_pa
 
 def test_tiny_model_heldout_perplexity_with_quantized_weights_and_kv():
     """Quantise-at-load and a quantized KV cache on the shipped tiny model: held-out perplexity within 1% of float
-    with int8 weights, within 2% with an int8 / fp8 KV cache too; greedy agreement with float reported."""
-    from tests.support.tiny import heldout_ids, heldout_perplexity, heldout_windows, model_dir
+    with int8 weights, within 2% with an int8 / fp8 KV cache too; the held-out next tokens (argmax) equal to
+    float's reported."""
+    from tests.support.tiny import heldout_perplexity, heldout_windows, model_dir
     windows, seq_len = heldout_windows("target")
-    prompts = [heldout_ids("target")[i * 300:i * 300 + 24] for i in range(4)]
     cells = [("none", "auto"), ("int8", "auto"), ("fp8", "auto"), ("none", "int8"), ("none", "fp8_e4m3"),
              ("int8", "int8"), ("int8", "fp8_e4m3")]
-    ppl, greedy, models = {}, {}, {}
+    ppl, top1, models = {}, {}, {}
     for weights, kv in cells:
         if weights not in models:
             models[weights] = load_hf_model(model_dir("target"), quantization=weights)
-        m = models[weights]
-        ppl[weights, kv] = heldout_perplexity(PagedRunner(m, page_size=16, num_pages=seq_len // 16 + 16,
-                                                          max_pages=seq_len // 16, kv_cache_dtype=kv), windows)
-        # One padded shape for every step (at most 24 prefill + 3 decode tokens, 4 + 1 padding sequences): one compile.
-        greedy[weights, kv] = PagedRunner(m, page_size=16, num_pages=64, max_pages=8, kv_cache_dtype=kv).generate(
-            prompts, 24, num_tokens=32, num_seqs=5)
+        # The argmax of the perplexity's own logits (one program per cell; a greedy decode compiled a second).
+        top1[weights, kv] = []
+        ppl[weights, kv] = heldout_perplexity(PagedRunner(models[weights], page_size=16, num_pages=seq_len // 16 + 16,
+                                                          max_pages=seq_len // 16, kv_cache_dtype=kv), windows,
+                                              top1[weights, kv])
     base = ("none", "auto")
     for cell in cells:
-        agree = np.mean([a == b for g, f in zip(greedy[cell], greedy[base]) for a, b in zip(g, f)])
+        agree = np.mean(np.concatenate(top1[cell]) == np.concatenate(top1[base]))
         print(f"QUANT tiny target, weights {cell[0]}, KV {cell[1]}: held-out ppl {ppl[cell]:.4f} "
-              f"({ppl[cell] / ppl[base] - 1:+.2%}), greedy tokens equal to float {agree:.0%}")
+              f"({ppl[cell] / ppl[base] - 1:+.2%}), held-out next tokens (argmax) equal to float {agree:.1%}")
     assert abs(ppl["int8", "auto"] / ppl[base] - 1) < 0.01
     for cell in cells[2:]:
         assert abs(ppl[cell] / ppl[base] - 1) < 0.02, cell

@@ -496,10 +496,13 @@ def test_engine_packs_float_experts_and_serves_hf_tokens(tmp_path, monkeypatch, 
         model = nnx.merge(llm.engine.runner.graphdef, llm.engine.runner.state)
         return [layer.mlp.gate_proj[...] for layer in model.layers if hasattr(layer.mlp, "replica_slots")]
 
+    # No warm-up: each engine compiles only the programs these requests run (the warm-up's plan is
+    # test_engine.py's test_warmup_compiles_every_program).
+    small = {"warmup": False, "max_num_seqs": 4, "num_pages": 64, "max_num_batched_tokens": 64}
     for isa in ENGINE_PATHS:
         monkeypatch.setenv(native.ISA_ENV_VAR, isa)
         calls.clear()
-        llm = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64, spare_expert_slots=2)
+        llm = LLM(path, **small, spare_expert_slots=2)
         assert experts(llm) and all(native.is_packed_experts(w) and w.shape[0] == 6 for w in experts(llm))
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected, isa
         assert calls and all(calls)
@@ -509,16 +512,16 @@ def test_engine_packs_float_experts_and_serves_hf_tokens(tmp_path, monkeypatch, 
         return
     # int8 experts (quantised at load, a scale per slot and output column) pack in the int8 layout; their tokens
     # equal those of the same experts left row-major.
-    int8 = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64, quantization="int8")
+    int8 = LLM(path, **small, quantization="int8")
     assert all(native.is_packed_experts(w) and w.dtype == jnp.int8 for w in experts(int8))
     int8_tokens = [o.token_ids for o in int8.generate(prompts, greedy)]
     from pallas_kernels import matmul
     with monkeypatch.context() as m:
         m.setattr(matmul, "pack_experts", lambda moes: 0)
-        row_major = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64, quantization="int8")
+        row_major = LLM(path, **small, quantization="int8")
         assert not any(native.is_packed_experts(w) for w in experts(row_major))
         assert [o.token_ids for o in row_major.generate(prompts, greedy)] == int8_tokens
     monkeypatch.setenv(moe.MOE_ENV_VAR, "loop")
-    llm = LLM(path, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64)
+    llm = LLM(path, **small)
     assert not any(native.is_packed_experts(w) for w in experts(llm))
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected

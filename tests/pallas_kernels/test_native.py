@@ -254,7 +254,8 @@ def test_native_and_xla_kernels_give_the_same_generations(tmp_path, monkeypatch,
         monkeypatch.setattr(native, name, lambda *a, _fn=fn, _name=name, **k: (traced.append(_name), _fn(*a, **k))[1])
 
     def run():
-        llm = LLM(str(tmp_path / "qwen3"), max_num_seqs=4, num_pages=64, max_num_batched_tokens=64)
+        # No warm-up: only the programs these requests run are compiled (and traced with the kernels they call).
+        llm = LLM(str(tmp_path / "qwen3"), warmup=False, max_num_seqs=4, num_pages=64, max_num_batched_tokens=64)
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     native_out = run()
@@ -401,7 +402,9 @@ def test_engine_greedy_steps_take_the_screen_with_the_same_tokens(tmp_path, monk
         runs = {}
         for screen in (True, False):
             traced.clear()
-            llm = LLM(path, dtype=str(dtype).removeprefix("torch."), max_num_seqs=4, num_pages=64,
+            # No warm-up (test_engine.py's test_warmup_compiles_every_program[1] counts the screened programs it
+            # compiles): the greedy head is traced only if the greedy steps of these requests take it.
+            llm = LLM(path, warmup=False, dtype=str(dtype).removeprefix("torch."), max_num_seqs=4, num_pages=64,
                       max_num_batched_tokens=64, greedy_head_screen=screen)
             eng = llm.engine
             assert eng.runner.screen_greedy is screen

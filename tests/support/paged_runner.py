@@ -56,21 +56,22 @@ class PagedRunner:
         logits, self.kv = self._step(self.state, self.kv, self._arrays(chunks, num_tokens, num_seqs))
         return np.asarray(logits)[:len(chunks)]
 
-    def token_logits(self, chunks: list[SeqChunk]):
-        """Logits at every token of the step, [num_real_tokens, vocab]."""
-        logits, self.kv = self._all_logits(self.state, self.kv, self._arrays(chunks, None, None))
+    def token_logits(self, chunks: list[SeqChunk], num_tokens: int | None = None, num_seqs: int | None = None):
+        """Logits at every token of the step, [num_real_tokens, vocab] (`num_tokens` / `num_seqs` as in `generate`)."""
+        logits, self.kv = self._all_logits(self.state, self.kv, self._arrays(chunks, num_tokens, num_seqs))
         return np.asarray(logits)[:sum(len(c.token_ids) for c in chunks)]
 
     def prefill_errors(self, prompt: list[int], ref) -> tuple[float, float]:
         """Max |logit - ref| for `prompt` prefilled whole, and in 5-token chunks through the paged cache beside
         another sequence's prefill (the prompt reversed)."""
         n = len(prompt)
-        full = self.token_logits([SeqChunk(prompt, 0, self.alloc(n))])
+        shape = {"num_tokens": max(8, 1 << (n - 1).bit_length()), "num_seqs": 3}  # one program for every step
+        full = self.token_logits([SeqChunk(prompt, 0, self.alloc(n))], **shape)
         table, other = self.alloc(n), self.alloc(n)
         chunked = []
         for start in range(0, n, 5):
             logits = self.token_logits([SeqChunk(prompt[start:start + 5], start, table),
-                                        SeqChunk(prompt[::-1][start:start + 5], start, other)])
+                                        SeqChunk(prompt[::-1][start:start + 5], start, other)], **shape)
             chunked.append(logits[:min(5, n - start)])
         return float(np.max(np.abs(full - ref))), float(np.max(np.abs(np.concatenate(chunked) - ref)))
 

@@ -7,6 +7,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from models.tokenizer import Tokenizer
 from models.training import train as train_tiny
@@ -41,12 +42,15 @@ def heldout_windows(which: str):
     return windows, seq_len
 
 
-def heldout_perplexity(runner, windows) -> float:
-    """Perplexity of `runner` (a PagedRunner with seq_len tokens of pages) over `windows`, each from position 0."""
+def heldout_perplexity(runner, windows, predictions: list | None = None) -> float:
+    """Perplexity of `runner` (a PagedRunner with seq_len tokens of pages) over `windows`, each from position 0;
+    `predictions`, if given, gets each window's argmax next tokens."""
     nll = 0.0
     for window in windows:
         runner.next_free = 0  # every window starts at position 0 and rewrites the same pages
         logits = runner.token_logits([SeqChunk(window[:-1].tolist(), 0, runner.alloc(len(window) - 1))])
+        if predictions is not None:
+            predictions.append(np.argmax(logits, axis=-1))
         logp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
         nll -= float(jnp.sum(jnp.take_along_axis(logp, jnp.asarray(window[1:, None]), axis=-1)))
     return math.exp(nll / windows[:, 1:].size)

@@ -21,7 +21,9 @@ jax.monitoring.register_event_listener(lambda name, **kw: events.update([name]))
 jax.monitoring.register_event_duration_secs_listener(lambda name, secs, **kw: events.update([name]))
 from serving.core.llm import LLM
 from serving.core.sampling_params import SamplingParams
-llm = LLM(sys.argv[1], page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=16)
+# Two token buckets (4, 8) of one sequence bucket: every kind of program (forward, screened forward, sampling
+# variants), fewest of each.
+llm = LLM(sys.argv[1], page_size=8, num_pages=64, max_num_seqs=4, max_num_batched_tokens=8, min_token_bucket=4)
 out = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
 # Every XLA compilation request (a program compiled, or loaded from the cache) records its duration; the
 # cache_misses event only fires when an entry is written, so a program under the floor was invisible to it.
