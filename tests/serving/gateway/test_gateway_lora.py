@@ -9,7 +9,6 @@ lost it, unloaded everywhere."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import urllib.error
@@ -22,17 +21,14 @@ import yaml
 
 from models.synthetic import shared_small_llama
 from serving.gateway import lora as gateway_lora
-from serving.gateway.app import Gateway
-from serving.gateway.http import GatewayHTTP
 from serving.gateway.routing import InstanceView, adapter_candidates
-from serving.gateway.security import GatewayAuthInterceptor
-from serving.gateway.service import InferenceServicer
 from serving.wire import meshserve_pb2 as pb
 from serving.wire import meshserve_pb2_grpc as pb_grpc
 from serving.process import ServerProcess
 from serving.wire.client import Client, generate_request
 from tests.serving.gateway.test_gateway_inprocess import FakeInstance
 from tests.support import lora as peft_support
+from tests.support.gateway import in_process_gateway
 from tests.support.server import running
 
 KEYS = {"limited": "limited-key-0123456789abcdef", "any": "any-key-0123456789abcdef-any"}
@@ -82,7 +78,7 @@ def test_gateway_routes_adapters_to_the_instance_holding_them(tmp_path):
             "tenants": [{"name": "limited", "api_keys": [KEYS["limited"]], "adapters": ["sql"]},
                         {"name": "any", "api_keys": [KEYS["any"]]}]}))
         try:
-            async with _gateway(path, tmp_path, lambda r: r.lora_adapters, 10) as (http_port, grpc_port):
+            async with in_process_gateway(path, tmp_path, lambda r: r.lora_adapters, 10) as (http_port, grpc_port):
                 return await asyncio.to_thread(_drive, http_port, grpc_port), fakes
         finally:
             for s in servers:
@@ -169,36 +165,13 @@ def test_gateway_loads_and_unloads_adapters_on_its_instances(tmp_path, monkeypat
             "tenants": [{"name": "any", "api_keys": [KEYS["any"]]}]}))
 
         async def main():
-            async with _gateway(cfg, tmp_path, lambda r: r.max_loras, 30, auth=True) as (http_port, grpc_port):
+            async with in_process_gateway(cfg, tmp_path, lambda r: r.max_loras, 30,
+                                          auth=True) as (http_port, grpc_port):
                 return await asyncio.to_thread(_drive_loads, http_port, grpc_port, a, b, dirs)
 
         got = asyncio.run(main())
     reference = peft_support.greedy(peft_support.reference_model(model, dirs["sql"]), PROMPT, STEPS)
     assert got["tokens"] == reference
-
-
-@contextlib.asynccontextmanager
-async def _gateway(config, tmp_path, ready, timeout_s: float, auth: bool = False):
-    """An in-process gateway (gRPC, with its auth interceptor if `auth`, and HTTP) on 127.0.0.1 for `config`,
-    yielded as (http port, grpc port) once every instance's load report satisfies `ready` (or after `timeout_s`)."""
-    gw = Gateway(str(config), str(tmp_path / "jobs.sqlite"))
-    await gw.start()
-    grpc_server = grpc.aio.server(interceptors=[GatewayAuthInterceptor(gw.auth)] if auth else None)
-    pb_grpc.add_InferenceServicer_to_server(InferenceServicer(gw), grpc_server)
-    grpc_port = grpc_server.add_insecure_port("127.0.0.1:0")
-    await grpc_server.start()
-    api = GatewayHTTP(gw)
-    http_port = await api.start("127.0.0.1", 0)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not (gw.model_name and all(
-                i.report is not None and ready(i.report) for i in gw.pools.instances.values())):
-            await asyncio.sleep(0.05)
-        yield http_port, grpc_port
-    finally:
-        await api.stop()
-        await grpc_server.stop(0)
-        await gw.stop()
 
 
 def _served(client: Client) -> list[str]:
