@@ -73,17 +73,17 @@ class _HostLeaf:
             staged = {key: _Slice(out, key) for key in self.shards}
         return staged
 
-    def to_device(self, leaf, slots: list[int], bucket: int):
-        """A [bucket, ...] array laid out like device `leaf`, its first len(slots) pages from host `slots`: each
-        device's shard copied from its host shard (padding: zeros)."""
+    def to_device(self, leaf, slots: list[int], bucket: int, memory_kind: str | None):
+        """A [bucket, ...] array laid out like device `leaf` (in `memory_kind`: the staging's), its first
+        len(slots) pages from host `slots`: each device's shard copied from its host shard (padding: zeros)."""
         shape = (bucket,) + self.row_shape
         arrays = []
         for device, index in leaf.sharding.addressable_devices_indices_map(shape).items():
             host = self.shards[_shard_key(index[1:], self.row_shape)]
             d = np.zeros((bucket,) + host.shape[1:], host.dtype)
             d[:len(slots)] = host[slots]  # a copy: the slots may take new blocks before the scatter runs
-            arrays.append(jax.device_put(d, device))
-        return jax.make_array_from_single_device_arrays(shape, leaf.sharding, arrays)
+            arrays.append(jax.device_put(d, jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)))
+        return jax.make_array_from_single_device_arrays(shape, _in_memory(leaf.sharding, memory_kind), arrays)
 
     def land(self, staged: dict, slots: list[int]) -> None:
         for key, data in staged.items():
@@ -92,6 +92,16 @@ class _HostLeaf:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.shards.values())
+
+
+def staging_memory_kind(device) -> str | None:
+    """"pinned_host" where `device` has that memory (accelerators; XLA:CPU lists it too, where it is plain host
+    memory like the device's own), else None: the staging arrays of the copies then live in device memory."""
+    return "pinned_host" if any(m.kind == "pinned_host" for m in device.addressable_memories()) else None
+
+
+def _in_memory(sharding, memory_kind: str | None):
+    return sharding.with_memory_kind(memory_kind) if memory_kind else sharding
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,6 +149,9 @@ class HostKVPool:
         self.page_bytes = page_bytes(runner.kv_caches)
         self.buckets = transfer_buckets(max_pages_per_step)
         self.num_device_pages = leaves[0].shape[0]
+        # the copies' staging: the gather's output and the loads' input in pinned host memory where there is one
+        # (the D2H / H2D copies are then DMA from / into it)
+        self.staging_memory = staging_memory_kind(next(iter(leaves[0].sharding.device_set)))
         self._donate = (0,) if runner.choices.donate_kv_cache else ()
         self._gathers: dict[tuple, object] = {}  # per cache layout: staged laid out like the cache (shard by shard)
         self._scatters: dict[tuple, object] = {}  # per cache layout: the pages leave as they came (no recompile)
@@ -159,6 +172,8 @@ class HostKVPool:
         for b in self.buckets:
             self._launch_gather([0] * b, b)
             self._launch_scatter(np.full(b, self.num_device_pages, np.int32), self._to_device([], b))
+            self._launch_scatter(np.full(b, self.num_device_pages, np.int32), self._put([np.zeros(
+                (b,) + h.row_shape, h.dtype) for h in self.leaves]))  # write_pages's (the same program)
         self.flush()
         return 2 * len(self.buckets)
 
@@ -171,8 +186,8 @@ class HostKVPool:
         layout = tuple(leaf.sharding for leaf in leaves)
         fn = self._gathers.get(layout)
         if fn is None:
-            fn = self._gathers[layout] = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves],
-                                                 out_shardings=list(layout))
+            fn = self._gathers[layout] = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves], out_shardings=[
+                _in_memory(s, self.staging_memory) for s in layout])
         with mesh_context(self.runner.mesh), tracing_for(self.runner.platform):
             out = fn(leaves, idx)
         if host:
@@ -200,7 +215,12 @@ class HostKVPool:
         """Starts the host -> device copy of host `slots`, per leaf a [bucket, ...] array laid out like its cache
         leaf, shard by shard."""
         leaves = jax.tree.leaves(self.runner.kv_caches)
-        return [h.to_device(leaf, slots, bucket) for h, leaf in zip(self.leaves, leaves)]
+        return [h.to_device(leaf, slots, bucket, self.staging_memory) for h, leaf in zip(self.leaves, leaves)]
+
+    def _put(self, data: list[np.ndarray]) -> list:
+        """Whole host arrays (one per cache leaf) onto the devices as the loads' staging is laid out."""
+        leaves = jax.tree.leaves(self.runner.kv_caches)
+        return [jax.device_put(d, _in_memory(leaf.sharding, self.staging_memory)) for d, leaf in zip(data, leaves)]
 
     def _launch_scatter(self, idx: np.ndarray, data: list) -> None:
         r = self.runner
@@ -225,7 +245,7 @@ class HostKVPool:
             full = np.zeros((b,) + h.row_shape, h.dtype)
             full[:len(pages)] = d
             padded.append(full)
-        self._launch_scatter(idx, padded)
+        self._launch_scatter(idx, self._put(padded))
 
     # ---- the block manager's queued copies
     def run(self, ops: list[tuple[str, int, int]]) -> None:

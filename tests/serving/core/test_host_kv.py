@@ -63,6 +63,7 @@ def test_evicted_prefix_hits_host_tier(llama, kv_cache_dtype, tp):
     llm = LLM(llama, warmup=warm, num_pages=16, host_kv_cache_gb=_host_gb(64, plain), **opts)
     engine, pool = llm.engine, llm.engine.host_kv
     assert pool.num_slots == 64
+    assert pool.staging_memory == "pinned_host"  # XLA:CPU lists pinned host memory too (plain host memory there)
     compiled = (pool.compiled_programs, engine.runner._forward_fn._cache_size())
     assert compiled[0] == 2 * len(pool.buckets) * warm
     a, *others = _prefixes(4)
