@@ -138,11 +138,15 @@ class BlockManager:
         # engine's copy lands (`loaded`), so it is never evicted, freed or reused under the copy; a holder of such a
         # page is loading (`is_loading`): the scheduler runs none of its steps yet
         self.loading: set[int] = set()
-        # KV events (None: off): ("stored", hash, parent hash | None, tokens, medium), ("removed", hash, medium),
-        # ("cleared",); a block's hash is its prefix id unless `use_block_hasher` set vLLM's
+        # KV events (None: off): ("stored", hash, parent hash | None, tokens, medium, lora id | None, lora name |
+        # None, extra keys | None), ("removed", hash, medium), ("cleared",); a block's hash is its prefix id unless
+        # `use_block_hasher` set vLLM's
         self.events: list[tuple] | None = None
         self._hasher = None  # (parent digest | None, tokens, extra keys) -> digest; None: prefix ids name blocks
         self._digests: dict[int, bytes] = {}  # prefix id -> its digest while a tier holds the block
+        # prefix id -> (adapter uid, 0 for none; its extra keys as vLLM hashes them) while a tier holds the block
+        self._scopes: dict[int, tuple[int, tuple | None]] = {}
+        self.adapter_names: dict[int, str] = {}  # adapter uid -> name, as requests cached blocks under it
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -377,16 +381,40 @@ class BlockManager:
         from serving.core.block_hash import external_hash
         return external_hash(self._digests[prefix_id])
 
-    def _stored(self, key: tuple, prefix_id: int, medium: str) -> None:
+    def note_adapter(self, adapter) -> None:
+        """Remembers `adapter`'s name (None: the base model) for the events of the blocks cached under it."""
+        if adapter is not None:
+            self.adapter_names[adapter.uid] = adapter.name
+
+    def _scope(self, key: tuple, prefix_id: int, adapter_uid: int | None) -> tuple[int, tuple | None]:
+        """Block `prefix_id`'s (adapter uid, extra keys): vLLM's extra keys, the adapter's name on every block of an
+        adapter's request and the cache salt on its first block, so its hashes tell salts and adapters apart."""
+        scope = self._scopes.get(prefix_id)
+        if scope is None:
+            parent = key[0]
+            salt = ""
+            if not isinstance(parent, int) or parent <= ROOT_PREFIX_ID:  # a first block: its root says both
+                salt, base = (parent[1], parent[2]) if isinstance(parent, tuple) else ("", parent)
+                adapter_uid = -base
+            elif adapter_uid is None:
+                adapter_uid = self._scopes.get(parent, (0,))[0]
+            name = self.adapter_names.get(adapter_uid) if adapter_uid else None
+            extra = ((name,) if adapter_uid else ()) + ((salt,) if salt else ())
+            scope = self._scopes[prefix_id] = (adapter_uid, extra or None)
+        return scope
+
+    def _stored(self, key: tuple, prefix_id: int, medium: str, adapter_uid: int | None = None) -> None:
+        """A stored event (`adapter_uid`: the caching request's, where the parent key does not say it)."""
         if self.events is None:
             return
         parent = key[0]
+        uid, extra = self._scope(key, prefix_id, adapter_uid)
         if self._hasher is not None and prefix_id not in self._digests:
             root = not isinstance(parent, int) or parent <= ROOT_PREFIX_ID
-            salt = parent[1] if isinstance(parent, tuple) else ""
-            self._digests[prefix_id] = self._hasher(None if root else self._digests[parent], key[1],
-                                                    (salt,) if root and salt else None)
-        self.events.append(("stored", self._hash(prefix_id), self._hash(parent), key[1], medium))
+            self._digests[prefix_id] = self._hasher(None if root else self._digests[parent], key[1], extra)
+        name = self.adapter_names.get(uid) if uid else None
+        self.events.append(("stored", self._hash(prefix_id), self._hash(parent), key[1], medium,
+                            uid or None, name, extra))
 
     def _removed(self, prefix_id: int, medium: str, gone: bool) -> None:
         """A removed event; `gone`: the block left both tiers (its digest goes)."""
@@ -394,6 +422,7 @@ class BlockManager:
             self.events.append(("removed", self._hash(prefix_id), medium))
             if gone:
                 self._digests.pop(prefix_id, None)
+                self._scopes.pop(prefix_id, None)
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks whose K/V is computed (call after the step that wrote them)."""
@@ -404,6 +433,8 @@ class BlockManager:
         if full <= len(ids):
             return
         tokens, table = request.token_ids, request.block_table
+        self.note_adapter(request.adapter)
+        uid = 0 if request.adapter is None else request.adapter.uid
         for i in range(len(ids), full):
             key = (ids[-1] if ids else prefix_root(request), tuple(tokens[i * ps:(i + 1) * ps]))
             existing = self.cache.get(key)
@@ -424,7 +455,7 @@ class BlockManager:
             self.cache[key] = page
             self.page_key[page] = key
             self.page_prefix_id[page] = prefix_id
-            self._stored(key, prefix_id, DEVICE_MEDIUM)
+            self._stored(key, prefix_id, DEVICE_MEDIUM, uid)
             ids.append(prefix_id)
 
     def free(self, request: Request) -> None:

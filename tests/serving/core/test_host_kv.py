@@ -119,8 +119,9 @@ def _tiers(events_by_medium: dict, batch: list) -> None:
     assert rank == 0
     for e in events:
         if e[0] == "BlockStored":
-            (h,), parent, tokens, size, _, medium = e[1:]
+            (h,), parent, tokens, size, lora_id, medium, lora_name, extra_keys = e[1:]
             assert size == len(tokens) == PS and h not in events_by_medium.setdefault(medium, {})
+            assert lora_id is None and lora_name is None and extra_keys is None  # the base model, unsalted
             events_by_medium[medium][h] = tuple(tokens)
         elif e[0] == "BlockRemoved":
             (h,), medium = e[1:]
