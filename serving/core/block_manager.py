@@ -23,8 +23,9 @@ def host_hit(slot: int) -> int:
 class HostTier:
     """The host tier's books (the data lives in `serving.core.host_kv.HostKVPool`): `num_slots` host pages, each
     free or holding one idle cached block (LRU order); a block lives in one tier at a time. `ops` lists the copies
-    the books already assume, in order, for the engine to run before the step: ("offload", device page, slot) and
-    ("load", slot, device page)."""
+    the books already assume, in order, for the engine to run before the step: ("offload", device page, slot,
+    windows) and ("load", slot, device page, windows), `windows` the block's page in each sliding-window pool (a
+    hybrid cache's; -1: none moves) and () without one."""
 
     def __init__(self, num_slots: int):
         if num_slots < 1:
@@ -35,16 +36,18 @@ class HostTier:
         self.cache: dict[tuple, int] = {}  # (parent_id, tokens) -> slot
         self.key: list[tuple | None] = [None] * num_slots
         self.prefix_id: list[int] = [ROOT_PREFIX_ID] * num_slots
-        self.ops: list[tuple[str, int, int]] = []
+        self.ops: list[tuple[str, int, int, tuple]] = []
+        self.windows: list[tuple[bool, ...]] = [()] * num_slots  # per slot, per window pool: whether it holds it
         self.hit_blocks = self.offloaded_pages = self.loaded_pages = self.dropped_blocks = 0
 
     @property
     def num_used(self) -> int:
         return len(self.lru)
 
-    def store(self, key: tuple, prefix_id: int, page: int) -> int | None:
-        """Device page `page` (idle, cached under `key`) is leaving the device: keep its block here (evicting the
-        host LRU block if full). Returns the prefix id of the block it dropped, if any."""
+    def store(self, key: tuple, prefix_id: int, page: int, windows: tuple = ()) -> int | None:
+        """Device page `page` (idle, cached under `key`; `windows`: its window pools' pages, -1 where it has none)
+        is leaving the device: keep its block here (evicting the host LRU block if full). Returns the prefix id of
+        the block it dropped, if any."""
         dropped = None
         if self.free:
             slot = self.free.pop()
@@ -55,7 +58,8 @@ class HostTier:
             self.dropped_blocks += 1
         self.cache[key], self.key[slot], self.prefix_id[slot] = slot, key, prefix_id
         self.lru[slot] = None
-        self.ops.append(("offload", page, slot))
+        self.windows[slot] = tuple(w >= 0 for w in windows)
+        self.ops.append(("offload", page, slot, windows))
         self.offloaded_pages += 1
         return dropped
 
@@ -68,8 +72,8 @@ class HostTier:
         self.key[slot] = None
         return key, self.prefix_id[slot]
 
-    def load(self, slot: int, page: int) -> None:
-        self.ops.append(("load", slot, page))
+    def load(self, slot: int, page: int, windows: tuple = ()) -> None:
+        self.ops.append(("load", slot, page, windows))
         self.free.append(slot)
         self.loaded_pages += 1
         self.hit_blocks += 1
@@ -256,10 +260,19 @@ class BlockManager:
             self.ref_counts[page] = 2  # the request's and the load's (until `loaded`)
             self.loading.add(page)
             self.cache[key], self.page_key[page], self.page_prefix_id[page] = page, key, prefix_id
-            host.load(-1 - p, page)
+            host.load(-1 - p, page, self._load_windows(len(out), len(pages), -1 - p, page))
             self._stored(key, prefix_id, DEVICE_MEDIUM)
             out.append(page)
         return out
+
+    def _load_windows(self, index: int, num_blocks: int, slot: int, page: int) -> tuple:
+        """The window pools' pages block `index` of a `num_blocks`-block hit loads into with device page `page`
+        from host `slot` (a hybrid cache's; -1: none)."""
+        return ()
+
+    def _offload_windows(self, page: int) -> tuple:
+        """The window pools' pages that leave the device with idle cached page `page` (a hybrid cache's)."""
+        return ()
 
     def loaded(self, pages: Iterable[int]) -> None:
         """The engine's loads into `pages` landed (or were dropped with a lost cache): the loads' references go."""
@@ -361,7 +374,7 @@ class BlockManager:
         prefix_id = self.page_prefix_id[page]
         self._removed(prefix_id, DEVICE_MEDIUM, gone=self.host is None)
         if self.host is not None:
-            dropped = self.host.store(key, prefix_id, page)
+            dropped = self.host.store(key, prefix_id, page, self._offload_windows(page))
             if dropped is not None:
                 self._removed(dropped, HOST_MEDIUM, gone=True)
             self._stored(key, prefix_id, HOST_MEDIUM)
