@@ -392,7 +392,16 @@ class BlockManager:
         if self._hasher is None:
             return prefix_id
         from serving.core.block_hash import external_hash
-        return external_hash(self._digests[prefix_id])
+        return external_hash(self._digest(prefix_id))
+
+    def _digest(self, prefix_id: int) -> bytes:
+        """Block `prefix_id`'s digest; for one that left both tiers while a request still chains through it (it
+        computed the same block as a host one, which the host tier dropped since) a stand-in no stored event named,
+        so a router leaves its children out rather than matching them."""
+        digest = self._digests.get(prefix_id)
+        if digest is None:
+            digest = self._hasher(None, (), ("meshserve:dropped", prefix_id))
+        return digest
 
     def note_adapter(self, adapter) -> None:
         """Remembers `adapter`'s name (None: the base model) for the events of the blocks cached under it."""
@@ -424,7 +433,7 @@ class BlockManager:
         uid, extra = self._scope(key, prefix_id, adapter_uid)
         if self._hasher is not None and prefix_id not in self._digests:
             root = not isinstance(parent, int) or parent <= ROOT_PREFIX_ID
-            self._digests[prefix_id] = self._hasher(None if root else self._digests[parent], key[1], extra)
+            self._digests[prefix_id] = self._hasher(None if root else self._digest(parent), key[1], extra)
         name = self.adapter_names.get(uid) if uid else None
         self.events.append(("stored", self._hash(prefix_id), self._hash(parent), key[1], medium,
                             uid or None, name, extra))

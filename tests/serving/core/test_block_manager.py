@@ -381,3 +381,33 @@ def test_events_vllm_block_hash_and_all_cleared(bm):
     m.events.clear()
     m.reset_prefix_cache()
     assert m.events == [("cleared",)] and not m._digests
+
+
+def test_events_block_chained_through_a_dropped_host_block(bm):
+    """A request that computed a block the host tier also held chains through the host block's id; once the host
+    tier drops it, the request's next block is still published (vLLM hashes: under a parent no stored event named,
+    so a router's index leaves it out) instead of failing the step."""
+    from serving.core.block_hash import vllm_block_hasher
+    m = bm(num_pages=3, host_pages=2)
+    m.events = []
+    m.use_block_hasher(vllm_block_hasher("0"))
+    a = list(range(1, 5))
+    first = req(a + [9], "first")
+    run_prefill(m, first)
+    m.free(first)
+    m.allocate(other := req(list(range(20, 32)), "other"), 12)  # 3 pages: a's block goes to the host tier
+    other.num_computed_tokens = 12
+    m.cache_full_blocks(other, 12)
+    m.free(other)
+    r = req(list(a), "r")  # 4 tokens: no hit (one token is always computed); it computes block 0 itself
+    run_prefill(m, r)  # block 0's key is in the host tier: r chains through the host block's id
+    assert r.block_prefix_ids == [m.host.prefix_id[m.host.cache[(0, tuple(a))]]]
+    assert m.allocate(r, 8)  # evicts one of other's blocks to the host tier, which drops a's
+    assert (0, tuple(a)) not in m.host.cache
+    r.token_ids.extend([5, 6, 7, 8])
+    r.num_computed_tokens = 8
+    m.events.clear()
+    m.cache_full_blocks(r, 8)
+    [stored] = [e for e in m.events if e[0] == "stored" and e[4] == "GPU"]
+    assert stored[3] == (5, 6, 7, 8) and stored[2] is not None and stored[1] != stored[2]
+    m.free(r)
