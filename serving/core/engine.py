@@ -158,8 +158,7 @@ class Engine:
         why = [reason for reason, bad in (
             ("--enable_prefix_caching is off", not config.enable_prefix_caching),
             ("--pp > 1", config.pp > 1),
-            ("a draft model's cache shares the pages", config.speculative_method == "draft"),
-            ("multi-host", self.runner.multihost)) if bad]
+            ("a draft model's cache shares the pages", config.speculative_method == "draft")) if bad]
         if why:
             raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb}: the host KV tier is not available here: "
                              f"{'; '.join(why)}")
@@ -262,7 +261,7 @@ class Engine:
 
     def follow(self, channel) -> None:
         """Multi-host follower: runs the leader's steps (`ModelRunner.follow`)."""
-        self.runner.follow(channel)
+        self.runner.follow(channel, self.host_kv)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

@@ -14,6 +14,7 @@ import numpy as np
 
 from pallas_kernels.target import tracing_for
 from sharding.mesh import mesh_context
+from sharding.multihost import to_global
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +177,34 @@ class HostKVPool:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    # ---- multi-host: each process moves its own devices' shards; the leader announces every launch, in order
+    def _announce(self, message: tuple) -> None:
+        """Multi-host leader: the followers run the same call next (`follow`), as they do the forward."""
+        if self.runner.channel is not None:
+            self.runner.channel.broadcast(message)
+
+    def _global(self, idx: list) -> list:
+        """A launch's page indices as the program takes them (multi-host: global arrays, equal on every process)."""
+        return to_global(idx, self.runner.mesh) if self.runner.multihost else idx
+
+    def follow(self, message: tuple) -> None:
+        """Multi-host follower: one call the leader announced (its host pool mirrors the leader's: the same slots
+        hold the same blocks, each process its own shards)."""
+        kind = message[0]
+        if kind == "host_warmup":
+            self.warmup()
+        elif kind == "host_run":
+            self.run([tuple(op) for op in message[1]])
+        elif kind == "host_scatter":
+            for _ in range(message[1]):
+                self._scatter_next()
+        else:
+            raise ValueError(f"unknown host-tier message {kind!r}")
+
     def warmup(self) -> int:
         """Compiles the gather and scatter of every bucket (on page 0 / no page: the cache is unchanged), for the
         layout the caches have now: call after the forward's warm-up (its output layout is the one served)."""
+        self._announce(("host_warmup",))
         for b in self.buckets:
             self._launch_gather(self._indices([], b, [], 0), b)
             self._launch_scatter(self._indices([], b, []), self._to_device([], b))
@@ -212,7 +238,7 @@ class HostKVPool:
                 lambda leaves, idx: [leaf[idx[g]] for leaf, g in zip(leaves, groups)],
                 out_shardings=[_in_memory(s, self.staging_memory) for s in layout])
         with mesh_context(self.runner.mesh), tracing_for(self.runner.platform):
-            out = fn(leaves, idx)
+            out = fn(leaves, self._global(idx))
         if host:
             return [h.stage(a) for h, a in zip(self.leaves, out)]
         for a in out:
@@ -251,7 +277,7 @@ class HostKVPool:
         r = self.runner
         leaves = jax.tree.leaves(r.kv_caches)
         with mesh_context(r.mesh), tracing_for(r.platform):
-            leaves = self._scatter(leaves)(leaves, idx, data)
+            leaves = self._scatter(leaves)(leaves, self._global(idx), data)
         r.kv_caches = jax.tree.unflatten(self.treedef, leaves)
 
     # ---- whole pages out and in (KV transfers between instances: serving.core.kv_transfer)
@@ -278,6 +304,7 @@ class HostKVPool:
         """Runs the copies `HostTier.ops` queued, in order, before the next step is launched: offloads gather their
         pages into staging now (the device runs them before that step overwrites the pages) and copy to the host
         asynchronously; loads start copying host slots to the device (`poll` lands them in their pages)."""
+        self._announce(("host_run", [list(op) for op in ops]))
         i = 0
         while i < len(ops):
             kind = ops[i][0]
@@ -318,13 +345,22 @@ class HostKVPool:
     def poll(self) -> list[int]:
         """Launches the scatter of every load whose data is on the device (in order); returns their pages (the
         block manager's `loaded`). Call on the step thread (the cache is donated to each step)."""
+        n = 0
+        while n < len(self._loads) and not self.hold_loads and all(a.is_ready() for a in self._loads[n].data):
+            n += 1
+        if n:
+            self._announce(("host_scatter", n))
         done: list[int] = []
-        while self._loads and not self.hold_loads and all(a.is_ready() for a in self._loads[0].data):
-            load = self._loads.popleft()
-            self._launch_scatter(load.idx, load.data)
-            self.load_time_s += time.perf_counter() - load.start
-            done += load.pages
+        for _ in range(n):
+            done += self._scatter_next()
         return done
+
+    def _scatter_next(self) -> list[int]:
+        """Launches the oldest load's scatter; returns its pages."""
+        load = self._loads.popleft()
+        self._launch_scatter(load.idx, load.data)
+        self.load_time_s += time.perf_counter() - load.start
+        return load.pages
 
     def wait_loads(self, timeout_s: float) -> None:
         """When no step can run until a load lands: blocks on the oldest load's copy (at most `timeout_s` while
