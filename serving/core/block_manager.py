@@ -23,8 +23,9 @@ def host_hit(slot: int) -> int:
 class HostTier:
     """The host tier's books (the data lives in `serving.core.host_kv.HostKVPool`): `num_slots` host pages, each
     free or holding one idle cached block (LRU order); a block lives in one tier at a time. `ops` lists the copies
-    the books already assume, in order, for the engine to run before the step: ("offload", device page, slot) and
-    ("load", slot, device page)."""
+    the books already assume, in order, for the engine to run before the step: ("offload", device page, slot,
+    windows) and ("load", slot, device page, windows), `windows` the block's page in each sliding-window pool (a
+    hybrid cache's; -1: none moves) and () without one."""
 
     def __init__(self, num_slots: int):
         if num_slots < 1:
@@ -35,16 +36,18 @@ class HostTier:
         self.cache: dict[tuple, int] = {}  # (parent_id, tokens) -> slot
         self.key: list[tuple | None] = [None] * num_slots
         self.prefix_id: list[int] = [ROOT_PREFIX_ID] * num_slots
-        self.ops: list[tuple[str, int, int]] = []
+        self.ops: list[tuple[str, int, int, tuple]] = []
+        self.windows: list[tuple[bool, ...]] = [()] * num_slots  # per slot, per window pool: whether it holds it
         self.hit_blocks = self.offloaded_pages = self.loaded_pages = self.dropped_blocks = 0
 
     @property
     def num_used(self) -> int:
         return len(self.lru)
 
-    def store(self, key: tuple, prefix_id: int, page: int) -> int | None:
-        """Device page `page` (idle, cached under `key`) is leaving the device: keep its block here (evicting the
-        host LRU block if full). Returns the prefix id of the block it dropped, if any."""
+    def store(self, key: tuple, prefix_id: int, page: int, windows: tuple = ()) -> int | None:
+        """Device page `page` (idle, cached under `key`; `windows`: its window pools' pages, -1 where it has none)
+        is leaving the device: keep its block here (evicting the host LRU block if full). Returns the prefix id of
+        the block it dropped, if any."""
         dropped = None
         if self.free:
             slot = self.free.pop()
@@ -55,7 +58,8 @@ class HostTier:
             self.dropped_blocks += 1
         self.cache[key], self.key[slot], self.prefix_id[slot] = slot, key, prefix_id
         self.lru[slot] = None
-        self.ops.append(("offload", page, slot))
+        self.windows[slot] = tuple(w >= 0 for w in windows)
+        self.ops.append(("offload", page, slot, windows))
         self.offloaded_pages += 1
         return dropped
 
@@ -68,8 +72,8 @@ class HostTier:
         self.key[slot] = None
         return key, self.prefix_id[slot]
 
-    def load(self, slot: int, page: int) -> None:
-        self.ops.append(("load", slot, page))
+    def load(self, slot: int, page: int, windows: tuple = ()) -> None:
+        self.ops.append(("load", slot, page, windows))
         self.free.append(slot)
         self.loaded_pages += 1
         self.hit_blocks += 1
@@ -138,11 +142,15 @@ class BlockManager:
         # engine's copy lands (`loaded`), so it is never evicted, freed or reused under the copy; a holder of such a
         # page is loading (`is_loading`): the scheduler runs none of its steps yet
         self.loading: set[int] = set()
-        # KV events (None: off): ("stored", hash, parent hash | None, tokens, medium), ("removed", hash, medium),
-        # ("cleared",); a block's hash is its prefix id unless `use_block_hasher` set vLLM's
+        # KV events (None: off): ("stored", hash, parent hash | None, tokens, medium, lora id | None, lora name |
+        # None, extra keys | None), ("removed", hash, medium), ("cleared",); a block's hash is its prefix id unless
+        # `use_block_hasher` set vLLM's
         self.events: list[tuple] | None = None
         self._hasher = None  # (parent digest | None, tokens, extra keys) -> digest; None: prefix ids name blocks
         self._digests: dict[int, bytes] = {}  # prefix id -> its digest while a tier holds the block
+        # prefix id -> (adapter uid, 0 for none; its extra keys as vLLM hashes them) while a tier holds the block
+        self._scopes: dict[int, tuple[int, tuple | None]] = {}
+        self.adapter_names: dict[int, str] = {}  # adapter uid -> name, as requests cached blocks under it
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -252,10 +260,19 @@ class BlockManager:
             self.ref_counts[page] = 2  # the request's and the load's (until `loaded`)
             self.loading.add(page)
             self.cache[key], self.page_key[page], self.page_prefix_id[page] = page, key, prefix_id
-            host.load(-1 - p, page)
+            host.load(-1 - p, page, self._load_windows(len(out), len(pages), -1 - p, page))
             self._stored(key, prefix_id, DEVICE_MEDIUM)
             out.append(page)
         return out
+
+    def _load_windows(self, index: int, num_blocks: int, slot: int, page: int) -> tuple:
+        """The window pools' pages block `index` of a `num_blocks`-block hit loads into with device page `page`
+        from host `slot` (a hybrid cache's; -1: none)."""
+        return ()
+
+    def _offload_windows(self, page: int) -> tuple:
+        """The window pools' pages that leave the device with idle cached page `page` (a hybrid cache's)."""
+        return ()
 
     def loaded(self, pages: Iterable[int]) -> None:
         """The engine's loads into `pages` landed (or were dropped with a lost cache): the loads' references go."""
@@ -357,7 +374,7 @@ class BlockManager:
         prefix_id = self.page_prefix_id[page]
         self._removed(prefix_id, DEVICE_MEDIUM, gone=self.host is None)
         if self.host is not None:
-            dropped = self.host.store(key, prefix_id, page)
+            dropped = self.host.store(key, prefix_id, page, self._offload_windows(page))
             if dropped is not None:
                 self._removed(dropped, HOST_MEDIUM, gone=True)
             self._stored(key, prefix_id, HOST_MEDIUM)
@@ -375,18 +392,51 @@ class BlockManager:
         if self._hasher is None:
             return prefix_id
         from serving.core.block_hash import external_hash
-        return external_hash(self._digests[prefix_id])
+        return external_hash(self._digest(prefix_id))
 
-    def _stored(self, key: tuple, prefix_id: int, medium: str) -> None:
+    def _digest(self, prefix_id: int) -> bytes:
+        """Block `prefix_id`'s digest; for one that left both tiers while a request still chains through it (it
+        computed the same block as a host one, which the host tier dropped since) a stand-in no stored event named,
+        so a router leaves its children out rather than matching them."""
+        digest = self._digests.get(prefix_id)
+        if digest is None:
+            digest = self._hasher(None, (), ("meshserve:dropped", prefix_id))
+        return digest
+
+    def note_adapter(self, adapter) -> None:
+        """Remembers `adapter`'s name (None: the base model) for the events of the blocks cached under it."""
+        if adapter is not None:
+            self.adapter_names[adapter.uid] = adapter.name
+
+    def _scope(self, key: tuple, prefix_id: int, adapter_uid: int | None) -> tuple[int, tuple | None]:
+        """Block `prefix_id`'s (adapter uid, extra keys): vLLM's extra keys, the adapter's name on every block of an
+        adapter's request and the cache salt on its first block, so its hashes tell salts and adapters apart."""
+        scope = self._scopes.get(prefix_id)
+        if scope is None:
+            parent = key[0]
+            salt = ""
+            if not isinstance(parent, int) or parent <= ROOT_PREFIX_ID:  # a first block: its root says both
+                salt, base = (parent[1], parent[2]) if isinstance(parent, tuple) else ("", parent)
+                adapter_uid = -base
+            elif adapter_uid is None:
+                adapter_uid = self._scopes.get(parent, (0,))[0]
+            name = self.adapter_names.get(adapter_uid) if adapter_uid else None
+            extra = ((name,) if adapter_uid else ()) + ((salt,) if salt else ())
+            scope = self._scopes[prefix_id] = (adapter_uid, extra or None)
+        return scope
+
+    def _stored(self, key: tuple, prefix_id: int, medium: str, adapter_uid: int | None = None) -> None:
+        """A stored event (`adapter_uid`: the caching request's, where the parent key does not say it)."""
         if self.events is None:
             return
         parent = key[0]
+        uid, extra = self._scope(key, prefix_id, adapter_uid)
         if self._hasher is not None and prefix_id not in self._digests:
             root = not isinstance(parent, int) or parent <= ROOT_PREFIX_ID
-            salt = parent[1] if isinstance(parent, tuple) else ""
-            self._digests[prefix_id] = self._hasher(None if root else self._digests[parent], key[1],
-                                                    (salt,) if root and salt else None)
-        self.events.append(("stored", self._hash(prefix_id), self._hash(parent), key[1], medium))
+            self._digests[prefix_id] = self._hasher(None if root else self._digest(parent), key[1], extra)
+        name = self.adapter_names.get(uid) if uid else None
+        self.events.append(("stored", self._hash(prefix_id), self._hash(parent), key[1], medium,
+                            uid or None, name, extra))
 
     def _removed(self, prefix_id: int, medium: str, gone: bool) -> None:
         """A removed event; `gone`: the block left both tiers (its digest goes)."""
@@ -394,6 +444,7 @@ class BlockManager:
             self.events.append(("removed", self._hash(prefix_id), medium))
             if gone:
                 self._digests.pop(prefix_id, None)
+                self._scopes.pop(prefix_id, None)
 
     def cache_full_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Registers the request's full blocks whose K/V is computed (call after the step that wrote them)."""
@@ -404,6 +455,8 @@ class BlockManager:
         if full <= len(ids):
             return
         tokens, table = request.token_ids, request.block_table
+        self.note_adapter(request.adapter)
+        uid = 0 if request.adapter is None else request.adapter.uid
         for i in range(len(ids), full):
             key = (ids[-1] if ids else prefix_root(request), tuple(tokens[i * ps:(i + 1) * ps]))
             existing = self.cache.get(key)
@@ -424,7 +477,7 @@ class BlockManager:
             self.cache[key] = page
             self.page_key[page] = key
             self.page_prefix_id[page] = prefix_id
-            self._stored(key, prefix_id, DEVICE_MEDIUM)
+            self._stored(key, prefix_id, DEVICE_MEDIUM, uid)
             ids.append(prefix_id)
 
     def free(self, request: Request) -> None:

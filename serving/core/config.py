@@ -72,7 +72,8 @@ class EngineConfig:
     host_kv_cache_gb: float = option(
         0.0, "Host-memory KV tier under the prefix cache, in GiB (0: off): a cached block the device pool evicts is "
         "copied there and a prefix hit brings it back instead of recomputing it (per --dp replica). Needs "
-        "--enable_prefix_caching; not with a hybrid (sliding-window) KV cache, --pp, a draft model, or multi-host.")
+        "--enable_prefix_caching; with a hybrid (sliding-window) KV cache a block moves with the window pages it still "
+        "has. Not with --pp or a draft model.")
     hybrid_kv_cache: bool = option(
         True, "Sliding-window layers of a model that also has full-attention layers (Gemma 3) keep only their "
         "window's pages, in a page pool of their own; false: every layer keeps every page of a sequence (vLLM's "

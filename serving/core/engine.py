@@ -100,7 +100,12 @@ class Engine:
             host_pages = host_pages_for(config.host_kv_cache_gb, r.kv_caches)
             if host_pages < 1:
                 raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb} holds no KV page of this model")
-            block_manager = BlockManager(r.num_pages, config.page_size, host_pages=host_pages)
+            if r.window_pages:  # a host slot: a block's full-attention page and its window pages it still has
+                block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
+                                                   host_pages=host_pages)
+                r.batch_builder.window_maps = block_manager.window_maps
+            else:
+                block_manager = BlockManager(r.num_pages, config.page_size, host_pages=host_pages)
             # a step allocates at most a page per scheduled token's block, plus one per sequence it crosses into
             per_step = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs
             self.host_kv = HostKVPool(r, host_pages, per_step)
@@ -152,11 +157,8 @@ class Engine:
     def _check_host_tier(self, config: EngineConfig) -> None:
         why = [reason for reason, bad in (
             ("--enable_prefix_caching is off", not config.enable_prefix_caching),
-            ("the KV cache is hybrid (sliding-window pools; --hybrid_kv_cache=false keeps every page)",
-             bool(self.runner.window_pages)),
             ("--pp > 1", config.pp > 1),
-            ("a draft model's cache shares the pages", config.speculative_method == "draft"),
-            ("multi-host", self.runner.multihost)) if bad]
+            ("a draft model's cache shares the pages", config.speculative_method == "draft")) if bad]
         if why:
             raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb}: the host KV tier is not available here: "
                              f"{'; '.join(why)}")
@@ -259,7 +261,7 @@ class Engine:
 
     def follow(self, channel) -> None:
         """Multi-host follower: runs the leader's steps (`ModelRunner.follow`)."""
-        self.runner.follow(channel)
+        self.runner.follow(channel, self.host_kv)
 
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None, *,

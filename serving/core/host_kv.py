@@ -14,6 +14,7 @@ import numpy as np
 
 from pallas_kernels.target import tracing_for
 from sharding.mesh import mesh_context
+from sharding.multihost import to_global
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class _Offload:
 class _Load:
     """A host -> device copy under way: scattered into `pages` (padded index `idx`) once `data` is on the device."""
     data: list  # per leaf, [bucket, ...] jax arrays being transferred
-    idx: np.ndarray
+    idx: list  # per page pool, the [bucket] pages (`HostKVPool._indices`)
     pages: list[int]
     start: float  # time.perf_counter() when it was started
 
@@ -143,6 +144,16 @@ class HostKVPool:
     def __init__(self, runner, num_slots: int, max_pages_per_step: int):
         self.runner = runner
         leaves = jax.tree.leaves(runner.kv_caches)
+        # Per leaf, its page pool: 0 the page table's, i + 1 the i-th sliding-window pool of a hybrid cache (its
+        # pages are the block manager's window pages, moved with their block where it has one)
+        windows = list(runner.window_pages or {})
+        self.groups = [windows.index(spec.sliding_window) + 1 if spec.sliding_window in windows else 0
+                       for spec, cache in zip(runner.kv_cache_specs, runner.kv_caches)
+                       for _ in jax.tree.leaves(cache)]
+        assert len(self.groups) == len(leaves), "a KV cache per layer spec"
+        self.group_pages = [0] * (len(windows) + 1)  # each pool's pages (an index past them is dropped)
+        for g, leaf in zip(self.groups, leaves):
+            self.group_pages[g] = leaf.shape[0]
         self.treedef = jax.tree.structure(runner.kv_caches)
         self.num_slots = num_slots
         self.leaves = [_HostLeaf(leaf, num_slots) for leaf in leaves]
@@ -166,30 +177,68 @@ class HostKVPool:
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    # ---- multi-host: each process moves its own devices' shards; the leader announces every launch, in order
+    def _announce(self, message: tuple) -> None:
+        """Multi-host leader: the followers run the same call next (`follow`), as they do the forward."""
+        if self.runner.channel is not None:
+            self.runner.channel.broadcast(message)
+
+    def _global(self, idx: list) -> list:
+        """A launch's page indices as the program takes them (multi-host: global arrays, equal on every process)."""
+        return to_global(idx, self.runner.mesh) if self.runner.multihost else idx
+
+    def follow(self, message: tuple) -> None:
+        """Multi-host follower: one call the leader announced (its host pool mirrors the leader's: the same slots
+        hold the same blocks, each process its own shards)."""
+        kind = message[0]
+        if kind == "host_warmup":
+            self.warmup()
+        elif kind == "host_run":
+            self.run([tuple(op) for op in message[1]])
+        elif kind == "host_scatter":
+            for _ in range(message[1]):
+                self._scatter_next()
+        else:
+            raise ValueError(f"unknown host-tier message {kind!r}")
+
     def warmup(self) -> int:
         """Compiles the gather and scatter of every bucket (on page 0 / no page: the cache is unchanged), for the
         layout the caches have now: call after the forward's warm-up (its output layout is the one served)."""
+        self._announce(("host_warmup",))
         for b in self.buckets:
-            self._launch_gather([0] * b, b)
-            self._launch_scatter(np.full(b, self.num_device_pages, np.int32), self._to_device([], b))
-            self._launch_scatter(np.full(b, self.num_device_pages, np.int32), self._put([np.zeros(
+            self._launch_gather(self._indices([], b, [], 0), b)
+            self._launch_scatter(self._indices([], b, []), self._to_device([], b))
+            self._launch_scatter(self._indices([], b, []), self._put([np.zeros(
                 (b,) + h.row_shape, h.dtype) for h in self.leaves]))  # write_pages's (the same program)
         self.flush()
         return 2 * len(self.buckets)
 
-    def _launch_gather(self, pages: list[int], bucket: int, host: bool = False) -> list:
-        """Gathers `pages` (padded to `bucket`) per cache leaf, laid out like the leaf, and starts their device ->
-        host copy: whole arrays, or (`host`) one shard per host shard (`_HostLeaf.stage`)."""
-        idx = np.zeros(bucket, np.int32)
-        idx[:len(pages)] = pages  # padding reads page 0, dropped on landing
+    def _indices(self, pages: list[int], bucket: int, windows: list[tuple], pad: int | None = None) -> list:
+        """Per page pool, the [bucket] int32 page indices of a transfer of primary `pages` whose window pages are
+        `windows` (per page, per window pool; -1, like the padding, reads page 0 in a gather and is dropped by a
+        scatter: `pad` None puts an index past the pool's pages there)."""
+        out = []
+        for g, n in enumerate(self.group_pages):
+            idx = np.full(bucket, n if pad is None else pad, np.int32)
+            col = pages if g == 0 else [w[g - 1] if w else p for p, w in zip(pages, windows)]
+            idx[:len(col)] = [i if i >= 0 else (n if pad is None else pad) for i in col]
+            out.append(idx)
+        return out
+
+    def _launch_gather(self, idx: list, bucket: int, host: bool = False) -> list:
+        """Gathers the pages `idx` names (`_indices`: per pool, `bucket` of them) per cache leaf, laid out like the
+        leaf, and starts their device -> host copy: whole arrays, or (`host`) one shard per host shard
+        (`_HostLeaf.stage`)."""
         leaves = jax.tree.leaves(self.runner.kv_caches)
         layout = tuple(leaf.sharding for leaf in leaves)
         fn = self._gathers.get(layout)
         if fn is None:
-            fn = self._gathers[layout] = jax.jit(lambda leaves, idx: [leaf[idx] for leaf in leaves], out_shardings=[
-                _in_memory(s, self.staging_memory) for s in layout])
+            groups = self.groups
+            fn = self._gathers[layout] = jax.jit(
+                lambda leaves, idx: [leaf[idx[g]] for leaf, g in zip(leaves, groups)],
+                out_shardings=[_in_memory(s, self.staging_memory) for s in layout])
         with mesh_context(self.runner.mesh), tracing_for(self.runner.platform):
-            out = fn(leaves, idx)
+            out = fn(leaves, self._global(idx))
         if host:
             return [h.stage(a) for h, a in zip(self.leaves, out)]
         for a in out:
@@ -201,8 +250,10 @@ class HostKVPool:
         layout = tuple(leaf.sharding for leaf in leaves)
         fn = self._scatters.get(layout)
         if fn is None:
+            groups = self.groups
             fn = self._scatters[layout] = jax.jit(
-                lambda leaves, idx, data: [leaf.at[idx].set(d, mode="drop") for leaf, d in zip(leaves, data)],
+                lambda leaves, idx, data: [leaf.at[idx[g]].set(d, mode="drop")
+                                           for leaf, d, g in zip(leaves, data, groups)],
                 donate_argnums=self._donate, out_shardings=list(layout))
         return fn
 
@@ -222,24 +273,25 @@ class HostKVPool:
         leaves = jax.tree.leaves(self.runner.kv_caches)
         return [jax.device_put(d, _in_memory(leaf.sharding, self.staging_memory)) for d, leaf in zip(data, leaves)]
 
-    def _launch_scatter(self, idx: np.ndarray, data: list) -> None:
+    def _launch_scatter(self, idx: list, data: list) -> None:
         r = self.runner
         leaves = jax.tree.leaves(r.kv_caches)
         with mesh_context(r.mesh), tracing_for(r.platform):
-            leaves = self._scatter(leaves)(leaves, idx, data)
+            leaves = self._scatter(leaves)(leaves, self._global(idx), data)
         r.kv_caches = jax.tree.unflatten(self.treedef, leaves)
 
     # ---- whole pages out and in (KV transfers between instances: serving.core.kv_transfer)
     def read_pages(self, pages: list[int]) -> list[np.ndarray]:
         """Per cache leaf, the pages' data [len(pages), ...] as numpy (waits for the copy); <= buckets[-1] pages."""
-        staging = self._launch_gather(pages, self._bucket(len(pages)))
+        b = self._bucket(len(pages))
+        staging = self._launch_gather(self._indices(pages, b, [(p,) * (len(self.group_pages) - 1) for p in pages],
+                                                    0), b)
         return [np.asarray(a)[:len(pages)] for a in staging]
 
     def write_pages(self, pages: list[int], data: list[np.ndarray]) -> None:
         """Writes per cache leaf [len(pages), ...] data into device `pages` (<= buckets[-1] of them)."""
         b = self._bucket(len(pages))
-        idx = np.full(b, self.num_device_pages, np.int32)  # padding: out of range, dropped
-        idx[:len(pages)] = pages
+        idx = self._indices(pages, b, [(p,) * (len(self.group_pages) - 1) for p in pages])  # padding: dropped
         padded = []
         for h, d in zip(self.leaves, data):
             full = np.zeros((b,) + h.row_shape, h.dtype)
@@ -248,10 +300,11 @@ class HostKVPool:
         self._launch_scatter(idx, self._put(padded))
 
     # ---- the block manager's queued copies
-    def run(self, ops: list[tuple[str, int, int]]) -> None:
+    def run(self, ops: list[tuple[str, int, int, tuple]]) -> None:
         """Runs the copies `HostTier.ops` queued, in order, before the next step is launched: offloads gather their
         pages into staging now (the device runs them before that step overwrites the pages) and copy to the host
         asynchronously; loads start copying host slots to the device (`poll` lands them in their pages)."""
+        self._announce(("host_run", [list(op) for op in ops]))
         i = 0
         while i < len(ops):
             kind = ops[i][0]
@@ -262,26 +315,26 @@ class HostKVPool:
             for k in range(0, len(run), self.buckets[-1]):
                 part = run[k:k + self.buckets[-1]]
                 if kind == "offload":
-                    self._offload([p for _, p, _ in part], [s for _, _, s in part])
+                    self._offload([p for _, p, _, _ in part], [s for _, _, s, _ in part], [w for *_, w in part])
                 else:
-                    self._load([s for _, s, _ in part], [p for _, _, p in part])
+                    self._load([s for _, s, _, _ in part], [p for _, _, p, _ in part], [w for *_, w in part])
             i = j
 
-    def _offload(self, pages: list[int], slots: list[int]) -> None:
-        staging = self._launch_gather(pages, self._bucket(len(pages)), host=True)
+    def _offload(self, pages: list[int], slots: list[int], windows: list[tuple]) -> None:
+        b = self._bucket(len(pages))
+        staging = self._launch_gather(self._indices(pages, b, windows, 0), b, host=True)
         self._inflight.append(_Offload(staging, slots))
         self.bytes_to_host += len(pages) * self.page_bytes
         self.land(block=False)
 
-    def _load(self, slots: list[int], pages: list[int]) -> None:
+    def _load(self, slots: list[int], pages: list[int], windows: list[tuple]) -> None:
         pending = {s for o in self._inflight for s in o.slots}
         if pending.intersection(slots):  # evicted and hit again before its copy landed: wait for it
             t0 = time.perf_counter()
             self.flush()
             self.load_wait_s += time.perf_counter() - t0
         b = self._bucket(len(pages))
-        idx = np.full(b, self.num_device_pages, np.int32)  # padding: out of range, dropped
-        idx[:len(pages)] = pages
+        idx = self._indices(pages, b, windows)  # padding and absent window pages: out of range, dropped
         self._loads.append(_Load(self._to_device(slots, b), idx, list(pages), time.perf_counter()))
         self.bytes_to_device += len(pages) * self.page_bytes
 
@@ -292,13 +345,22 @@ class HostKVPool:
     def poll(self) -> list[int]:
         """Launches the scatter of every load whose data is on the device (in order); returns their pages (the
         block manager's `loaded`). Call on the step thread (the cache is donated to each step)."""
+        n = 0
+        while n < len(self._loads) and not self.hold_loads and all(a.is_ready() for a in self._loads[n].data):
+            n += 1
+        if n:
+            self._announce(("host_scatter", n))
         done: list[int] = []
-        while self._loads and not self.hold_loads and all(a.is_ready() for a in self._loads[0].data):
-            load = self._loads.popleft()
-            self._launch_scatter(load.idx, load.data)
-            self.load_time_s += time.perf_counter() - load.start
-            done += load.pages
+        for _ in range(n):
+            done += self._scatter_next()
         return done
+
+    def _scatter_next(self) -> list[int]:
+        """Launches the oldest load's scatter; returns its pages."""
+        load = self._loads.popleft()
+        self._launch_scatter(load.idx, load.data)
+        self.load_time_s += time.perf_counter() - load.start
+        return load.pages
 
     def wait_loads(self, timeout_s: float) -> None:
         """When no step can run until a load lands: blocks on the oldest load's copy (at most `timeout_s` while

@@ -86,12 +86,15 @@ class HybridBlockManager(BlockManager):
     slides = True
 
     def __init__(self, num_pages: int, page_size: int, *, window_pages: Mapping[int, int],
-                 enable_prefix_caching: bool = True):
-        super().__init__(num_pages, page_size, enable_prefix_caching=enable_prefix_caching)
+                 enable_prefix_caching: bool = True, host_pages: int = 0):
+        super().__init__(num_pages, page_size, enable_prefix_caching=enable_prefix_caching, host_pages=host_pages)
         if not window_pages:
             raise ValueError("HybridBlockManager needs at least one window pool (window -> pages)")
         self.pools = [WindowPool(w, n, num_pages) for w, n in window_pages.items()]
         self._live: dict[object, list[int]] = {}  # holder -> per pool, the first block whose window page it holds
+        # Primary page -> the window pages its host load writes (-1: none): each holds the load's reference until
+        # `loaded`, like the primary page, so nothing else gets it before the copy lands
+        self._window_loads: dict[int, tuple] = {}
 
     @property
     def window_maps(self) -> list[tuple[int, np.ndarray]]:
@@ -118,24 +121,28 @@ class HybridBlockManager(BlockManager):
         query reads (its window's); no side effects."""
         pages, ids = super().match_prefix(token_ids, max_blocks, root)
         ps, k = self.page_size, len(pages)
-        for pool in self.pools:
-            run = 0  # blocks with a window page ending at block i
+        for i, pool in enumerate(self.pools):
+            run = 0  # blocks with a window page (or one in the host tier: `_window_held`) ending at block i
             runs = []
             for p in pages[:k]:
-                run = run + 1 if pool.page_of[p] >= 0 else 0
+                run = run + 1 if self._window_held(pool, i, p) else 0
                 runs.append(run)
             while k and runs[k - 1] < k - pool.first_block(k * ps, ps):
                 k -= 1
         return pages[:k], ids[:k]
 
+    def _window_held(self, pool: WindowPool, i: int, page: int) -> bool:
+        """Whether the block in `page` (a host hit: negative) has its page of window pool `i`."""
+        return pool.page_of[page] >= 0 if page >= 0 else self.host.windows[-1 - page][i]
+
     def shortfall(self, hit: list[int], num_tokens: int) -> list[int]:
         new = self.pages_for(num_tokens) - len(hit)
-        refs = self.ref_counts
-        out = [new - (self.num_free_pages - sum(1 for p in hit if refs[p] == 0))]
+        out = super().shortfall(hit, num_tokens)  # the primary pool's (a host hit takes a page)
         for pool in self.pools:
-            revived = sum(1 for p in hit[pool.first_block(len(hit) * self.page_size, self.page_size):]
-                          if pool.refs[pool.page_of[p]] == 0)
-            out.append(new - (pool.num_free - revived))
+            read = hit[pool.first_block(len(hit) * self.page_size, self.page_size):]
+            revived = sum(1 for p in read if p >= 0 and pool.refs[pool.page_of[p]] == 0)
+            loads = sum(1 for p in read if p < 0)  # a host hit the next query reads: a window page to load into
+            out.append(new + loads - (pool.num_free - revived))
         return out
 
     def released_by(self, holder, keep: set[int]) -> list[int]:
@@ -157,15 +164,44 @@ class HybridBlockManager(BlockManager):
     def acquire_cached(self, request, pages: list[int], prefix_ids: list[int]) -> None:
         """Starts the request's tables with prefix-cache hits (or a fork's pages): the primary pages, and in each
         window pool the pages of the blocks the next query reads (which must be there: match_prefix, can_fork)."""
-        super().acquire_cached(request, pages, prefix_ids)
         ps, n = self.page_size, len(pages)
         live = []
-        for pool in self.pools:
+        for pool in self.pools:  # the device hits' window pages first: the loads' may evict idle ones
             first = pool.first_block(n * ps, ps)
             for p in pages[first:]:
-                pool.take(p)
+                if p >= 0:
+                    pool.take(p)
             live.append(first if n else 0)
+        super().acquire_cached(request, pages, prefix_ids)  # host hits: `_load_windows` gives their window pages
         self._live[request] = live
+
+    def _load_windows(self, index: int, num_blocks: int, slot: int, page: int) -> tuple:
+        """A window page in each pool whose window the next query reads block `index` in (the host tier holds it
+        there: match_prefix checked), held by the request and by the load."""
+        out = []
+        for pool in self.pools:
+            if index < pool.first_block(num_blocks * self.page_size, self.page_size):
+                out.append(-1)
+                continue
+            assert self.host.windows[slot][len(out)], f"host slot {slot} lacks its window-{pool.window} page"
+            pool.add(page)
+            w = int(pool.page_of[page])
+            pool.refs[w] = 2
+            out.append(w)
+        self._window_loads[page] = tuple(out)
+        return tuple(out)
+
+    def _offload_windows(self, page: int) -> tuple:
+        """Its window pages that are still there (a dead one, released and reused, is not offloaded)."""
+        return tuple(int(pool.page_of[page]) for pool in self.pools)
+
+    def loaded(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        for page in pages:
+            for pool, w in zip(self.pools, self._window_loads.pop(page, ())):
+                if w >= 0:
+                    pool.release(page, self.page_key[page] is not None)
+        super().loaded(pages)
 
     def allocate(self, request, num_tokens: int) -> bool:
         """Grows the page table to hold `num_tokens` tokens, each new block with a page in every pool (the step
@@ -245,6 +281,9 @@ class HybridBlockManager(BlockManager):
         free_primary = set(self.free_pages)
         for i, pool in enumerate(self.pools):
             counts = [0] * pool.num_pages
+            for ws in self._window_loads.values():  # a load in flight holds its window pages
+                if ws[i] >= 0:
+                    counts[ws[i]] += 1
             for r in requests:
                 live = self._live.get(r)
                 if live is None:

@@ -40,12 +40,15 @@ def check_endpoint(endpoint: str, allow_remote: bool) -> str:
 
 
 def encode_event(event: tuple) -> list:
-    """A block manager event as vLLM's tagged array: ["BlockStored", [hash], parent hash | None, token ids, block
-    size, lora id, medium], ["BlockRemoved", [hash], medium] or ["AllBlocksCleared"]."""
+    """A block manager event as vLLM's tagged array (its BlockStored fields in their order): ["BlockStored",
+    [hash], parent hash | None, token ids, block size, lora id | None, medium, lora name | None, [extra keys] |
+    None], ["BlockRemoved", [hash], medium] or ["AllBlocksCleared"]. The extra keys are the block's as vLLM hashes
+    them: the adapter's name on each of an adapter's blocks, the cache salt on a first block."""
     kind = event[0]
     if kind == "stored":
-        _, block_hash, parent, tokens, medium = event
-        return ["BlockStored", [block_hash], parent, list(tokens), len(tokens), None, medium]
+        _, block_hash, parent, tokens, medium, lora_id, lora_name, extra = event
+        return ["BlockStored", [block_hash], parent, list(tokens), len(tokens), lora_id, medium, lora_name,
+                None if extra is None else [list(extra)]]
     if kind == "removed":
         return ["BlockRemoved", [event[1]], event[2]]
     return ["AllBlocksCleared"]

@@ -198,6 +198,7 @@ class KVTransfers:
         num_blocks = data[0].shape[0] if data else 0
         if streamed and (first_block != len(holder.block_table) or holder not in self.scheduler.kv_holders):
             return len(holder.block_table)  # an earlier piece ran out of pages: the rest is recomputed
+        bm.note_adapter(request.adapter)
         writes = bm.adopt_blocks(holder, list(request.prompt_token_ids), prefix_root(request),
                                  first_block + num_blocks)
         cached = len(holder.block_table)

@@ -374,12 +374,15 @@ class ModelRunner:
         with mesh_context(self.mesh), tracing_for(self.platform):
             return self._sample_fn(logits, st, max_logprobs)
 
-    def follow(self, channel) -> None:
-        """Multi-host follower: runs each jitted call the leader announces, until it says stop."""
+    def follow(self, channel, host_kv=None) -> None:
+        """Multi-host follower: runs each jitted call the leader announces, until it says stop (`host_kv`: the host
+        KV tier's, serving.core.host_kv.HostKVPool.follow)."""
         logits = None
         while True:
             message = channel.recv(records=STEP_RECORDS)
-            if message[0] == "forward":
+            if host_kv is not None and message[0].startswith("host_"):
+                host_kv.follow(message)
+            elif message[0] == "forward":
                 logits, _ = self.run_forward(message[1], greedy_only=message[2])
             elif message[0] == "sample":
                 self.run_sample(logits, message[1], message[2])

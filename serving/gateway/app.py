@@ -22,6 +22,7 @@ from serving.gateway.admission import CLASSES, Admission, QueueFull, RateLimiter
 from serving.gateway.config import ConfigWatcher, GatewayConfig, TenantConfig
 from serving.gateway.health import FAILED, HEALTHY, QUARANTINED, HealthTracker, Transition
 from serving.gateway.jobs import JobError, JobManager, JobStore
+from serving.gateway.kv_index import first_block_extra_keys
 from serving.gateway.lora import GatewayAdapters
 from serving.gateway.metrics import GatewayMetrics
 from serving.gateway.pools import Instance, InstancePools
@@ -32,6 +33,7 @@ from serving.params import MAX_REQUEST_ID_CHARS, InvalidArgument, ModelLimits
 from serving.telemetry.tracing import make_tracer_provider
 from serving.wire import meshserve_pb2 as pb
 from serving.wire.client import RETRY_PUSHBACK_KEY
+from serving.wire.requests import prefix_cache_salt
 
 log = logging.getLogger(__name__)
 
@@ -339,15 +341,16 @@ class Gateway:
 
     def _held(self, p: Prepared, instances) -> dict[str, float] | None:
         """Per instance whose KV events the gateway follows (load-aware routing, a token prompt): the fraction of
-        the prompt's leading blocks it holds in any KV tier."""
+        the prompt's leading blocks it holds in any KV tier under the request's LoRA adapter and cache salt."""
         if p.prompt_ids is None or self.config.routing.policy != "load_aware":
             return None
         held, keys = {}, {}
+        extra = first_block_extra_keys(p.adapter, prefix_cache_salt(p.request))
         for inst in instances:
             index = inst.kv_index
             if index is not None and index.block_size:
                 if index.block_size not in keys:
-                    keys[index.block_size] = index.prompt_keys(p.prompt_ids)
+                    keys[index.block_size] = index.prompt_keys(p.prompt_ids, extra)
                 held[inst.name] = index.match(keys[index.block_size])
         return held
 

@@ -19,10 +19,26 @@ def block_digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(parent + data, digest_size=16).digest()
 
 
+def first_block_extra_keys(adapter: str, salt: str) -> tuple:
+    """A first block's extra keys as the instance's events carry them (vLLM's order): the LoRA adapter's name, then
+    the instance's cache salt (`serving.wire.requests.prefix_cache_salt`)."""
+    return ((adapter,) if adapter else ()) + ((salt,) if salt else ())
+
+
+def scope_digest(extra_keys) -> bytes:
+    """Where a chain of digests starts for a first block with `extra_keys`: b"" for none (the base model,
+    unsalted), else a digest of them, so blocks under another adapter or salt never match."""
+    if not extra_keys:
+        return b""
+    import msgpack
+    return hashlib.blake2b(msgpack.packb(list(extra_keys)), digest_size=16).digest()
+
+
 class KVEventIndex:
-    """Blocks an instance holds in any tier, as token-prefix digests. A block whose parent the index does not know
-    (evicted before the gateway saw it, or stored before it subscribed) is left out: a prefix cache reuses only a
-    leading run of blocks, so it could not be matched anyway."""
+    """Blocks an instance holds in any tier, as token-prefix digests under the first block's extra keys (its LoRA
+    adapter and cache salt): a prompt matches only blocks stored under its own. A block whose parent the index
+    does not know (evicted before the gateway saw it, or stored before it subscribed) is left out: a prefix cache
+    reuses only a leading run of blocks, so it could not be matched anyway."""
 
     def __init__(self):
         self.block_size = 0  # from the stored events (0: none seen yet)
@@ -51,8 +67,12 @@ class KVEventIndex:
             if kind == "BlockStored":
                 hashes, parent, tokens, size = event[1], event[2], event[3], event[4]
                 medium = event[6] if len(event) > 6 else None
+                extra = event[8] if len(event) > 8 else None  # per block: the first one's starts the chain
                 self.block_size = size
-                prev = b"" if parent is None else self._blocks.get(parent, (None,))[0]
+                if parent is None:
+                    prev = scope_digest(extra[0] if extra else None)
+                else:
+                    prev = self._blocks.get(parent, (None,))[0]
                 for i, h in enumerate(hashes):  # several blocks of one request: each the next one's parent
                     block = tokens[i * size:(i + 1) * size]
                     if prev is None or len(block) < size:
@@ -87,9 +107,10 @@ class KVEventIndex:
             else:
                 del self._digests[entry[0]]
 
-    def prompt_keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The digests match() takes for a prompt: its full blocks but one token (the instance computes the last)."""
-        out, prev, bs = [], b"", self.block_size
+    def prompt_keys(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> list[bytes]:
+        """The digests match() takes for a prompt whose first block has `extra_keys` (`first_block_extra_keys`):
+        its full blocks but one token (the instance computes the last)."""
+        out, prev, bs = [], scope_digest(extra_keys), self.block_size
         for i in range((len(token_ids) - 1) // bs if bs else 0):
             prev = block_digest(prev, token_ids[i * bs:(i + 1) * bs])
             out.append(prev)

@@ -1,8 +1,8 @@
 """Two real processes x 4 CPU devices joined by jax.distributed (gloo) run one tp=8 instance: the leader
-schedules, the follower runs the same steps; outputs equal one process's. Killing the follower makes the
-leader fail its requests with UNAVAILABLE and exit non-zero instead of hanging. The step channel, attacked from
-the network while the leader waits for its follower: a pickle that would create a file, a silent connection and a
-follower with the wrong secret are refused, and the real follower joins all the same."""
+schedules, the follower runs the same steps, the host KV tier's copies too; outputs equal one process's. Killing
+the follower makes the leader fail its requests with UNAVAILABLE and exit non-zero instead of hanging. The step
+channel, attacked from the network while the leader waits for its follower: a pickle that would create a file, a
+silent connection and a follower with the wrong secret are refused, and the real follower joins all the same."""
 import json
 import os
 import pickle
@@ -47,10 +47,11 @@ def model_dir(tmp_path_factory):
 SECRET = "multihost-test-secret-0123456789"
 
 
-def _start(model_dir, out, max_tokens, log_dir, go_file=""):
+def _start(model_dir, out, max_tokens, log_dir, go_file="", host_kv=False):
     coord, step = _free_port(), _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(PYTHONPATH=REPO_ROOT, MESHSERVE_STEP_SECRET=SECRET, MULTIHOST_FOLLOWER_GO_FILE=go_file)
+    env.update(PYTHONPATH=REPO_ROOT, MESHSERVE_STEP_SECRET=SECRET, MULTIHOST_FOLLOWER_GO_FILE=go_file,
+               MULTIHOST_HOST_KV="1" if host_kv else "")
     procs = []
     for pid in (0, 1):
         log = open(os.path.join(log_dir, f"p{pid}.log"), "w")
@@ -101,7 +102,7 @@ def _attack_step_channel(leader, port, log, marker):
 
 def test_two_processes_match_one(model_dir, tmp_path):
     out, marker, go = str(tmp_path / "out.json"), str(tmp_path / "pwned"), str(tmp_path / "go")
-    (leader, follower), step_port = _start(model_dir, out, 10, str(tmp_path), go_file=go)
+    (leader, follower), step_port = _start(model_dir, out, 10, str(tmp_path), go_file=go, host_kv=True)
     log = tmp_path / "p0.log"
     try:
         silent = _attack_step_channel(leader, step_port, log, marker)
@@ -129,9 +130,13 @@ def test_two_processes_match_one(model_dir, tmp_path):
     llm = LLM(model_dir, warmup=False, page_size=8, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64,
               min_token_bucket=64, enable_prefix_caching=False)
     prompts = [hf_models.random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
-    expected = [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10,
-                                                                           ignore_eos=True))]
-    assert result["tokens"] == expected
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    # then the host KV tier (the leader's 16 device pages): each process offloads and loads its own devices' shards
+    # as the leader announces the copies; the prefixes cycled through it hit the host tier
+    assert result["prompts"][:4] == prompts and len(result["prompts"]) == 12
+    expected += [llm.generate([p], params)[0].token_ids for p in result["prompts"][4:]]
+    assert result["tokens"] == expected and result["host_hits"] > 0
 
 
 def test_killed_follower_fails_requests_instead_of_hanging(model_dir, tmp_path):

@@ -32,8 +32,10 @@ def main():
     from serving.core.engine import Engine
     from serving.core.sampling_params import SamplingParams
     from tests.support.hf_models import random_prompt
-    engine = Engine(EngineConfig(model=model_dir, tp=8, page_size=8, num_pages=64, max_num_seqs=8,
-                                 max_num_batched_tokens=64, min_token_bucket=64, enable_prefix_caching=False))
+    host_kv = bool(os.environ.get("MULTIHOST_HOST_KV"))  # a 16-page device pool over a host KV tier, more prompts
+    engine = Engine(EngineConfig(model=model_dir, tp=8, page_size=8, num_pages=16 if host_kv else 64, max_num_seqs=8,
+                                 max_num_batched_tokens=64, min_token_bucket=64, enable_prefix_caching=host_kv,
+                                 host_kv_cache_gb=0.001 if host_kv else 0.0))
     if not cfg.is_leader:
         go = os.environ.get("MULTIHOST_FOLLOWER_GO_FILE")
         while go and not os.path.exists(go):
@@ -49,20 +51,36 @@ def main():
         os._exit(3)
 
     engine.runner.channel = cfg.leader_channel(on_follower_lost=lost)
-    prompts = [random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(engine.make_request(f"r{i}", p, params))
     tokens = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-            print(f"LEADER: step {engine.step_count}", flush=True)
+
+    def run(requests):
+        for rid, p in requests:
+            engine.add_request(engine.make_request(rid, p, params))
+        while engine.has_unfinished():
+            for o in engine.step():
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                print(f"LEADER: step {engine.step_count}", flush=True)
+
+    prompts = [random_prompt(n, 160, seed=n) for n in (5, 17, 40, 3)]
+    run([(f"r{i}", p) for i, p in enumerate(prompts)])
+    if host_kv:  # then 4 prefixes of 5 pages cycled twice, one at a time, through 16 device pages: host hits
+        for p in host_kv_prompts():
+            prompts.append(p)
+            run([(f"r{len(prompts) - 1}", p)])
     engine.runner.channel.close()
     with open(out, "w") as f:
-        json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))],
-                   "devices": jax.device_count(), "processes": jax.process_count()}, f)
+        host = engine.scheduler.block_manager.host
+        json.dump({"tokens": [tokens[f"r{i}"] for i in range(len(prompts))], "prompts": prompts,
+                   "devices": jax.device_count(), "processes": jax.process_count(),
+                   "host_hits": host.hit_blocks if host is not None else 0}, f)
     shutdown()
+
+
+def host_kv_prompts() -> list[list[int]]:
+    from tests.support.hf_models import random_prompt
+    prefixes = [random_prompt(40, 160, seed=300 + k) for k in range(4)]
+    return [p + [r, k] for r in range(2) for k, p in enumerate(prefixes)]
 
 
 if __name__ == "__main__":

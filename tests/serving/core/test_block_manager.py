@@ -6,6 +6,7 @@ import pytest
 
 from serving.core import BlockManager, Request, SamplingParams
 from serving.core.block_manager import prefix_root
+from serving.core.lora import Adapter
 
 PS = 4
 
@@ -322,9 +323,10 @@ def _events_tiers(events):
 
 def test_events_vllm_block_hash_and_all_cleared(bm):
     """With vLLM's block hash, each stored event names a block by sha256 over canonical CBOR of (parent digest or
-    sha256_cbor(seed), token ids, extra keys: the cache salt on a first block), as a 64-bit integer, the same in
-    both tiers and in its removed events; a reset that empties both tiers is one AllBlocksCleared, one that leaves
-    a block in use is per-block removals."""
+    sha256_cbor(seed), token ids, extra keys: a LoRA adapter's name on each of its blocks, then the cache salt on a
+    first block), as a 64-bit integer, the same in both tiers and in its removed events, and carries the adapter
+    (lora id, lora name) and those extra keys; a reset that empties both tiers is one AllBlocksCleared, one that
+    leaves a block in use is per-block removals."""
     import hashlib
 
     import cbor2
@@ -343,7 +345,8 @@ def test_events_vllm_block_hash_and_all_cleared(bm):
     d0 = digest((digest("0"), tuple(a[:4]), None))
     d1 = digest((d0, tuple(a[4:]), None))
     h0, h1 = (int.from_bytes(d, "big") & ((1 << 64) - 1) for d in (d0, d1))
-    assert m.events == [("stored", h0, None, tuple(a[:4]), "GPU"), ("stored", h1, h0, tuple(a[4:]), "GPU")]
+    assert m.events == [("stored", h0, None, tuple(a[:4]), "GPU", None, None, None),
+                        ("stored", h1, h0, tuple(a[4:]), "GPU", None, None, None)]
     m.free(r)
     salted = Request("s", a + [99], SamplingParams(), arrival_time=0.0, cache_salt="tenant-x")
     m.acquire_cached(salted, *m.match_prefix(salted.token_ids, 2, prefix_root(salted)))  # no hit: another root
@@ -351,12 +354,60 @@ def test_events_vllm_block_hash_and_all_cleared(bm):
     salted.num_computed_tokens = 9
     m.cache_full_blocks(salted, 9)
     s0 = digest((digest("0"), tuple(a[:4]), ("tenant-x",)))
-    assert ("stored", int.from_bytes(s0, "big") & ((1 << 64) - 1), None, tuple(a[:4]), "GPU") in m.events
-    assert ("removed", h1, "GPU") in m.events and ("stored", h1, h0, tuple(a[4:]), "CPU") in m.events
-    m.events.clear()
-    m.reset_prefix_cache()  # `salted` still holds its blocks: per-block removals
-    assert m.events and all(e[0] == "removed" for e in m.events)
+    assert ("stored", int.from_bytes(s0, "big") & ((1 << 64) - 1), None, tuple(a[:4]), "GPU", None, None,
+            ("tenant-x",)) in m.events
+    assert ("removed", h1, "GPU") in m.events
+    assert ("stored", h1, h0, tuple(a[4:]), "CPU", None, None, None) in m.events
     m.free(salted)
+    m.events.clear()
+    # an adapter's request under the same salt: its name leads every block's extra keys, then the first one's salt
+    lora = Request("l", a + [99], SamplingParams(), arrival_time=0.0, cache_salt="tenant-x")
+    lora.adapter = Adapter("sql", "/adapters/sql", 7, None)
+    m.acquire_cached(lora, *m.match_prefix(lora.token_ids, 2, prefix_root(lora)))
+    assert not lora.block_table and m.allocate(lora, 9)  # no hit: the salted blocks are another adapter's
+    lora.num_computed_tokens = 9
+    m.cache_full_blocks(lora, 9)
+    l0 = digest((digest("0"), tuple(a[:4]), ("sql", "tenant-x")))
+    l1 = digest((l0, tuple(a[4:]), ("sql",)))
+    l0, l1 = (int.from_bytes(d, "big") & ((1 << 64) - 1) for d in (l0, l1))
+    stored = [e for e in m.events if e[0] == "stored" and e[4] == "GPU"]
+    assert stored == [("stored", l0, None, tuple(a[:4]), "GPU", 7, "sql", ("sql", "tenant-x")),
+                      ("stored", l1, l0, tuple(a[4:]), "GPU", 7, "sql", ("sql",))]
+    assert len({h0, h1, l0, l1, int.from_bytes(s0, "big") & ((1 << 64) - 1)}) == 5
+    m.events.clear()
+    m.reset_prefix_cache()  # `lora` still holds its blocks: per-block removals
+    assert m.events and all(e[0] == "removed" for e in m.events)
+    m.free(lora)
     m.events.clear()
     m.reset_prefix_cache()
     assert m.events == [("cleared",)] and not m._digests
+
+
+def test_events_block_chained_through_a_dropped_host_block(bm):
+    """A request that computed a block the host tier also held chains through the host block's id; once the host
+    tier drops it, the request's next block is still published (vLLM hashes: under a parent no stored event named,
+    so a router's index leaves it out) instead of failing the step."""
+    from serving.core.block_hash import vllm_block_hasher
+    m = bm(num_pages=3, host_pages=2)
+    m.events = []
+    m.use_block_hasher(vllm_block_hasher("0"))
+    a = list(range(1, 5))
+    first = req(a + [9], "first")
+    run_prefill(m, first)
+    m.free(first)
+    m.allocate(other := req(list(range(20, 32)), "other"), 12)  # 3 pages: a's block goes to the host tier
+    other.num_computed_tokens = 12
+    m.cache_full_blocks(other, 12)
+    m.free(other)
+    r = req(list(a), "r")  # 4 tokens: no hit (one token is always computed); it computes block 0 itself
+    run_prefill(m, r)  # block 0's key is in the host tier: r chains through the host block's id
+    assert r.block_prefix_ids == [m.host.prefix_id[m.host.cache[(0, tuple(a))]]]
+    assert m.allocate(r, 8)  # evicts one of other's blocks to the host tier, which drops a's
+    assert (0, tuple(a)) not in m.host.cache
+    r.token_ids.extend([5, 6, 7, 8])
+    r.num_computed_tokens = 8
+    m.events.clear()
+    m.cache_full_blocks(r, 8)
+    [stored] = [e for e in m.events if e[0] == "stored" and e[4] == "GPU"]
+    assert stored[3] == (5, 6, 7, 8) and stored[2] is not None and stored[1] != stored[2]
+    m.free(r)

@@ -119,8 +119,9 @@ def _tiers(events_by_medium: dict, batch: list) -> None:
     assert rank == 0
     for e in events:
         if e[0] == "BlockStored":
-            (h,), parent, tokens, size, _, medium = e[1:]
+            (h,), parent, tokens, size, lora_id, medium, lora_name, extra_keys = e[1:]
             assert size == len(tokens) == PS and h not in events_by_medium.setdefault(medium, {})
+            assert lora_id is None and lora_name is None and extra_keys is None  # the base model, unsalted
             events_by_medium[medium][h] = tuple(tokens)
         elif e[0] == "BlockRemoved":
             (h,), medium = e[1:]
@@ -277,3 +278,30 @@ def test_host_load_in_flight_does_not_stall_others(llama, reference):
     want = reference.generate([a], forked)[0].outputs
     assert [s.output_token_ids for s in group.samples] == [o.token_ids for o in want]
     bm.check_idle()
+
+
+def test_hybrid_cache_moves_window_pages_with_their_blocks(tmp_path_factory):
+    """Gemma 3's hybrid cache (window-12 layers in a pool of their own) over the host tier: prompts cycled through a
+    24-page table pool and a 24-page window pool; a block leaves with the window pages it still has (the blocks
+    its last query read), and a prompt whose hit reaches host blocks the next query reads through their window
+    brings both back: the greedy tokens of an unbounded pool, host hits counted, no page leaked in any pool."""
+    d = str(tmp_path_factory.mktemp("hostkv") / "gemma3")
+    hf_models.save_hf_model("gemma3", d)
+    opts = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=16, min_token_bucket=16)
+    ref = LLM(d, warmup=False, num_pages=256, **opts)
+    llm = LLM(d, warmup=False, num_pages=24, host_kv_cache_gb=_host_gb(48, ref), **opts)
+    bm = llm.engine.scheduler.block_manager
+    assert llm.engine.runner.window_pages == {12: 24} and bm.host.num_slots == 48
+    prefixes = [hf_models.random_prompt(40, 160, seed=2000 + i) for i in range(4)]
+    window_hits = 0
+    for r in range(2):
+        for k, p in enumerate(prefixes):
+            prompt = p + [r, k, 3]
+            hit = bm.match_prefix(prompt, (len(prompt) - 1) // 4)[0]
+            window_hits += len(hit) == 10 and all(page < 0 for page in hit[7:])  # the window's blocks from the host
+            before = bm.host.hit_blocks
+            assert _gen(llm, [prompt], 4) == _gen(ref, [prompt], 4), (r, k)
+            assert bm.host.hit_blocks - before == sum(1 for page in hit if page < 0)
+            bm.check_idle()
+            bm.host.check_invariants()
+    assert window_hits > 0 and bm.host.hit_blocks > 0

@@ -192,7 +192,7 @@ def test_kv_event_index_and_held_affinity():
     unknown parent is left out, AllBlocksCleared and a gap in the batch numbers empty it; the router's `held`
     affinity replaces the guess for the instances it names; an invalid kv_events address is refused."""
     from serving.gateway.config import RoutingConfig
-    from serving.gateway.kv_index import KVEventIndex
+    from serving.gateway.kv_index import KVEventIndex, first_block_extra_keys
     ix = KVEventIndex()
     a = list(range(100, 109))  # two blocks of 4 and one more token
     ix.apply(0, [0.0, [["BlockStored", [11], None, a[:4], 4, None, "GPU"],
@@ -210,6 +210,14 @@ def test_kv_event_index_and_held_affinity():
     ix.apply(4, [0.0, [["BlockStored", [11], None, a[:4], 4, None, "GPU"]], 0])
     ix.apply(6, [0.0, [], 0])  # batch 5 lost: it may have removed blocks
     assert len(ix) == 0
+    # the same tokens under adapter "sql" (lora id 3, lora name, per-block extra keys) and under a salt: a prompt
+    # matches only the blocks stored under its own adapter and salt
+    sql, salted = first_block_extra_keys("sql", ""), first_block_extra_keys("", "t\x00s")
+    ix.apply(7, [0.0, [["BlockStored", [21, 22], None, a[:8], 4, 3, "GPU", "sql", [["sql"], ["sql"]]],
+                       ["BlockStored", [31], None, a[:4], 4, None, "GPU", None, [["t\x00s"]]]], 0])
+    assert ix.match(ix.prompt_keys(a, sql)) == 1.0 and ix.match(keys) == 0.0  # the base model holds nothing
+    assert ix.match(ix.prompt_keys(a, salted)) == 0.5 and ix.match(ix.prompt_keys(a, ("sql", "t\x00s"))) == 0.0
+    assert ix.match(ix.prompt_keys(a, first_block_extra_keys("other", ""))) == 0.0
     la = Router(RoutingConfig(policy="load_aware"))
     even = [InstanceView(n, report=_report(), report_age_s=0.1, step_time_s=0.01) for n in "ab"]
     blocks = prompt_blocks(generate_request("S" * 300), 64)
@@ -223,15 +231,19 @@ def test_kv_event_index_and_held_affinity():
 def test_kv_event_subscription_replays_batches_published_before_it_and_lost_after():
     """With the instance's replay socket (a real KVEventPublisher, ZMQ on 127.0.0.1) the gateway's subscription first
     applies the batches published before it connected, and a batch lost at the socket is replayed instead of
-    emptying the index; the replay address is a checked config key."""
+    emptying the index; blocks published under a LoRA adapter and a salt reach it under them (a prompt of the base
+    model does not match them); the replay address is a checked config key."""
     import zmq
 
     from serving.core.kv_events import KVEventPublisher
-    from serving.gateway.kv_index import KVEventIndex, subscribe
+    from serving.gateway.kv_index import KVEventIndex, first_block_extra_keys, subscribe
     pub = KVEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*")
     a = list(range(100, 113))  # three blocks of 4 and one more token
-    pub.publish([("stored", 11, None, a[:4], "GPU")])
-    pub.publish([("stored", 12, 11, a[4:8], "GPU")])
+    pub.publish([("stored", 11, None, a[:4], "GPU", None, None, None)])
+    pub.publish([("stored", 12, 11, a[4:8], "GPU", None, None, None)])
+    lora = first_block_extra_keys("sql", "tenant-a")
+    pub.publish([("stored", 21, None, a[:4], "CPU", 5, "sql", lora), ("stored", 22, 21, a[4:8], "CPU", 5, "sql",
+                                                                       ("sql",))])
     ix = KVEventIndex()
 
     async def until(cond, what):
@@ -244,19 +256,21 @@ def test_kv_event_subscription_replays_batches_published_before_it_and_lost_afte
     async def run():
         stop = asyncio.Event()
         task = asyncio.ensure_future(subscribe(pub.endpoint, ix, stop.is_set, pub.replay_endpoint))
-        await until(lambda: ix.last_seq == 1, "the replay of batches 0-1")
+        await until(lambda: ix.last_seq == 2, "the replay of batches 0-2")
         assert ix.match(ix.prompt_keys(a[:9])) == 1.0  # stored before the subscription
-        while ix.last_seq < 2 or ix.batches < 3:  # until the live stream reaches the subscriber
+        assert ix.match(ix.prompt_keys(a[:9], lora)) == 1.0 and len(ix) == 4
+        assert ix.match(ix.prompt_keys(a[:9], first_block_extra_keys("sql", ""))) == 0.0  # another salt
+        while ix.last_seq < 3 or ix.batches < 4:  # until the live stream reaches the subscriber
             pub.publish([("removed", 999, "GPU")])  # a block it never held: changes nothing
             await asyncio.sleep(0.05)
         await until(lambda: ix.last_seq == pub._seq - 1, "the live batches")
         send = pub._pub.send_multipart
         pub._pub.send_multipart = lambda *a, **k: (_ for _ in ()).throw(zmq.Again())  # this batch is lost
-        pub.publish([("stored", 13, 12, a[8:12], "GPU")])
+        pub.publish([("stored", 13, 12, a[8:12], "GPU", None, None, None)])
         pub._pub.send_multipart = send
         pub.publish([("removed", 999, "GPU")])  # the gap shows: the subscriber replays the lost batch
         await until(lambda: ix.last_seq == pub._seq - 1, "the batch after the lost one")
-        assert ix.match(ix.prompt_keys(a)) == 1.0 and len(ix) == 3  # nothing emptied, the lost block known
+        assert ix.match(ix.prompt_keys(a)) == 1.0 and len(ix) == 5  # nothing emptied, the lost block known
         stop.set()
         await task
 

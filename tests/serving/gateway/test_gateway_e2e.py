@@ -157,7 +157,8 @@ def test_load_aware_prefers_less_loaded_and_avoids_a_stuck_instance(instances, g
 def test_affinity_from_kv_events(instances, gateways):
     """A gateway following its instances' KV events (kv_events: auto, the endpoint their ModelInfo reports) sends a
     token prompt to the instance that holds its prefix, though the prefix got there without the gateway (its own
-    guess knows nothing of it); the instances' ModelInfo and load reports carry the host KV tier."""
+    guess knows nothing of it), and only to one holding it under the request's own salt; the instances' ModelInfo and
+    load reports carry the host KV tier."""
     infos = []
     for p in instances[:2]:
         with Client(p.target, timeout=30) as c:
@@ -184,6 +185,19 @@ def test_affinity_from_kv_events(instances, gateways):
             assert c.complete(p + [7, k], max_tokens=2).finish_reason
         after = {n: s.routed_total for n, s in gw.instances().items()}
         assert after[f"i{k % 2}"] == before[f"i{k % 2}"] + 1, (k, before, after)
+    # one prompt cached under a salt (the tenant, which the gateway passes on when it has no tenants) on i0, plain on
+    # i1: each request goes where its own salt's blocks are, not where the same tokens are under another salt
+    p = [5 + (i * 23) % 500 for i in range(41)]
+    for k, tenant in enumerate(("t", "")):
+        with Client(instances[k].target, timeout=60) as c:
+            c.complete(p, max_tokens=1, tenant=tenant)
+    time.sleep(0.5)
+    for k, tenant in enumerate(("t", "", "t", "")):
+        before = {n: s.routed_total for n, s in gw.instances().items()}
+        with Client(gw.target, timeout=60) as c:
+            assert c.complete(p + [9, k], max_tokens=2, tenant=tenant).finish_reason
+        after = {n: s.routed_total for n, s in gw.instances().items()}
+        assert after[f"i{k % 2}"] == before[f"i{k % 2}"] + 1, (tenant, before, after)
 
 
 def test_slow_instance_is_quarantined_then_readmitted(instances, gateways):
