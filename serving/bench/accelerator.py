@@ -20,7 +20,8 @@ its own budget (STAGE_BUDGET_S), keeping the figures it reached; every figure go
 arrives, and if the budget runs out inside a stage a watchdog writes the report and ends the run (status 3).
 
 --smoke (automatic on a CPU host): tiny shapes, the GPU and TPU kernels in interpret mode on CPU, JAX's own kernels
-skipped, no budget. `run(smoke=True)` is the same in-process (tests).
+skipped, no budget. `run(smoke=True)` is the same in-process (tests). --parity_subprocess: greedy_parity's CPU side
+in a subprocess even on a CPU host (the accelerator host's path; default: only off a CPU host).
 
     python -m serving.bench accelerator [--smoke] [--stages=attention,kv_write] [--workdir=DIR] [--out=DIR]
 """
@@ -60,6 +61,8 @@ _STAGES = flags.DEFINE_list("stages", [], "stages to run (default: all, in order
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark models are written (and reused)")
 _OUT = flags.DEFINE_string("out", "", "directory for accelerator.json (every figure, rewritten as each arrives) and "
                            "accelerator_summary.txt; empty: print only")
+_PARITY_SUBPROCESS = flags.DEFINE_bool("parity_subprocess", None, "greedy_parity's CPU side in a JAX_PLATFORMS=cpu "
+                                        "subprocess (default: unless this host is the CPU)")
 _BUDGET = flags.DEFINE_float("budget_s", None, "the run's time budget in seconds (default: 420 on an accelerator, "
                              "none in smoke mode; 0: none)")
 
@@ -627,7 +630,7 @@ def main() -> None:
     if unknown:
         raise app.UsageError(f"--stages: unknown {unknown}; expected some of {', '.join(STAGES)}")
     results = run(smoke=_SMOKE.value, stages=_STAGES.value or None, workdir=_WORKDIR.value, out_dir=_OUT.value,
-                  budget_s=_BUDGET.value)
+                  budget_s=_BUDGET.value, parity_subprocess=_PARITY_SUBPROCESS.value)
     status = exit_status(results)
     if status:
         sys.exit(status)

@@ -1,9 +1,10 @@
 """The accelerator acceptance command (serving/bench/accelerator.py): its smoke mode passes every stage on this CPU
-in a process that sees only the device image's packages (an import hook refuses the others), writing every figure to
-its JSON; the structured stage in-process; a broken check or a raising stage is a FAIL line, the run goes on and exits
-non-zero; the time budgets cut a stage at its checkpoints, leave later stages unstarted and, at the run's end, the
-watchdog writes the report; JAX's GPU paged attention agrees with ours on the converted KV layout (interpret mode);
-and every program the command times lowers for cuda and tpu from this host."""
+in a process that sees only the device image's packages (an import hook refuses the others; the greedy parity's CPU
+side in a subprocess, as on an accelerator host), writing every figure to its JSON; the structured stage in-process;
+a broken check or a raising stage is a FAIL line, the run goes on and exits non-zero; the time budgets cut a stage at
+its checkpoints, leave later stages unstarted and, at the run's end, the watchdog writes the report; JAX's GPU paged
+attention agrees with ours on the converted KV layout (interpret mode); and every program the command times lowers
+for cuda and tpu from this host."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,16 +46,17 @@ SERVER_ONLY = ("fastapi", "starlette", "pydantic", "uvicorn", "httptools", "llgu
 
 @pytest.mark.e2e
 def test_smoke_run_on_the_device_image(tmp_path):
-    """`python -m serving.bench accelerator --smoke` in a process (and its CPU subprocess) whose import hook refuses
-    every installed package the device image lacks: every stage passes but structured, which skips naming
-    llguidance; nothing of the server layers is imported; accelerator.json holds every stage's figures."""
+    """`python -m serving.bench accelerator --smoke --parity_subprocess` in a process (and its CPU subprocess: the
+    path an accelerator host's greedy parity takes) whose import hook refuses every installed package the device
+    image lacks: every stage passes but structured, which skips naming llguidance; nothing of the server layers is
+    imported; accelerator.json holds every stage's figures."""
     refused = device_image.write_refusing_hook(tmp_path / "hook")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path / "hook"), REPO_ROOT,
                                                                      os.environ.get("PYTHONPATH")])))
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "serving.bench", "accelerator", "--smoke", f"--out={out}",
-                           f"--workdir={tmp_path / 'models'}"], capture_output=True, text=True, cwd=REPO_ROOT,
-                          env=env, timeout=900)
+                           f"--workdir={tmp_path / 'models'}", "--parity_subprocess"], capture_output=True, text=True,
+                          cwd=REPO_ROOT, env=env, timeout=900)
     lines = proc.stdout.splitlines()
     results = [line for line in lines if line.split(" ")[0] in ("PASS", "FAIL", "SKIP", "TIMEOUT", "NOT", "KILLED")]
     assert proc.returncode == 0, "\n".join(results) + "\n" + proc.stderr[-2000:]
@@ -63,6 +65,8 @@ def test_smoke_run_on_the_device_image(tmp_path):
         assert sum(line.startswith(f"{word} {stage}: ") for line in lines) == 1, (stage, proc.stdout[-3000:])
     assert any(line.startswith("SKIP structured: llguidance is not installed") for line in lines)
     assert lines[-1].startswith(f"accelerator acceptance: {len(accelerator.STAGES) - 1} passed, 0 failed, 1 skipped")
+    parity = next(line for line in lines if line.startswith("PASS greedy_parity: "))
+    assert "vs CPU subprocess" in parity, parity
     bandwidth = next(line for line in lines if line.startswith("PASS attention_bandwidth: "))
     assert "skipped in smoke mode" in bandwidth
     log = [json.loads(line) for line in refused.read_text().splitlines()]
@@ -279,14 +283,6 @@ def test_decode_roofline_programs_lower_for_the_platform(llama_1b_heads, platfor
     text = engine.runner.lower(engine.runner.trace_program(
         Program("forward", buckets[-1], engine.runner.seq_bucket(buckets[-1])))).as_text()
     assert KERNEL_MARK[platform] in text
-
-
-@pytest.mark.e2e
-def test_greedy_parity_through_the_cpu_subprocess(tmp_path, capsys):
-    """The path an accelerator host takes: the CPU side's tokens from a JAX_PLATFORMS=cpu subprocess."""
-    results = accelerator.run(smoke=True, stages=["greedy_parity"], workdir=str(tmp_path), parity_subprocess=True)
-    assert results[0].passed, results[0].line
-    assert "CPU subprocess" in results[0].detail
 
 
 @pytest.mark.e2e

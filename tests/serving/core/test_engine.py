@@ -78,23 +78,30 @@ def test_concurrent_greedy_matches_hf(llama, workload, name, options):
         assert llm.engine.scheduler.config.prefill_chunk == 16
 
 
-@pytest.mark.parametrize("min_bucket", [16, 1])
-def test_warmup_compiles_every_program(llama, workload, min_bucket):
-    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
-              min_token_bucket=min_bucket)
+def test_warmup_compiles_every_program(llama, workload):
+    # Buckets from 1: every kind of program (all three sequence buckets, the screened forward); the programs of
+    # buckets from 16 are a subset of these, so that configuration's plan is only counted (same warm-up loop).
+    from16 = LLM(llama[0], warmup=False, page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64,
+                 min_token_bucket=16).engine
+    assert from16.buckets == [16, 32, 64]
+    assert not any(from16.runner.screens(from16.runner.seq_bucket(t)) for t in from16.buckets)
+    assert len(from16.warmup_plan()) == len(from16.buckets) + 10 and from16.compile_count == 0
+    plan16 = {(p.kind, p.seqs, repr(p.params), p.max_logprobs) + ((p.tokens,) if p.kind == "forward" else ())
+              for p in from16.warmup_plan()}
+    del from16
+    llm = LLM(llama[0], page_size=8, num_pages=256, max_num_seqs=16, max_num_batched_tokens=64, min_token_bucket=1)
     eng = llm.engine
     # Per token bucket the forward, per sequence bucket 8 sampling variants, the logit-bias (general) one and the
     # masked one (structured outputs); buckets of up to
     # SCREEN_MAX_ROWS sequences also the greedy-only forward with the screened LM head (when the native kernels run).
     screened = [t for t in eng.buckets if eng.runner.screens(eng.runner.seq_bucket(t))]
-    if min_bucket == 16:
-        assert eng.buckets == [16, 32, 64] and screened == []
-    else:
-        assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
-        assert screened == ([1, 2, 4] if native.enabled() else [])
+    assert eng.buckets == [1, 2, 4, 8, 16, 32, 64]
+    assert screened == ([1, 2, 4] if native.enabled() else [])
     seq_buckets = {eng.runner.seq_bucket(t) for t in eng.buckets}
     assert eng.compile_count == len(eng.buckets) + 10 * len(seq_buckets) + len(screened)
     assert eng.compile_count == len(eng.warmup_plan())
+    assert plan16 <= {(p.kind, p.seqs, repr(p.params), p.max_logprobs) + ((p.tokens,) if p.kind == "forward" else ())
+                      for p in eng.warmup_plan() if not p.greedy_only}
     forward_programs = eng.runner._forward_fn._cache_size()
     sample_programs = eng.runner._sample_fn._cache_size()
     _run(llm, workload)
