@@ -94,10 +94,14 @@ class Engine:
             block_manager = HybridBlockManager(r.num_pages, config.page_size, window_pages=r.window_pages,
                                                enable_prefix_caching=config.enable_prefix_caching)
             r.batch_builder.window_maps = block_manager.window_maps
+        self.spec = None  # SpeculativeDecoder when speculative decoding is on (its scheduler: set below)
+        if config.speculative_method:  # before the host tier: a host slot holds the draft cache's page too
+            self.spec = SpeculativeDecoder(r, None, config.speculative_config())
         self.host_kv: HostKVPool | None = None  # the host tier's pages and transfers (--host_kv_cache_gb)
         if config.host_kv_cache_gb > 0:
             self._check_host_tier(config)
-            host_pages = host_pages_for(config.host_kv_cache_gb, r.kv_caches)
+            draft = self.spec if self.spec is not None and self.spec.draft_kv is not None else None
+            host_pages = host_pages_for(config.host_kv_cache_gb, [r.kv_caches, draft and draft.draft_kv])
             if host_pages < 1:
                 raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb} holds no KV page of this model")
             if r.window_pages:  # a host slot: a block's full-attention page and its window pages it still has
@@ -108,7 +112,7 @@ class Engine:
                 block_manager = BlockManager(r.num_pages, config.page_size, host_pages=host_pages)
             # a step allocates at most a page per scheduled token's block, plus one per sequence it crosses into
             per_step = -(-config.max_num_batched_tokens // config.page_size) + config.max_num_seqs
-            self.host_kv = HostKVPool(r, host_pages, per_step)
+            self.host_kv = HostKVPool(r, host_pages, per_step, draft=draft)
             log.info("host KV tier: %d pages (%.2f GiB) under %d device pages", host_pages,
                      self.host_kv.nbytes / (1 << 30), r.num_pages)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -143,9 +147,8 @@ class Engine:
         self.host_gap_s = 0.0
         self.host_gap_steps = 0
         self._pending_spec = None  # the SpecPlan of the step in flight when it speculated
-        self.spec = None  # SpeculativeDecoder when speculative decoding is on
-        if config.speculative_method:
-            self.spec = SpeculativeDecoder(r, self.scheduler, config.speculative_config())
+        if self.spec is not None:
+            self.spec.scheduler = self.scheduler
             self.spec.before_run = self._run_host_copies  # its drafts' pages are allocated after schedule()
         # One step ahead needs the plain program (not the speculative one) on one device: the previous step's
         # tokens then enter the next forward with the same placement as the stand-in every other step passes, so
@@ -157,8 +160,7 @@ class Engine:
     def _check_host_tier(self, config: EngineConfig) -> None:
         why = [reason for reason, bad in (
             ("--enable_prefix_caching is off", not config.enable_prefix_caching),
-            ("--pp > 1", config.pp > 1),
-            ("a draft model's cache shares the pages", config.speculative_method == "draft")) if bad]
+            ("--pp > 1", config.pp > 1)) if bad]
         if why:
             raise ValueError(f"host_kv_cache_gb={config.host_kv_cache_gb}: the host KV tier is not available here: "
                              f"{'; '.join(why)}")

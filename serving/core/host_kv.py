@@ -1,7 +1,8 @@
 """`HostKVPool`: the host-memory tier's data under the prefix cache: a bounded pool of KV pages in host memory laid
 out like the device cache (every leaf of it: a quantized cache's values and scales; a sharded cache's pages kept and
-moved shard by shard), the bucketed gather (device -> staging) and scatter (host -> device pages) programs, and the
-copies the block manager's `HostTier` queues. Details: docs/engine.md ("Host KV tier")."""
+moved shard by shard; a draft model's cache's page with the target's), the bucketed gather (device -> staging) and
+scatter (host -> device pages) programs, and the copies the block manager's `HostTier` queues. Details:
+docs/engine.md ("Host KV tier")."""
 from __future__ import annotations
 
 import collections
@@ -141,23 +142,28 @@ class HostKVPool:
     step, and an H2D copy (`device_put`) likewise: its scatter into the cache is launched only once the data is on
     the device (`poll`), so no step queues behind a load it does not read."""
 
-    def __init__(self, runner, num_slots: int, max_pages_per_step: int):
+    def __init__(self, runner, num_slots: int, max_pages_per_step: int, draft=None):
         self.runner = runner
-        leaves = jax.tree.leaves(runner.kv_caches)
+        # A draft model's cache (`draft.draft_kv`: SpeculativeDecoder's) is indexed by the target's page table: its
+        # leaves follow the target's in every transfer, with the page table's page ids
+        self.draft = draft
+        leaves = self._device_leaves()
         # Per leaf, its page pool: 0 the page table's, i + 1 the i-th sliding-window pool of a hybrid cache (its
         # pages are the block manager's window pages, moved with their block where it has one)
         windows = list(runner.window_pages or {})
         self.groups = [windows.index(spec.sliding_window) + 1 if spec.sliding_window in windows else 0
                        for spec, cache in zip(runner.kv_cache_specs, runner.kv_caches)
                        for _ in jax.tree.leaves(cache)]
+        self.groups += [0] * len(jax.tree.leaves(draft.draft_kv) if draft is not None else [])  # its page table's
         assert len(self.groups) == len(leaves), "a KV cache per layer spec"
         self.group_pages = [0] * (len(windows) + 1)  # each pool's pages (an index past them is dropped)
         for g, leaf in zip(self.groups, leaves):
             self.group_pages[g] = leaf.shape[0]
         self.treedef = jax.tree.structure(runner.kv_caches)
+        self.num_target_leaves = self.treedef.num_leaves
         self.num_slots = num_slots
         self.leaves = [_HostLeaf(leaf, num_slots) for leaf in leaves]
-        self.page_bytes = page_bytes(runner.kv_caches)
+        self.page_bytes = page_bytes(leaves)
         self.buckets = transfer_buckets(max_pages_per_step)
         self.num_device_pages = leaves[0].shape[0]
         # the copies' staging: the gather's output and the loads' input in pinned host memory where there is one
@@ -174,6 +180,17 @@ class HostKVPool:
         self.hold_loads = False  # tests: a load whose copy finished still waits (makes a load in flight observable)
 
     # ---- programs
+    def _device_leaves(self) -> list:
+        """The device caches' leaves the transfers move: the target's, then the draft model's."""
+        leaves = jax.tree.leaves(self.runner.kv_caches)
+        return leaves + jax.tree.leaves(self.draft.draft_kv) if self.draft is not None else leaves
+
+    def _set_device_leaves(self, leaves: list) -> None:
+        n = self.num_target_leaves
+        self.runner.kv_caches = jax.tree.unflatten(self.treedef, leaves[:n])
+        if self.draft is not None:
+            self.draft.draft_kv = jax.tree.unflatten(jax.tree.structure(self.draft.draft_kv), leaves[n:])
+
     def _bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
@@ -229,7 +246,7 @@ class HostKVPool:
         """Gathers the pages `idx` names (`_indices`: per pool, `bucket` of them) per cache leaf, laid out like the
         leaf, and starts their device -> host copy: whole arrays, or (`host`) one shard per host shard
         (`_HostLeaf.stage`)."""
-        leaves = jax.tree.leaves(self.runner.kv_caches)
+        leaves = self._device_leaves()
         layout = tuple(leaf.sharding for leaf in leaves)
         fn = self._gathers.get(layout)
         if fn is None:
@@ -265,20 +282,20 @@ class HostKVPool:
     def _to_device(self, slots: list[int], bucket: int) -> list:
         """Starts the host -> device copy of host `slots`, per leaf a [bucket, ...] array laid out like its cache
         leaf, shard by shard."""
-        leaves = jax.tree.leaves(self.runner.kv_caches)
+        leaves = self._device_leaves()
         return [h.to_device(leaf, slots, bucket, self.staging_memory) for h, leaf in zip(self.leaves, leaves)]
 
     def _put(self, data: list[np.ndarray]) -> list:
         """Whole host arrays (one per cache leaf) onto the devices as the loads' staging is laid out."""
-        leaves = jax.tree.leaves(self.runner.kv_caches)
+        leaves = self._device_leaves()
         return [jax.device_put(d, _in_memory(leaf.sharding, self.staging_memory)) for d, leaf in zip(data, leaves)]
 
     def _launch_scatter(self, idx: list, data: list) -> None:
         r = self.runner
-        leaves = jax.tree.leaves(r.kv_caches)
+        leaves = self._device_leaves()
         with mesh_context(r.mesh), tracing_for(r.platform):
             leaves = self._scatter(leaves)(leaves, self._global(idx), data)
-        r.kv_caches = jax.tree.unflatten(self.treedef, leaves)
+        self._set_device_leaves(leaves)
 
     # ---- whole pages out and in (KV transfers between instances: serving.core.kv_transfer)
     def read_pages(self, pages: list[int]) -> list[np.ndarray]:

@@ -202,6 +202,37 @@ def test_host_tier_under_scheduler_features(llama, reference, name, options, par
     assert llm.engine.scheduler.block_manager.host.hit_blocks > 0
 
 
+def test_host_tier_with_draft_model(llama, reference):
+    """A draft model's cache shares the target's page ids: a host slot holds both pages, and a host hit brings both
+    back. The model drafts for itself, so its proposals are the target's greedy tokens only where the draft K/V of
+    the loaded pages is right: the host-hit request's drafts are accepted (a lost draft page would be rejected),
+    its tokens equal the unbounded non-speculative pool's, a host hit of its 5 blocks is counted, no compile while
+    serving, no page leaks in either tier."""
+    opts = dict(BASE, speculative_method="draft", speculative_model=llama, num_speculative_tokens=2,
+                speculative_min_acceptance=0.0)
+    llm = LLM(llama, warmup=True, num_pages=16, host_kv_cache_gb=_host_gb(64, reference), **opts)
+    engine, pool, spec = llm.engine, llm.engine.host_kv, llm.engine.spec
+    assert pool.num_slots == 32 and pool.page_bytes == 2 * page_bytes(engine.runner.kv_caches)  # + the draft's
+    compiled = (pool.compiled_programs, engine.runner._forward_fn._cache_size(), spec._step_fn._cache_size())
+    a, *others = _prefixes(4)
+    a = a + [7, 8, 9]
+    first = _gen(llm, [a], 8)
+    for p in others:
+        _gen(llm, [p], 8)
+    host = engine.scheduler.block_manager.host
+    assert host.offloaded_pages >= 5 and host.hit_blocks == 0
+    before = spec.stats()
+    again = _gen(llm, [a], 8)
+    after = spec.stats()
+    assert first == again == _gen(reference, [a], 8)
+    assert host.hit_blocks == 5 and host.loaded_pages == 5
+    drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert drafted >= 4 and accepted >= 0.9 * drafted, (accepted, drafted)
+    assert (pool.compiled_programs, engine.runner._forward_fn._cache_size(), spec._step_fn._cache_size()) == compiled
+    engine.scheduler.block_manager.check_idle()
+
+
 def test_host_load_in_flight_does_not_stall_others(llama, reference):
     """A request whose prefix hit is in the host tier waits in the loading state while its pages' copy is in flight
     (the pool holds the landed copy until released: a real copy, observable), and a running decode keeps stepping
