@@ -82,7 +82,7 @@ def reference(models):
     ref = {}
     for name, path in models.items():
         eng = _engine(path)
-        ref[name] = (_prompt_logits(eng), _greedy(_engine(path)))
+        ref[name] = (_prompt_logits(eng), _greedy(eng))  # the pages _prompt_logits took are free again
     return ref
 
 
@@ -131,11 +131,16 @@ def _sampled(engine):
     return [outs[f"s{i}"] for i in range(len(SAMPLED))]
 
 
+@pytest.fixture(scope="module")
+def sampled_reference(models):
+    return _sampled(_engine(models["llama"]))
+
+
 @pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_sampling_matches_single_device(models, tp):
+def test_tensor_parallel_sampling_matches_single_device(models, sampled_reference, tp):
     """Seeded temperature / top-k / top-p / min-p / penalty sampling and logprobs on the vocabulary-sharded
     logits (per-shard candidates merged, no gather): the single-device tokens, logprobs within tolerance."""
-    reference = _sampled(_engine(models["llama"]))
+    reference = sampled_reference
     got = _sampled(_engine(models["llama"], tp=tp))
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, reference):
         assert tokens == ref_tokens
@@ -212,9 +217,15 @@ QUANT_LAYOUTS = [("llama", dict(tp=2)), ("llama", dict(tp=4)), ("mixtral", dict(
                  ("qwen2_moe", dict(tp=2, ep=2)), ("llama", dict(tp=2, kv_cache_dtype="fp8_e4m3"))]
 
 
+@pytest.fixture(scope="module")
+def quantized_reference():
+    """(model, kv_cache_dtype) -> the single-device quantized engine's (logits, greedy tokens), each computed once."""
+    return {}
+
+
 @pytest.mark.parametrize("name, layout", QUANT_LAYOUTS, ids=[f"{n}-" + "-".join(f"{k}{v}" for k, v in l.items())
                                                              for n, l in QUANT_LAYOUTS])
-def test_quantized_layout_matches_single_device(models, name, layout, monkeypatch):
+def test_quantized_layout_matches_single_device(models, quantized_reference, name, layout, monkeypatch):
     """int8 weights (scales sharded with them) and an int8 (or fp8) KV cache: every layout gives the single-device
     quantized engine's logits and greedy tokens. The single device's native int8 kernel widens the weights (exact
     products, as XLA's dot on the mesh), not its int8 dot method (activations in two int8 digits): a K/V row that
@@ -222,7 +233,11 @@ def test_quantized_layout_matches_single_device(models, name, layout, monkeypatc
     monkeypatch.setenv("MESHSERVE_INT8_KERNEL", "widen")
     layout = dict(layout)
     quant = dict(quantization="int8", kv_cache_dtype=layout.pop("kv_cache_dtype", "int8"))
-    ref_logits, ref_tokens = _prompt_logits(_engine(models[name], **quant)), _greedy(_engine(models[name], **quant))
+    key = (name, quant["kv_cache_dtype"])
+    if key not in quantized_reference:
+        single = _engine(models[name], **quant)
+        quantized_reference[key] = _prompt_logits(single), _greedy(single)
+    ref_logits, ref_tokens = quantized_reference[key]
     engine = _engine(models[name], **quant, **layout)
     attn = engine.runner.state["slots" if "pp" in layout else "layers"][0]["self_attn"]
     if "tp" in layout:

@@ -46,6 +46,7 @@ LAYOUTS = {  # (model, EngineConfig options)
     # Phi-3's fused projections and longrope (each token's factor set an input of the step)
     "phi3-longrope": ("phi3", {}),
 }
+TWO_BUCKETS = ("llama", "llama-f32")  # the 12-token budget (`_engine`): the last bucket rounded up to whole tiles
 LATENT_KERNEL = {"gpu": "latent_attention_triton", "tpu": "tpu_custom_call"}
 # DeepSeek-V3's shape, small: power-of-two latent (64) and RoPE key (32), as the Triton kernel wants.
 DEEPSEEK = {**SHAPE, "num_key_value_heads": None, "kv_lora_rank": 64, "q_lora_rank": 64, "qk_rope_head_dim": 32,
@@ -88,7 +89,10 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
     model, options = LAYOUTS[layout]
     if "speculative_model" in options:
         options = {**options, "speculative_model": models[options["speculative_model"]]}
-    engine = _engine(models[model], platform, **options)
+    # two GPU buckets where a layout takes the 12-token budget, one elsewhere (a second bucket is the same program
+    # at another height; on TPU bf16 the one bucket is 16 either way)
+    budget = 12 if layout in TWO_BUCKETS else 8
+    engine = _engine(models[model], platform, max_num_batched_tokens=budget, **options)
     choices = engine.runner.choices
     assert (choices.platform, choices.attention_backend, choices.native_kernels) == (platform, platform, False)
     kv = engine.runner.kv_caches[0]
@@ -97,6 +101,8 @@ def test_every_warmup_program_lowers_without_cpu_pieces(models, platform, layout
     else:
         assert kv.dtype.name == engine.config.dtype  # not XLA:CPU's uint16 bits
     assert all(t % choices.min_token_bucket == 0 for t in engine.runner.buckets), engine.runner.buckets
+    if layout in TWO_BUCKETS and (platform, engine.config.dtype) != ("tpu", "bfloat16"):
+        assert engine.runner.buckets == [8, 16], engine.runner.buckets
     plan = engine.warmup_plan()
     kinds = {p.kind for p in plan}
     assert kinds == ({"forward", "sample", "speculative"} if "speculative_method" in options else {"forward", "sample"})
