@@ -12,9 +12,12 @@
 //      columns with its tokens' xa rows and writes their rows of y (rounded to bfloat16 once, for bf16).
 // Tiles of 4 rows, then single rows (matmul.h WidenTile: float32 x against float32 or widened bfloat16 weights).
 
-// Below this many multiply-adds a call runs on the calling thread alone (a decode step of a few tokens: handing
-// work to the pool cost more than the work).
-constexpr int64_t kLoraSerialMacs = 1 << 18;
+// Below this many multiply-adds a call runs on the calling thread alone: a decode step's rank-8 update (32 tokens:
+// 0.7M) costs less than handing it to the pool twice and waiting for the slowest thread on a loaded CPU.
+constexpr int64_t kLoraSerialMacs = int64_t{1} << 21;
+// A's rows are R apart (each its own cache line for a small rank): copied ahead of use, this many rows prefetched
+// ahead of the copy (the hardware prefetcher does not follow a stride that long far enough).
+constexpr int64_t kLoraPrefetchRows = 16;
 
 // The last columns of a row tile: a panel only as wide as they are (a rank-8 A is one vector wide; a full-width
 // panel would load and multiply masked-off vectors for nothing).
@@ -108,10 +111,21 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     float* xg = rows_buf.Get<float>(static_cast<size_t>(m * K));
     const float** rows = ptr_buf.Get<const float*>(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) {
-      ToF32(x + order[start[s] + i] * K, K, xg + i * K);
+      ToF32(x + order[start[s] + i] * K, xg + i * K, K);
       rows[i] = xg + i * K;
     }
-    LoraMatmul(rows, m, K, a + s * K * R, R, r, xa.get() + start[s] * R, R);
+    // A[s][:, :r] as a contiguous float32 [K, r] block (strided rows read once, prefetched ahead)
+    thread_local Scratch a_buf;
+    float* as = a_buf.Get<float>(static_cast<size_t>(K * r));
+    const T* src = a + s * K * R;
+    const int64_t lines = (r * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+    for (int64_t k = 0; k < K; ++k) {
+      if (k + kLoraPrefetchRows < K)
+        for (int64_t l = 0; l < lines; ++l)
+          PrefetchT0(reinterpret_cast<const char*>(src + (k + kLoraPrefetchRows) * R) + 64 * l);
+      ToF32(src + k * R, as + k * r, r);
+    }
+    LoraMatmul(rows, m, K, as, r, r, xa.get() + start[s] * R, R);
   });
 
   // 2. B: per chunk of N's columns, every used slot.
