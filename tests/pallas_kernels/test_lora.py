@@ -9,10 +9,10 @@ import pytest
 from pallas_kernels import lora, native
 
 
-def _case(dtype, tokens: int, seed: int = 0):
+def _case(dtype, tokens: int, seed: int = 0, k: int = 48, r: int = 16, n: int = 40):
     rng = np.random.default_rng(seed)
-    s, k, r, n = 4, 48, 16, 40
-    ranks = np.array([16, 4, 0, 9], np.int32)
+    s = 4
+    ranks = np.array([r, 4, 0, 9], np.int32)
     a = rng.standard_normal((s, k, r)).astype(np.float32)
     b = rng.standard_normal((s, r, n)).astype(np.float32)
     for i, rank in enumerate(ranks):
@@ -40,6 +40,23 @@ def test_every_backend_matches_the_reference(backend, dtype, monkeypatch):
         got = np.asarray(jax.jit(lambda *z: lora.lora_delta(*z))(*args).astype(jnp.float32))
         tol = 1e-4 if dtype == jnp.float32 else 2e-2
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(), err_msg=f"T={tokens}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_native_kernel_on_its_thread_pool(dtype, monkeypatch):
+    """A call past the kernel's serial threshold (`kLoraSerialMacs` in native/lora.h: 2M multiply-adds; a decode
+    step's rank-8 update stays under it) runs its A and B passes on the thread pool: same answer."""
+    if native.machine_reason() is not None:
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    monkeypatch.setenv(lora.LORA_ENV_VAR, "native")
+    args, want = _case(dtype, 256, seed=5, k=512, r=64, n=384)
+    slots, ranks = np.asarray(args[1]), np.asarray(args[4])
+    macs = sum(int(ranks[sl]) * (512 + 384) for sl in slots if sl >= 0)
+    assert macs > 1 << 21, macs
+    got = np.asarray(jax.jit(lambda *z: lora.lora_delta(*z))(*args).astype(jnp.float32))
+    tol = 1e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_automatic_choice():
