@@ -193,7 +193,7 @@ def test_main_exits_non_zero_when_a_stage_fails(monkeypatch, tmp_path):
                         lambda ctx: (_ for _ in ()).throw(accelerator.StageFailure("broken on purpose")))
     # main() reads its absl flags; these stand in for parsed ones (no global flag state touched)
     for holder, value in (("_SMOKE", True), ("_STAGES", ["environment"]), ("_WORKDIR", str(tmp_path)),
-                          ("_OUT", ""), ("_BUDGET", None)):
+                          ("_OUT", ""), ("_BUDGET", None), ("_PARITY_SUBPROCESS", None)):
         monkeypatch.setattr(accelerator, holder, types.SimpleNamespace(value=value))
     with pytest.raises(SystemExit) as e:
         accelerator.main()
