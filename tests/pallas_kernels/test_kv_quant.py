@@ -16,6 +16,10 @@ from pallas_kernels.kv_quant import QuantizedKV
 
 FORMATS = ("int8", "fp8_e4m3")
 STORAGE = {"int8": [jnp.int8], "fp8_e4m3": [jnp.float8_e4m3fn, jnp.uint8]}  # uint8: the bits, as on cpu
+# Jitted as the cache writers run them: one compile per shape instead of one per eager op.
+quantize = jax.jit(kv_quant.quantize, static_argnums=1)
+dequantize = jax.jit(kv_quant.dequantize, static_argnums=2)
+widen = jax.jit(kv_quant.widen)
 
 
 def _rows(rng):
@@ -46,14 +50,14 @@ def test_rows_round_trip_within_the_format_error(kv_cache_dtype):
     qmax = kv_quant.QMAX[kv_cache_dtype]
     bits = []
     for dtype in STORAGE[kv_cache_dtype]:
-        values, scales = kv_quant.quantize(jnp.asarray(x), dtype)
+        values, scales = quantize(jnp.asarray(x), dtype)
         assert values.dtype == dtype and scales.dtype == jnp.float32 and scales.shape == (8,)
         np.testing.assert_allclose(scales, np.abs(x).max(axis=1) / qmax, rtol=1e-6)
-        deq = np.asarray(kv_quant.dequantize(values, scales))
+        deq = np.asarray(dequantize(values, scales))
         assert np.isfinite(deq).all()
         _within_format_error(x, deq, scales, kv_cache_dtype)
         np.testing.assert_allclose(np.abs(deq).max(axis=1), np.abs(x).max(axis=1), rtol=1e-6)  # absmax exact
-        assert (np.abs(np.asarray(kv_quant.widen(values))) <= qmax).all()
+        assert (np.abs(np.asarray(widen(values))) <= qmax).all()
         bits.append(np.asarray(values).view(np.uint8))
     for other in bits[1:]:  # float8 values and their uint8 bits are the same bytes
         np.testing.assert_array_equal(other, bits[0])
@@ -62,9 +66,9 @@ def test_rows_round_trip_within_the_format_error(kv_cache_dtype):
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_zero_rows_get_scale_zero_and_dequantise_to_zero(kv_cache_dtype):
     zeros = jnp.zeros((3, 2, 64), jnp.bfloat16)
-    values, scales = kv_quant.quantize(zeros, kv_quant.values_dtype(kv_cache_dtype, "cpu"))
+    values, scales = quantize(zeros, kv_quant.values_dtype(kv_cache_dtype, "cpu"))
     assert not np.asarray(scales).any() and not np.asarray(values).any()
-    deq = np.asarray(kv_quant.dequantize(values, scales, jnp.bfloat16).astype(jnp.float32))
+    deq = np.asarray(dequantize(values, scales, jnp.bfloat16).astype(jnp.float32))
     assert np.isfinite(deq).all() and not deq.any()
 
 
@@ -78,7 +82,7 @@ WRITERS = {
 
 def _random_cache(rng, kv_cache_dtype, platform):
     pages = rng.standard_normal((NUM_PAGES, PAGE_SIZE, 2 * HKV, D)).astype(np.float32)
-    return QuantizedKV(*kv_quant.quantize(jnp.asarray(pages), kv_quant.values_dtype(kv_cache_dtype, platform)))
+    return QuantizedKV(*quantize(jnp.asarray(pages), kv_quant.values_dtype(kv_cache_dtype, platform)))
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
@@ -97,14 +101,14 @@ def test_write_quantises_rows_into_their_slots(writer, kv_cache_dtype, slots):
     values = np.asarray(out.values).reshape(NUM_PAGES * PAGE_SIZE, 2 * HKV, D)
     scales = np.asarray(out.scales).reshape(NUM_PAGES * PAGE_SIZE, 2 * HKV)
     rows = np.stack([k, v], axis=2).reshape(len(slots), 2 * HKV, D)
-    want_values, want_scales = kv_quant.quantize(jnp.asarray(rows), cache.values.dtype)
+    want_values, want_scales = quantize(jnp.asarray(rows), cache.values.dtype)
     want_v = before.values.reshape(values.shape).copy()
     want_s = before.scales.reshape(scales.shape).copy()
+    deq = np.asarray(dequantize(out.values, out.scales)).reshape(-1, 2 * HKV, D)
     for t, slot in enumerate(slots):
         if slot >= 0:
             want_v[slot], want_s[slot] = np.asarray(want_values[t]), np.asarray(want_scales[t])
-            _within_format_error(rows[t], kv_quant.dequantize(out.values, out.scales)
-                                 .reshape(-1, 2 * HKV, D)[slot], scales[slot], kv_cache_dtype)
+            _within_format_error(rows[t], deq[slot], scales[slot], kv_cache_dtype)
     np.testing.assert_array_equal(values.view(np.uint8), want_v.view(np.uint8))
     np.testing.assert_array_equal(scales, want_s)
 
