@@ -165,7 +165,6 @@ class HostKVPool:
         self.leaves = [_HostLeaf(leaf, num_slots) for leaf in leaves]
         self.page_bytes = page_bytes(leaves)
         self.buckets = transfer_buckets(max_pages_per_step)
-        self.num_device_pages = leaves[0].shape[0]
         # the copies' staging: the gather's output and the loads' input in pinned host memory where there is one
         # (the D2H / H2D copies are then DMA from / into it)
         self.staging_memory = staging_memory_kind(next(iter(leaves[0].sharding.device_set)))
@@ -298,17 +297,20 @@ class HostKVPool:
         self._set_device_leaves(leaves)
 
     # ---- whole pages out and in (KV transfers between instances: serving.core.kv_transfer)
+    def _whole_pages(self, pages: list[int]) -> list[tuple]:
+        """Per page, its window pages for `_indices` when every pool is indexed by the same page id."""
+        return [(p,) * (len(self.group_pages) - 1) for p in pages]
+
     def read_pages(self, pages: list[int]) -> list[np.ndarray]:
         """Per cache leaf, the pages' data [len(pages), ...] as numpy (waits for the copy); <= buckets[-1] pages."""
         b = self._bucket(len(pages))
-        staging = self._launch_gather(self._indices(pages, b, [(p,) * (len(self.group_pages) - 1) for p in pages],
-                                                    0), b)
+        staging = self._launch_gather(self._indices(pages, b, self._whole_pages(pages), 0), b)
         return [np.asarray(a)[:len(pages)] for a in staging]
 
     def write_pages(self, pages: list[int], data: list[np.ndarray]) -> None:
         """Writes per cache leaf [len(pages), ...] data into device `pages` (<= buckets[-1] of them)."""
         b = self._bucket(len(pages))
-        idx = self._indices(pages, b, [(p,) * (len(self.group_pages) - 1) for p in pages])  # padding: dropped
+        idx = self._indices(pages, b, self._whole_pages(pages))  # padding: dropped
         padded = []
         for h, d in zip(self.leaves, data):
             full = np.zeros((b,) + h.row_shape, h.dtype)
