@@ -13,6 +13,7 @@ from serving.wire.client import Client, ClientError, generate_request
 from serving.wire import meshserve_pb2_grpc as pb_grpc
 from models.synthetic import shared_small_llama
 from serving.process import ServerProcess
+from tests.support.gateway import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -35,6 +36,17 @@ def pki(tmp_path_factory):
                  "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
     return {k: os.path.join(d, v) for k, v in dict(ca="ca.pem", cert="gateway.pem", key="gateway.key",
                                                       server_cert="instance.pem", server_key="instance.key").items()}
+
+
+def _complete_once_routable(client):
+    """The completion, or None while the gateway answers UNAVAILABLE ("no healthy instance; retry later"): it is
+    ready before its first TLS load report from the instance arrives, which on a loaded machine can take seconds."""
+    try:
+        return client.complete([5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
+    except ClientError as e:
+        if e.code != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return None
 
 
 def test_gateway_to_instance_mutual_tls(pki, tmp_path):
@@ -64,7 +76,7 @@ def test_gateway_to_instance_mutual_tls(pki, tmp_path):
                                       "--metrics_port=-1", f"--jobs_db={tmp_path / 'jobs.db'}"], str(tmp_path))
         gateway.wait_ready(120)
         with Client(f"127.0.0.1:{gateway.info['port']}", timeout=120) as client:
-            c = client.complete([5, 6, 7], max_tokens=4, temperature=0.0, ignore_eos=True)
+            c = wait_for(lambda: _complete_once_routable(client), 120, interval=0.2, what="routed over mutual TLS")
         assert c.completion_tokens == 4
     finally:
         if gateway is not None:
