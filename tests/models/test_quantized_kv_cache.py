@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import models.attention
 from models.tokenizer import Tokenizer
@@ -18,7 +19,7 @@ from pallas_kernels import kv_quant
 from pallas_kernels.cases import kv_granularity_errors, make_case
 from pallas_kernels.kv_quant import QuantizedKV
 from pallas_kernels.metadata import AttentionMetadata
-from serving.core.batch import SeqChunk, build_batch
+from serving.core.batch import SeqChunk
 from serving.process import REPO_ROOT
 from sharding.mesh import mesh_context, serving_mesh
 from tests.support.paged_runner import PagedRunner
@@ -33,6 +34,33 @@ def tiny():
     with open(os.path.join(TINY, "heldout.txt"), encoding="utf-8", newline="") as f:
         ids = Tokenizer.from_pretrained(TINY).encode(f.read())[:192]
     return model, ids
+
+
+@pytest.fixture(scope="module")
+def float_cache_run(tiny):
+    """The tiny model's held-out prefill over its float32 cache, in one jitted program: the logits at every token,
+    and the q / K / V each layer computes (captured as the program's outputs)."""
+    model, ids = tiny
+    runner = PagedRunner(model, page_size=16, num_pages=16, max_pages=16)
+    captured = []
+    paged_attention = models.attention.paged_attention
+
+    def capture(q, k, v, *args, **kw):
+        captured.append((q[:len(ids)], k[:len(ids)], v[:len(ids)]))
+        return paged_attention(q, k, v, *args, **kw)
+
+    @jax.jit
+    def run(state, kv, batch):
+        captured.clear()
+        m = nnx.merge(runner.graphdef, state)
+        hidden, _ = m(batch, kv)
+        return m.compute_logits(hidden), list(captured)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(models.attention, "paged_attention", capture)
+        batch = runner._arrays([SeqChunk(ids, 0, runner.alloc(len(ids)))], None, None)
+        logits, qkv = run(runner.state, runner.kv, batch)
+    return np.asarray(logits)[:len(ids)], [tuple(np.asarray(a) for a in layer) for layer in qkv]
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
@@ -82,39 +110,25 @@ def test_tensor_parallel_paged_attention_on_a_quantized_cache_matches_one_device
 
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
-def test_tiny_model_logits_over_a_quantized_cache(tiny, kv_cache_dtype):
+def test_tiny_model_logits_over_a_quantized_cache(tiny, float_cache_run, kv_cache_dtype):
     """192 tokens of held-out text in one prefill (each layer writes its K/V quantised, then reads them back):
     logits within a few percent of the float32 cache's, the same next token almost everywhere."""
     model, ids = tiny
-
-    def logits(kv_cache_dtype):
-        runner = PagedRunner(model, page_size=16, num_pages=16, max_pages=16, kv_cache_dtype=kv_cache_dtype)
-        return runner.token_logits([SeqChunk(ids, 0, runner.alloc(len(ids)))])
-
-    want, got = logits("auto"), logits(kv_cache_dtype)
+    runner = PagedRunner(model, page_size=16, num_pages=16, max_pages=16, kv_cache_dtype=kv_cache_dtype)
+    want, got = float_cache_run[0], runner.token_logits([SeqChunk(ids, 0, runner.alloc(len(ids)))])
     error = np.linalg.norm(got - want) / np.linalg.norm(want)
     agree = np.mean(got.argmax(-1) == want.argmax(-1))
     print(f"tiny model, {kv_cache_dtype} cache: relative logit error {error:.2e}, next token agrees {agree:.1%}")
     assert error < {"int8": 0.005, "fp8_e4m3": 0.02}[kv_cache_dtype] and agree >= 0.95
 
 
-def test_granularity_on_the_tiny_models_real_keys_and_values(tiny, monkeypatch):
+def test_granularity_on_the_tiny_models_real_keys_and_values(tiny, float_cache_run):
     """The attention-output error of each granularity (`cases.kv_granularity_errors`) on the q / K / V each of the
-    tiny model's layers computes over held-out text (captured from an eager forward), averaged over the layers."""
+    tiny model's layers computes over held-out text (captured from the float32 cache's prefill), averaged over the
+    layers."""
     model, ids = tiny
-    captured = []
-    paged_attention = models.attention.paged_attention
-
-    def capture(q, k, v, *args, **kw):
-        n = len(ids)
-        captured.append((np.asarray(q)[:n], np.asarray(k)[:n], np.asarray(v)[:n]))
-        return paged_attention(q, k, v, *args, **kw)
-
-    monkeypatch.setattr(models.attention, "paged_attention", capture)
-    batch = jax.tree.map(jnp.asarray, build_batch([SeqChunk(ids, 0, list(range(12)))], page_size=16,
-                                                  num_tokens=len(ids), num_seqs=2, max_pages=12))
-    model(batch, init_kv_caches(model.kv_cache_specs(dtype=jnp.float32), 12, 16))
-    assert len(captured) == model.config.num_layers
+    captured = float_cache_run[1]
+    assert len(captured) == model.config.num_layers and captured[0][1].shape[0] == len(ids)
     errors = [kv_granularity_errors(q.reshape(len(ids), k.shape[1], -1, q.shape[-1]), k, v) for q, k, v in captured]
     mean = {name: float(np.mean([e[name] for e in errors])) for name in errors[0]}
     print("tiny model q/K/V", {name: f"{e:.2e}" for name, e in mean.items()})  # docs/attention.md (pytest -s)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import moe, native
-from tests.pallas_kernels.test_native import RUNNABLE, _call
+from tests.pallas_kernels.test_native import RUNNABLE, _call, _call_each
 
 needs_native = pytest.mark.skipif(native.machine_reason() is not None,
                                   reason=f"native CPU kernels cannot run here: {native.machine_reason()}")
@@ -73,19 +73,19 @@ NATIVE_SHAPES = [(1, 64, 96, 8, 2), (16, 96, 200, 8, 2), (37, 33, 17, 4, 3), (64
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", range(1, 9))
-def test_native_top_k_1_to_8(isa, dtype, k):
-    args = operands(t=7, e=48, i=40, s=8, k=k, dtype=dtype, seed=k)
-    assert moe.moe_backend(*args[:1], *args[3:]) == "native"
-    check(_call(native.expert_mlp, *args), args, dtype)
+def test_native_top_k_1_to_8(isa, dtype):
+    cases = [operands(t=7, e=48, i=40, s=8, k=k, dtype=dtype, seed=k) for k in range(1, 9)]  # one program for all
+    assert all(moe.moe_backend(*args[:1], *args[3:]) == "native" for args in cases)
+    for args, out in zip(cases, _call_each(native.expert_mlp, cases)):
+        check(out, args, dtype)
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,e,i,s,k", NATIVE_SHAPES)
-def test_native_shapes(isa, dtype, t, e, i, s, k):
-    args = operands(t, e, i, s, k, dtype, seed=t + e)
-    check(_call(native.expert_mlp, *args), args, dtype)
+def test_native_shapes(isa, dtype):
+    cases = [operands(t, e, i, s, k, dtype, seed=t + e) for t, e, i, s, k in NATIVE_SHAPES]  # one program for all
+    for args, out in zip(cases, _call_each(native.expert_mlp, cases)):
+        check(out, args, dtype)
 
 
 @needs_native
@@ -132,20 +132,21 @@ PACKED_SHAPES = [(1, 64, 128, 8, 2), (16, 128, 64, 8, 2), (40, 64, 64, 4, 3), (6
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,e,i,s,k", PACKED_SHAPES)
-def test_native_packed_shapes(isa, dtype, t, e, i, s, k):
-    args = operands(t, e, i, s, k, dtype, seed=t + i)
-    pk = packed(args)
-    assert all(native.is_packed_experts(w) for w in pk[3:]) and moe.moe_backend(*pk[:1], *pk[3:]) == "native"
-    check(_call(native.expert_mlp, *pk), args, dtype)
+def test_native_packed_shapes(isa, dtype):
+    cases = [operands(t, e, i, s, k, dtype, seed=t + i) for t, e, i, s, k in PACKED_SHAPES]
+    pks = [packed(args) for args in cases]
+    for pk in pks:
+        assert all(native.is_packed_experts(w) for w in pk[3:]) and moe.moe_backend(*pk[:1], *pk[3:]) == "native"
+    for args, out in zip(cases, _call_each(native.expert_mlp, pks)):  # one program for all
+        check(out, args, dtype)
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", range(1, 9))
-def test_native_packed_top_k_1_to_8(isa, dtype, k):
-    args = operands(t=7, e=64, i=64, s=8, k=k, dtype=dtype, seed=k)
-    check(_call(native.expert_mlp, *packed(args)), args, dtype)
+def test_native_packed_top_k_1_to_8(isa, dtype):
+    cases = [operands(t=7, e=64, i=64, s=8, k=k, dtype=dtype, seed=k) for k in range(1, 9)]
+    for args, out in zip(cases, _call_each(native.expert_mlp, [packed(args) for args in cases])):
+        check(out, args, dtype)
 
 
 @needs_native
@@ -308,31 +309,32 @@ def check_int8(out, args, dtype):
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", range(1, 9))
-def test_native_int8_top_k_1_to_8(isa, dtype, k):
-    args = int8_operands(7, 48, 40, 8, k, dtype=dtype, seed=k)
-    assert moe.moe_backend(args[0], *args[3:6], scales=args[6]) == "native"
-    check_int8(_call(native.expert_mlp, *args), args, dtype)
+def test_native_int8_top_k_1_to_8(isa, dtype):
+    cases = [int8_operands(7, 48, 40, 8, k, dtype=dtype, seed=k) for k in range(1, 9)]  # one program for all
+    assert all(moe.moe_backend(args[0], *args[3:6], scales=args[6]) == "native" for args in cases)
+    for args, out in zip(cases, _call_each(native.expert_mlp, cases)):
+        check_int8(out, args, dtype)
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,e,i,s,k", NATIVE_SHAPES)
-def test_native_int8_shapes(isa, dtype, t, e, i, s, k):
-    args = int8_operands(t, e, i, s, k, dtype=dtype, seed=t + e)
-    check_int8(_call(native.expert_mlp, *args), args, dtype)
+def test_native_int8_shapes(isa, dtype):
+    cases = [int8_operands(t, e, i, s, k, dtype=dtype, seed=t + e) for t, e, i, s, k in NATIVE_SHAPES]
+    for args, out in zip(cases, _call_each(native.expert_mlp, cases)):
+        check_int8(out, args, dtype)
 
 
 @needs_native
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,e,i,s,k", PACKED_SHAPES)
-def test_native_int8_packed_shapes(isa, dtype, t, e, i, s, k):
+def test_native_int8_packed_shapes(isa, dtype):
     # int8 experts packed as the int8 matmul packs (64-column panels of quads), scales as they are.
-    args = int8_operands(t, e, i, s, k, dtype=dtype, seed=t + i)
-    pk = packed(args[:6]) + args[6:]
-    assert all(native.is_packed_experts(w) and w.dtype == jnp.int8 for w in pk[3:6])
-    assert moe.moe_backend(pk[0], *pk[3:6], scales=pk[6]) == "native"
-    check_int8(_call(native.expert_mlp, *pk), args, dtype)
+    cases = [int8_operands(t, e, i, s, k, dtype=dtype, seed=t + i) for t, e, i, s, k in PACKED_SHAPES]
+    pks = [packed(args[:6]) + args[6:] for args in cases]
+    for pk in pks:
+        assert all(native.is_packed_experts(w) and w.dtype == jnp.int8 for w in pk[3:6])
+        assert moe.moe_backend(pk[0], *pk[3:6], scales=pk[6]) == "native"
+    for args, out in zip(cases, _call_each(native.expert_mlp, pks)):  # one program for all
+        check_int8(out, args, dtype)
 
 
 @needs_native

@@ -36,14 +36,26 @@ def isa(request, monkeypatch):
     return request.param
 
 
-def _call(fn, *args, **kwargs):
-    """fn(*args, **kwargs) jitted from a fresh trace (the path is read at trace time, and jit's cache would hand back
-    a program traced for another), checking that the program calls the kernels on the path the test forced."""
+def _compile(fn, *args, **kwargs):
+    """fn jitted from a fresh trace (the path is read at trace time, and jit's cache would hand back a program traced
+    for another) and compiled for these arguments' shapes, checking that the program calls the kernels on the path
+    the test forced."""
     lowered = jax.jit(lambda *a: fn(*a, **kwargs)).lower(*args)
     forced = os.environ.get(native.ISA_ENV_VAR)
     if forced:
         assert f"isa = {native.ISAS.index(forced)} : i32" in lowered.as_text()
-    return lowered.compile()(*args)
+    return lowered.compile()
+
+
+def _call(fn, *args, **kwargs):
+    """fn(*args, **kwargs) through `_compile`."""
+    return _compile(fn, *args, **kwargs)(*args)
+
+
+def _call_each(fn, cases, **kwargs):
+    """fn(*case, **kwargs) for every case (a tuple of arguments) in one program through `_compile`: one compile
+    for a parametrization's shapes (each case still its own kernel call) instead of one per shape."""
+    return _call(lambda cs: [fn(*case, **kwargs) for case in cs], [tuple(case) for case in cases])
 
 
 def test_kernels_build_on_this_machine():
@@ -78,29 +90,34 @@ def test_forcing_a_path_this_cpu_cannot_run_is_a_clear_error(monkeypatch):
     assert native.isa() == RUNNABLE[-1]
 
 
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 13, 16, 17, 33])
 @pytest.mark.parametrize("k,n", [(64, 48), (96, 200), (33, 130), (256, 1000)])
-def test_matmul_f32_matches_numpy(isa, m, k, n):
-    rng = np.random.default_rng(m * 1000 + k + n)
-    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-    out = np.asarray(_call(native.matmul, jnp.asarray(x), jnp.asarray(w)))
-    np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+def test_matmul_f32_matches_numpy(isa, k, n):
+    ms = [1, 3, 7, 8, 13, 16, 17, 33]  # rows across every tile height and past it, one program for all
+    cases = []
+    for m in ms:
+        rng = np.random.default_rng(m * 1000 + k + n)
+        cases.append((rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)))
+    outs = _call_each(native.matmul, [(jnp.asarray(x), jnp.asarray(w)) for x, w in cases])
+    for m, (x, w), out in zip(ms, cases, outs):
+        np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4, err_msg=f"m={m}")
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 7, 8, 12, 16, 20])
 @pytest.mark.parametrize("k,n", [(64, 48), (33, 130), (256, 1000)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_matmul_bf16_matches_f32_accumulation(isa, m, k, n, out_dtype):
-    rng = np.random.default_rng(m * 1000 + k + n)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # bf16 products are exact in f32
-    out = _call(native.matmul, x, w, out_dtype=out_dtype)
-    assert out.dtype == out_dtype and out.shape == (m, n)
-    if out_dtype == jnp.float32:
-        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
-    else:  # one rounding to bf16 of the f32 sum
-        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2)
+def test_matmul_bf16_matches_f32_accumulation(isa, k, n, out_dtype):
+    ms = [1, 2, 5, 7, 8, 12, 16, 20]
+    cases = []
+    for m in ms:
+        rng = np.random.default_rng(m * 1000 + k + n)
+        cases.append((jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16),
+                      jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)))
+    for m, (x, w), out in zip(ms, cases, _call_each(native.matmul, cases, out_dtype=out_dtype)):
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)  # bf16 products are exact in f32
+        assert out.dtype == out_dtype and out.shape == (m, n)
+        if out_dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4, err_msg=f"m={m}")
+        else:  # one rounding to bf16 of the f32 sum
+            np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2, err_msg=f"m={m}")
 
 
 def test_matmul_takes_leading_dims_and_zero_rows(isa):
@@ -166,30 +183,36 @@ def test_can_pack_rejects_what_the_kernel_cannot_take():
     assert not native.is_packed(jnp.ones((64, 64), jnp.float32))
 
 
-@pytest.mark.parametrize("m", [1, 4, 6, 7, 13, 14, 16, 29, 40, 230])
 @pytest.mark.parametrize("k,n", [(64, 32), (33, 192), (300, 96)])
-def test_packed_matmul_f32_matches_numpy(isa, m, k, n):
-    rng = np.random.default_rng(m * 1000 + k + n)
-    x, w = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
-    out = np.asarray(_call(native.matmul_packed, jnp.asarray(x), native.pack_weight(jnp.asarray(w))))
-    np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+def test_packed_matmul_f32_matches_numpy(isa, k, n):
+    ms = [1, 4, 6, 7, 13, 14, 16, 29, 40, 230]
+    cases = []
+    for m in ms:
+        rng = np.random.default_rng(m * 1000 + k + n)
+        cases.append((rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)))
+    outs = _call_each(native.matmul_packed, [(jnp.asarray(x), native.pack_weight(jnp.asarray(w))) for x, w in cases])
+    for m, (x, w), out in zip(ms, cases, outs):
+        np.testing.assert_allclose(np.asarray(out), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4, err_msg=f"m={m}")
 
 
-@pytest.mark.parametrize("m", [1, 3, 6, 8, 16, 17, 40])
 @pytest.mark.parametrize("k,n", [(64, 64), (33, 192), (70, 128), (256, 320)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_packed_matmul_bf16_matches_f32_accumulation(isa, m, k, n, out_dtype):
+def test_packed_matmul_bf16_matches_f32_accumulation(isa, k, n, out_dtype):
     # rows of 40 take the AMX tiles or, where bf16 is widened to f32, the panel widened once (matmul.h)
-    rng = np.random.default_rng(m * 1000 + k + n)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)
-    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-    out = _call(native.matmul_packed, x, native.pack_weight(w), out_dtype=out_dtype)
-    assert out.dtype == out_dtype and out.shape == (m, n)
-    if out_dtype == jnp.float32:
-        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4)
-    else:
-        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2)
+    ms = [1, 3, 6, 8, 16, 17, 40]
+    cases = []
+    for m in ms:
+        rng = np.random.default_rng(m * 1000 + k + n)
+        cases.append((jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16),
+                      jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16)))
+    outs = _call_each(native.matmul_packed, [(x, native.pack_weight(w)) for x, w in cases], out_dtype=out_dtype)
+    for m, (x, w), out in zip(ms, cases, outs):
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        assert out.dtype == out_dtype and out.shape == (m, n)
+        if out_dtype == jnp.float32:
+            np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-4, err_msg=f"m={m}")
+        else:
+            np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2 ** -8, atol=1e-2, err_msg=f"m={m}")
 
 
 def test_packed_matmul_takes_leading_dims_and_zero_rows(isa):
@@ -301,10 +324,15 @@ def _head(layout: str, w_kn: jax.Array) -> jax.Array:
 
 
 def _screened(x, w_kn, layout, num_rows):
+    return _screened_each([x], w_kn, layout, num_rows)[0]
+
+
+def _screened_each(xs, w_kn, layout, num_rows):
+    """(tokens, candidates) of the screened head for each x, in one program."""
     q, bounds = native.greedy_head_screen(np.asarray(w_kn.astype(jnp.float32)).T)
-    tokens, cands = _call(native.greedy_head, x, jnp.asarray(q), jnp.asarray(bounds), _head(layout, w_kn),
-                          jnp.array([num_rows]), layout=layout)
-    return np.asarray(tokens), np.asarray(cands)
+    operands = (jnp.asarray(q), jnp.asarray(bounds), _head(layout, w_kn), jnp.array([num_rows]))
+    outs = _call_each(native.greedy_head, [(x, *operands) for x in xs], layout=layout)
+    return [(np.asarray(tokens), np.asarray(cands)) for tokens, cands in outs]
 
 
 def _exact_logits(x, w_kn) -> np.ndarray:
@@ -317,9 +345,8 @@ def _exact_logits(x, w_kn) -> np.ndarray:
 def test_greedy_head_is_the_argmax_of_the_exact_logits(isa, dtype, layout, k, n):
     rng = np.random.default_rng(k + n)
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.05, dtype)
-    for trial in range(3):
-        x = jnp.asarray(rng.standard_normal((4, k)), dtype)
-        tokens, cands = _screened(x, w, layout, num_rows=3)
+    xs = [jnp.asarray(rng.standard_normal((4, k)), dtype) for trial in range(3)]
+    for x, (tokens, cands) in zip(xs, _screened_each(xs, w, layout, num_rows=3)):  # three trials, one program
         exact = _exact_logits(x, w)
         np.testing.assert_array_equal(tokens[:3], exact[:3].argmax(axis=1))
         assert tokens[3] == 0 and cands[3] == 0  # rows past num_rows are not computed
@@ -414,9 +441,12 @@ def test_engine_greedy_steps_take_the_screen_with_the_same_tokens(tmp_path, monk
                 screened = sum(eng.runner.screens(eng.runner.seq_bucket(t)) for t in eng.buckets)
                 assert screened > 0 and all(eng.runner.seq_bucket(t) > SCREEN_MAX_ROWS for t in eng.buckets
                                             if not eng.runner.screens(eng.runner.seq_bucket(t)))
-                # Mixed with a sampling request the steps run the full head; the greedy request's tokens hold.
-                mixed = llm.generate(prompts[:2], [greedy, SamplingParams(max_tokens=12, temperature=0.8, seed=1)])
-                assert mixed[0].token_ids == runs[True][0]
+                # Mixed with a sampling request the steps run the full head; the greedy requests' tokens hold. (The
+                # same step shapes as the greedy run: the full-head programs are those the unscreened engine below
+                # then finds in the compilation cache.)
+                sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+                mixed = llm.generate(prompts, [greedy, sampled, greedy])
+                assert [mixed[0].token_ids, mixed[2].token_ids] == [runs[True][0], runs[True][2]]
         assert runs[True] == runs[False], family
         if dtype == torch.float32:
             assert runs[True] == [hf_models.hf_greedy(hf, p, 12) for p in prompts], family
