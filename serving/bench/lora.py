@@ -129,7 +129,7 @@ def bench_kernels() -> None:
     dt = jnp.dtype(_DTYPE.value)
     k, n, slots, rank = 768, 2048, NUM_ADAPTERS, max(RANKS)
     rng = np.random.default_rng(0)
-    a = jnp.asarray(rng.standard_normal((slots, k, rank)) * 0.02, dt)
+    a = jnp.asarray(rng.standard_normal((slots, rank, k)) * 0.02, dt)
     b = jnp.asarray(rng.standard_normal((slots, rank, n)) * 0.02, dt)
     w = jnp.asarray(rng.standard_normal((k, n)) * 0.02, dt)
     ranks = jnp.full((slots,), rank, jnp.int32)
