@@ -1,8 +1,7 @@
 """LoRA adapters in the model: the adapter slot stacks a projection carries when serving adapters (`LoRAProjection`:
 A [slots, rank, in..] (PEFT's lora_A layout), B [slots, rank, out..] with PEFT's scaling folded into B, each slot's
-rank), which projections
-take them (`lora_targets`), and PEFT checkpoints read into that layout (`read_peft_adapter`, `AdapterError`).
-Details: docs/lora.md."""
+rank), which projections take them (`lora_targets`), and PEFT checkpoints read into that layout (`read_peft_adapter`,
+`AdapterError`). Details: docs/lora.md."""
 from __future__ import annotations
 
 import dataclasses
