@@ -1,7 +1,7 @@
 """LoRA adapters in the model: the adapter slot stacks a projection carries when serving adapters (`LoRAProjection`:
-A [slots, in.., rank], B [slots, rank, out..] with PEFT's scaling folded into B, each slot's rank), which projections
-take them (`lora_targets`), and PEFT checkpoints read into that layout (`read_peft_adapter`, `AdapterError`).
-Details: docs/lora.md."""
+A [slots, rank, in..] (PEFT's lora_A layout), B [slots, rank, out..] with PEFT's scaling folded into B, each slot's
+rank), which projections take them (`lora_targets`), and PEFT checkpoints read into that layout (`read_peft_adapter`,
+`AdapterError`). Details: docs/lora.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -67,7 +67,8 @@ def lora_targets(cfg: ModelConfig, layer: int) -> dict[str, Target]:
 
 
 class LoRAProjection(nnx.Module):
-    """One projection's adapter slots: `a` [slots, *in, rank], `b` [slots, rank, *out] (scaling folded in), `ranks`
+    """One projection's adapter slots: `a` [slots, rank, *in] (A transposed, as PEFT's lora_A: an adapter's first r
+    rows are contiguous, all a rank-r adapter's update reads), `b` [slots, rank, *out] (scaling folded in), `ranks`
     [slots] (0: the slot's adapter leaves this projection alone). Split over a mesh as the weight it modifies (the
     in and out axes' rules: B of a column-parallel projection by its output, A of a row-parallel one by its input)."""
 
@@ -76,15 +77,15 @@ class LoRAProjection(nnx.Module):
             device = sharding(axes, shape) if sharding is not None else None
             return LoRAWeight(jnp.zeros(shape, dt, device=device), axes=axes)
 
-        self.a = zeros((max_loras, *target.in_shape, max_rank), (LORA_SLOTS, *target.in_axes, LORA_RANK), dtype)
+        self.a = zeros((max_loras, max_rank, *target.in_shape), (LORA_SLOTS, LORA_RANK, *target.in_axes), dtype)
         self.b = zeros((max_loras, max_rank, *target.out_shape), (LORA_SLOTS, LORA_RANK, *target.out_axes), dtype)
         self.ranks = zeros((max_loras,), (LORA_SLOTS,), jnp.int32)
 
     def __call__(self, x: jax.Array, slots: jax.Array) -> jax.Array:
         """Pure. The update of x [T, in] ([T, out]) for each token's slot (`slots` [T], < 0: none)."""
         a, b = self.a[...], self.b[...]
-        n, r = a.shape[0], a.shape[-1]
-        return lora_delta(x, slots, a.reshape(n, -1, r), b.reshape(n, r, -1), self.ranks[...])
+        n, r = a.shape[:2]
+        return lora_delta(x, slots, a.reshape(n, r, -1), b.reshape(n, r, -1), self.ranks[...])
 
 
 class LoRAStacks(nnx.Module):
@@ -138,13 +139,13 @@ class PeftAdapter:
         return tuple(sorted({m.name for m in self.modules}))
 
     def weights(self, cfg: ModelConfig) -> dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]:
-        """Host-side. Per (layer, projection): A [*in, r] and B [r, *out] in our layout, float32, B times the
+        """Host-side. Per (layer, projection): A [r, *in] and B [r, *out] in our layout, float32, B times the
         scaling."""
         f = SafetensorsFile(os.path.join(self.path, ADAPTER_WEIGHTS))
         out = {}
         for m in self.modules:
             t = lora_targets(cfg, m.layer)[m.name]
-            a = np.asarray(f.get(m.a_key), np.float32).T.reshape(*t.in_shape, m.rank)
+            a = np.asarray(f.get(m.a_key), np.float32).reshape(m.rank, *t.in_shape)  # PEFT's lora_A: [r, in]
             b = (np.asarray(f.get(m.b_key), np.float32).T * np.float32(m.scaling)).reshape(m.rank, *t.out_shape)
             out[m.layer, m.name] = (a, b)
         return out

@@ -1,5 +1,6 @@
-"""The batched LoRA update of a ragged batch behind one entry point, `lora_delta`: per token t, (x[t] @ a[s]) @ b[s]
-for its adapter slot s = slots[t] (nothing where s < 0: the base model), each slot's rank read up to its own rank.
+"""The batched LoRA update of a ragged batch behind one entry point, `lora_delta`: per token t, (x[t] @ a[s]^T) @ b[s]
+for its adapter slot s = slots[t] (nothing where s < 0: the base model), each slot's rank read up to its own rank;
+A is stored transposed ([slots, rank, K]: an adapter's first r rows are all its update reads, contiguous).
 Backends: 'gather' (a few tokens: each token's adapter gathered), 'loop' (XLA:CPU: per slot some token uses, every
 row masked), 'ragged_dot' (tokens sorted by slot through XLA's grouped matmul: accelerators), and on single-device
 CPU the native kernel where it runs ('native'). MESHSERVE_LORA_KERNEL forces one (comparisons, tests). Details:
@@ -22,7 +23,7 @@ GATHER_MAX_TOKENS = 4
 
 
 def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
-    """Trace-time. Which backend `lora_delta` takes for x [T, K], a [S, K, R], b [S, R, N] here."""
+    """Trace-time. Which backend `lora_delta` takes for x [T, K], a [S, R, K], b [S, R, N] here."""
     choice = os.environ.get(LORA_ENV_VAR, "auto").strip().lower()
     if choice not in ("", "auto", *BACKENDS):
         raise ValueError(f"{LORA_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
@@ -38,8 +39,8 @@ def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
 
 
 def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array) -> jax.Array:
-    """Pure. [T, N] in x's dtype: (x[t] @ a[slots[t]]) @ b[slots[t]] per token, 0 where slots[t] < 0; x [T, K],
-    slots [T] int32, a [S, K, R], b [S, R, N] in x's dtype (columns / rows past a slot's rank are zero), ranks [S]
+    """Pure. [T, N] in x's dtype: (x[t] @ a[slots[t]]^T) @ b[slots[t]] per token, 0 where slots[t] < 0; x [T, K],
+    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero), ranks [S]
     int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this projection).
     Accumulated in float32."""
     backend = lora_backend(x, a, b)
@@ -56,12 +57,17 @@ def _dot(x, w):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
+def _dot_t(x, a):
+    """x [T, K] @ a [R, K]^T, accumulated in float32 (XLA's dot takes the transposed operand as it is)."""
+    return jax.lax.dot_general(x, a, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def gathered_lora(x, slots, a, b):
     """Pure. `lora_delta` reading each token's own A and B (gathered: T adapters' worth of weights)."""
     used = slots >= 0
     idx = jnp.where(used, slots, 0)
     f32 = jnp.float32
-    xa = jnp.einsum("tk,tkr->tr", x.astype(f32), a[idx].astype(f32))
+    xa = jnp.einsum("tk,trk->tr", x.astype(f32), a[idx].astype(f32))
     xa = jnp.where(used[:, None], xa, 0)
     return jnp.einsum("tr,trn->tn", xa, b[idx].astype(f32)).astype(x.dtype)
 
@@ -74,7 +80,7 @@ def looped_lora(x, slots, a, b):
     present = jnp.zeros((n + 1,), jnp.bool_).at[jnp.where(slots >= 0, slots, n)].set(True)[:n]
 
     def apply(s, y):
-        xa = jnp.where((slots == s)[:, None], _dot(x, jax.lax.dynamic_index_in_dim(a, s, keepdims=False)), 0)
+        xa = jnp.where((slots == s)[:, None], _dot_t(x, jax.lax.dynamic_index_in_dim(a, s, keepdims=False)), 0)
         return y + _dot(xa.astype(x.dtype), jax.lax.dynamic_index_in_dim(b, s, keepdims=False))
 
     def body(s, y):
@@ -91,7 +97,10 @@ def ragged_lora(x, slots, a, b):
     key = jnp.where(slots >= 0, slots, n)
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros((n + 1,), jnp.int32).at[key].add(1)[:n]
-    xa = jax.lax.ragged_dot(x[order], a, group_sizes, preferred_element_type=jnp.float32)
+    # A [S, R, K] contracted over its last axis (no transposed copy of the stack)
+    a_dims = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                               lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+    xa = jax.lax.ragged_dot_general(x[order], a, group_sizes, a_dims, preferred_element_type=jnp.float32)
     out = jax.lax.ragged_dot(xa.astype(x.dtype), b, group_sizes, preferred_element_type=jnp.float32)
     out = jnp.where((key[order] < n)[:, None], out, 0)  # rows in no group: not defined by ragged_dot
     return jnp.zeros(out.shape, jnp.float32).at[order].set(out).astype(x.dtype)

@@ -49,7 +49,7 @@ class ShardingRules:
         return NamedSharding(mesh, self.partition_spec(axes, shape, mesh))
 
 
-# LoRA stacks (A [slots, in.., rank], B [slots, rank, out..]) split as the weight they modify, by its in/out axes;
+# LoRA stacks (A [slots, rank, in..], B [slots, rank, out..]) split as the weight they modify, by its in/out axes;
 # their slot and rank axes are never split (a rank is 8-64: too small to divide).
 DEFAULT_RULES = ShardingRules({
     EMBED: None, HEAD_DIM: None, LAYERS: None, LORA_SLOTS: None, LORA_RANK: None,

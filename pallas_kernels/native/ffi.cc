@@ -372,10 +372,10 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
   auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
   if (xd.size() != 2 || ad.size() != 3 || bd.size() != 3)
-    return ffi::Error::InvalidArgument("lora: x must be [T, K], a [S, K, R], b [S, R, N]");
-  const int64_t T = xd[0], K = xd[1], S = ad[0], R = ad[2], N = bd[2];
-  if (ad[1] != K || bd[0] != S || bd[1] != R)
-    return ffi::Error::InvalidArgument("lora: x [T, K], a [S, K, R] and b [S, R, N] disagree");
+    return ffi::Error::InvalidArgument("lora: x must be [T, K], a [S, R, K], b [S, R, N]");
+  const int64_t T = xd[0], K = xd[1], S = ad[0], R = ad[1], N = bd[2];
+  if (ad[2] != K || bd[0] != S || bd[1] != R)
+    return ffi::Error::InvalidArgument("lora: x [T, K], a [S, R, K] and b [S, R, N] disagree");
   if (static_cast<int64_t>(slots.element_count()) != T || static_cast<int64_t>(ranks.element_count()) != S)
     return ffi::Error::InvalidArgument("lora: slots must be [T] and ranks [S]");
   const auto t = x.element_type();

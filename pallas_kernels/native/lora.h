@@ -1,26 +1,24 @@
 // The LoRA update of a ragged batch (pallas_kernels/lora.py `lora_delta`), included inside an instruction set's
 // namespace after matmul.h, whose tiles it reuses:
 //
-//   y[t] = (x[t] @ a[s][:, :r]) @ b[s][:r, :],   s = slots[t], r = ranks[s];   y[t] = 0 where s < 0, s >= S or r = 0
+//   y[t] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :],   s = slots[t], r = ranks[s];   y[t] = 0 where s < 0, s >= S or r = 0
 //
-// with a [S, K, R], b [S, R, N] row-major in x's dtype. The tokens are grouped by slot (counting sort, token order
-// kept), so each adapter's A and B are read once per call, and only up to the adapter's own rank: a slot no token
-// uses is not read, and a rank-8 adapter in rank-64 slots reads an eighth of them. Two parallel passes over the
-// caller's threads:
-//   1. A: units of slots; the slot's token rows (float32) times A's first r columns -> xa[t, :r] (float32);
+// with a [S, R, K] (A stored transposed: each rank row contiguous along K) and b [S, R, N] row-major in x's dtype.
+// The tokens are grouped by slot (counting sort, token order kept), so each adapter's A and B are read once per
+// call, and only up to the adapter's own rank: a slot no token uses is not read, and a rank-8 adapter in rank-64
+// slots reads its first 8 rows of A and of B, contiguously. Two parallel passes over the caller's threads:
+//   1. A: units of slots; dot products of the slot's token rows (float32) with A's first r rows (widened in
+//      registers) -> xa[t, :r] (float32);
 //   2. B: units of chunks of N's columns (no two threads write one element); each sweeps every used slot's B
 //      columns with its tokens' xa rows and writes their rows of y (rounded to bfloat16 once, for bf16).
-// Tiles of 4 rows, then single rows (matmul.h WidenTile: float32 x against float32 or widened bfloat16 weights).
+// B's tiles: 4 rows, then single rows (matmul.h WidenTile: float32 x against float32 or widened bfloat16 weights).
 
 // Below this many multiply-adds a call runs on the calling thread alone: a decode step's rank-8 update (32 tokens:
 // 0.7M) costs less than handing it to the pool twice and waiting for the slowest thread on a loaded CPU.
 constexpr int64_t kLoraSerialMacs = int64_t{1} << 21;
-// A's rows are R apart (each its own cache line for a small rank): copied ahead of use, this many rows prefetched
-// ahead of the copy (the hardware prefetcher does not follow a stride that long far enough).
-constexpr int64_t kLoraPrefetchRows = 16;
 
-// The last columns of a row tile: a panel only as wide as they are (a rank-8 A is one vector wide; a full-width
-// panel would load and multiply masked-off vectors for nothing).
+// The last columns of a row tile: a panel only as wide as they are (a rank-8 B row is one vector wide; a
+// full-width panel would load and multiply masked-off vectors for nothing).
 template <int RT, int CB, typename WT>
 void LoraTail(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t width, float* out, int64_t ldo) {
   if constexpr (CB > 1) {
@@ -60,13 +58,61 @@ void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, in
   for (; i < m; ++i) LoraColumns<1, WT>(rows[i], w, ldw, kb, width, out + i * ldo, ldo);
 }
 
-inline void ToF32(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void ToF32(const uint16_t* src, int64_t n, float* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t b = static_cast<uint32_t>(src[i]) << 16;
-    std::memcpy(dst + i, &b, 4);
+// out[i, j] (float32, row stride ldo) = x[i, :K] . a[j, :K] for i < RT, j < RC: RT token rows (float32, row stride
+// K) against RC rows of A (float32 or bfloat16 widened in registers), each product summed along K in vector lanes
+// and reduced once at the end.
+template <int RT, int RC, typename WT>
+inline void LoraDotTile(const float* __restrict x, const WT* __restrict a, int64_t K, float* __restrict out,
+                        int64_t ldo) {
+  V::F acc[RT][RC];
+#pragma GCC unroll 8
+  for (int i = 0; i < RT; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+  const V::M full = V::Mask(V::kLanes);
+  int64_t k = 0;
+  for (; k + V::kLanes <= K; k += V::kLanes) {
+    V::F av[RC];
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) av[j] = LoadW(a + j * K + k, full);
+#pragma GCC unroll 8
+    for (int i = 0; i < RT; ++i) {
+      const V::F xv = V::Load(x + i * K + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
+    }
   }
+  if (k < K) {
+    const V::M tail = V::Mask(K - k);
+    V::F av[RC];
+    for (int j = 0; j < RC; ++j) av[j] = LoadW(a + j * K + k, tail);
+    for (int i = 0; i < RT; ++i) {
+      const V::F xv = V::LoadM(x + i * K + k, tail);
+      for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < RT; ++i)
+    for (int j = 0; j < RC; ++j) out[i * ldo + j] = V::ReduceAdd(acc[i][j]);
 }
+
+// RT token rows against A's first r rows: tiles of RC rows of A, then single ones.
+template <int RT, int RC, typename WT>
+void LoraDotRows(const float* x, const WT* a, int64_t K, int64_t r, float* out, int64_t ldo) {
+  int64_t j = 0;
+  for (; j + RC <= r; j += RC) LoraDotTile<RT, RC, WT>(x, a + j * K, K, out + j, ldo);
+  for (; j < r; ++j) LoraDotTile<RT, 1, WT>(x, a + j * K, K, out + j, ldo);
+}
+
+// out[i, :r] (float32, row stride ldo) = x[i, :K] @ a[:r, :K]^T for i < m (x float32, row stride K): tiles of 4
+// token rows x 2 rows of A (12 of AVX2's 16 registers), then 2 x 4, then single token rows x 8 rows of A.
+template <typename WT>
+void LoraDot(const float* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) LoraDotRows<4, 2, WT>(x + i * K, a, K, r, out + i * ldo, ldo);
+  for (; i + 2 <= m; i += 2) LoraDotRows<2, 4, WT>(x + i * K, a, K, r, out + i * ldo, ldo);
+  for (; i < m; ++i) LoraDotRows<1, 8, WT>(x + i * K, a, K, r, out + i * ldo, ldo);
+}
+
 inline void FromF32(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void FromF32(const float* src, int64_t n, uint16_t* dst) {
   for (int64_t i = 0; i < n; i += V::kLanes) {
@@ -101,31 +147,16 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   int64_t num_used = 0;
   for (int64_t s = 0; s < S; ++s)
     if (start[s + 1] > start[s]) used[num_used++] = static_cast<int32_t>(s);
-  Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A
+  Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A^T
 
   // 1. A: per used slot.
   ParallelFor(par, num_used, [&](int64_t u) {
     const int32_t s = used[u];
     const int64_t m = start[s + 1] - start[s], r = rank_of(s);
-    thread_local Scratch rows_buf, ptr_buf;
+    thread_local Scratch rows_buf;
     float* xg = rows_buf.Get<float>(static_cast<size_t>(m * K));
-    const float** rows = ptr_buf.Get<const float*>(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) {
-      ToF32(x + order[start[s] + i] * K, xg + i * K, K);
-      rows[i] = xg + i * K;
-    }
-    // A[s][:, :r] as a contiguous float32 [K, r] block (strided rows read once, prefetched ahead)
-    thread_local Scratch a_buf;
-    float* as = a_buf.Get<float>(static_cast<size_t>(K * r));
-    const T* src = a + s * K * R;
-    const int64_t lines = (r * static_cast<int64_t>(sizeof(T)) + 63) / 64;
-    for (int64_t k = 0; k < K; ++k) {
-      if (k + kLoraPrefetchRows < K)
-        for (int64_t l = 0; l < lines; ++l)
-          PrefetchT0(reinterpret_cast<const char*>(src + (k + kLoraPrefetchRows) * R) + 64 * l);
-      ToF32(src + k * R, as + k * r, r);
-    }
-    LoraMatmul(rows, m, K, as, r, r, xa.get() + start[s] * R, R);
+    for (int64_t i = 0; i < m; ++i) ToF32(x + order[start[s] + i] * K, xg + i * K, K);
+    LoraDot(xg, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
   });
 
   // 2. B: per chunk of N's columns, every used slot.

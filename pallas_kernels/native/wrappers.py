@@ -278,17 +278,17 @@ def latent_attention(q, latent_pages, kv_lens, page_indices, cu_q_lens, num_seqs
 
 
 def lora_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
-    """Trace-time. Whether `lora` can run here: x [T, K] float32 or bfloat16, a [S, K, R] and b [S, R, N] in x's
+    """Trace-time. Whether `lora` can run here: x [T, K] float32 or bfloat16, a [S, R, K] and b [S, R, N] in x's
     dtype, on whole local arrays (no multi-device mesh)."""
     if not enabled() or not _single_device_context() or x.ndim != 2 or a.ndim != 3 or b.ndim != 3:
         return False
     dt = jnp.dtype(x.dtype)
     return (dt in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and a.dtype == dt and b.dtype == dt
-            and a.shape[1] == x.shape[1] and b.shape[:2] == (a.shape[0], a.shape[2]))
+            and a.shape[2] == x.shape[1] and b.shape[:2] == a.shape[:2])
 
 
 def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array) -> jax.Array:
-    """Pure. [T, N] in x's dtype: (x[t] @ a[s][:, :r]) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (zeros
+    """Pure. [T, N] in x's dtype: (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (zeros
     where s < 0 or >= S, or r = 0), accumulated in float32 (native/lora.h): each adapter the tokens use read once,
     up to its rank; the others not at all."""
     _require()

@@ -98,7 +98,7 @@ class AdapterRegistry:
 
 def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[tuple], dtype) -> list[np.ndarray]:
     """Host-side. An adapter's weights as one slot of each LoRA stack (`layout`: (layer, projection, A stack
-    shape, B stack shape) per projection, `ModelRunner.lora_layout`): per projection A [*in, R] and B [R, *out] in
+    shape, B stack shape) per projection, `ModelRunner.lora_layout`): per projection A [R, *in] and B [R, *out] in
     `dtype`, zero past its rank (and all zero for a projection it leaves alone), then its rank (int32)."""
     weights = peft.weights(model_config)
     out = []
@@ -107,8 +107,8 @@ def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[t
         rank = 0
         if (layer, name) in weights:
             wa, wb = weights[layer, name]
-            rank = wa.shape[-1]
-            a[..., :rank], b[:rank] = wa, wb
+            rank = wa.shape[0]
+            a[:rank], b[:rank] = wa, wb
         out += [a.astype(dtype), b.astype(dtype), np.int32(rank)]
     return out
 

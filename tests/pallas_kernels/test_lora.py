@@ -13,15 +13,15 @@ def _case(dtype, tokens: int, seed: int = 0, k: int = 48, r: int = 16, n: int = 
     rng = np.random.default_rng(seed)
     s = 4
     ranks = np.array([r, 4, 0, 9], np.int32)
-    a = rng.standard_normal((s, k, r)).astype(np.float32)
+    a = rng.standard_normal((s, r, k)).astype(np.float32)
     b = rng.standard_normal((s, r, n)).astype(np.float32)
     for i, rank in enumerate(ranks):
-        a[i, :, rank:], b[i, rank:] = 0, 0
+        a[i, rank:], b[i, rank:] = 0, 0
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     slots = rng.integers(-1, s, tokens).astype(np.int32)
     cast = lambda v: np.asarray(jnp.asarray(v, dtype).astype(jnp.float32), np.float64)  # noqa: E731
     xd, ad, bd = cast(x), cast(a), cast(b)
-    want = np.stack([xd[t] @ ad[sl] @ bd[sl] if sl >= 0 else np.zeros(n) for t, sl in enumerate(slots)])
+    want = np.stack([xd[t] @ ad[sl].T @ bd[sl] if sl >= 0 else np.zeros(n) for t, sl in enumerate(slots)])
     return [jnp.asarray(v, dtype) for v in (x,)] + [jnp.asarray(slots)] + [jnp.asarray(v, dtype) for v in (a, b)] + \
         [jnp.asarray(ranks)], want
 

@@ -165,7 +165,7 @@ def test_mixed_batch_matches_hf_peft_at_tp2(families):
     engine = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **OPTIONS, tp=2))
     stacks = engine.runner.state["layers"][0]["self_attn"]["lora"]
     q_b, o_a = stacks["q_proj"]["b"].get_value(), stacks["o_proj"]["a"].get_value()
-    assert q_b.sharding.spec[2] == "tensor" and o_a.sharding.spec[1] == "tensor"  # heads split, as q_proj / o_proj
+    assert q_b.sharding.spec[2] == "tensor" and o_a.sharding.spec[2] == "tensor"  # heads split, as q_proj / o_proj
     names = [None, "a", "b", "c"]
     prompts = [prompt(n, seed) for n, seed in ((7, 1), (10, 2), (5, 3), (10, 4))]
     got = mixed_logits(engine, prompts, names)
