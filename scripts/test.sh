@@ -3,10 +3,16 @@
 # whole test suite (8 fake CPU devices, see tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh
-# torch goes in first, pinned to the CPU wheel, so nothing pulls a CUDA build. Re-installs when pyproject.toml changed.
 stamp=.venv/.meshserve-test
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -x .venv/bin/python ]; then
+  # A new .venv: the runtime and the test extra in one pip resolution (one editable build), not three.
+  MESHSERVE_SETUP_EXTRAS=test bash scripts/setup.sh
+  echo "$want" > "$stamp"
+else
+  bash scripts/setup.sh
+fi
+# torch goes in first, pinned to the CPU wheel, so nothing pulls a CUDA build. Re-installs when pyproject.toml changed.
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q "torch==2.13.0"
   .venv/bin/python -m pip install -q -e ".[test]"

@@ -4,6 +4,7 @@ report's install list is checked. Skipped only where the package index cannot be
 for any other reason fails the test."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -60,6 +61,19 @@ def index_reachable():
         pytest.skip(f"package index not reachable: {error}")
 
 
+def _build_isolation() -> list[str]:
+    """`--no-build-isolation` where this environment already has the build backend's requirements: pip then builds
+    meshserve's editable metadata with them instead of installing them into a fresh build environment for each
+    resolution (~4 s of a Zen 1 core's 20 s a resolution; the resolution itself is the same, install for install)."""
+    for req in map(Requirement, PYPROJECT["build-system"]["requires"]):
+        try:
+            if not req.specifier.contains(importlib.metadata.version(req.name), prereleases=True):
+                return []
+        except importlib.metadata.PackageNotFoundError:
+            return []
+    return ["--no-build-isolation"]
+
+
 def _distinct_extras() -> dict[tuple[str, ...], str]:
     """One extra per distinct requirement list (`cuda` is `cuda12`): pip is given the same input, so it resolves once."""
     out: dict[tuple[str, ...], str] = {}
@@ -77,7 +91,8 @@ def resolutions(index_reachable, tmp_path_factory):
     for key, extra in _distinct_extras().items():
         work = tmp_path_factory.mktemp(f"resolve-{extra}")
         cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--no-input",
-               "--timeout", "30", "--retries", "2", "--report", str(work / "report.json"), "-e", f"{ROOT}[{extra}]"]
+               "--timeout", "30", "--retries", "2", *_build_isolation(), "--report", str(work / "report.json"),
+               "-e", f"{ROOT}[{extra}]"]
         with open(work / "pip.log", "w") as log:  # a file, not a pipe: nobody reads it while pip runs
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=work)
         runs[key] = (extra, proc, work, time.monotonic())
