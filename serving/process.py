@@ -86,7 +86,7 @@ class ReadyFileProcess:
 
 def cpu_xla_flags(devices: int) -> str:
     """XLA_FLAGS for a child process on `devices` CPU devices, keeping this process's other XLA flags (a test run's
-    `--xla_backend_optimization_level=0`, tests/conftest.py)."""
+    cheaper compiles, tests/conftest.py)."""
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if not f.startswith("--xla_force_host_platform_device_count")]
     return " ".join([f"--xla_force_host_platform_device_count={devices}", *kept])

@@ -9,10 +9,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-# LLVM at -O0 for the tests' XLA:CPU programs: tiny models spend their time compiling, not running (27% less CPU
-# for tests/models/test_model_parity.py + test_gemma3.py, same results). Servers the tests start keep it
-# (serving.process.cpu_xla_flags). XLA's own HLO passes, and so the numerics, are unchanged.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
+# The tests' XLA:CPU programs compile cheaply: tiny models spend their time compiling, not running. LLVM at -O0
+# (27% less CPU for tests/models/test_model_parity.py + test_gemma3.py, same results); fusions through XLA's
+# elemental emitter rather than the MLIR fusion emitters, and each program as one LLVM module rather than split
+# for parallel codegen (together -54% CPU for a small engine's construction and warm-up on top of -O0;
+# docs/testing.md). XLA's HLO passes, so what is computed, are unchanged; the code generated differs from a user's
+# (XLA's defaults): tests/serving/test_demo.py runs the demo with XLA's default flags. Servers the tests start
+# keep these (serving.process.cpu_xla_flags).
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
+                  "--xla_cpu_parallel_codegen_split_count=1")
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # One persistent compilation cache for this run (servers started as subprocesses inherit it): programs that
