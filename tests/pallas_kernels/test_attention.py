@@ -302,8 +302,11 @@ def test_bf16_cache_is_stored_as_uint16_bits_on_cpu():
 
 def _whole_cache_instructions(step, args, num_pages):
     """(dtype, opcode, name) of each instruction of `step`'s optimised XLA:CPU program (cache donated) whose array
-    is as big as a cache of `num_pages` pages of 16 tokens ([num_pages, ...] or flattened to [num_pages * 16, ...])."""
-    hlo = jax.jit(step, donate_argnums=0).trace(*args).lower(lowering_platforms=("cpu",)).compile().as_text()
+    is as big as a cache of `num_pages` pages of 16 tokens ([num_pages, ...] or flattened to [num_pages * 16, ...]).
+    Compiled as users' programs are: with XLA's fusion emitters, which the tests' XLA_FLAGS turn off for cheaper
+    compiles (tests/conftest.py) and which decide whether the cache's scatter fuses in place."""
+    lowered = jax.jit(step, donate_argnums=0).trace(*args).lower(lowering_platforms=("cpu",))
+    hlo = lowered.compile(compiler_options={"xla_cpu_use_fusion_emitters": True}).as_text()
     return [(dtype, op, name) for name, dtype, op in re.findall(
         rf"^\s*(?:ROOT )?%(\S+) = (\w+)\[(?:{num_pages}|{num_pages * 16}),[^=]*?\s([\w-]+)\(", hlo, re.M)]
 
