@@ -25,7 +25,7 @@ constexpr int64_t kLoraSerialMacs = int64_t{1} << 21;
 // rows; 4 units per rank-64 adapter.
 constexpr int64_t kLoraRankBlock = 16;
 // Rows of B per sweep of a chunk's panels: as matmul.h's kKBlock, B is then read as 16 sequential row streams
-// rather than a panel walked down all r rows (a row per 2N bytes). Measured on Zen 1 (8 rank-64 adapters, 32
+// rather than a panel walked down all r rows (a row per 2N bytes). Measured on Zen 3 (8 rank-64 adapters, 32
 // tokens): 16 and 32 rows alike, ~5% less CPU than one sweep of all 64 rows, 8 rows ~5% more.
 constexpr int64_t kLoraKBlock = 16;
 
@@ -37,7 +37,7 @@ inline V::F LoadFull(const uint16_t* p) { return V::LoadBf16(p); }
 // ldw): `first` starts from zero, else from out. Only the last vector may be partial (kTail: its first `tail`
 // lanes). Not matmul.h's WidenTile: that one takes a run-time mask per vector, and GCC keeps the masked bfloat16
 // load's copy through a buffer (a call to memcpy) inside the loop, so it spilled all 12 accumulators to the stack
-// and reloaded them on every row of B (the B pass ran at ~55% of the FMA pipes' rate on Zen 1).
+// and reloaded them on every row of B (the B pass ran at about half the A pass's rate per multiply-add).
 template <int RT, int CB, bool kTail, typename WT>
 inline void LoraTile(const float* __restrict xt, const WT* __restrict w, int64_t ldw, int64_t kb,
                      float* __restrict out, int64_t ldo, V::M tail, bool first) {
@@ -123,7 +123,7 @@ void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, in
 // K) against RC rows of A (float32 or bfloat16 widened in registers), each product summed along K in vector lanes
 // and reduced once at the end. The RC rows after these (the next tile's, contiguous in A) are prefetched as the
 // tile goes: a tile's 4 tokens leave the FMA pipes idle while a cold row of A streams in, and one slot's rows are
-// too short a stream for the hardware prefetcher to get ahead of (measured on Zen 1, 8 rank-64 adapters, 32
+// too short a stream for the hardware prefetcher to get ahead of (measured on Zen 3, 8 rank-64 adapters, 32
 // tokens: ~18% less CPU per step; two tiles ahead no better).
 template <int RT, int RC, typename WT>
 inline void LoraDotTile(const float* __restrict x, const WT* __restrict a, int64_t K, float* __restrict out,
