@@ -143,13 +143,19 @@ def test_load_aware_prefers_less_loaded_and_avoids_a_stuck_instance(instances, g
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: gw.instances()["i1"].last_report.num_waiting >= 2, 30, what="i1 stuck")
-        before = {n: s.routed_total for n, s in gw.instances().items()}
+        # Stuck as the gateway sees it: a report with every slot running and two waiting. (num_waiting >= 2 alone
+        # can be a report taken while the 34 arrive, a few running and a few waiting: an instance that looks
+        # almost idle, to which a load-aware gateway rightly sends some of the 8.)
+        def stuck_report():
+            r = gw.instances()["i1"].last_report
+            return r.max_num_seqs > 0 and r.num_running == r.max_num_seqs and r.num_waiting >= 2
+        wait_for(stuck_report, 60, what="i1 stuck")
+        before = {n: (s.routed_total, round(s.score, 3)) for n, s in gw.instances().items()}
         results = _stream_all(gw.target, [dict(prompt=prompt(100 + k), max_tokens=4, ignore_eos=True)
                                           for k in range(8)])
         assert all(r[0][0] == "ok" for r in results), results
-        after = {n: s.routed_total for n, s in gw.instances().items()}
-        assert after["i0"] - before["i0"] == 8 and after["i1"] == before["i1"], (before, after)
+        after = {n: (s.routed_total, round(s.score, 3)) for n, s in gw.instances().items()}
+        assert after["i0"][0] - before["i0"][0] == 8 and after["i1"][0] == before["i1"][0], (before, after)
     finally:
         stuck.close()
 
