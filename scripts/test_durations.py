@@ -1,6 +1,8 @@
 """Writes tests/durations.json, each test file's seconds (setup + call + teardown of its tests) from a whole run's
 JUnit XML: `scripts/test.sh --junitxml=junit.xml`, then `python scripts/test_durations.py junit.xml`. The test
-collection (tests/conftest.py) starts the longest files first with it; refresh it when files are added or slowed."""
+collection (tests/conftest.py) starts the longest files first with it; refresh it when files are added or slowed.
+`python scripts/test_durations.py --cpu cpu.jsonl` instead prints each file's CPU seconds from a run with
+MESHSERVE_TEST_CPU_LOG=cpu.jsonl (tests/conftest.py): the worker's own and its child processes' (servers, pip)."""
 import json
 import sys
 import xml.etree.ElementTree as ET
@@ -24,9 +26,29 @@ def file_seconds(junit: str) -> dict[str, float]:
     return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
 
 
+def cpu_table(log: str, top: int = 40) -> None:
+    """Per file: wall, worker CPU and children's CPU seconds (MESHSERVE_TEST_CPU_LOG lines), the most CPU first."""
+    files: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for line in Path(log).read_text().splitlines():
+        row = json.loads(line)
+        f = files[row["file"]]
+        f[0] += row["wall"]
+        f[1] += row["cpu"]
+        f[2] += row["children_cpu"]
+    rows = sorted(files.items(), key=lambda kv: -(kv[1][1] + kv[1][2]))
+    total = [sum(v[i] for _, v in rows) for i in range(3)]
+    print(f"{'wall s':>8} {'cpu s':>8} {'children':>8}  file ({len(rows)} files; all: wall {total[0]:.0f}, "
+          f"cpu {total[1]:.0f}, children {total[2]:.0f})")
+    for path, (wall, cpu, kids) in rows[:top]:
+        print(f"{wall:8.1f} {cpu:8.1f} {kids:8.1f}  {path}")
+
+
 def main(argv: list[str]) -> None:
+    if len(argv) == 3 and argv[1] == "--cpu":
+        cpu_table(argv[2])
+        return
     if len(argv) != 2:
-        sys.exit(f"usage: {argv[0]} JUNIT_XML")
+        sys.exit(f"usage: {argv[0]} JUNIT_XML | --cpu CPU_LOG")
     seconds = {path: round(s, 1) for path, s in file_seconds(argv[1]).items()}
     out = ROOT / "tests" / "durations.json"
     out.write_text(json.dumps(seconds, indent=0) + "\n")

@@ -2,11 +2,13 @@
 import atexit
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # The tests' XLA:CPU programs compile cheaply: tiny models spend their time compiling, not running. LLVM at -O0
@@ -71,13 +73,30 @@ def _guarded_popen_init(self, args, *a, **kw):
 subprocess.Popen.__init__ = _guarded_popen_init
 
 
+# MESHSERVE_TEST_CPU_LOG=path: one JSON line per test (its file, its name, wall seconds, CPU seconds of the worker
+# process and of the child processes reaped meanwhile: servers, pip, compilers; a module's servers are reaped at its
+# last test's teardown), appended by every worker. `python scripts/test_durations.py --cpu path` sums it per file.
+_CPU_LOG = os.environ.get("MESHSERVE_TEST_CPU_LOG")
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     _E2E_ITEM["item"] = item
+    start = _cpu_seconds() if _CPU_LOG else None
     try:
         return (yield)
     finally:
         _E2E_ITEM["item"] = None
+        if start is not None:
+            wall, me, kids = (b - a for a, b in zip(start, _cpu_seconds()))
+            with open(_CPU_LOG, "a") as f:
+                f.write(json.dumps({"file": item.nodeid.split("::")[0], "test": item.nodeid, "wall": round(wall, 3),
+                                    "cpu": round(me, 3), "children_cpu": round(kids, 3)}) + "\n")
 
 
 # The longest files first (their seconds from a whole run: tests/durations.json, written by
