@@ -23,8 +23,7 @@ def next_key(stream: nnx.RngStream) -> jax.Array:
     (`nnx.eval_shape`, a jitted init) paid a walk per parameter: quadratic in its depth (SmolLM2-135M's 30 layers under
     `models.weights.abstract_model`: 0.96 -> 0.27 CPU s on a Zen 3; more for deeper models)."""
     count = stream.count
-    if hasattr(count, "_check_can_update"):
-        count._check_can_update()
+    count._check_can_update()  # as stream() does (flax >= 0.12.8, < 0.13: pyproject)
     key = jax.random.fold_in(stream.key[...], count[...])
     count.set_value(count[...] + 1)
     return key

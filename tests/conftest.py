@@ -79,6 +79,10 @@ subprocess.Popen.__init__ = _guarded_popen_init
 _CPU_LOG = os.environ.get("MESHSERVE_TEST_CPU_LOG")
 
 
+def _test_file(item) -> str:
+    return item.nodeid.split("::")[0]
+
+
 def _cpu_seconds() -> tuple[float, float, float]:
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return time.monotonic(), me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
@@ -95,7 +99,7 @@ def pytest_runtest_protocol(item, nextitem):
         if start is not None:
             wall, me, kids = (b - a for a, b in zip(start, _cpu_seconds()))
             with open(_CPU_LOG, "a") as f:
-                f.write(json.dumps({"file": item.nodeid.split("::")[0], "test": item.nodeid, "wall": round(wall, 3),
+                f.write(json.dumps({"file": _test_file(item), "test": item.nodeid, "wall": round(wall, 3),
                                     "cpu": round(me, 3), "children_cpu": round(kids, 3)}) + "\n")
 
 
@@ -114,9 +118,9 @@ def pytest_collection_modifyitems(session, config, items):
     default = statistics.median(seconds.values()) if seconds else 0.0
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        first.setdefault(item.nodeid.split("::")[0], i)
+        first.setdefault(_test_file(item), i)
 
     def key(item):
-        path = item.nodeid.split("::")[0]
+        path = _test_file(item)
         return -seconds.get(path, default), first[path]
     items.sort(key=key)
