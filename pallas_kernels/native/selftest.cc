@@ -728,51 +728,78 @@ Worst CheckExpertMlp(const Kernels& k) {
 // LoRA update (lora.h): y[t] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :], s = slots[t], r = ranks[s] (none where s < 0,
 // s >= S or r = 0), a [S, R, K] and b [S, R, N] in x's dtype; the rows past a slot's rank hold values the kernel
 // must not read. Tolerance: float32 accumulation; bfloat16 adds the output's one rounding.
+void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, const std::vector<int32_t>& slots,
+                   const std::vector<int32_t>& ranks, int64_t R, const char* layout) {
+  const int64_t T = static_cast<int64_t>(slots.size()), S = static_cast<int64_t>(ranks.size());
+  Rng rng{static_cast<uint64_t>(K * 7919 + N * 31 + T * 3 + (dt == Dt::kBf16))};
+  const Buf x = Random(dt, T * K, rng), a = Random(dt, S * K * R, rng), b = Random(dt, S * R * N, rng);
+  std::vector<double> want(T * N, 0.0), mag(T * N, 0.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t s = slots[t];
+    if (s < 0 || s >= S) continue;
+    for (int64_t r = 0; r < ranks[s]; ++r) {
+      double xa = 0, xa_mag = 0;
+      for (int64_t kk = 0; kk < K; ++kk) {
+        xa += x.At(t * K + kk) * a.At((s * R + r) * K + kk);
+        xa_mag += std::fabs(x.At(t * K + kk) * a.At((s * R + r) * K + kk));
+      }
+      for (int64_t n = 0; n < N; ++n) {
+        want[t * N + n] += xa * b.At((s * R + r) * N + n);
+        mag[t * N + n] += xa_mag * std::fabs(b.At((s * R + r) * N + n));
+      }
+    }
+  }
+  for (int threads : kThreadCounts) {
+    Buf o(dt, T * N);
+    Call(threads, [&](const Runner& run) {
+      k.lora(run, dt, x.data(), T, K, slots.data(), a.data(), b.data(), ranks.data(), S, R, N, o.data());
+    });
+    const std::string ctx = Case("%s %s K=%lld N=%lld T=%lld threads=%d", DtName(dt), layout, (long long)K,
+                                 (long long)N, (long long)T, threads);
+    for (int64_t i = 0; i < T * N; ++i) {
+      double tol = 1e-5 * mag[i] + 1e-6;
+      if (dt == Dt::kBf16) tol += 0x1p-8 * std::fabs(want[i]);
+      worst.Near(o.At(i), want[i], 0, tol, ctx, i);
+    }
+  }
+}
+
 Worst CheckLora(const Kernels& k) {
   Worst worst;
   int64_t n = 0;
-  const int64_t S = 4, R = 24;
-  const int32_t ranks[S] = {24, 5, 0, 17};
+  // Small calls (under lora.h's kLoraSerialMacs: on the calling thread): tails of K and N, tokens of no slot.
+  const std::vector<int32_t> ranks = {24, 5, 0, 17};
   for (Dt dt : {Dt::kF32, Dt::kBf16})
     for (int64_t K : {37, 64})  // 37: a tail of K on every path
       for (int64_t N : {72, 130})
         for (int64_t T : {1, 6, 11}) {
           if (!Sampled(n)) continue;
-          Rng rng{static_cast<uint64_t>(K * 7919 + N * 31 + T * 3 + (dt == Dt::kBf16))};
-          const Buf x = Random(dt, T * K, rng), a = Random(dt, S * K * R, rng), b = Random(dt, S * R * N, rng);
+          Rng rng{static_cast<uint64_t>(T * 977 + K)};
           std::vector<int32_t> slots(T);
-          for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(rng.Next() % (S + 2)) - 1;  // -1, S: none
-          std::vector<double> want(T * N, 0.0), mag(T * N, 0.0);
-          for (int64_t t = 0; t < T; ++t) {
-            const int64_t s = slots[t];
-            if (s < 0 || s >= S) continue;
-            for (int64_t r = 0; r < ranks[s]; ++r) {
-              double xa = 0, xa_mag = 0;
-              for (int64_t kk = 0; kk < K; ++kk) {
-                xa += x.At(t * K + kk) * a.At((s * R + r) * K + kk);
-                xa_mag += std::fabs(x.At(t * K + kk) * a.At((s * R + r) * K + kk));
-              }
-              for (int64_t n = 0; n < N; ++n) {
-                want[t * N + n] += xa * b.At((s * R + r) * N + n);
-                mag[t * N + n] += xa_mag * std::fabs(b.At((s * R + r) * N + n));
-              }
-            }
-          }
-          for (int threads : kThreadCounts) {
-            Buf o(dt, T * N);
-            Call(threads, [&](const Runner& run) {
-              k.lora(run, dt, x.data(), T, K, slots.data(), a.data(), b.data(), ranks, S, R, N, o.data());
-            });
-            const std::string ctx =
-                Case("%s K=%lld N=%lld T=%lld threads=%d", DtName(dt), (long long)K, (long long)N, (long long)T,
-                     threads);
-            for (int64_t i = 0; i < T * N; ++i) {
-              double tol = 1e-5 * mag[i] + 1e-6;
-              if (dt == Dt::kBf16) tol += 0x1p-8 * std::fabs(want[i]);
-              worst.Near(o.At(i), want[i], 0, tol, ctx, i);
-            }
-          }
+          for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(rng.Next() % 6) - 1;  // -1, 4: none
+          CheckLoraCase(k, worst, dt, K, N, slots, ranks, 24, "small");
         }
+  // Calls over the threads (past kLoraSerialMacs), both of lora.h's parallel forms at 3 threads: "even", 8 rank-64
+  // adapters' tokens (a decode step's mix: one pass, a unit per slot); "skewed", most tokens on one adapter (two
+  // passes: A by blocks of rank, B by columns). The layouts are checked to fall on each side of lora.h's rule.
+  const int64_t K = 517, N = 530, R = 64;
+  const std::vector<int32_t> many(8, R);
+  for (const char* layout : {"even", "skewed"}) {
+    std::vector<int32_t> slots(48);
+    for (int64_t t = 0; t < 48; ++t)
+      slots[t] = layout[0] == 'e' || t % 3 == 0 ? static_cast<int32_t>(t % 9) - 1 : 2;
+    std::vector<int64_t> macs(8, 0);
+    int64_t total = 0;
+    for (int32_t s : slots)
+      if (s >= 0) macs[s] += R * (K + N), total += R * (K + N);
+    const bool one_pass = *std::max_element(macs.begin(), macs.end()) * 2 * 3 <= total;
+    if (total < (int64_t{1} << 21) || one_pass != (layout[0] == 'e')) {
+      std::fprintf(stderr, "selftest: the LoRA %s layout no longer exercises its parallel form\n", layout);
+      std::abort();
+    }
+    for (Dt dt : {Dt::kF32, Dt::kBf16})
+      if (Sampled(n)) CheckLoraCase(k, worst, dt, K, N, slots, many, R, layout);
+  }
   return worst;
 }
 
