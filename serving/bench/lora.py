@@ -1,20 +1,23 @@
 """LoRA serving (`python -m serving.bench lora`): decode throughput and TPOT of the ~125M Llama at batch 1 and 32 with
 LoRA off, with LoRA on and no adapter in the batch, 1 adapter for every request and 8 adapters mixed uniformly
 (ranks 8 and 64: random PEFT adapters on every projection), side by side in interleaved rounds on one engine
-(--max_loras=8 --max_lora_rank=64); and (`--only=kernels`) the batched update alone per backend. Details:
-docs/lora.md."""
+(--max_loras=8 --max_lora_rank=64); (`--only=serve`) the same cells through `serving.bench serve` against one gRPC
+server (issue 41's benchmark: output tok/s and TPOT over whole requests, prefills included); and (`--only=kernels`)
+the batched update alone per backend. Details: docs/lora.md."""
 from __future__ import annotations
 
 import json
 import os
 import statistics
+import subprocess
+import sys
 
 from absl import flags
 
 from serving.bench.harness import BENCH_WORKDIR, cpu_path, decode_step_times, llama_125m, median_time, \
     random_prompts, table
 
-_ONLY = flags.DEFINE_list("only", ["throughput"], "sections to run: throughput, kernels")
+_ONLY = flags.DEFINE_list("only", ["throughput"], "sections to run: throughput, serve, kernels")
 _WORKDIR = flags.DEFINE_string("workdir", BENCH_WORKDIR, "where the benchmark model and adapters are written")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "the model's dtype")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds per cell (median)")
@@ -117,6 +120,72 @@ def bench_throughput() -> None:
           ["batch", "cell", "output tok/s", "TPOT (ms)", "TPOT vs LoRA off"], rows)
 
 
+def bench_serve() -> None:
+    """`python -m serving.bench serve` (a process per cell and round) against one gRPC server on the benchmark model
+    with the 16 adapters registered (--max_loras=8): random prompts of 32 tokens, 32 output tokens, max_concurrency =
+    the batch (2 x batch requests, at least 6), each timed run after one short request per adapter of its cell (the
+    r8 and r64 cells evict each other's adapters: the timed run finds its own loaded, the steady state); round 0
+    warms up (compiles, first touch), then `--rounds` timed rounds, the cells' order reversed every other round.
+    Per cell the median over rounds of output tok/s and mean TPOT, and the TPOT against 0 adapters."""
+    from serving.process import REPO_ROOT, ReadyFileProcess, cpu_xla_flags
+    model_dir = llama_125m(_DTYPE.value, _WORKDIR.value)
+    adapters = _adapters(model_dir)
+    batches = [int(b) for b in _BATCHES.value]
+    modules = ",".join(f"{name}={path}" for r in RANKS for name, path in adapters[r])
+    args = ["-m", "serving.server", f"--model={model_dir}", f"--dtype={_DTYPE.value}", "--host=127.0.0.1",
+            "--port=0", "--metrics_port=0", "--enable_lora", f"--max_loras={NUM_ADAPTERS}",
+            f"--max_lora_rank={max(RANKS)}", f"--lora_modules={modules}", "--page_size=16", "--num_pages=1024",
+            f"--max_num_seqs={max(batches)}", f"--max_num_batched_tokens={max(256, max(batches))}"]
+    server = ReadyFileProcess("lora-server", args, os.path.join(_WORKDIR.value, "lora-serve"),
+                              env={"XLA_FLAGS": cpu_xla_flags(1)}, ready_timeout_s=1800.0).start()
+    cells = {"0 adapters": []}
+    for r in RANKS:
+        cells[f"1 adapter, r{r}"] = [adapters[r][0][0]]
+        cells[f"8 adapters, r{r}"] = [name for name, _ in adapters[r]]
+    rounds = 1 if _QUICK.value else _ROUNDS.value
+    results = {(cell, b): [] for cell in cells for b in batches}
+    result = os.path.join(server.workdir, "result.json")
+
+    def run(num_prompts: int, output_len: int, concurrency: int, seed: int, names: list[str]) -> dict:
+        subprocess.run([sys.executable, "-m", "serving.bench", "serve", f"--target={server.target}",
+                        "--dataset=random", "--random_input_len=32", f"--random_output_len={output_len}",
+                        f"--num_prompts={num_prompts}", f"--max_concurrency={concurrency}", f"--seed={seed}",
+                        f"--lora_adapters={','.join(names)}", "--disable_tqdm", f"--result_json={result}"],
+                       check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL)
+        with open(result) as f:
+            return json.load(f)
+
+    try:
+        server.wait_ready()
+        for rnd in range(rounds + 1):
+            order = list(cells) if rnd % 2 == 0 else list(cells)[::-1]
+            for b in batches:
+                for cell in order:
+                    # first one short request per adapter of the cell: its adapters in their slots (a cell
+                    # after the other rank's finds them evicted), so the timed run measures the steady state
+                    run(len(cells[cell]) or 1, 2, NUM_ADAPTERS, rnd, cells[cell])
+                    r = run(max(6, 2 * b), 32, b, rnd, cells[cell])
+                    if r["failed"]:
+                        raise RuntimeError(f"{cell}, batch {b}: {r['failed']} requests failed: "
+                                           f"{[e for e in r['errors'] if e][:3]}")
+                    if rnd:
+                        results[cell, b].append((r["output_throughput"], r["mean_tpot_ms"]))
+    finally:
+        server.stop()
+    rows = []
+    for b in batches:
+        base = statistics.median(t for _, t in results["0 adapters", b])
+        for cell in cells:
+            tok = statistics.median(o for o, _ in results[cell, b])
+            tpot = statistics.median(t for _, t in results[cell, b])
+            rows.append([b, cell, tok, tpot, ", ".join(f"{t:.1f}" for _, t in results[cell, b]),
+                         f"{(tpot / base - 1) * 100:+.1f}%"])
+    table(f"LoRA through serving.bench serve on the ~125M Llama ({_DTYPE.value}, {cpu_path()}; one gRPC server, "
+          f"--max_loras={NUM_ADAPTERS} --max_lora_rank={max(RANKS)}, 16 adapters registered; 32-token prompts, 32 "
+          f"output tokens, max_concurrency = batch; median of {rounds} interleaved rounds)",
+          ["batch", "cell", "output tok/s", "mean TPOT (ms)", "TPOT per round", "TPOT vs 0 adapters"], rows)
+
+
 def bench_kernels() -> None:
     """The batched update of one 768 -> 2048 projection (the 125M model's gate) per backend, 8 slots of rank 64,
     tokens spread over the 8 adapters, vs the base projection's matmul."""
@@ -152,7 +221,7 @@ def bench_kernels() -> None:
 
 
 def main() -> None:
-    sections = {"throughput": bench_throughput, "kernels": bench_kernels}
+    sections = {"throughput": bench_throughput, "serve": bench_serve, "kernels": bench_kernels}
     for name in _ONLY.value:
         if name not in sections:
             raise SystemExit(f"--only: unknown section {name!r}; known: {', '.join(sections)}")
