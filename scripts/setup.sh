@@ -25,4 +25,4 @@ fi
 # meshserve's bytecode, compiled once here: every server, gateway and worker process then reads it instead of compiling
 # its ~100 modules from source at each start (~0.35 CPU s a server), also where PYTHONDONTWRITEBYTECODE keeps Python
 # from writing it itself. Written to the packages' __pycache__ (git-ignored); a no-op when up to date.
-.venv/bin/python -m compileall -q -j 0 serving models pallas_kernels sharding jax_compat >/dev/null
+.venv/bin/python -m compileall -q -j 0 serving models pallas_kernels sharding jax_compat
