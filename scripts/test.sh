@@ -28,8 +28,6 @@ if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/
       || echo "note: could not install $pkgs; the aarch64 kernel test will skip"
   fi
 fi
-# The tests' bytecode too (the suite's child processes import tests.support; scripts/setup.sh compiled the packages').
-.venv/bin/python -m compileall -q -j 0 tests
 # Two workers, a test file each at a time (module-scoped servers start once): tests that wait on processes and
 # sockets leave a core idle, so two share the machine's cores without slowing each other much. The longest files go
 # first (tests/durations.json, see tests/conftest.py), not the files with the most tests (xdist's default).

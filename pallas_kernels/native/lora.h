@@ -221,6 +221,15 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     if (start[s + 1] > start[s]) used[num_used++] = static_cast<int32_t>(s);
   Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A^T
 
+  // Slot s's B: y's rows of its tokens, columns [n0, n0 + width) = their xa rows @ b[s][:r, n0:n0 + width] (out and
+  // rows: the caller's scratch, m x width floats and m pointers).
+  auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
+    const int64_t m = start[s + 1] - start[s];
+    for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
+    LoraMatmul(rows, m, rank_of(s), b + s * R * N + n0, N, width, out, width);
+    for (int64_t i = 0; i < m; ++i) FromF32(out + i * width, width, y + order[start[s] + i] * N + n0);
+  };
+
   // One pass, a unit per used slot, where no slot holds more than 1 / (2 x threads) of the multiply-adds.
   int64_t most_macs = 0;
   for (int64_t u = 0; u < num_used; ++u)
@@ -232,13 +241,9 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
       thread_local Scratch xs_buf, out_buf, ptr_buf;
       float* xs = xs_buf.Get<float>(static_cast<size_t>(m * K));
       for (int64_t i = 0; i < m; ++i) ToF32(x + order[start[s] + i] * K, xs + i * K, K);
-      float* xr = xa.get() + start[s] * R;
-      LoraDot(xs, m, K, a + s * R * K, r, xr, R);
-      float* out = out_buf.Get<float>(static_cast<size_t>(m * N));
-      const float** rows = ptr_buf.Get<const float*>(static_cast<size_t>(m));
-      for (int64_t i = 0; i < m; ++i) rows[i] = xr + i * R;
-      LoraMatmul(rows, m, r, b + s * R * N, N, N, out, N);
-      for (int64_t i = 0; i < m; ++i) FromF32(out + i * N, N, y + order[start[s] + i] * N);
+      LoraDot(xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
+      apply_b(s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
+              ptr_buf.Get<const float*>(static_cast<size_t>(m)));
     });
     return;
   }
@@ -275,13 +280,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, start[used[u] + 1] - start[used[u]]);
     float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
     const float** rows = ptr_buf.Get<const float*>(static_cast<size_t>(most));
-    for (int64_t u = 0; u < num_used; ++u) {
-      const int32_t s = used[u];
-      const int64_t m = start[s + 1] - start[s], r = rank_of(s);
-      for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-      LoraMatmul(rows, m, r, b + s * R * N + n0, N, width, out, width);
-      for (int64_t i = 0; i < m; ++i) FromF32(out + i * width, width, y + order[start[s] + i] * N + n0);
-    }
+    for (int64_t u = 0; u < num_used; ++u) apply_b(used[u], n0, width, out, rows);
   });
 }
 

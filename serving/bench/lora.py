@@ -72,6 +72,16 @@ def _adapters(model_dir: str) -> dict[int, list[tuple[str, str]]]:
                 for i in range(NUM_ADAPTERS)] for r in RANKS}
 
 
+def _adapter_cells(adapters: dict[int, list[tuple[str, str]]]) -> dict[str, list[str]]:
+    """The cells with adapters, each as the adapter names its requests take in turn: per rank, one adapter for every
+    request, and the NUM_ADAPTERS mixed uniformly."""
+    cells = {}
+    for r in RANKS:
+        cells[f"1 adapter, r{r}"] = [adapters[r][0][0]]
+        cells[f"{NUM_ADAPTERS} adapters, r{r}"] = [name for name, _ in adapters[r]]
+    return cells
+
+
 def bench_throughput() -> None:
     from serving.core.config import EngineConfig
     from serving.core.engine import Engine
@@ -89,9 +99,8 @@ def bench_throughput() -> None:
             engines["on"].load_adapter(name, path)
     # cell -> (engine, the adapter of request i of a batch)
     cells = {"LoRA off": ("off", lambda i: None), "LoRA on, no adapter": ("on", lambda i: None)}
-    for r in RANKS:
-        cells[f"1 adapter, r{r}"] = ("on", lambda i, r=r: adapters[r][0][0])
-        cells[f"8 adapters, r{r}"] = ("on", lambda i, r=r: adapters[r][i % NUM_ADAPTERS][0])
+    for cell, names in _adapter_cells(adapters).items():
+        cells[cell] = ("on", lambda i, names=names: names[i % len(names)])
     rounds, steps = (1, 4) if _QUICK.value else (_ROUNDS.value, _STEPS.value)
     # room for the batch's staggered prefills (64 tokens a step), 8 warm tokens, 2 skipped steps and the timed ones;
     # decode_step_times aborts what is left
@@ -138,10 +147,7 @@ def bench_serve() -> None:
             f"--max_num_seqs={max(batches)}", f"--max_num_batched_tokens={max(256, max(batches))}"]
     server = ReadyFileProcess("lora-server", args, os.path.join(_WORKDIR.value, "lora-serve"),
                               env={"XLA_FLAGS": cpu_xla_flags(1)}, ready_timeout_s=1800.0).start()
-    cells = {"0 adapters": []}
-    for r in RANKS:
-        cells[f"1 adapter, r{r}"] = [adapters[r][0][0]]
-        cells[f"8 adapters, r{r}"] = [name for name, _ in adapters[r]]
+    cells = {"0 adapters": [], **_adapter_cells(adapters)}
     rounds = 1 if _QUICK.value else _ROUNDS.value
     results = {(cell, b): [] for cell in cells for b in batches}
     result = os.path.join(server.workdir, "result.json")
