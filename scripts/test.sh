@@ -7,7 +7,7 @@ stamp=.venv/.meshserve-test
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 # The native kernels' aarch64 paths are cross-compiled and run under qemu-user by tests/pallas_kernels/test_native_selftest.py:
 # Debian's cross compiler and qemu, installed where apt can (as root; elsewhere that test says what it lacks), in the
-# background while pip installs (pip keeps one core busy, apt's unpacking the other; ~45 s on a new machine).
+# background while the set-up runs (pip and the native build; apt's ~45 s on a new machine then cost no wall time).
 apt_pid=
 if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
