@@ -76,7 +76,8 @@ def _build_isolation() -> list[str]:
 
 
 def _distinct_extras() -> dict[tuple[str, ...], str]:
-    """One extra per distinct requirement list (`cuda` is `cuda12`): pip is given the same input, so it resolves once."""
+    """One extra per distinct requirement list (`cuda` is `cuda12`): pip is given the same input, so it resolves
+    once."""
     out: dict[tuple[str, ...], str] = {}
     for extra in CUDA_MAJOR:
         out.setdefault(tuple(sorted(EXTRAS[extra])), extra)
