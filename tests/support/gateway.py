@@ -23,6 +23,7 @@ class InstanceProcess(ServerProcess):
     def __init__(self, model_dir: str, workdir: str, *flags: str, env: dict | None = None):
         os.makedirs(workdir, exist_ok=True)
         self.delay_file = os.path.join(workdir, "step_delay")
+        self.delay = 0.0
         with open(self.delay_file, "w") as f:
             f.write("0")
         super().__init__(model_dir, workdir, "--metrics_port=-1", *flags, module="tests.support.gateway_instance",
@@ -30,7 +31,11 @@ class InstanceProcess(ServerProcess):
 
     def set_delay(self, seconds: float) -> None:
         """Returns once the instance has re-read the delay (it polls every 0.1 s): until then its steps run at
-        full speed, milliseconds each, which can finish work a test meant to be slow."""
+        full speed, milliseconds each, which can finish work a test meant to be slow. The delay it already has
+        returns at once (the tests reset every instance's to 0 after each test)."""
+        if seconds == self.delay:
+            return
+        self.delay = seconds
         tmp = self.delay_file + ".tmp"
         with open(tmp, "w") as f:
             f.write(str(seconds))
