@@ -3,12 +3,15 @@ transformers' reading of the same file as the reference, the public-domain text 
 engine's logits at every token of a sequence."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import jax
 import numpy as np
@@ -37,9 +40,10 @@ def _hf_cache() -> str:
     cache = os.path.join(tempfile.gettempdir(), f"meshserve-test-smollm2-hf-{key}-{os.getuid()}")
     if not os.path.exists(os.path.join(cache, "model.safetensors")):
         where, name = os.path.dirname(path), os.path.basename(path)
-        model = tf.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
         tmp = tempfile.mkdtemp(prefix="meshserve-test-smollm2-hf-", dir=tempfile.gettempdir())
-        tf.AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(tmp)
+        with _gguf_read_once():
+            model = tf.AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+            tf.AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(tmp)
         config = model.config.to_dict()
         config.pop("quantization_config", None)  # the weights are stored dequantized
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -51,6 +55,27 @@ def _hf_cache() -> str:
         except OSError:  # built concurrently by another process: use theirs
             shutil.rmtree(tmp, ignore_errors=True)
     return cache
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers reads the GGUF three times (config, weights, tokenizer: a `gguf.GGUFReader` each, ~5 s of CPU
+    apiece parsing SmolLM2's vocabulary field by field) and builds gguf's tensor-name map once per tensor (~7 s in all).
+    Both are pure functions of their arguments: here each is computed once (the model, tokenizer and weights saved
+    are the same bytes; on a machine without the cache, 26 -> ~10 s of CPU)."""
+    import gguf
+    readers = {}
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = real_reader(path, *args, **kwargs)
+        return readers[key]
+
+    real_reader = gguf.GGUFReader
+    with mock.patch.object(gguf, "GGUFReader", reader), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map)):
+        yield
 
 
 def hf_reference():
