@@ -75,7 +75,7 @@ subprocess.Popen.__init__ = _guarded_popen_init
 
 # MESHSERVE_TEST_CPU_LOG=path: one JSON line per test (its file, its name, wall seconds, CPU seconds of the worker
 # process and of the child processes reaped meanwhile: servers, pip, compilers; a module's servers are reaped at its
-# last test's teardown), appended by every worker. `python scripts/test_durations.py --cpu path` sums it per file.
+# last test's teardown; when it ended, the xdist worker), appended by every worker. `python scripts/test_durations.py --cpu path` sums it per file.
 _CPU_LOG = os.environ.get("MESHSERVE_TEST_CPU_LOG")
 
 
@@ -100,7 +100,8 @@ def pytest_runtest_protocol(item, nextitem):
             wall, me, kids = (b - a for a, b in zip(start, _cpu_seconds()))
             with open(_CPU_LOG, "a") as f:
                 f.write(json.dumps({"file": _test_file(item), "test": item.nodeid, "wall": round(wall, 3),
-                                    "cpu": round(me, 3), "children_cpu": round(kids, 3)}) + "\n")
+                                    "cpu": round(me, 3), "children_cpu": round(kids, 3), "end": round(time.time(), 2),
+                                    "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
 # The longest files first (their seconds from a whole run: tests/durations.json, written by
