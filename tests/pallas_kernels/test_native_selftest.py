@@ -25,7 +25,8 @@ _DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
 _CHECK_OPT = "-Og"
 # The aarch64 selftest's optimisation level: the emulated run checks the NEON paths' logic (and their hwcaps gating),
 # so it is built like the check-only copies above: all four objects 30 s of a Zen 1 core against ~315 s at -O3, and
-# the two qemu runs 65 s of CPU. The -O3 machine code that ships is built and checked on an aarch64 machine itself
+# the two qemu runs 65 s of CPU (its harness, selftest.cc, at -O3 whatever the kernels' level: build_selftest). The -O3
+# machine code that ships is built and checked on an aarch64 machine itself
 # (test_selftest_runs_every_path_on_this_cpu runs there natively).
 _AARCH64_OPT = _CHECK_OPT
 _A72_EVERY = 4
@@ -56,7 +57,7 @@ def _selftest_hash() -> str:
 
 def _aarch64_selftest(cxx: str) -> Path:
     """The static aarch64 selftest, cross-compiled once per source change (three copies of the kernels)."""
-    key = native.library._source_key(cxx, "static", _AARCH64_OPT, _selftest_hash())
+    key = native.library._source_key(cxx, "static", _AARCH64_OPT, "harness -O3", _selftest_hash())
     # Static: qemu-user then needs no aarch64 sysroot.
     return _cached("selftest_aarch64", key, lambda out: native.build_selftest(cxx, "aarch64", out, static=True,
                                                                              opt=_AARCH64_OPT))
