@@ -1,5 +1,6 @@
 """Writes tests/durations.json, each test file's seconds (setup + call + teardown of its tests) from a whole run's
-JUnit XML: `scripts/test.sh --junitxml=junit.xml`, then `python scripts/test_durations.py junit.xml`. The test
+JUnit XML: `scripts/test.sh --junitxml=junit.xml`, then `python scripts/test_durations.py junit.xml` (or from a CPU log,
+below: `python scripts/test_durations.py cpu.jsonl`, as `.ci/run` passes no arguments to pytest). The test
 collection (tests/conftest.py) starts the longest files first with it; refresh it when files are added or slowed.
 `python scripts/test_durations.py --cpu cpu.jsonl` instead prints each file's CPU seconds from a run with
 MESHSERVE_TEST_CPU_LOG=cpu.jsonl (tests/conftest.py): the worker's own and its child processes' (servers, pip)."""
@@ -14,6 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def file_seconds(junit: str) -> dict[str, float]:
     seconds: dict[str, float] = defaultdict(float)
+    if junit.endswith(".jsonl"):  # a CPU log (MESHSERVE_TEST_CPU_LOG): each test's wall seconds
+        for line in Path(junit).read_text().splitlines():
+            row = json.loads(line)
+            seconds[row["file"]] += row["wall"]
+        return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))
     for case in ET.parse(junit).getroot().iter("testcase"):
         module = case.get("classname", "")
         # "tests.serving.test_demo" or "tests.serving.test_x.TestClass": the longest prefix that is a file.
@@ -48,7 +54,7 @@ def main(argv: list[str]) -> None:
         cpu_table(argv[2])
         return
     if len(argv) != 2:
-        sys.exit(f"usage: {argv[0]} JUNIT_XML | --cpu CPU_LOG")
+        sys.exit(f"usage: {argv[0]} JUNIT_XML | CPU_LOG.jsonl | --cpu CPU_LOG")
     seconds = {path: round(s, 1) for path, s in file_seconds(argv[1]).items()}
     out = ROOT / "tests" / "durations.json"
     out.write_text(json.dumps(seconds, indent=0) + "\n")

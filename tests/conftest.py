@@ -4,6 +4,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -34,6 +35,8 @@ if "MESHSERVE_COMPILATION_CACHE" not in os.environ:
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
+
+from tests.support import native_selftest  # noqa: E402
 
 # The property tests draw the same examples on every run (seeded per test), for a newcomer and for CI alike (both run
 # `bash scripts/test.sh`), so whether a change lands is decided by the change, not by the draw. MESHSERVE_EXPLORE=1
@@ -75,7 +78,8 @@ subprocess.Popen.__init__ = _guarded_popen_init
 
 # MESHSERVE_TEST_CPU_LOG=path: one JSON line per test (its file, its name, wall seconds, CPU seconds of the worker
 # process and of the child processes reaped meanwhile: servers, pip, compilers; a module's servers are reaped at its
-# last test's teardown; when it ended, the xdist worker), appended by every worker. `python scripts/test_durations.py --cpu path` sums it per file.
+# last test's teardown; when it ended, the xdist worker), appended by every worker. `python
+# scripts/test_durations.py --cpu path` sums it per file.
 _CPU_LOG = os.environ.get("MESHSERVE_TEST_CPU_LOG")
 
 
@@ -102,6 +106,42 @@ def pytest_runtest_protocol(item, nextitem):
                 f.write(json.dumps({"file": _test_file(item), "test": item.nodeid, "wall": round(wall, 3),
                                     "cpu": round(me, 3), "children_cpu": round(kids, 3), "end": round(time.time(), 2),
                                     "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
+
+
+# What test_native_selftest.py compiles and emulates (~60 s of CPU that no other test waits on) starts with the run,
+# in a background job at nice 19 (tests/support/native_selftest.py): it takes the cores only where the workers leave
+# them idle, and the file, ordered late (tests/durations.json: its seconds with the job done), finds it done. Started
+# where the run selects that file; MESHSERVE_TEST_NATIVE_JOB set beforehand (e.g. to 0) leaves it to the test.
+_NATIVE_SELFTEST = Path(__file__).parent / "pallas_kernels" / "test_native_selftest.py"
+_NATIVE_JOB: dict = {}
+
+
+def _selects(config, path: Path) -> bool:
+    """The run's arguments (paths, node ids) name `path` or a directory above it (no -k / -m is looked at: a job
+    started for nothing is killed at the end)."""
+    for arg in config.args or [str(config.rootpath)]:
+        where = Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
+        if where == path or where in path.parents:
+            return True
+    return False
+
+
+def pytest_configure(config):
+    if hasattr(config, "workerinput") or native_selftest.RUN_DIR_ENV in os.environ \
+            or not _selects(config, _NATIVE_SELFTEST):
+        return  # a worker (the controller started it), or not asked for
+    run_dir = Path(tempfile.mkdtemp(prefix="meshserve-native-job-"))
+    _NATIVE_JOB.update(proc=native_selftest.start(run_dir), dir=run_dir)
+    os.environ[native_selftest.RUN_DIR_ENV] = str(run_dir)  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config):
+    proc = _NATIVE_JOB.pop("proc", None)
+    if proc is not None:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: qemu and the compilers with it
+        proc.wait()
+        shutil.rmtree(_NATIVE_JOB.pop("dir"), ignore_errors=True)
 
 
 # The longest files first (their seconds from a whole run: tests/durations.json, written by

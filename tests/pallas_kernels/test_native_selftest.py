@@ -2,65 +2,20 @@
 instruction-set path against double-precision references, with no jaxlib or FFI in between; the aarch64 paths
 (generic, NEON, NEON with bf16 dot products) cross-compiled and run under qemu-user, so an x86-64 machine checks
 them too."""
-import concurrent.futures
 import ctypes
 import hashlib
-import os
 import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 from pallas_kernels import native
+from tests.support import native_selftest as support
 
 _ALL_OK = ("matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok, expert_mlp ok, "
            "latent_attention ok, lora ok")
 _DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
-# The optimisation level of a compile that only checks the code (the paths this CPU cannot run): -Og defines
-# __OPTIMIZE__ as -O3 does (the intrinsics headers take the same inline-function form) and, unlike -O0, inlines the
-# library's header functions as the nm check needs; an AVX-512 copy took 10 s of a Zen 1 core (-O1 25 s, -O3 ~50).
-_CHECK_OPT = "-Og"
-# The aarch64 selftest's optimisation level: the emulated run checks the NEON paths' logic (and their hwcaps gating),
-# so it is built like the check-only copies above: all four objects 30 s of a Zen 1 core against ~315 s at -O3, and
-# the two qemu runs 65 s of CPU (its harness, selftest.cc, at -O3 whatever the kernels' level: build_selftest). The -O3
-# machine code that ships is built and checked on an aarch64 machine itself
-# (test_selftest_runs_every_path_on_this_cpu runs there natively).
-_AARCH64_OPT = _CHECK_OPT
-_A72_EVERY = 4
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
-
-
-def _run(cmd: list, env=None, timeout=180) -> tuple[int, str]:
-    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, env=env)
-    return done.returncode, done.stdout + done.stderr
-
-
-def _cached(name: str, key: str, build) -> Path:
-    """`build(path)` once per key into the native kernels' cache (`name_key`; a file lock, so two workers build it
-    once): what a test compiles is keyed like the library, by the sources, the compiler and its flags, so a rerun or
-    a second worker does not spend minutes of a slow machine's cores compiling it again."""
-    out = native.library._cache_dir() / f"{name}_{key}"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out) + ".lock"):
-        if not out.exists():
-            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-                os.replace(build(Path(tmp) / name), out)
-    return out
-
-
-def _selftest_hash() -> str:
-    return hashlib.sha256((native.library.SOURCE_DIR / "selftest.cc").read_bytes()).hexdigest()
-
-
-def _aarch64_selftest(cxx: str) -> Path:
-    """The static aarch64 selftest, cross-compiled once per source change (three copies of the kernels)."""
-    key = native.library._source_key(cxx, "static", _AARCH64_OPT, "harness -O3", _selftest_hash())
-    # Static: qemu-user then needs no aarch64 sysroot.
-    return _cached("selftest_aarch64", key, lambda out: native.build_selftest(cxx, "aarch64", out, static=True,
-                                                                             opt=_AARCH64_OPT))
+_run = support.run
 
 
 def _lines(output: str):
@@ -89,9 +44,9 @@ def test_selftest_runs_every_path_on_this_cpu(tmp_path):
         pytest.skip(f"native kernels cannot be built here: {native.library._machine_reason()}")
     objects = native.kernel_objects()  # the library's own objects: the selftest is keyed by their bytes
     cxx = native.library._compiler()
-    key = native.library._source_key(cxx, "selftest", _selftest_hash(),
+    key = native.library._source_key(cxx, "selftest", support.selftest_hash(),
                                      *(hashlib.sha256(o.read_bytes()).hexdigest() for o in objects))
-    exe = _cached(f"selftest_{native.machine()}", key,
+    exe = support.cached(f"selftest_{native.machine()}", key,
                   lambda out: native.build_selftest(cxx, native.machine(), out, objects=objects))
     rc, out = _run([exe])
     assert rc == 0, out
@@ -112,26 +67,21 @@ def test_selftest_runs_every_path_on_this_cpu(tmp_path):
 
 
 # Cross-compiling three copies of the kernels at -Og takes ~30 s of a Zen 1 core (once per source change: see
-# _aarch64_selftest); the two qemu runs, side by side, ~50 s of CPU.
+# support.aarch64_selftest); the two qemu runs, side by side, ~50 s of CPU. In a whole run both are done by then, in
+# the background job (tests/support/native_selftest.py) on the cores the workers left idle.
 @pytest.mark.timeout(1200)
 def test_aarch64_paths_compile_and_run_under_qemu():
     cxx = shutil.which("aarch64-linux-gnu-g++")
     if cxx is None:
         pytest.skip(f"no aarch64 cross compiler (aarch64-linux-gnu-g++): {_AARCH64_TOOLS}")
-    exe = _aarch64_selftest(cxx)  # compiling must pass even where qemu is missing
+    exe = support.aarch64_selftest(cxx)  # compiling must pass even where qemu is missing
     assert exe.is_file()
     qemu = shutil.which("qemu-aarch64")
     if qemu is None:
         pytest.skip("the aarch64 selftest built, but qemu-aarch64 is missing to run it: Debian package qemu-user; "
                     "scripts/test.sh installs it where apt can")
-    # -cpu max has FEAT_BF16 and dotprod: the two NEON paths, every case; a Cortex-A72 has neither: the run shows the
-    # hwcaps gating, and generic and NEON passing without them, on every 4th case. Both at once. The generic path's
-    # every case runs natively (test_selftest_runs_every_path_on_this_cpu: the same portable C++, simd.h's scalar
-    # VOps); under -cpu max it was 13 of the run's 57 s of CPU.
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(_run, [qemu, "-cpu", cpu, exe, *args], timeout=600)
-                for cpu, args in (("max", ["neon", "neon_bf16"]), ("cortex-a72", [f"--every={_A72_EVERY}"]))]
-        (rc, out), (rc_a72, out_a72) = (r.result() for r in runs)
+    runs = support.started_qemu_runs(exe) or support.run_qemu(qemu, exe)
+    (rc, out), (rc_a72, out_a72) = runs["max"], runs["cortex-a72"]
     assert rc == 0, out
     assert _passed(out) == {"neon", "neon_bf16"}, out
     assert _dot(out) == {"neon", "neon_bf16"}, out  # -cpu max has dotprod: sdot ran
@@ -152,19 +102,11 @@ def test_each_path_defines_only_its_own_table(tmp_path):
     if native.library._machine_reason():
         pytest.skip(f"native kernels cannot be built here: {native.library._machine_reason()}")
     built = native.kernel_objects()[:-1]
-    have = {obj.stem.removeprefix("kernels_") for obj in built}
-    missing = [p for p in native.ARCH_ISAS[native.machine()] if p not in have]
+    missing = support.missing_paths()
     cxx = native.library._compiler()
-
-    def compile_missing(out: Path) -> Path:
-        out.mkdir()
-        native.run_jobs(native.compile_jobs(cxx, native.machine(), out, include=None, paths=missing,
-                                            opt=_CHECK_OPT)[:-1])  # the kernels only (the CPU check is the library's)
-        return out
-
-    # Once per source change, into the native kernels' cache (three AVX-512 copies: ~30 s of a Zen 1 core).
-    checked = _cached(f"check_{native.machine()}", native.library._source_key(cxx, "check", _CHECK_OPT, *missing),
-                      compile_missing)
+    # Once per source change, into the native kernels' cache (three AVX-512 copies: ~30 s of a Zen 1 core; in a whole
+    # run, by the background job).
+    checked = support.check_objects(cxx, missing)
     compiled = [checked / f"kernels_{name}.o" for name in missing]
     tables = []
     for obj in built + compiled:
