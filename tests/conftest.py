@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-from tests.support import native_selftest  # noqa: E402
+from tests.support import background  # noqa: E402
 
 # The property tests draw the same examples on every run (seeded per test), for a newcomer and for CI alike (both run
 # `bash scripts/test.sh`), so whether a change lands is decided by the change, not by the draw. MESHSERVE_EXPLORE=1
@@ -108,16 +108,16 @@ def pytest_runtest_protocol(item, nextitem):
                                     "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}) + "\n")
 
 
-# What test_native_selftest.py compiles and emulates (~60 s of CPU that no other test waits on) starts with the run,
-# in a background job at nice 19 (tests/support/native_selftest.py): it takes the cores only where the workers leave
-# them idle, and the file, ordered late (tests/durations.json: its seconds with the job done), finds it done. Started
-# where the run selects that file; MESHSERVE_TEST_NATIVE_JOB set beforehand (e.g. to 0) leaves it to the test.
-_NATIVE_SELFTEST = Path(__file__).parent / "pallas_kernels" / "test_native_selftest.py"
-_NATIVE_JOB: dict = {}
+# Work no other test waits on (test_native_selftest.py's compiles and qemu runs, test_compilation_cache.py's restarts:
+# ~80 s of CPU) starts with the run, in a background process at nice 19 (tests/support/background.py): it takes the
+# cores only where the workers leave them idle, and the files, ordered late (tests/durations.json: their seconds with
+# the job done), find it done. Started for the files the run's arguments select; MESHSERVE_TEST_BACKGROUND set
+# beforehand (e.g. to 0) starts nothing, and the tests do the work themselves.
+_BACKGROUND: dict = {}
 
 
 def _selects(config, path: Path) -> bool:
-    """The run's arguments (paths, node ids) name `path` or a directory above it (no -k / -m is looked at: a job
+    """The run's arguments (paths, node ids) name `path` or a directory above it (-k / -m are not looked at: a job
     started for nothing is killed at the end)."""
     for arg in config.args or [str(config.rootpath)]:
         where = Path(config.invocation_params.dir, arg.split("::")[0]).resolve()
@@ -127,21 +127,22 @@ def _selects(config, path: Path) -> bool:
 
 
 def pytest_configure(config):
-    if hasattr(config, "workerinput") or native_selftest.RUN_DIR_ENV in os.environ \
-            or not _selects(config, _NATIVE_SELFTEST):
-        return  # a worker (the controller started it), or not asked for
-    run_dir = Path(tempfile.mkdtemp(prefix="meshserve-native-job-"))
-    _NATIVE_JOB.update(proc=native_selftest.start(run_dir), dir=run_dir)
-    os.environ[native_selftest.RUN_DIR_ENV] = str(run_dir)  # the workers, started after this, inherit it
+    if hasattr(config, "workerinput") or background.RUN_DIR_ENV in os.environ:
+        return  # a worker (the controller started the jobs), or not asked for
+    files = [f for f in background.JOBS if _selects(config, background.REPO / f)]
+    if files:
+        run_dir = Path(tempfile.mkdtemp(prefix="meshserve-test-background-"))
+        _BACKGROUND.update(proc=background.start(run_dir, files), dir=run_dir)
+        os.environ[background.RUN_DIR_ENV] = str(run_dir)  # the workers, started after this, inherit it
 
 
 def pytest_unconfigure(config):
-    proc = _NATIVE_JOB.pop("proc", None)
+    proc = _BACKGROUND.pop("proc", None)
     if proc is not None:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: qemu and the compilers with it
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: compilers, qemu and servers with it
         proc.wait()
-        shutil.rmtree(_NATIVE_JOB.pop("dir"), ignore_errors=True)
+        shutil.rmtree(_BACKGROUND.pop("dir"), ignore_errors=True)
 
 
 # The longest files first (their seconds from a whole run: tests/durations.json, written by

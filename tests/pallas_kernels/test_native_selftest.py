@@ -68,7 +68,7 @@ def test_selftest_runs_every_path_on_this_cpu(tmp_path):
 
 # Cross-compiling three copies of the kernels at -Og takes ~30 s of a Zen 1 core (once per source change: see
 # support.aarch64_selftest); the two qemu runs, side by side, ~50 s of CPU. In a whole run both are done by then, in
-# the background job (tests/support/native_selftest.py) on the cores the workers left idle.
+# the background job (tests/support/background.py) on the cores the workers left idle.
 @pytest.mark.timeout(1200)
 def test_aarch64_paths_compile_and_run_under_qemu():
     cxx = shutil.which("aarch64-linux-gnu-g++")

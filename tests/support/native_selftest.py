@@ -1,10 +1,9 @@
 """What tests/pallas_kernels/test_native_selftest.py compiles and runs that no other test waits on: the aarch64 selftest
 (three kernel copies cross-compiled, then two qemu runs: ~45 s of CPU) and the x86-64 paths this CPU cannot run,
-compiled to check their symbols (~18 s). A whole run starts them at its start in a background process at nice 19
-(`python -m tests.support.native_selftest RUN_DIR`, from tests/conftest.py), so they take the cores only where the
-test workers leave them idle (waiting on servers and sockets: ~15% of a 2-core run); the test, ordered late, finds
-the builds in the native kernels' cache and the qemu runs' output in RUN_DIR, and asserts on them as on its own.
-Where nothing was started (the file run alone, or the job failed) the test builds and runs them itself."""
+compiled to check their symbols (~18 s). In a whole run `background` does them at the run's start on the cores the
+test workers leave idle (tests/support/background.py); the test then finds the builds in the native kernels' cache
+and the qemu runs' output in the job's directory, and asserts on them as on its own. Where no job ran, or it failed,
+the test builds and runs them itself."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -13,14 +12,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from filelock import FileLock
 
 from pallas_kernels import native
+from tests.support import background as _background
 
 # The optimisation level of a compile that only checks the code (the paths this CPU cannot run): -Og defines
 # __OPTIMIZE__ as -O3 does (the intrinsics headers take the same inline-function form) and, unlike -O0, inlines the
@@ -38,8 +36,6 @@ A72_EVERY = 4
 # case runs natively (test_selftest_runs_every_path_on_this_cpu: the same portable C++, simd.h's scalar VOps); under
 # -cpu max it was 13 of the run's 57 s of CPU.
 QEMU_RUNS = (("max", ("neon", "neon_bf16")), ("cortex-a72", (f"--every={A72_EVERY}",)))
-RUN_DIR_ENV = "MESHSERVE_TEST_NATIVE_JOB"  # set by tests/conftest.py where it started the job
-_WAIT_S = 1200.0
 
 
 def run(cmd: list, env=None, timeout=180) -> tuple[int, str]:
@@ -96,61 +92,24 @@ def check_objects(cxx: str, missing: list[str]) -> Path:
                   compile_missing)
 
 
-def _running(run_dir: Path) -> bool:
-    """The job has not ended (nor died: its process gone or a zombie its parent has not reaped yet)."""
-    if (run_dir / "ended").exists():
-        return False
-    try:
-        pid = int((run_dir / "pid").read_text())
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, ValueError, IndexError):
-        return False
-
-
-def start(run_dir: Path) -> subprocess.Popen:
-    """The background job (tests/conftest.py: at a whole run's start), in its own session so it can be killed
-    whole."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.native_selftest", str(run_dir)],
-                            cwd=native.library.SOURCE_DIR.parent.parent, stdout=subprocess.DEVNULL,
-                            stderr=open(run_dir / "log", "w"), start_new_session=True)
-    (run_dir / "pid").write_text(str(proc.pid))
-    return proc
+TEST_FILE = "tests/pallas_kernels/test_native_selftest.py"
 
 
 def started_qemu_runs(exe: Path) -> dict[str, tuple[int, str]] | None:
-    """The qemu runs of `exe` by this run's background job, waited for; None where no job was started, it failed, or
-    it ran another build (then the test runs them itself)."""
-    run_dir = os.environ.get(RUN_DIR_ENV)
-    if not run_dir:
-        return None
-    out = Path(run_dir) / "qemu.json"
-    deadline = time.monotonic() + _WAIT_S
-    while not out.exists() and _running(Path(run_dir)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if not out.exists():
+    """The qemu runs of `exe` by this run's background job (tests/support/background.py), waited for; None where no
+    job was started, it failed, or it ran another build (then the test runs them itself)."""
+    out = _background.result(TEST_FILE, "qemu.json")
+    if out is None:
         return None
     found = json.loads(out.read_text())
     return {cpu: tuple(r) for cpu, r in found["runs"].items()} if found["exe"] == str(exe) else None
 
 
-def main(run_dir: str) -> None:
+def background(out: Path) -> None:
     """The background job: each step as the test would take it; errors are the test's to find (it redoes the step)."""
-    os.nice(19)
-    out = Path(run_dir)
-    try:
-        cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
-        if cxx and qemu:
-            exe = aarch64_selftest(cxx)
-            runs = run_qemu(qemu, exe)
-            tmp = out / "qemu.json.tmp"
-            tmp.write_text(json.dumps({"exe": str(exe), "runs": runs}))
-            os.replace(tmp, out / "qemu.json")
-        if not native.library._machine_reason():
-            check_objects(native.library._compiler(), missing_paths())
-    finally:
-        (out / "ended").touch()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    cxx, qemu = shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64")
+    if cxx and qemu:
+        exe = aarch64_selftest(cxx)
+        _background.write(out / "qemu.json", json.dumps({"exe": str(exe), "runs": run_qemu(qemu, exe)}))
+    if not native.library._machine_reason():
+        check_objects(native.library._compiler(), missing_paths())
