@@ -27,7 +27,8 @@ _WAIT_S = 1200.0
 
 
 def job_dir(test_file: str) -> Path | None:
-    """Where this run's job for `test_file` writes, or None where none was started."""
+    """Where this run's job for `test_file` (its path, from the repository root or absolute: `__file__`) writes, or
+    None where none was started."""
     run_dir = os.environ.get(RUN_DIR_ENV)
     if not run_dir or not (Path(run_dir) / "pid").exists():
         return None
@@ -68,8 +69,9 @@ def write(path: Path, text: str) -> None:
 def start(run_dir: Path, files: list[str]) -> subprocess.Popen:
     """The background process for `files`' jobs, in its own session so it can be killed whole."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "tests.support.background", str(run_dir), *files], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=open(run_dir / "log", "w"), start_new_session=True)
+    with open(run_dir / "log", "w") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "tests.support.background", str(run_dir), *files], cwd=REPO,
+                                stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     (run_dir / "pid").write_text(str(proc.pid))
     return proc
 

@@ -45,7 +45,6 @@ def _run(model: str, cache: str, env: dict) -> dict:
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
-TEST_FILE = "tests/serving/core/test_compilation_cache.py"
 CASES = {"default-kernels": {}, "xla-kernels": {"MESHSERVE_CPU_KERNELS": "xla"}}
 
 
@@ -65,7 +64,7 @@ def background(out: Path) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_restart_compiles_nothing(tmp_path, case):
-    done = result(TEST_FILE, f"{case}.json")
+    done = result(__file__, f"{case}.json")
     if done is not None:  # this run's background job did them (as below, on the cores the workers left idle)
         found = json.loads(done.read_text())
         cache, cold, warm = found["cache"], found["cold"], found["warm"]
