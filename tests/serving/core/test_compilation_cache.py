@@ -40,6 +40,7 @@ print("RESULT", json.dumps({"hits": events["/jax/compilation_cache/cache_hits"],
 def _run(model: str, cache: str, env: dict) -> dict:
     env = {**os.environ, "MESHSERVE_COMPILATION_CACHE": cache, "JAX_PLATFORMS": "cpu", **env}
     env.pop("MESHSERVE_COMPILATION_CACHE_MIN_SECS", None)  # the default: every program is written
+    env.pop("MESHSERVE_COMPILATION_CACHE_MAX_GIB", None)  # the default bound (tests/conftest.py lifts it)
     done = subprocess.run([sys.executable, "-c", _CHILD, model], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
