@@ -169,7 +169,11 @@ def main(argv):
         instances[1].wait_ready()
         config = {"pools": [{"name": "local", "instances": [
             {"name": p.name, "target": f"127.0.0.1:{p.info['port']}"} for p in instances]}],
-            "routing": {"policy": "load_aware"}}
+            # Both instances share this machine's cores, so one's slower steps are the other's load, not a slower
+            # device: no slowness term, and the prefix affinity outweighs a stale load report, so the second chat
+            # with the shared system prompt goes where the first left it in the prefix cache (under load, e.g.
+            # beside the test suite, a transient slowness score sent it to the other instance).
+            "routing": {"policy": "load_aware", "weights": {"slowness": 0.0, "affinity": 2.0}}}
         config_path = os.path.join(workdir, "gateway.json")
         with open(config_path, "w") as f:
             json.dump(config, f, indent=1)
