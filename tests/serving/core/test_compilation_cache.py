@@ -1,5 +1,6 @@
 """The persistent compilation cache: a second process with the same model and default settings compiles nothing
-(every program loads from the cache), on the native CPU kernels and on XLA's, and produces the same tokens."""
+(every program loads from the cache), on the native CPU kernels with the default bounded cache and on XLA's with an
+unbounded one, and produces the same tokens."""
 import json
 import os
 import subprocess
@@ -33,20 +34,27 @@ requests = events["/jax/core/compile/backend_compile_duration"]
 print("RESULT", json.dumps({"hits": events["/jax/compilation_cache/cache_hits"],
                             "compiled": requests - events["/jax/compilation_cache/cache_hits"],
                             "programs": llm.engine.compile_count, "tokens": out.token_ids,
-                            "dir": llm.engine.runner.compilation_cache_dir}))
+                            "dir": llm.engine.runner.compilation_cache_dir,
+                            "max_size": jax.config.jax_compilation_cache_max_size}))
 """
 
 
 def _run(model: str, cache: str, env: dict) -> dict:
-    env = {**os.environ, "MESHSERVE_COMPILATION_CACHE": cache, "JAX_PLATFORMS": "cpu", **env}
-    env.pop("MESHSERVE_COMPILATION_CACHE_MIN_SECS", None)  # the default: every program is written
-    env.pop("MESHSERVE_COMPILATION_CACHE_MAX_GIB", None)  # the default bound (tests/conftest.py lifts it)
+    # The defaults unless the case sets them: every program written (no compile-time floor), the cache bounded (the
+    # run's own cache is not: tests/conftest.py).
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MESHSERVE_COMPILATION_CACHE_MIN_SECS", "MESHSERVE_COMPILATION_CACHE_MAX_GIB")}
+    env = {**base, "MESHSERVE_COMPILATION_CACHE": cache, "JAX_PLATFORMS": "cpu", **env}
     done = subprocess.run([sys.executable, "-c", _CHILD, model], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
-CASES = {"default-kernels": {}, "xla-kernels": {"MESHSERVE_CPU_KERNELS": "xla"}}
+# The default cache (an 8 GiB LRU) on the native kernels; unbounded (MESHSERVE_COMPILATION_CACHE_MAX_GIB=0, as the
+# test run's own cache) on XLA's.
+CASES = {"default-kernels": {},
+         "xla-kernels": {"MESHSERVE_CPU_KERNELS": "xla", "MESHSERVE_COMPILATION_CACHE_MAX_GIB": "0"}}
+MAX_SIZE = {"default-kernels": 8 << 30, "xla-kernels": -1}
 
 
 def _restarts(cache: str, env: dict) -> tuple[dict, dict]:
@@ -77,6 +85,7 @@ def test_a_restart_compiles_nothing(tmp_path, case):
     # With the default settings (no compile-time floor) every program the cold start compiled is a hit now.
     assert warm["compiled"] == 0 and warm["hits"] == cold["compiled"], (cold, warm)
     assert warm["tokens"] == cold["tokens"]
+    assert cold["max_size"] == warm["max_size"] == MAX_SIZE[case]
 
 
 def test_cache_can_be_turned_off(monkeypatch):
