@@ -48,25 +48,34 @@ COMPILATION_CACHE_MIN_SECS_ENV = "MESHSERVE_COMPILATION_CACHE_MIN_SECS"
 COMPILATION_CACHE_MAX_GIB_ENV = "MESHSERVE_COMPILATION_CACHE_MAX_GIB"
 
 
+def _env_float(name: str, default: str, meaning: str) -> float:
+    value = os.environ.get(name, default)
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number ({meaning})") from None
+
+
 def enable_compilation_cache(path: str | None = None) -> str | None:
     """Turns on JAX's persistent compilation cache, so a restart with the same model, flags and JAX build loads
     its programs instead of compiling them (start-up to ready: minutes -> seconds). `path` None: the default
     backend's (`platform.default_compilation_cache_dir`); "" or "off": leave it off.
     MESHSERVE_COMPILATION_CACHE_MIN_SECS (default 0: every program is written; with a floor, the programs that
-    compile faster than it were compiled again at every start: 8-19 of 46 for the 125M model, by CPU and load).
-    Returns the directory in use, or None."""
+    compile faster than it were compiled again at every start: 8-19 of 46 for the 125M model, by CPU and load);
+    MESHSERVE_COMPILATION_CACHE_MAX_GIB (default 8; 0: unbounded). A value that is not a number is a ValueError
+    naming the variable, before anything is set. Returns the directory in use, or None."""
     if path is None:
         path = default_compilation_cache_dir(canonical_platform())
     if not path or path.lower() in ("off", "none", "0"):
         return None
     if jax.config.jax_compilation_cache_dir != path:
+        min_secs = _env_float(COMPILATION_CACHE_MIN_SECS_ENV, "0", "seconds")
+        max_gib = _env_float(COMPILATION_CACHE_MAX_GIB_ENV, "8", "GiB; 0: unbounded")
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                          float(os.environ.get(COMPILATION_CACHE_MIN_SECS_ENV, "0")))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_secs)
         # An LRU bound; it also makes readers and writers take the cache's file lock, so instances started
         # together never read a half-written entry (unbounded, such a read is a warning and a compile).
-        max_gib = float(os.environ.get(COMPILATION_CACHE_MAX_GIB_ENV, "8"))
         jax.config.update("jax_compilation_cache_max_size", int(max_gib * (1 << 30)) if max_gib > 0 else -1)
     return path
 

@@ -93,3 +93,13 @@ def test_cache_can_be_turned_off(monkeypatch):
     before = jax.config.jax_compilation_cache_dir
     assert enable_compilation_cache("") is None and enable_compilation_cache("off") is None
     assert jax.config.jax_compilation_cache_dir == before
+
+
+@pytest.mark.parametrize("variable", ["MESHSERVE_COMPILATION_CACHE_MAX_GIB", "MESHSERVE_COMPILATION_CACHE_MIN_SECS"])
+def test_a_setting_that_is_not_a_number_is_refused_by_name(monkeypatch, tmp_path, variable):
+    import jax
+    before = jax.config.jax_compilation_cache_dir
+    monkeypatch.setenv(variable, "lots")
+    with pytest.raises(ValueError, match=f"{variable}='lots': expected a number"):
+        enable_compilation_cache(str(tmp_path / "cache"))
+    assert jax.config.jax_compilation_cache_dir == before  # nothing was set
