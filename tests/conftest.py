@@ -30,7 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Unbounded (no LRU): a bounded cache lists its whole directory on every write under a file lock shared by all of
 # the run's processes, and this one gathers thousands of small programs (serving/core/model_runner.py): measured on
 # Zen 3, three kernel test files in one process took 140 s bounded, 96 s unbounded. test_compilation_cache.py
-# checks the default (bounded) cache.
+# checks both (the default bound on the native kernels, unbounded on XLA's).
 os.environ.setdefault("MESHSERVE_COMPILATION_CACHE_MAX_GIB", "0")
 if "MESHSERVE_COMPILATION_CACHE" not in os.environ:
     _COMPILATION_CACHE = tempfile.mkdtemp(prefix="meshserve-xla-cache-")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from models.synthetic import shared_small_llama
-from serving.core.model_runner import enable_compilation_cache
+from serving.core.model_runner import (COMPILATION_CACHE_MAX_GIB_ENV, COMPILATION_CACHE_MIN_SECS_ENV,
+                                       enable_compilation_cache)
 from tests.support.background import result, write
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +44,7 @@ def _run(model: str, cache: str, env: dict) -> dict:
     # The defaults unless the case sets them: every program written (no compile-time floor), the cache bounded (the
     # run's own cache is not: tests/conftest.py).
     base = {k: v for k, v in os.environ.items()
-            if k not in ("MESHSERVE_COMPILATION_CACHE_MIN_SECS", "MESHSERVE_COMPILATION_CACHE_MAX_GIB")}
+            if k not in (COMPILATION_CACHE_MIN_SECS_ENV, COMPILATION_CACHE_MAX_GIB_ENV)}
     env = {**base, "MESHSERVE_COMPILATION_CACHE": cache, "JAX_PLATFORMS": "cpu", **env}
     done = subprocess.run([sys.executable, "-c", _CHILD, model], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -53,7 +54,7 @@ def _run(model: str, cache: str, env: dict) -> dict:
 # The default cache (an 8 GiB LRU) on the native kernels; unbounded (MESHSERVE_COMPILATION_CACHE_MAX_GIB=0, as the
 # test run's own cache) on XLA's.
 CASES = {"default-kernels": {},
-         "xla-kernels": {"MESHSERVE_CPU_KERNELS": "xla", "MESHSERVE_COMPILATION_CACHE_MAX_GIB": "0"}}
+         "xla-kernels": {"MESHSERVE_CPU_KERNELS": "xla", COMPILATION_CACHE_MAX_GIB_ENV: "0"}}
 MAX_SIZE = {"default-kernels": 8 << 30, "xla-kernels": -1}
 
 
@@ -95,7 +96,7 @@ def test_cache_can_be_turned_off(monkeypatch):
     assert jax.config.jax_compilation_cache_dir == before
 
 
-@pytest.mark.parametrize("variable", ["MESHSERVE_COMPILATION_CACHE_MAX_GIB", "MESHSERVE_COMPILATION_CACHE_MIN_SECS"])
+@pytest.mark.parametrize("variable", [COMPILATION_CACHE_MAX_GIB_ENV, COMPILATION_CACHE_MIN_SECS_ENV])
 def test_a_setting_that_is_not_a_number_is_refused_by_name(monkeypatch, tmp_path, variable):
     import jax
     before = jax.config.jax_compilation_cache_dir
