@@ -147,13 +147,14 @@ struct VOps {
                                          6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     return (__m512bh)_mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
   }
-#else
+#endif
+  // Rows k and k+1 of kLanes columns in the pair layout, widened to float32 (also where the CPU has a pair dot
+  // product: lora.h's B in panels keeps x in float32).
   static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const __m512i v = _mm512_loadu_si512(w);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
     *odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
   }
-#endif
 };
 
 #elif MESHSERVE_X86_AVX2
@@ -406,13 +407,14 @@ struct VOps {
     std::memcpy(b, p, n * sizeof(uint16_t));
     return vld1_u16(b);
   }
-#else
+#endif
+  // Rows k and k+1 of kLanes columns in the pair layout, widened to float32 (also where the CPU has a pair dot
+  // product: lora.h's B in panels keeps x in float32).
   static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const uint32x4_t v = vreinterpretq_u32_u16(vld1q_u16(w));
     *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
     *odd = vreinterpretq_f32_u32(vandq_u32(v, vdupq_n_u32(0xFFFF0000u)));
   }
-#endif
 };
 
 #else

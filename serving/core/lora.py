@@ -17,6 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.lora import PeftAdapter, read_peft_adapter
+from pallas_kernels.lora import to_pairs
 from serving.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -98,17 +99,20 @@ class AdapterRegistry:
 
 def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[tuple], dtype) -> list[np.ndarray]:
     """Host-side. An adapter's weights as one slot of each LoRA stack (`layout`: (layer, projection, A stack
-    shape, B stack shape) per projection, `ModelRunner.lora_layout`): per projection A [R, *in] and B [R, *out] in
-    `dtype`, zero past its rank (and all zero for a projection it leaves alone), then its rank (int32)."""
+    shape, B stack shape, B in pairs) per projection, `ModelRunner.lora_layout`): per projection A [R, *in] and B
+    [R, *out] in `dtype` (B in `pallas_kernels.lora.to_pairs` form where the layout says so), zero past its rank
+    (and all zero for a projection it leaves alone), then its rank (int32)."""
     weights = peft.weights(model_config)
     out = []
-    for layer, name, a_shape, b_shape in layout:
+    for layer, name, a_shape, b_shape, b_pairs in layout:
         a, b = np.zeros(a_shape[1:], np.float32), np.zeros(b_shape[1:], np.float32)
         rank = 0
         if (layer, name) in weights:
             wa, wb = weights[layer, name]
             rank = wa.shape[0]
             a[:rank], b[:rank] = wa, wb
+        if b_pairs:
+            b = to_pairs(b.reshape(b.shape[0], -1)).reshape(b.shape)
         out += [a.astype(dtype), b.astype(dtype), np.int32(rank)]
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Sequence
@@ -22,6 +23,7 @@ from models.kv_cache import init_kv_caches, window_pools
 from models.transformer import CausalLM, kv_cache_specs
 from models.weights import is_orbax_dir, load_model, param_sharding, read_config
 from pallas_kernels.attention import unsupported_reason
+from pallas_kernels.lora import pairs_fit
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
@@ -213,14 +215,18 @@ class ModelRunner:
         self.screen_greedy = False
         if cpu_panels or config.enable_lora:
             model = nnx.clone(model)  # (the caller's model keeps its own weights and no adapter slots)
-        # LoRA: (layer, projection, A stack shape, B stack shape) of each projection's adapter slots (models.lora)
+        # LoRA: (layer, projection, A stack shape, B stack shape, B in pairs) of each projection's adapter slots
+        # (models.lora)
         self.lora_layout: list[tuple] = []
         if config.enable_lora:
             if jax.process_count() > 1:
                 raise ValueError("enable_lora: multi-host engines do not serve LoRA adapters yet")
             model.add_lora_slots(config.max_loras, config.max_lora_rank, dtype,
                                  lambda axes, shape: param_sharding(axes, shape, mesh, DEFAULT_RULES))
-            self.lora_layout = [(i, name, p.a.shape, p.b.shape) for i, name, p in model.lora_projections()]
+            for _, _, p in model.lora_projections():
+                # B in the native kernel's pairs where it runs the update (bfloat16; pallas_kernels.lora)
+                p.b_pairs = cpu_panels and pairs_fit(dtype, p.b.shape[1], math.prod(p.b.shape[2:]))
+            self.lora_layout = [(i, name, p.a.shape, p.b.shape, p.b_pairs) for i, name, p in model.lora_projections()]
             log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
                      len(self.lora_layout))
         if cpu_panels:
@@ -436,7 +442,7 @@ class ModelRunner:
     def _lora_variables(self) -> list:
         """The state's LoRA stacks in `lora_layout` order: A, B and ranks of each projection."""
         out = []
-        for layer, name, _, _ in self.lora_layout:
+        for layer, name, *_ in self.lora_layout:
             part = "self_attn" if name in ATTENTION_TARGETS else "mlp"
             stacks = self.state["layers"][layer][part]["lora"][name]
             out += [stacks["a"], stacks["b"], stacks["ranks"]]
