@@ -20,28 +20,29 @@ BACKENDS = ("native", "gather", "loop", "ragged_dot")
 # Up to this many tokens the XLA paths gather each token's A and B (they read T adapters' worth, not all slots):
 # a decode step of a few sequences.
 GATHER_MAX_TOKENS = 4
-# B in pairs (`to_pairs`) needs N a multiple of this: whole vectors of every native path's width.
+# Stacks in pairs (`to_pairs`) need K and N multiples of this: whole vectors of every native path's width.
 PAIR_COLUMNS = 16
 
 
-def pairs_fit(dtype, rank: int, n: int) -> bool:
-    """Whether B stacks of `dtype`, `rank` rows and `n` output features can be stored in pairs (`to_pairs`): the
-    native kernel takes them so for bfloat16, an even rank and n a multiple of PAIR_COLUMNS."""
-    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and rank % 2 == 0 and n % PAIR_COLUMNS == 0
+def pairs_fit(dtype, rank: int, k: int, n: int) -> bool:
+    """Whether A [rank, k] and B [rank, n] stacks of `dtype` can be stored in pairs (`to_pairs`): the native kernel
+    takes them so for bfloat16, an even rank, and k and n multiples of PAIR_COLUMNS."""
+    return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and rank % 2 == 0 and k % PAIR_COLUMNS == 0
+            and n % PAIR_COLUMNS == 0)
 
 
 def to_pairs(b):
-    """B [..., R, N] (numpy or jax) in the native kernel's pairs, same shape: R / 2 rows of N pairs, rows 2j and
-    2j + 1 of a column side by side (element (k, n) at flat (k // 2) * 2N + 2n + k % 2). The kernel widens a pair
-    of rows from bfloat16 with one load, and a rank-r adapter's first r rows stay contiguous (native/lora.h).
-    `from_pairs` undoes it."""
+    """A stack's [..., R, N] (numpy or jax; A [R, K] alike) in the native kernel's pairs, same shape: R / 2 rows of
+    N pairs, rows 2j and 2j + 1 of a column side by side (element (k, n) at flat (k // 2) * 2N + 2n + k % 2). The
+    kernel widens a pair of rows from bfloat16 with one load, and a rank-r adapter's first r rows stay contiguous
+    (native/lora.h). `from_pairs` undoes it."""
     *lead, r, n = b.shape
     nd = len(lead)
     return b.reshape(*lead, r // 2, 2, n).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, n)
 
 
 def from_pairs(b):
-    """Pure. The inverse of `to_pairs`: B [..., R, N] row-major again."""
+    """Pure. The inverse of `to_pairs`: [..., R, N] row-major again."""
     *lead, r, n = b.shape
     nd = len(lead)
     return b.reshape(*lead, r // 2, n, 2).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, n)
@@ -64,17 +65,17 @@ def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
 
 
 def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array,
-               b_pairs: bool = False) -> jax.Array:
+               pairs: bool = False) -> jax.Array:
     """Pure. [T, N] in x's dtype: (x[t] @ a[slots[t]]^T) @ b[slots[t]] per token, 0 where slots[t] < 0; x [T, K],
-    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero; `b_pairs`: each
-    slot's B in `to_pairs` form, which the native kernel reads as it is and the XLA paths undo first), ranks [S]
+    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero; `pairs`: each slot's
+    A and B in `to_pairs` form, which the native kernel reads as it is and the XLA paths undo first), ranks [S]
     int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this projection).
     Accumulated in float32."""
     backend = lora_backend(x, a, b)
     if backend == "native":
-        return native.lora(x, slots, a, b, ranks, b_pairs=b_pairs)
-    if b_pairs:
-        b = from_pairs(b)
+        return native.lora(x, slots, a, b, ranks, pairs=pairs)
+    if pairs:
+        a, b = from_pairs(a), from_pairs(b)
     if backend == "gather":
         return gathered_lora(x, slots, a, b)
     if backend == "loop":

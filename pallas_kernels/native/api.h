@@ -97,10 +97,10 @@ struct Kernels {
                            const void* cache, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
                            const int32_t* cu, int64_t num_seqs, void* out);
   // LoRA update (lora.h): y[T, N] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (s < 0
-  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed), b [S, R, N] row-major, or (b_pairs: bfloat16 only, R
-  // even, N a multiple of 16) each slot's B in lora.h's pairs; x, a, b and y in `dt`.
+  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed), b [S, R, N] row-major, or (pairs: bfloat16 only, R
+  // even, K and N multiples of 16) each slot's A and B in lora.h's pairs; x, a, b and y in `dt`.
   void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
-               const void* b, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y);
+               const void* b, bool pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

@@ -368,7 +368,7 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
                     ffi::AnyBuffer b, ffi::Buffer<ffi::S32> ranks, ffi::Result<ffi::AnyBuffer> out, int32_t isa,
-                    bool b_pairs) {
+                    bool pairs) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
   auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
@@ -385,11 +385,11 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
     return ffi::Error::InvalidArgument("lora: x, a, b and out must all be float32 or all bfloat16");
   if (static_cast<int64_t>(out->element_count()) != T * N)
     return ffi::Error::InvalidArgument("lora: out must be [T, N]");
-  if (b_pairs && (t != ffi::DataType::BF16 || R % 2 || N % 16))
-    return ffi::Error::InvalidArgument("lora: B in pairs needs bfloat16, an even R and N a multiple of 16");
+  if (pairs && (t != ffi::DataType::BF16 || R % 2 || K % 16 || N % 16))
+    return ffi::Error::InvalidArgument("lora: stacks in pairs need bfloat16, an even R and K, N multiples of 16");
   if (!T || !N) return ffi::Error::Success();
   kernels->lora(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
-                slots.typed_data(), a.untyped_data(), b.untyped_data(), b_pairs, ranks.typed_data(), S, R, N,
+                slots.typed_data(), a.untyped_data(), b.untyped_data(), pairs, ranks.typed_data(), S, R, N,
                 out->untyped_data());
   return ffi::Error::Success();
 }
@@ -505,4 +505,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLora, meshserve::LoraImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa")
-                                  .Attr<bool>("b_pairs"));
+                                  .Attr<bool>("pairs"));

@@ -25,13 +25,14 @@
 // widened bfloat16 weights). At a decode step (a few tokens per adapter) both passes are mostly waiting on memory:
 // every byte of A and B is used by only m tokens, hence the prefetches.
 //
-// bfloat16 B may come in pairs (`b_pairs`; the engine stores it so on the native path: pallas_kernels/lora.py
+// bfloat16 stacks may come in pairs (`pairs`; the engine stores them so on the native path: pallas_kernels/lora.py
 // `to_pairs`): each slot's B [R, N] as R / 2 rows of N pairs, rows 2j and 2j + 1 of a column side by side, element
-// (k, n) at (k / 2) * 2N + 2n + k % 2 (R even, N a multiple of 16). 2 x kLanes values then widen with one load, a
-// shift and an and (SplitPairs) instead of two loads, two zero-extensions and two shifts, over half as many row
-// streams; an adapter's first r rows stay one contiguous block. Same sums in the same order as the row-major form,
-// so bit-identical to it. Measured on Zen 3 (the step's 84 calls, 32 tokens over 8 rank-64 adapters, with
-// KeepInRegister below): ~11% less CPU per step on one thread, ~7% less wall time on two.
+// (k, n) at (k / 2) * 2N + 2n + k % 2, and A [R, K] likewise (R even, K and N multiples of 16). 2 x kLanes values
+// then widen with one load, a shift and an and (SplitPairs) instead of two loads, two zero-extensions and two
+// shifts, over half as many row streams; an adapter's first r rows stay one contiguous block. Same sums in the same
+// order as the row-major form, so bit-identical to it. Measured on Zen 3 (the step's 84 calls, 32 tokens over 8
+// rank-64 adapters; docs/lora.md): B in pairs with KeepInRegister below, ~11% less CPU per step on one thread and
+// ~6% less wall time on two; A in pairs too, another ~5% and ~2%.
 
 // Below this many multiply-adds a call runs on the calling thread alone: a decode step's rank-8 update (32 tokens:
 // 0.7M) costs less than handing it to the pool twice and waiting for the slowest thread on a loaded CPU.
@@ -267,17 +268,57 @@ void LoraDot(const float* x, int64_t m, int64_t K, const WT* a, int64_t r, float
   for (; i < m; ++i) LoraDotRows<1, 8, WT>(x + i * K, a, K, r, out + i * ldo, ldo);
 }
 
-inline void FromF32(const float* src, int64_t n, float* dst) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void FromF32(const float* src, int64_t n, uint16_t* dst) {
-  for (int64_t i = 0; i < n; i += V::kLanes) {
-    const V::M m = V::Mask(n - i);
-    V::StoreBf16M(dst + i, V::LoadM(src + i, m), m);
+// The same with A in pairs too (rows 2p and 2p + 1 side by side along K: row stride 2K per pair; K a multiple of
+// 16): RC rows from an even row (RC even: RC / 2 pairs, each widened by SplitPairs from one load; RC = 1: a pair's
+// even row).
+template <int RT, int RC>
+inline void LoraDotPairTile(const float* __restrict x, const uint16_t* __restrict a, int64_t K, float* __restrict out,
+                            int64_t ldo) {
+  constexpr int RP = (RC + 1) / 2;
+  V::F acc[RT][RC];
+#pragma GCC unroll 8
+  for (int i = 0; i < RT; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+  for (int64_t k = 0; k < K; k += V::kLanes) {
+#pragma GCC unroll 4
+    for (int p = 0; p < RP; ++p) PrefetchT0(a + (RP + p) * 2 * K + 2 * k);
+    V::F av[2 * RP];
+#pragma GCC unroll 4
+    for (int p = 0; p < RP; ++p) VOps::SplitPairs(a + p * 2 * K + 2 * k, &av[2 * p], &av[2 * p + 1]);
+#pragma GCC unroll 8
+    for (int i = 0; i < RT; ++i) {
+      V::F xv = V::Load(x + i * K + k);
+      if constexpr (RC > 1) KeepInRegister(xv);
+#pragma GCC unroll 8
+      for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
+    }
   }
+  for (int i = 0; i < RT; ++i)
+    for (int j = 0; j < RC; ++j) out[i * ldo + j] = V::ReduceAdd(acc[i][j]);
 }
+
+template <int RT, int RC>
+void LoraDotPairRows(const float* x, const uint16_t* a, int64_t K, int64_t r, float* out, int64_t ldo) {
+  int64_t j = 0;
+  for (; j + RC <= r; j += RC) LoraDotPairTile<RT, RC>(x, a + j * K, K, out + j, ldo);
+  for (; j + 2 <= r; j += 2) LoraDotPairTile<RT, 2>(x, a + j * K, K, out + j, ldo);
+  if (j < r) LoraDotPairTile<RT, 1>(x, a + j * K, K, out + j, ldo);
+}
+
+// LoraDot on A in pairs (a: its first pair; r rows from there).
+inline void LoraDotPairs(const float* x, int64_t m, int64_t K, const uint16_t* a, int64_t r, float* out,
+                         int64_t ldo) {
+  int64_t i = 0;
+  for (; i + 4 <= m; i += 4) LoraDotPairRows<4, 2>(x + i * K, a, K, r, out + i * ldo, ldo);
+  for (; i + 2 <= m; i += 2) LoraDotPairRows<2, 4>(x + i * K, a, K, r, out + i * ldo, ldo);
+  for (; i < m; ++i) LoraDotPairRows<1, 8>(x + i * K, a, K, r, out + i * ldo, ldo);
+}
+inline void LoraDotPairs(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t) {}  // (float32)
 
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
-              bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
+              bool pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
   std::memset(y, 0, static_cast<size_t>(T_ * N) * sizeof(T));
   // Counting sort of the tokens by slot (those of no slot or rank 0 left out).
   Zeros<int64_t> start_buf(static_cast<size_t>(S + 1));
@@ -309,7 +350,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     const int64_t m = start[s + 1] - start[s];
     for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
     if constexpr (std::is_same_v<T, uint16_t>) {
-      if (b_pairs) {
+      if (pairs) {
         const int64_t kb = rank_of(s) + (rank_of(s) & 1);
         LoraMatmulPairs(rows, m, kb, b + s * R * N + 2 * n0, 2 * N, width, out, width);
       } else {
@@ -318,7 +359,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     } else {
       LoraMatmul(rows, m, rank_of(s), b + s * R * N + n0, N, width, out, width);
     }
-    for (int64_t i = 0; i < m; ++i) FromF32(out + i * width, width, y + order[start[s] + i] * N + n0);
+    for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
   // One pass, a unit per used slot, where no slot holds more than 1 / (2 x threads) of the multiply-adds.
@@ -332,7 +373,10 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
       thread_local Scratch xs_buf, out_buf, ptr_buf;
       float* xs = xs_buf.Get<float>(static_cast<size_t>(m * K));
       for (int64_t i = 0; i < m; ++i) ToF32(x + order[start[s] + i] * K, xs + i * K, K);
-      LoraDot(xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
+      if (pairs)
+        LoraDotPairs(xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
+      else
+        LoraDot(xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
       apply_b(s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
               ptr_buf.Get<const float*>(static_cast<size_t>(m)));
     });
@@ -358,11 +402,14 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   ParallelFor(par, num_units, [&](int64_t n) {
     const int64_t s = units[2 * n], j0 = units[2 * n + 1];
     const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, rank_of(s) - j0);
-    LoraDot(xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
+    if (pairs)
+      LoraDotPairs(xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
+    else
+      LoraDot(xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
   });
 
   // 2. B: per chunk of N's columns, every used slot.
-  const int64_t unit = b_pairs ? 2 * V::kLanes : V::kLanes * CbFor(4);
+  const int64_t unit = pairs ? 2 * V::kLanes : V::kLanes * CbFor(4);
   const int64_t chunk = unit * ChunkUnits(N, unit, par.threads);
   ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
@@ -376,11 +423,11 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
 }
 
 void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots, const void* a,
-               const void* b, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y) {
+               const void* b, bool pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y) {
   if (dt == Dt::kF32)
     LoraImpl(run, static_cast<const float*>(x), T_, K, slots, static_cast<const float*>(a),
              static_cast<const float*>(b), false, ranks, S, R, N, static_cast<float*>(y));
   else
     LoraImpl(run, static_cast<const uint16_t*>(x), T_, K, slots, static_cast<const uint16_t*>(a),
-             static_cast<const uint16_t*>(b), b_pairs, ranks, S, R, N, static_cast<uint16_t*>(y));
+             static_cast<const uint16_t*>(b), pairs, ranks, S, R, N, static_cast<uint16_t*>(y));
 }

@@ -215,7 +215,7 @@ class ModelRunner:
         self.screen_greedy = False
         if cpu_panels or config.enable_lora:
             model = nnx.clone(model)  # (the caller's model keeps its own weights and no adapter slots)
-        # LoRA: (layer, projection, A stack shape, B stack shape, B in pairs) of each projection's adapter slots
+        # LoRA: (layer, projection, A stack shape, B stack shape, stacks in pairs) of each projection's adapter slots
         # (models.lora)
         self.lora_layout: list[tuple] = []
         if config.enable_lora:
@@ -224,9 +224,10 @@ class ModelRunner:
             model.add_lora_slots(config.max_loras, config.max_lora_rank, dtype,
                                  lambda axes, shape: param_sharding(axes, shape, mesh, DEFAULT_RULES))
             for _, _, p in model.lora_projections():
-                # B in the native kernel's pairs where it runs the update (bfloat16; pallas_kernels.lora)
-                p.b_pairs = cpu_panels and pairs_fit(dtype, p.b.shape[1], math.prod(p.b.shape[2:]))
-            self.lora_layout = [(i, name, p.a.shape, p.b.shape, p.b_pairs) for i, name, p in model.lora_projections()]
+                # A and B in the native kernel's pairs where it runs the update (bfloat16; pallas_kernels.lora)
+                p.pairs = cpu_panels and pairs_fit(dtype, p.b.shape[1], math.prod(p.a.shape[2:]),
+                                                   math.prod(p.b.shape[2:]))
+            self.lora_layout = [(i, name, p.a.shape, p.b.shape, p.pairs) for i, name, p in model.lora_projections()]
             log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
                      len(self.lora_layout))
         if cpu_panels:

@@ -68,28 +68,29 @@ def test_pairs_layout():
         assert got[s].reshape(-1)[(k // 2) * 2 * n + 2 * c + k % 2] == b[s, k, c]
     np.testing.assert_array_equal(lora.from_pairs(got), b)
     np.testing.assert_array_equal(np.asarray(lora.from_pairs(jnp.asarray(got))), b)
-    assert lora.pairs_fit(jnp.bfloat16, 16, 48) and not lora.pairs_fit(jnp.float32, 16, 48)
-    assert not lora.pairs_fit(jnp.bfloat16, 9, 48) and not lora.pairs_fit(jnp.bfloat16, 16, 40)
+    assert lora.pairs_fit(jnp.bfloat16, 16, 64, 48) and not lora.pairs_fit(jnp.float32, 16, 64, 48)
+    assert not lora.pairs_fit(jnp.bfloat16, 9, 64, 48) and not lora.pairs_fit(jnp.bfloat16, 16, 64, 40)
+    assert not lora.pairs_fit(jnp.bfloat16, 16, 72, 48)
 
 
 @pytest.mark.parametrize("backend", lora.BACKENDS)
-def test_b_in_pairs(backend, monkeypatch):
-    """bfloat16 B stored in pairs (as the engine stores it where the native kernel runs): the native kernel reads it
-    as it is, bit for bit its row-major answer (the same sums in the same order; odd ranks read the row past their
-    rank, weighted by zero), also on its thread pool; the XLA paths undo it first."""
+def test_stacks_in_pairs(backend, monkeypatch):
+    """bfloat16 A and B stored in pairs (as the engine stores them where the native kernel runs): the native kernel
+    reads them as they are, bit for bit its row-major answer (the same sums in the same order; odd ranks read the row
+    past their rank, weighted by zero), also on its thread pool; the XLA paths undo them first."""
     if backend == "native":
         if native.machine_reason() is not None:
             pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
         monkeypatch.delenv(native.ENV_VAR, raising=False)
     monkeypatch.setenv(lora.LORA_ENV_VAR, backend)
-    f = jax.jit(lambda *z, pairs: lora.lora_delta(*z, b_pairs=pairs), static_argnames="pairs")
-    cases = [dict(tokens=13, seed=7, n=48)] + ([dict(tokens=256, seed=5, k=512, r=64, n=384)]
+    f = jax.jit(lambda *z, pairs: lora.lora_delta(*z, pairs=pairs), static_argnames="pairs")
+    cases = [dict(tokens=13, seed=7, n=48, k=64)] + ([dict(tokens=256, seed=5, k=512, r=64, n=384)]
                                                  if backend == "native" else [])
     for case in cases:
         (x, slots, a, b, ranks), want = _case(jnp.bfloat16, case.pop("tokens"), **case)
-        assert lora.pairs_fit(b.dtype, b.shape[1], b.shape[2])
+        assert lora.pairs_fit(b.dtype, b.shape[1], a.shape[2], b.shape[2])
         plain = np.asarray(f(x, slots, a, b, ranks, pairs=False).astype(jnp.float32))
-        got = np.asarray(f(x, slots, a, lora.to_pairs(b), ranks, pairs=True).astype(jnp.float32))
+        got = np.asarray(f(x, slots, lora.to_pairs(a), lora.to_pairs(b), ranks, pairs=True).astype(jnp.float32))
         np.testing.assert_array_equal(got, plain)
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
 

@@ -180,10 +180,10 @@ def test_mixed_batch_matches_hf_peft_at_tp2(families):
         assert r.output_token_ids == fam.greedy(name, p, 5), f"adapter {name}"
 
 
-def test_bfloat16_b_stacks_in_pairs(families, monkeypatch):
-    """bfloat16 where the native kernels run: the B stacks hold each slot in the kernel's pairs (the slot writes put
-    them so), and a mixed step's logits are those of the XLA path, which reads the same stacks row-major again
-    (`from_pairs`). On the XLA kernels (MESHSERVE_CPU_KERNELS=xla) the stacks stay row-major."""
+def test_bfloat16_stacks_in_pairs(families, monkeypatch):
+    """bfloat16 where the native kernels run: the A and B stacks hold each slot in the kernel's pairs (the slot
+    writes put them so), and a mixed step's logits are those of the XLA path, which reads the same stacks row-major
+    again (`from_pairs`). On the XLA kernels (MESHSERVE_CPU_KERNELS=xla) the stacks stay row-major."""
     fam = families["llama"]
     names = [None, "a", "b", "c"]
     prompts = [prompt(n, seed) for n, seed in ((7, 1), (10, 2), (5, 3), (10, 4))]
@@ -192,10 +192,12 @@ def test_bfloat16_b_stacks_in_pairs(families, monkeypatch):
     assert {entry[4] for entry in runner.lora_layout} == {runner.choices.native_kernels}
     got = mixed_logits(engine, prompts, names)
     slot = engine.lora.resident()["b"]
-    up = runner.state["layers"][1]["mlp"]["lora"]["up_proj"]["b"].get_value()[slot]
-    want_b = engine.adapters.get("b").peft.weights(runner.model_config)[1, "up_proj"][1]
-    stored = np.asarray(lora_kernels.from_pairs(up) if runner.choices.native_kernels else up, np.float32)
-    np.testing.assert_array_equal(stored[:16], np.asarray(jnp.asarray(want_b, jnp.bfloat16), np.float32))
+    stacks = runner.state["layers"][1]["mlp"]["lora"]["up_proj"]
+    peft_ab = engine.adapters.get("b").peft.weights(runner.model_config)[1, "up_proj"]  # (A, B), scaling in B
+    for stack, want_w in zip((stacks["a"], stacks["b"]), peft_ab):
+        w = stack.get_value()[slot]
+        stored = np.asarray(lora_kernels.from_pairs(w) if runner.choices.native_kernels else w, np.float32)
+        np.testing.assert_array_equal(stored[:16], np.asarray(jnp.asarray(want_w, jnp.bfloat16), np.float32))
     monkeypatch.setenv(lora_kernels.LORA_ENV_VAR, "loop")
     xla = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **{**OPTIONS, "dtype": "bfloat16"}))
     want = mixed_logits(xla, prompts, names)
