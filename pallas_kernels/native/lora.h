@@ -114,27 +114,6 @@ void LoraColumns(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t 
   if (c0 < width) LoraTail<RT, CB, WT>(xt, w + c0, ldw, kb, width - c0, out + c0, ldo, first);
 }
 
-// out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[kb, width] (row stride ldw) for i < m.
-template <typename WT>
-void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, int64_t ldw, int64_t width, float* out,
-                int64_t ldo) {
-  constexpr int RT = 4;
-  thread_local Scratch xt_buf;
-  float* xt = xt_buf.Get<float>(static_cast<size_t>(kb * RT));
-  int64_t i = 0;
-  for (; i + RT <= m; i += RT) {
-    for (int64_t k = 0; k < kb; ++k)
-      for (int r = 0; r < RT; ++r) xt[k * RT + r] = rows[i + r][k];
-    for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraColumns<RT, WT>(xt + k0 * RT, w + k0 * ldw, ldw, Min(kLoraKBlock, kb - k0), width, out + i * ldo, ldo,
-                          k0 == 0);
-  }
-  for (; i < m; ++i)
-    for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraColumns<1, WT>(rows[i] + k0, w + k0 * ldw, ldw, Min(kLoraKBlock, kb - k0), width, out + i * ldo, ldo,
-                         k0 == 0);
-}
-
 // out[RT rows, CB vectors of columns] (float32, row stride ldo) (+)= xt[kb][RT] @ w[kb, CB vectors], w in B's pairs
 // (row stride ldw: 2N; kb even): `first` starts from zero, else from out.
 template <int RT, int CB>
@@ -175,11 +154,23 @@ void LoraPairColumns(const float* xt, const uint16_t* w, int64_t ldw, int64_t kb
   for (; c0 < width; c0 += V::kLanes) LoraPairTile<RT, 1>(xt, w + 2 * c0, ldw, kb, out + c0, ldo, first);
 }
 
-// out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[:kb, :width] for i < m, w one slot's B in pairs from
-// its column n0 (w = b + 2 n0; row stride ldw = 2N), kb even: a rank rounded up, the row past it weighted by the
-// zero its xa row holds there; kLoraKBlock rows at a time, as LoraMatmul.
-inline void LoraMatmulPairs(const float* const* rows, int64_t m, int64_t kb, const uint16_t* w, int64_t ldw,
-                            int64_t width, float* out, int64_t ldo) {
+// Rows [k0, k0 + kLoraKBlock) of B (at most kb) for a row tile: row-major, or (kPairs) in pairs.
+template <int RT, bool kPairs, typename WT>
+inline void LoraKBlock(const float* xt, const WT* w, int64_t ldw, int64_t k0, int64_t kb, int64_t width, float* out,
+                       int64_t ldo) {
+  const int64_t rows = Min(kLoraKBlock, kb - k0);
+  if constexpr (kPairs)
+    LoraPairColumns<RT>(xt, w + (k0 / 2) * ldw, ldw, rows, width, out, ldo, k0 == 0);
+  else
+    LoraColumns<RT, WT>(xt, w + k0 * ldw, ldw, rows, width, out, ldo, k0 == 0);
+}
+
+// out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[:kb, :width] for i < m, kLoraKBlock rows of w at a time:
+// w row-major (row stride ldw), or (kPairs) one slot's B in pairs from its column n0 (w = b + 2 n0; ldw = 2N per pair
+// of rows; kb even: a rank rounded up, the row past it weighted by the zero its xa row holds there).
+template <bool kPairs, typename WT>
+void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, int64_t ldw, int64_t width, float* out,
+                int64_t ldo) {
   constexpr int RT = 4;
   thread_local Scratch xt_buf;
   float* xt = xt_buf.Get<float>(static_cast<size_t>(kb * RT));
@@ -188,13 +179,11 @@ inline void LoraMatmulPairs(const float* const* rows, int64_t m, int64_t kb, con
     for (int64_t k = 0; k < kb; ++k)
       for (int r = 0; r < RT; ++r) xt[k * RT + r] = rows[i + r][k];
     for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraPairColumns<RT>(xt + k0 * RT, w + (k0 / 2) * ldw, ldw, Min(kLoraKBlock, kb - k0), width, out + i * ldo,
-                          ldo, k0 == 0);
+      LoraKBlock<RT, kPairs, WT>(xt + k0 * RT, w, ldw, k0, kb, width, out + i * ldo, ldo);
   }
   for (; i < m; ++i)
     for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraPairColumns<1>(rows[i] + k0, w + (k0 / 2) * ldw, ldw, Min(kLoraKBlock, kb - k0), width, out + i * ldo,
-                         ldo, k0 == 0);
+      LoraKBlock<1, kPairs, WT>(rows[i] + k0, w, ldw, k0, kb, width, out + i * ldo, ldo);
 }
 
 // Pins a loaded vector to a register: in LoraDotTile GCC otherwise folds each load of x into both of the tile's
@@ -349,16 +338,11 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
     const int64_t m = start[s + 1] - start[s];
     for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-    if constexpr (std::is_same_v<T, uint16_t>) {
-      if (pairs) {
-        const int64_t kb = rank_of(s) + (rank_of(s) & 1);
-        LoraMatmulPairs(rows, m, kb, b + s * R * N + 2 * n0, 2 * N, width, out, width);
-      } else {
-        LoraMatmul(rows, m, rank_of(s), b + s * R * N + n0, N, width, out, width);
-      }
-    } else {
-      LoraMatmul(rows, m, rank_of(s), b + s * R * N + n0, N, width, out, width);
-    }
+    bool done = false;  // (pairs: bfloat16 only)
+    if constexpr (std::is_same_v<T, uint16_t>)
+      if ((done = pairs))
+        LoraMatmul<true>(rows, m, rank_of(s) + (rank_of(s) & 1), b + s * R * N + 2 * n0, 2 * N, width, out, width);
+    if (!done) LoraMatmul<false>(rows, m, rank_of(s), b + s * R * N + n0, N, width, out, width);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
