@@ -197,6 +197,25 @@ inline void KeepInRegister(V::F& v) {
 #endif
 }
 
+// A dot tile's step: acc[i][j] += x[i, k:k + kLanes] * av[j] for its RT token rows (x's vector kept in a register).
+template <int RT, int RC>
+inline void LoraDotStep(const float* __restrict x, int64_t K, int64_t k, const V::F* av, V::F (&acc)[RT][RC]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < RT; ++i) {
+    V::F xv = V::Load(x + i * K + k);
+    if constexpr (RC > 1) KeepInRegister(xv);
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
+  }
+}
+
+// A dot tile's end: each accumulator's lanes summed into out[i, j].
+template <int RT, int RC>
+inline void LoraDotStore(const V::F (&acc)[RT][RC], float* out, int64_t ldo) {
+  for (int i = 0; i < RT; ++i)
+    for (int j = 0; j < RC; ++j) out[i * ldo + j] = V::ReduceAdd(acc[i][j]);
+}
+
 // out[i, j] (float32, row stride ldo) = x[i, :K] . a[j, :K] for i < RT, j < RC: RT token rows (float32, row stride
 // K) against RC rows of A (float32 or bfloat16 widened in registers), each product summed along K in vector lanes
 // and reduced once at the end. The RC rows after these (the next tile's, contiguous in A) are prefetched as the
@@ -218,13 +237,7 @@ inline void LoraDotTile(const float* __restrict x, const WT* __restrict a, int64
     V::F av[RC];
 #pragma GCC unroll 8
     for (int j = 0; j < RC; ++j) av[j] = LoadFull(a + j * K + k);
-#pragma GCC unroll 8
-    for (int i = 0; i < RT; ++i) {
-      V::F xv = V::Load(x + i * K + k);
-      if constexpr (RC > 1) KeepInRegister(xv);
-#pragma GCC unroll 8
-      for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
-    }
+    LoraDotStep<RT, RC>(x, K, k, av, acc);
   }
   if (k < K) {
     const V::M tail = V::Mask(K - k);
@@ -235,8 +248,7 @@ inline void LoraDotTile(const float* __restrict x, const WT* __restrict a, int64
       for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
     }
   }
-  for (int i = 0; i < RT; ++i)
-    for (int j = 0; j < RC; ++j) out[i * ldo + j] = V::ReduceAdd(acc[i][j]);
+  LoraDotStore<RT, RC>(acc, out, ldo);
 }
 
 // RT token rows against r rows of A: tiles of RC rows of A, then single ones.
@@ -275,16 +287,9 @@ inline void LoraDotPairTile(const float* __restrict x, const uint16_t* __restric
     V::F av[2 * RP];
 #pragma GCC unroll 4
     for (int p = 0; p < RP; ++p) VOps::SplitPairs(a + p * 2 * K + 2 * k, &av[2 * p], &av[2 * p + 1]);
-#pragma GCC unroll 8
-    for (int i = 0; i < RT; ++i) {
-      V::F xv = V::Load(x + i * K + k);
-      if constexpr (RC > 1) KeepInRegister(xv);
-#pragma GCC unroll 8
-      for (int j = 0; j < RC; ++j) acc[i][j] = V::Fma(xv, av[j], acc[i][j]);
-    }
+    LoraDotStep<RT, RC>(x, K, k, av, acc);
   }
-  for (int i = 0; i < RT; ++i)
-    for (int j = 0; j < RC; ++j) out[i * ldo + j] = V::ReduceAdd(acc[i][j]);
+  LoraDotStore<RT, RC>(acc, out, ldo);
 }
 
 template <int RT, int RC>
