@@ -308,7 +308,24 @@ inline void LoraDotPairs(const float* x, int64_t m, int64_t K, const uint16_t* a
   for (; i + 2 <= m; i += 2) LoraDotPairRows<2, 4>(x + i * K, a, K, r, out + i * ldo, ldo);
   for (; i < m; ++i) LoraDotPairRows<1, 8>(x + i * K, a, K, r, out + i * ldo, ldo);
 }
-inline void LoraDotPairs(const float*, int64_t, int64_t, const float*, int64_t, float*, int64_t) {}  // (float32)
+
+// LoraDot on A row-major, or (pairs: bfloat16 only) in pairs.
+template <typename WT>
+void LoraDotA(bool pairs, const float* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
+  if constexpr (std::is_same_v<WT, uint16_t>)
+    if (pairs) return LoraDotPairs(x, m, K, a, r, out, ldo);
+  LoraDot(x, m, K, a, r, out, ldo);
+}
+
+// LoraMatmul on B's columns [n0, n0 + width) of slot s: row-major, or (pairs: bfloat16 only) in pairs (rank r rounded
+// up to even).
+template <typename WT>
+void LoraMatmulB(bool pairs, const float* const* rows, int64_t m, int64_t r, const WT* b_slot, int64_t N, int64_t n0,
+                 int64_t width, float* out) {
+  if constexpr (std::is_same_v<WT, uint16_t>)
+    if (pairs) return LoraMatmul<true>(rows, m, r + (r & 1), b_slot + 2 * n0, 2 * N, width, out, width);
+  LoraMatmul<false>(rows, m, r, b_slot + n0, N, width, out, width);
+}
 
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
@@ -343,11 +360,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
     const int64_t m = start[s + 1] - start[s];
     for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-    bool done = false;  // (pairs: bfloat16 only)
-    if constexpr (std::is_same_v<T, uint16_t>)
-      if ((done = pairs))
-        LoraMatmul<true>(rows, m, rank_of(s) + (rank_of(s) & 1), b + s * R * N + 2 * n0, 2 * N, width, out, width);
-    if (!done) LoraMatmul<false>(rows, m, rank_of(s), b + s * R * N + n0, N, width, out, width);
+    LoraMatmulB(pairs, rows, m, rank_of(s), b + s * R * N, N, n0, width, out);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
@@ -362,10 +375,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
       thread_local Scratch xs_buf, out_buf, ptr_buf;
       float* xs = xs_buf.Get<float>(static_cast<size_t>(m * K));
       for (int64_t i = 0; i < m; ++i) ToF32(x + order[start[s] + i] * K, xs + i * K, K);
-      if (pairs)
-        LoraDotPairs(xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
-      else
-        LoraDot(xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
+      LoraDotA(pairs, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
       apply_b(s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
               ptr_buf.Get<const float*>(static_cast<size_t>(m)));
     });
@@ -391,10 +401,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   ParallelFor(par, num_units, [&](int64_t n) {
     const int64_t s = units[2 * n], j0 = units[2 * n + 1];
     const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, rank_of(s) - j0);
-    if (pairs)
-      LoraDotPairs(xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
-    else
-      LoraDot(xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
+    LoraDotA(pairs, xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
   });
 
   // 2. B: per chunk of N's columns, every used slot.

@@ -149,7 +149,7 @@ struct VOps {
   }
 #endif
   // Rows k and k+1 of kLanes columns in the pair layout, widened to float32 (also where the CPU has a pair dot
-  // product: lora.h's B in panels keeps x in float32).
+  // product: lora.h's stacks in pairs keep x in float32).
   static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const __m512i v = _mm512_loadu_si512(w);
     *even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
@@ -409,7 +409,7 @@ struct VOps {
   }
 #endif
   // Rows k and k+1 of kLanes columns in the pair layout, widened to float32 (also where the CPU has a pair dot
-  // product: lora.h's B in panels keeps x in float32).
+  // product: lora.h's stacks in pairs keep x in float32).
   static void SplitPairs(const uint16_t* w, F* even, F* odd) {
     const uint32x4_t v = vreinterpretq_u32_u16(vld1q_u16(w));
     *even = vreinterpretq_f32_u32(vshlq_n_u32(v, 16));
