@@ -80,15 +80,16 @@ class LoRAProjection(nnx.Module):
         self.a = zeros((max_loras, max_rank, *target.in_shape), (LORA_SLOTS, LORA_RANK, *target.in_axes), dtype)
         self.b = zeros((max_loras, max_rank, *target.out_shape), (LORA_SLOTS, LORA_RANK, *target.out_axes), dtype)
         self.ranks = zeros((max_loras,), (LORA_SLOTS,), jnp.int32)
-        # Each slot's A and B (flattened to [rank, in] and [rank, out]) in `pallas_kernels.lora.to_pairs` form: set by
-        # the engine where the native kernel runs the update (ModelRunner); the slot writes then store them so.
-        self.pairs = False
+        # Whether each slot's A, B (flattened to [rank, in], [rank, out]) is in `pallas_kernels.lora.to_pairs` form:
+        # set by the engine where the native kernel runs the update (ModelRunner); the slot writes then store them so.
+        self.a_pairs = self.b_pairs = False
 
     def __call__(self, x: jax.Array, slots: jax.Array) -> jax.Array:
         """Pure. The update of x [T, in] ([T, out]) for each token's slot (`slots` [T], < 0: none)."""
         a, b = self.a[...], self.b[...]
         n, r = a.shape[:2]
-        return lora_delta(x, slots, a.reshape(n, r, -1), b.reshape(n, r, -1), self.ranks[...], self.pairs)
+        return lora_delta(x, slots, a.reshape(n, r, -1), b.reshape(n, r, -1), self.ranks[...], self.a_pairs,
+                          self.b_pairs)
 
 
 class LoRAStacks(nnx.Module):

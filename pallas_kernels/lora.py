@@ -24,11 +24,18 @@ GATHER_MAX_TOKENS = 4
 PAIR_COLUMNS = 16
 
 
-def pairs_fit(dtype, rank: int, k: int, n: int) -> bool:
-    """Whether A [rank, k] and B [rank, n] stacks of `dtype` can be stored in pairs (`to_pairs`): the native kernel
-    takes them so for bfloat16, an even rank, and k and n multiples of PAIR_COLUMNS."""
-    return (jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and rank % 2 == 0 and k % PAIR_COLUMNS == 0
-            and n % PAIR_COLUMNS == 0)
+def pairs_fit(dtype, rank: int, cols: int) -> bool:
+    """Whether a stack of `dtype` with slots [rank, cols] (A: cols = in; B: out) can be stored in pairs (`to_pairs`):
+    the native kernel takes them so for bfloat16, an even rank and cols a multiple of PAIR_COLUMNS."""
+    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and rank % 2 == 0 and cols % PAIR_COLUMNS == 0
+
+
+def pairs_layout(dtype, rank: int, k: int, n: int) -> tuple[bool, bool]:
+    """Trace-time (the native path in use). Whether the native kernel reads A [rank, k] and B [rank, n] stacks of
+    `dtype` in pairs: B where they fit (`pairs_fit`); A too where the path widens bfloat16 (a path with a pair dot
+    product, avx512_bf16, amx and neon_bf16, multiplies x by A's rows as they are, row-major)."""
+    b_pairs = pairs_fit(dtype, rank, n)
+    return b_pairs and pairs_fit(dtype, rank, k) and not native.pair_dot(native.isa()), b_pairs
 
 
 def to_pairs(b):
@@ -65,17 +72,16 @@ def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
 
 
 def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array,
-               pairs: bool = False) -> jax.Array:
+               a_pairs: bool = False, b_pairs: bool = False) -> jax.Array:
     """Pure. [T, N] in x's dtype: (x[t] @ a[slots[t]]^T) @ b[slots[t]] per token, 0 where slots[t] < 0; x [T, K],
-    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero; `pairs`: each slot's
-    A and B in `to_pairs` form, which the native kernel reads as it is and the XLA paths undo first), ranks [S]
+    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero; `a_pairs`, `b_pairs`:
+    each slot's A, B in `to_pairs` form, which the native kernel reads as it is and the XLA paths undo first), ranks [S]
     int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this projection).
     Accumulated in float32."""
     backend = lora_backend(x, a, b)
     if backend == "native":
-        return native.lora(x, slots, a, b, ranks, pairs=pairs)
-    if pairs:
-        a, b = from_pairs(a), from_pairs(b)
+        return native.lora(x, slots, a, b, ranks, a_pairs=a_pairs, b_pairs=b_pairs)
+    a, b = from_pairs(a) if a_pairs else a, from_pairs(b) if b_pairs else b
     if backend == "gather":
         return gathered_lora(x, slots, a, b)
     if backend == "loop":

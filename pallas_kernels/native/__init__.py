@@ -6,7 +6,7 @@ Details: docs/native-kernels.md."""
 from pallas_kernels.native.library import (ARCH_ISAS, CACHE_ENV, ENV_VAR, FFI_TARGETS, ISA_ENV_VAR, ISAS, PATHS_ENV,
                                            SOURCE_DIR, build, build_selftest, compile_jobs, cpu_paths, enabled,
                                            env_var, int8_dot_runs, isa, kernel_objects, machine, machine_reason, main,
-                                           run_jobs, runnable_isas, unavailable_reason, use_isa)
+                                           pair_dot, run_jobs, runnable_isas, unavailable_reason, use_isa)
 from pallas_kernels.native.packing import (BF16_K_ALIGN, PANELS, SCREEN_K_ALIGN, can_pack, greedy_head_screen,
                                            huge_page_buffer, is_packed, is_packed_experts, pack_weight, pack_weights,
                                            packed_host, packed_shape, screen_width, unpack_experts, unpack_weight)

@@ -60,6 +60,9 @@ struct HeadWeight {
 // One instruction set's kernels. Operands are validated by the caller (ffi.cc); bfloat16 travels as uint16_t bits.
 struct Kernels {
   const char* name;
+  // Whether this path multiplies bfloat16 pairs by the CPU's dot product (simd.h kNativePairs): lora.h then rounds
+  // x @ A^T to bfloat16 before B in pairs.
+  bool pair_dot;
   // out[M, N] = x[M, K] @ w[K, N], w row-major; `in` is x's and w's dtype; f32 in gives f32 out.
   void (*matmul)(const Runner&, Dt in, Dt out, const void* x, int64_t M, int64_t K, const void* w, int64_t N,
                  void* o);
@@ -97,10 +100,11 @@ struct Kernels {
                            const void* cache, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
                            const int32_t* cu, int64_t num_seqs, void* out);
   // LoRA update (lora.h): y[T, N] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (s < 0
-  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed), b [S, R, N] row-major, or (pairs: bfloat16 only, R
-  // even, K and N multiples of 16) each slot's A and B in lora.h's pairs; x, a, b and y in `dt`.
+  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed), b [S, R, N] row-major, or (a_pairs, b_pairs: bfloat16
+  // only, R even, K (A) and N (B) multiples of 16) each slot's A or B in lora.h's pairs; x, a, b and y in `dt`.
   void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
-               const void* b, bool pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y);
+               const void* b, bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
+               void* y);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

@@ -368,7 +368,7 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
                     ffi::AnyBuffer b, ffi::Buffer<ffi::S32> ranks, ffi::Result<ffi::AnyBuffer> out, int32_t isa,
-                    bool pairs) {
+                    bool a_pairs, bool b_pairs) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
   auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
@@ -385,12 +385,14 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
     return ffi::Error::InvalidArgument("lora: x, a, b and out must all be float32 or all bfloat16");
   if (static_cast<int64_t>(out->element_count()) != T * N)
     return ffi::Error::InvalidArgument("lora: out must be [T, N]");
-  if (pairs && (t != ffi::DataType::BF16 || R % 2 || K % 16 || N % 16))
-    return ffi::Error::InvalidArgument("lora: stacks in pairs need bfloat16, an even R and K, N multiples of 16");
+  if ((a_pairs || b_pairs) && (t != ffi::DataType::BF16 || R % 2))
+    return ffi::Error::InvalidArgument("lora: stacks in pairs need bfloat16 and an even R");
+  if ((a_pairs && K % 16) || (b_pairs && N % 16))
+    return ffi::Error::InvalidArgument("lora: A in pairs needs K, B in pairs N, a multiple of 16");
   if (!T || !N) return ffi::Error::Success();
   kernels->lora(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
-                slots.typed_data(), a.untyped_data(), b.untyped_data(), pairs, ranks.typed_data(), S, R, N,
-                out->untyped_data());
+                slots.typed_data(), a.untyped_data(), b.untyped_data(), a_pairs, b_pairs, ranks.typed_data(), S, R,
+                N, out->untyped_data());
   return ffi::Error::Success();
 }
 
@@ -413,6 +415,12 @@ extern "C" __attribute__((visibility("default"))) const char* MeshserveIsaName(i
 extern "C" __attribute__((visibility("default"))) int32_t MeshserveInt8Dot(int32_t isa) {
   const meshserve::Kernels* k = isa >= 0 && isa < meshserve::kNumIsas ? meshserve::KernelsFor(isa) : nullptr;
   return k && k->int8_dot();
+}
+
+// Whether path `isa` multiplies bfloat16 pairs by the CPU's dot product (lora.h then wants A row-major).
+extern "C" __attribute__((visibility("default"))) int32_t MeshservePairDot(int32_t isa) {
+  const meshserve::Kernels* k = isa >= 0 && isa < meshserve::kNumIsas ? meshserve::KernelsFor(isa) : nullptr;
+  return k && k->pair_dot;
 }
 
 // Both matmuls: (pool, x, w) -> out, with the instruction-set path as an attribute.
@@ -505,4 +513,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLora, meshserve::LoraImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa")
-                                  .Attr<bool>("pairs"));
+                                  .Attr<bool>("a_pairs")
+                                  .Attr<bool>("b_pairs"));

@@ -268,6 +268,7 @@ def build_selftest(cxx: str, arch: str, out: Path, static: bool = False, objects
 _registered = False
 _runnable: tuple[str, ...] = ()
 _int8_dot: tuple[str, ...] = ()  # the paths whose int8 matmul has int8 dot products on this CPU
+_pair_dot: tuple[str, ...] = ()  # the paths that multiply bfloat16 pairs by a dot product instruction
 
 
 @functools.cache
@@ -278,7 +279,7 @@ def _load() -> str | None:
     if reason:
         log.warning("native CPU kernels unavailable (%s): using XLA's kernels", reason)
         return reason
-    global _registered, _runnable, _int8_dot
+    global _registered, _runnable, _int8_dot, _pair_dot
     if _registered:  # FFI targets are registered once per process (a second library could not replace them)
         return None
     try:
@@ -289,6 +290,7 @@ def _load() -> str | None:
     bits = lib.MeshserveCpuIsas()
     _runnable = tuple(name for i, name in enumerate(ISAS) if bits >> i & 1)
     _int8_dot = tuple(name for i, name in enumerate(ISAS) if bits >> i & 1 and lib.MeshserveInt8Dot(i))
+    _pair_dot = tuple(name for i, name in enumerate(ISAS) if bits >> i & 1 and lib.MeshservePairDot(i))
     jax.ffi.register_ffi_target(_MATMUL, jax.ffi.pycapsule(lib.MeshserveMatmul), platform="cpu")
     jax.ffi.register_ffi_target(_MATMUL_PACKED, jax.ffi.pycapsule(lib.MeshserveMatmulPacked), platform="cpu")
     jax.ffi.register_ffi_target(_ATTENTION, jax.ffi.pycapsule(lib.MeshserveRaggedPagedAttention), platform="cpu")
@@ -378,6 +380,12 @@ def int8_dot_runs(path: str) -> bool:
     """Whether path `path`'s int8 matmul has the dot method on this CPU (AVX512_VNNI on the AVX-512 paths, dotprod
     on aarch64's)."""
     return _load() is None and path in _int8_dot
+
+
+def pair_dot(path: str) -> bool:
+    """Whether path `path` multiplies bfloat16 pairs by the CPU's dot product (avx512_bf16, amx, neon_bf16): the
+    LoRA kernel then takes A row-major (x @ A^T by dot products of bfloat16 rows) and only B in pairs."""
+    return _load() is None and path in _pair_dot
 
 
 def main(argv=None) -> int:

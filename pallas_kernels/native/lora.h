@@ -6,14 +6,14 @@
 // with a [S, R, K] (A stored transposed: each rank row contiguous along K) and b [S, R, N] row-major in x's dtype.
 // The tokens are grouped by slot (counting sort, token order kept), so each adapter's A and B are read once per
 // call, and only up to the adapter's own rank: a slot no token uses is not read, and a rank-8 adapter in rank-64
-// slots reads its first 8 rows of A and of B, contiguously. x's used rows are widened to float32 once, in slot
-// order. Where the used slots share the work out evenly enough (no slot more than 1 / (2 x threads) of the call's
-// multiply-adds: 8 adapters of one rank over 2 or 3 threads), one parallel pass, a unit per slot: its tokens' x @ A^T,
-// then @ B into their rows of y (a slot's tokens are its own, so no two units write one row). Otherwise two parallel
-// passes over the caller's threads:
+// slots reads its first 8 rows of A and of B, contiguously. x's used rows are gathered once, in slot order
+// (widened to float32, or kept in bfloat16 for pair dot products: below). Where the used slots share the work out
+// evenly enough (no slot more than 1 / (2 x threads) of the call's multiply-adds: 8 adapters of one rank over 2 or 3
+// threads), one parallel pass, a unit per slot: its tokens' x @ A^T, then @ B into their rows of y (a slot's tokens
+// are its own, so no two units write one row). Otherwise two parallel passes over the caller's threads:
 //   1. A: units of (slot, block of kLoraRankBlock rows of A), so one adapter's tokens keep every thread busy too;
-//      dot products of the slot's token rows with those rows of A (widened in registers; the next tile's rows
-//      prefetched) -> xa[t, :r] (float32);
+//      dot products of the slot's token rows with those rows of A (widened in registers, or pair dot products; the
+//      next tile's rows prefetched) -> xa[t, :r] (float32);
 //   2. B: units of chunks of N's columns (no two threads write one element); each sweeps every used slot's B
 //      columns with its tokens' xa rows, kLoraKBlock rows of B at a time, and writes their rows of y (rounded to
 //      bfloat16 once, for bf16).
@@ -25,14 +25,20 @@
 // widened bfloat16 weights). At a decode step (a few tokens per adapter) both passes are mostly waiting on memory:
 // every byte of A and B is used by only m tokens, hence the prefetches.
 //
-// bfloat16 stacks may come in pairs (`pairs`; the engine stores them so on the native path: pallas_kernels/lora.py
-// `to_pairs`): each slot's B [R, N] as R / 2 rows of N pairs, rows 2j and 2j + 1 of a column side by side, element
-// (k, n) at (k / 2) * 2N + 2n + k % 2, and A [R, K] likewise (R even, K and N multiples of 16). 2 x kLanes values
-// then widen with one load, a shift and an and (SplitPairs) instead of two loads, two zero-extensions and two
-// shifts, over half as many row streams; an adapter's first r rows stay one contiguous block. Same sums in the same
-// order as the row-major form, so bit-identical to it. Measured on Zen 3 (the step's 84 calls, 32 tokens over 8
-// rank-64 adapters; docs/lora.md): B in pairs with KeepInRegister below, ~11% less CPU per step on one thread and
-// ~6% less wall time on two; A in pairs too, another ~5% and ~2%.
+// bfloat16 stacks may come in pairs (`b_pairs`, `a_pairs`; the engine stores them so on the native path:
+// pallas_kernels/lora.py `to_pairs`, `pairs_layout`): each slot's B [R, N] as R / 2 rows of N pairs, rows 2j and
+// 2j + 1 of a column side by side, element (k, n) at (k / 2) * 2N + 2n + k % 2, and A [R, K] likewise (R even, N (B)
+// and K (A) multiples of 16); an adapter's first r rows stay one contiguous block.
+//  - Where the CPU has no bfloat16 pair dot product, both in pairs: 2 x kLanes values widen with one load, a shift
+//    and an and (SplitPairs) instead of two loads, two zero-extensions and two shifts, over half as many row
+//    streams. Same sums in the same order as the row-major form, so bit-identical to it. Measured on Zen 3 (the
+//    step's 84 calls, 32 tokens over 8 rank-64 adapters; docs/lora.md): B in pairs with KeepInRegister below, ~11%
+//    less CPU per step on one thread and ~6% less wall time on two; A in pairs too, another ~5% and ~2%.
+//  - Where it has one (avx512_bf16, amx, neon_bf16: V::kNativePairs), B in pairs and A row-major: the A pass takes
+//    x's bfloat16 rows as they are against A's rows (LoraBf16Dot), and the B pass rounds x @ A^T to bfloat16 (as
+//    PEFT's bfloat16 lora_A output is) and multiplies it by B's pairs, one instruction per vector of columns and
+//    two rows. Measured on Zen 4 (docs/lora.md): the step's 84 calls for 32 tokens of one rank-64 adapter ~20% less
+//    time; 8 rank-64 adapters (4 tokens each, waiting on memory) about the same.
 
 // Below this many multiply-adds a call runs on the calling thread alone: a decode step's rank-8 update (32 tokens:
 // 0.7M) costs less than handing it to the pool twice and waiting for the slowest thread on a loaded CPU.
@@ -114,10 +120,15 @@ void LoraColumns(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t 
   if (c0 < width) LoraTail<RT, CB, WT>(xt, w + c0, ldw, kb, width - c0, out + c0, ldo, first);
 }
 
-// out[RT rows, CB vectors of columns] (float32, row stride ldo) (+)= xt[kb][RT] @ w[kb, CB vectors], w in B's pairs
-// (row stride ldw: 2N; kb even): `first` starts from zero, else from out.
+// Column vectors per tile of B's pairs (AVX2: 8 accumulators and 4 widened vectors of B of its 16 registers; on
+// Zen 4 with pair dot products 4 x 4 tiles ran no faster, the pass then waiting on memory).
+constexpr int PairCb(int rt) { return rt >= 4 ? 2 : 4; }
+
+// out[RT rows, CB vectors of columns] (float32, row stride ldo) (+)= x[:, :kb] @ w[kb, CB vectors], w in B's pairs
+// (row stride ldw: 2N; kb even) and x in pair form (PackPairX: xt[(k / 2) * 2RT + 2r + k % 2] = x[r, k], as V::PairX:
+// bfloat16 with pair dot products, else float32 and two FMAs): `first` starts from zero, else from out.
 template <int RT, int CB>
-inline void LoraPairTile(const float* __restrict xt, const uint16_t* __restrict w, int64_t ldw, int64_t kb,
+inline void LoraPairTile(const V::PairX* __restrict xt, const uint16_t* __restrict w, int64_t ldw, int64_t kb,
                          float* __restrict out, int64_t ldo, bool first) {
   V::F acc[RT][CB];
 #pragma GCC unroll 16
@@ -127,14 +138,14 @@ inline void LoraPairTile(const float* __restrict xt, const uint16_t* __restrict 
   for (int64_t k = 0; k < kb; k += 2) {
     const uint16_t* wk = w + (k / 2) * ldw;
     PrefetchT0(reinterpret_cast<const char*>(wk) + kPrefetchBytes);
-    V::F even[CB], odd[CB];
+    V::WPair wv[CB];
 #pragma GCC unroll 8
-    for (int c = 0; c < CB; ++c) VOps::SplitPairs(wk + 2 * V::kLanes * c, &even[c], &odd[c]);
+    for (int c = 0; c < CB; ++c) wv[c] = V::PairLoad(wk + 2 * V::kLanes * c);
 #pragma GCC unroll 16
     for (int r = 0; r < RT; ++r) {
-      const V::F xe = V::Set1(xt[k * RT + r]), xo = V::Set1(xt[(k + 1) * RT + r]);
+      const V::XPair xv = V::PairSet1(xt + k * RT + 2 * r);
 #pragma GCC unroll 8
-      for (int c = 0; c < CB; ++c) acc[r][c] = V::Fma(xo, odd[c], V::Fma(xe, even[c], acc[r][c]));
+      for (int c = 0; c < CB; ++c) acc[r][c] = V::PairDot(acc[r][c], xv, wv[c]);
     }
   }
 #pragma GCC unroll 16
@@ -143,26 +154,49 @@ inline void LoraPairTile(const float* __restrict xt, const uint16_t* __restrict 
     for (int c = 0; c < CB; ++c) V::Store(out + r * ldo + V::kLanes * c, acc[r][c]);
 }
 
-// Columns [0, width) of a row tile in B's pairs (width a multiple of kLanes): tiles of CB vectors, then single ones.
+// Columns [0, width) of a row tile in B's pairs (width a multiple of kLanes): tiles of PairCb vectors, then single
+// ones.
 template <int RT>
-void LoraPairColumns(const float* xt, const uint16_t* w, int64_t ldw, int64_t kb, int64_t width, float* out,
+void LoraPairColumns(const V::PairX* xt, const uint16_t* w, int64_t ldw, int64_t kb, int64_t width, float* out,
                      int64_t ldo, bool first) {
-  constexpr int CB = RT >= 4 ? 2 : 4;
+  constexpr int CB = PairCb(RT);
   constexpr int64_t panel = V::kLanes * CB;
   int64_t c0 = 0;
   for (; c0 + panel <= width; c0 += panel) LoraPairTile<RT, CB>(xt, w + 2 * c0, ldw, kb, out + c0, ldo, first);
   for (; c0 < width; c0 += V::kLanes) LoraPairTile<RT, 1>(xt, w + 2 * c0, ldw, kb, out + c0, ldo, first);
 }
 
+// A row tile's x as B's pass reads it: row-major B takes xt[k * RT + r] = rows[r][k] (float32); B in pairs takes
+// (k / 2) * 2RT + 2r + k % 2 in V::PairX (PackLoraX). A single row is read in place where its form is the row itself.
+template <bool kPairs>
+using LoraX = std::conditional_t<kPairs, V::PairX, float>;
+
+template <int RT, bool kPairs>
+const LoraX<kPairs>* PackLoraX(const float* const* rows, int64_t kb, LoraX<kPairs>* xt, Scratch& tmp) {
+  if constexpr (!kPairs || std::is_same_v<V::PairX, float>) {
+    if (RT == 1) return rows[0];
+    for (int64_t k = 0; k < kb; ++k)
+      for (int r = 0; r < RT; ++r) xt[kPairs ? (k / 2) * 2 * RT + 2 * r + k % 2 : k * RT + r] = rows[r][k];
+    return xt;
+  } else {  // pair dot products: x rounded to bfloat16 (as PEFT's bfloat16 lora_A output is), then paired
+    uint16_t* xb = tmp.Get<uint16_t>(static_cast<size_t>(RT * kb));
+    for (int r = 0; r < RT; ++r) StoreRow(rows[r], xb + r * kb, kb);
+    if (RT == 1) return xb;
+    for (int64_t q = 0; q < kb / 2; ++q)
+      for (int r = 0; r < RT; ++r) std::memcpy(xt + q * 2 * RT + 2 * r, xb + r * kb + 2 * q, 2 * sizeof(uint16_t));
+    return xt;
+  }
+}
+
 // Rows [k0, k0 + kLoraKBlock) of B (at most kb) for a row tile: row-major, or (kPairs) in pairs.
 template <int RT, bool kPairs, typename WT>
-inline void LoraKBlock(const float* xt, const WT* w, int64_t ldw, int64_t k0, int64_t kb, int64_t width, float* out,
-                       int64_t ldo) {
+inline void LoraKBlock(const LoraX<kPairs>* xt, const WT* w, int64_t ldw, int64_t k0, int64_t kb, int64_t width,
+                       float* out, int64_t ldo) {
   const int64_t rows = Min(kLoraKBlock, kb - k0);
   if constexpr (kPairs)
-    LoraPairColumns<RT>(xt, w + (k0 / 2) * ldw, ldw, rows, width, out, ldo, k0 == 0);
+    LoraPairColumns<RT>(xt + k0 * RT, w + (k0 / 2) * ldw, ldw, rows, width, out, ldo, k0 == 0);
   else
-    LoraColumns<RT, WT>(xt, w + k0 * ldw, ldw, rows, width, out, ldo, k0 == 0);
+    LoraColumns<RT, WT>(xt + k0 * RT, w + k0 * ldw, ldw, rows, width, out, ldo, k0 == 0);
 }
 
 // out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[:kb, :width] for i < m, kLoraKBlock rows of w at a time:
@@ -172,24 +206,26 @@ template <bool kPairs, typename WT>
 void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, int64_t ldw, int64_t width, float* out,
                 int64_t ldo) {
   constexpr int RT = 4;
-  thread_local Scratch xt_buf;
-  float* xt = xt_buf.Get<float>(static_cast<size_t>(kb * RT));
+  thread_local Scratch xt_buf, tmp_buf;
+  auto* xt = xt_buf.Get<LoraX<kPairs>>(static_cast<size_t>(kb * RT));
   int64_t i = 0;
   for (; i + RT <= m; i += RT) {
-    for (int64_t k = 0; k < kb; ++k)
-      for (int r = 0; r < RT; ++r) xt[k * RT + r] = rows[i + r][k];
+    const auto* xp = PackLoraX<RT, kPairs>(rows + i, kb, xt, tmp_buf);
     for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraKBlock<RT, kPairs, WT>(xt + k0 * RT, w, ldw, k0, kb, width, out + i * ldo, ldo);
+      LoraKBlock<RT, kPairs, WT>(xp, w, ldw, k0, kb, width, out + i * ldo, ldo);
   }
-  for (; i < m; ++i)
+  for (; i < m; ++i) {
+    const auto* xp = PackLoraX<1, kPairs>(rows + i, kb, xt, tmp_buf);
     for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraKBlock<1, kPairs, WT>(rows[i] + k0, w, ldw, k0, kb, width, out + i * ldo, ldo);
+      LoraKBlock<1, kPairs, WT>(xp, w, ldw, k0, kb, width, out + i * ldo, ldo);
+  }
 }
 
 // Pins a loaded vector to a register: in LoraDotTile GCC otherwise folds each load of x into both of the tile's
 // FMAs (10 loads per 8 FMAs, so the load ports bind before the FMA pipes). Measured on Zen 3 with the adapters in
 // cache: 3-5% less time in the A pass.
-inline void KeepInRegister(V::F& v) {
+template <typename Vec>
+inline void KeepInRegister(Vec& v) {
 #if defined(__x86_64__) && defined(__AVX__)
   __asm__("" : "+v"(v));
 #else
@@ -309,27 +345,123 @@ inline void LoraDotPairs(const float* x, int64_t m, int64_t K, const uint16_t* a
   for (; i < m; ++i) LoraDotPairRows<1, 8>(x + i * K, a, K, r, out + i * ldo, ldo);
 }
 
-// LoraDot on A row-major, or (pairs: bfloat16 only) in pairs.
+#if MESHSERVE_BF16_PAIRS
+inline float Bf16Value(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// out[i, j] (float32, row stride ldo) = x[i, :K] . a[j, :K] for i < RT, j < RC, x and A both bfloat16 and
+// row-major, by the CPU's pair dot product over 2 x kLanes columns a step (nothing widened), each accumulator's
+// lanes summed at the end and K's last columns (fewer than a step) in scalar. The next tile's rows of A prefetched.
+template <int RT, int RC>
+inline void LoraBf16DotTile(const uint16_t* __restrict x, const uint16_t* __restrict a, int64_t K,
+                            float* __restrict out, int64_t ldo) {
+  constexpr int64_t kStep = 2 * V::kLanes;
+  V::F acc[RT][RC];
+#pragma GCC unroll 8
+  for (int i = 0; i < RT; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+  int64_t k = 0;
+  for (; k + kStep <= K; k += kStep) {
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) PrefetchT0(a + (RC + j) * K + k);
+    V::WPair av[RC];
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) av[j] = V::PairLoad(a + j * K + k);
+#pragma GCC unroll 8
+    for (int i = 0; i < RT; ++i) {
+      V::WPair xv = V::PairLoad(x + i * K + k);
+      if constexpr (RC > 1) KeepInRegister(xv);
+#pragma GCC unroll 8
+      for (int j = 0; j < RC; ++j) acc[i][j] = V::PairDot(acc[i][j], xv, av[j]);
+    }
+  }
+  LoraDotStore<RT, RC>(acc, out, ldo);
+  for (; k < K; ++k)
+    for (int i = 0; i < RT; ++i)
+      for (int j = 0; j < RC; ++j) out[i * ldo + j] += Bf16Value(x[i * K + k]) * Bf16Value(a[j * K + k]);
+}
+
+template <int RT, int RC>
+void LoraBf16DotRows(const uint16_t* x, const uint16_t* a, int64_t K, int64_t r, float* out, int64_t ldo) {
+  int64_t j = 0;
+  for (; j + RC <= r; j += RC) LoraBf16DotTile<RT, RC>(x, a + j * K, K, out + j, ldo);
+  for (; j < r; ++j) LoraBf16DotTile<RT, 1>(x, a + j * K, K, out + j, ldo);
+}
+
+// LoraDot with x in bfloat16 and A row-major, by pair dot products. Up to 4 tokens (a decode step's share of one
+// adapter: each row of A is used by these tokens only, so it streams in from memory) a tile reads one row of A at a
+// time: a tile of 4 rows read them as 4 short streams (a rank-64 adapter's rows of a 768-wide projection are 1.5 KB
+// each) and ran the A pass of 8 such adapters ~25% slower (Zen 4, the step's 84 calls). More tokens: blocks of 4
+// rows of A, each block used by every group of 4 tokens while it is in L1 (compute then binds: 4 x 4 tiles).
+inline void LoraBf16Dot(const uint16_t* x, int64_t m, int64_t K, const uint16_t* a, int64_t r, float* out,
+                        int64_t ldo) {
+  if (m <= 4) {
+    if (m == 4) return LoraBf16DotRows<4, 1>(x, a, K, r, out, ldo);
+    for (int64_t i = 0; i < m; ++i) LoraBf16DotRows<1, 1>(x + i * K, a, K, r, out + i * ldo, ldo);
+    return;
+  }
+  for (int64_t j = 0; j < r; j += 4) {
+    const int64_t rows = Min<int64_t>(4, r - j);
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) LoraBf16DotRows<4, 4>(x + i * K, a + j * K, K, rows, out + i * ldo + j, ldo);
+    for (; i < m; ++i) LoraBf16DotRows<1, 4>(x + i * K, a + j * K, K, rows, out + i * ldo + j, ldo);
+  }
+}
+#endif
+
+// Whether the A pass takes x in bfloat16 by pair dot products: a path that has them, bfloat16, A row-major.
+template <typename T>
+constexpr bool LoraBf16A(bool a_pairs) {
+  return V::kNativePairs && std::is_same_v<T, uint16_t> && !a_pairs;
+}
+
+// The A pass on x's rows in its form (LoraBf16A: bfloat16, else float32): A row-major, or (a_pairs: bfloat16 only)
+// in pairs.
 template <typename WT>
-void LoraDotA(bool pairs, const float* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
+void LoraDotA(bool a_pairs, const void* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
+#if MESHSERVE_BF16_PAIRS
   if constexpr (std::is_same_v<WT, uint16_t>)
-    if (pairs) return LoraDotPairs(x, m, K, a, r, out, ldo);
-  LoraDot(x, m, K, a, r, out, ldo);
+    if (!a_pairs) return LoraBf16Dot(static_cast<const uint16_t*>(x), m, K, a, r, out, ldo);
+#endif
+  const float* xf = static_cast<const float*>(x);
+  if constexpr (std::is_same_v<WT, uint16_t>)
+    if (a_pairs) return LoraDotPairs(xf, m, K, a, r, out, ldo);
+  LoraDot(xf, m, K, a, r, out, ldo);
+}
+
+// x's rows order[0, m) in the A pass's form, into buf.
+template <typename T>
+const void* LoraXRows(bool a_pairs, const T* x, int64_t K, const int64_t* order, int64_t m, Scratch& buf) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (LoraBf16A<T>(a_pairs)) {
+      uint16_t* d = buf.Get<uint16_t>(static_cast<size_t>(m * K));
+      for (int64_t i = 0; i < m; ++i) std::memcpy(d + i * K, x + order[i] * K, static_cast<size_t>(K) * sizeof(T));
+      return d;
+    }
+  }
+  float* d = buf.Get<float>(static_cast<size_t>(m * K));
+  for (int64_t i = 0; i < m; ++i) ToF32(x + order[i] * K, d + i * K, K);
+  return d;
 }
 
 // LoraMatmul on B's columns [n0, n0 + width) of slot s: row-major, or (pairs: bfloat16 only) in pairs (rank r rounded
 // up to even).
 template <typename WT>
-void LoraMatmulB(bool pairs, const float* const* rows, int64_t m, int64_t r, const WT* b_slot, int64_t N, int64_t n0,
+void LoraMatmulB(bool b_pairs, const float* const* rows, int64_t m, int64_t r, const WT* b_slot, int64_t N, int64_t n0,
                  int64_t width, float* out) {
   if constexpr (std::is_same_v<WT, uint16_t>)
-    if (pairs) return LoraMatmul<true>(rows, m, r + (r & 1), b_slot + 2 * n0, 2 * N, width, out, width);
+    if (b_pairs) return LoraMatmul<true>(rows, m, r + (r & 1), b_slot + 2 * n0, 2 * N, width, out, width);
   LoraMatmul<false>(rows, m, r, b_slot + n0, N, width, out, width);
 }
 
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
-              bool pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
+              bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
   std::memset(y, 0, static_cast<size_t>(T_ * N) * sizeof(T));
   // Counting sort of the tokens by slot (those of no slot or rank 0 left out).
   Zeros<int64_t> start_buf(static_cast<size_t>(S + 1));
@@ -360,7 +492,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
     const int64_t m = start[s + 1] - start[s];
     for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-    LoraMatmulB(pairs, rows, m, rank_of(s), b + s * R * N, N, n0, width, out);
+    LoraMatmulB(b_pairs, rows, m, rank_of(s), b + s * R * N, N, n0, width, out);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
@@ -373,19 +505,18 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
       const int32_t s = used[u];
       const int64_t m = start[s + 1] - start[s], r = rank_of(s);
       thread_local Scratch xs_buf, out_buf, ptr_buf;
-      float* xs = xs_buf.Get<float>(static_cast<size_t>(m * K));
-      for (int64_t i = 0; i < m; ++i) ToF32(x + order[start[s] + i] * K, xs + i * K, K);
-      LoraDotA(pairs, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
+      const void* xs = LoraXRows(a_pairs, x, K, order + start[s], m, xs_buf);
+      LoraDotA(a_pairs, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
       apply_b(s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
               ptr_buf.Get<const float*>(static_cast<size_t>(m)));
     });
     return;
   }
 
-  // x's used rows in slot order, as float32: once per call, not once per unit of the A pass.
+  // x's used rows in slot order, in the A pass's form: once per call, not once per unit of the A pass.
   thread_local Scratch x_buf;
-  float* xg = x_buf.Get<float>(static_cast<size_t>(used_tokens * K));
-  for (int64_t i = 0; i < used_tokens; ++i) ToF32(x + order[i] * K, xg + i * K, K);
+  const char* xg = static_cast<const char*>(LoraXRows(a_pairs, x, K, order, used_tokens, x_buf));
+  const int64_t x_row = K * (LoraBf16A<T>(a_pairs) ? sizeof(uint16_t) : sizeof(float));
 
   // 1. A: units of (used slot, block of kLoraRankBlock rows of A); a unit reads its slot's token rows (in cache
   // after the slot's first unit) and its own rows of A.
@@ -401,11 +532,11 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   ParallelFor(par, num_units, [&](int64_t n) {
     const int64_t s = units[2 * n], j0 = units[2 * n + 1];
     const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, rank_of(s) - j0);
-    LoraDotA(pairs, xg + start[s] * K, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
+    LoraDotA(a_pairs, xg + start[s] * x_row, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
   });
 
   // 2. B: per chunk of N's columns, every used slot.
-  const int64_t unit = pairs ? 2 * V::kLanes : V::kLanes * CbFor(4);
+  const int64_t unit = V::kLanes * (b_pairs ? PairCb(4) : CbFor(4));
   const int64_t chunk = unit * ChunkUnits(N, unit, par.threads);
   ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
@@ -419,11 +550,12 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
 }
 
 void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots, const void* a,
-               const void* b, bool pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, void* y) {
+               const void* b, bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
+               void* y) {
   if (dt == Dt::kF32)
     LoraImpl(run, static_cast<const float*>(x), T_, K, slots, static_cast<const float*>(a),
-             static_cast<const float*>(b), false, ranks, S, R, N, static_cast<float*>(y));
+             static_cast<const float*>(b), false, false, ranks, S, R, N, static_cast<float*>(y));
   else
     LoraImpl(run, static_cast<const uint16_t*>(x), T_, K, slots, static_cast<const uint16_t*>(a),
-             static_cast<const uint16_t*>(b), pairs, ranks, S, R, N, static_cast<uint16_t*>(y));
+             static_cast<const uint16_t*>(b), a_pairs, b_pairs, ranks, S, R, N, static_cast<uint16_t*>(y));
 }

@@ -726,17 +726,19 @@ Worst CheckExpertMlp(const Kernels& k) {
 }
 
 // LoRA update (lora.h): y[t] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :], s = slots[t], r = ranks[s] (none where s < 0,
-// s >= S or r = 0), a [S, R, K] and b [S, R, N] in x's dtype, or (`pairs`, bfloat16) each slot's A and B in
-// lora.h's pairs; the rows past a slot's rank hold values the kernel must not read (in pairs, an odd rank's pair reads
-// the row past it, weighted by zero: finite values then change nothing). Tolerance: float32 accumulation;
-// bfloat16 adds the output's one rounding.
+// s >= S or r = 0), a [S, R, K] and b [S, R, N] in x's dtype, or (`a_pairs`, `b_pairs`: bfloat16) each slot's A or
+// B in lora.h's pairs; the rows past a slot's rank hold values the kernel must not read (in pairs, an odd rank's pair
+// reads the row past it, weighted by zero: finite values then change nothing). Tolerance: float32 accumulation;
+// bfloat16 adds the output's one rounding, and B in pairs on a path with pair dot products x @ A^T's rounding to
+// bfloat16 (2^-9 of each term of the sum over the rank: within 2^-8 of `mag`).
 void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, const std::vector<int32_t>& slots,
-                   const std::vector<int32_t>& ranks, int64_t R, const char* layout, bool pairs = false) {
+                   const std::vector<int32_t>& ranks, int64_t R, const char* layout, bool a_pairs = false,
+                   bool b_pairs = false) {
   const int64_t T = static_cast<int64_t>(slots.size()), S = static_cast<int64_t>(ranks.size());
   Rng rng{static_cast<uint64_t>(K * 7919 + N * 31 + T * 3 + (dt == Dt::kBf16))};
   const Buf x = Random(dt, T * K, rng), a = Random(dt, S * K * R, rng), b = Random(dt, S * R * N, rng);
   // In pairs: per slot, rows 2j and 2j + 1 of a column side by side.
-  auto in_pairs = [&](const Buf& w, int64_t cols) {
+  auto in_pairs = [&](const Buf& w, int64_t cols, bool pairs) {
     Buf out = w;
     for (int64_t s = 0; pairs && s < S; ++s)
       for (int64_t r = 0; r < R; ++r)
@@ -744,7 +746,7 @@ void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, 
           out.CopyFrom(s * R * cols + (r / 2) * 2 * cols + 2 * n + r % 2, w, (s * R + r) * cols + n);
     return out;
   };
-  const Buf a_in = in_pairs(a, K), b_in = in_pairs(b, N);
+  const Buf a_in = in_pairs(a, K, a_pairs), b_in = in_pairs(b, N, b_pairs);
   std::vector<double> want(T * N, 0.0), mag(T * N, 0.0);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = slots[t];
@@ -764,14 +766,16 @@ void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, 
   for (int threads : kThreadCounts) {
     Buf o(dt, T * N);
     Call(threads, [&](const Runner& run) {
-      k.lora(run, dt, x.data(), T, K, slots.data(), a_in.data(), b_in.data(), pairs, ranks.data(), S, R, N,
+      k.lora(run, dt, x.data(), T, K, slots.data(), a_in.data(), b_in.data(), a_pairs, b_pairs, ranks.data(), S, R, N,
              o.data());
     });
     const std::string ctx = Case("%s %s%s K=%lld N=%lld T=%lld threads=%d", DtName(dt), layout,
-                                 pairs ? " pairs" : "", (long long)K, (long long)N, (long long)T, threads);
+                                 a_pairs ? " A,B pairs" : b_pairs ? " B pairs" : "", (long long)K, (long long)N,
+                                 (long long)T, threads);
     for (int64_t i = 0; i < T * N; ++i) {
       double tol = 1e-5 * mag[i] + 1e-6;
       if (dt == Dt::kBf16) tol += 0x1p-8 * std::fabs(want[i]);
+      if (b_pairs && k.pair_dot) tol += 0x1p-8 * mag[i];
       worst.Near(o.At(i), want[i], 0, tol, ctx, i);
     }
   }
@@ -791,9 +795,11 @@ Worst CheckLora(const Kernels& k) {
           std::vector<int32_t> slots(T);
           for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(rng.Next() % 6) - 1;  // -1, 4: none
           CheckLoraCase(k, worst, dt, K, N, slots, ranks, 24, "small");
-          // In pairs: K and N multiples of 16; ranks 5 and 17 odd
+          // In pairs: N (B) and K (A) multiples of 16; ranks 5 and 17 odd. B alone: the form the engine stores on a
+          // path with pair dot products (A row-major), K = 37 its A pass's tail.
           if (dt == Dt::kBf16 && K % 16 == 0)
-            CheckLoraCase(k, worst, dt, K, N + 16 - N % 16, slots, ranks, 24, "small", true);
+            CheckLoraCase(k, worst, dt, K, N + 16 - N % 16, slots, ranks, 24, "small", true, true);
+          if (dt == Dt::kBf16) CheckLoraCase(k, worst, dt, K, N + 16 - N % 16, slots, ranks, 24, "small", false, true);
         }
   // Calls over the threads (past kLoraSerialMacs), both of lora.h's parallel forms at 3 threads: "even", 8 rank-64
   // adapters' tokens (a decode step's mix: one pass, a unit per slot); "skewed", most tokens on one adapter (two
@@ -815,7 +821,9 @@ Worst CheckLora(const Kernels& k) {
     }
     for (Dt dt : {Dt::kF32, Dt::kBf16})
       if (Sampled(n)) CheckLoraCase(k, worst, dt, K, N, slots, many, R, layout);
-    if (Sampled(n)) CheckLoraCase(k, worst, Dt::kBf16, K + 16 - K % 16, N + 16 - N % 16, slots, many, R, layout, true);
+    if (Sampled(n))
+      CheckLoraCase(k, worst, Dt::kBf16, K + 16 - K % 16, N + 16 - N % 16, slots, many, R, layout, true, true);
+    if (Sampled(n)) CheckLoraCase(k, worst, Dt::kBf16, K, N + 16 - N % 16, slots, many, R, layout, false, true);
   }
   return worst;
 }

@@ -288,12 +288,12 @@ def lora_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
 
 
 def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array,
-         pairs: bool = False) -> jax.Array:
+         a_pairs: bool = False, b_pairs: bool = False) -> jax.Array:
     """Pure. [T, N] in x's dtype: (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (zeros
     where s < 0 or >= S, or r = 0), accumulated in float32 (native/lora.h): each adapter the tokens use read once,
-    up to its rank; the others not at all. `pairs`: each slot's A and B in `pallas_kernels.lora.to_pairs` form
-    (bfloat16, even R, K and N multiples of 16)."""
+    up to its rank; the others not at all. `a_pairs`, `b_pairs`: each slot's A, B in `pallas_kernels.lora.to_pairs`
+    form (bfloat16, even R, K (A) and N (B) multiples of 16)."""
     _require()
     call = jax.ffi.ffi_call(_LORA, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
     return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(ranks, jnp.int32), isa=_isa_attr(),
-                pairs=bool(pairs))
+                a_pairs=bool(a_pairs), b_pairs=bool(b_pairs))

@@ -99,20 +99,21 @@ class AdapterRegistry:
 
 def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[tuple], dtype) -> list[np.ndarray]:
     """Host-side. An adapter's weights as one slot of each LoRA stack (`layout`: (layer, projection, A stack
-    shape, B stack shape, stacks in pairs) per projection, `ModelRunner.lora_layout`): per projection A [R, *in] and
-    B [R, *out] in `dtype` (in `pallas_kernels.lora.to_pairs` form where the layout says so), zero past its rank
+    shape, B stack shape, A in pairs, B in pairs) per projection, `ModelRunner.lora_layout`): per projection A [R, *in]
+    and B [R, *out] in `dtype` (in `pallas_kernels.lora.to_pairs` form where the layout says so), zero past its rank
     (and all zero for a projection it leaves alone), then its rank (int32)."""
     weights = peft.weights(model_config)
     out = []
-    for layer, name, a_shape, b_shape, pairs in layout:
+    for layer, name, a_shape, b_shape, a_pairs, b_pairs in layout:
         a, b = np.zeros(a_shape[1:], np.float32), np.zeros(b_shape[1:], np.float32)
         rank = 0
         if (layer, name) in weights:
             wa, wb = weights[layer, name]
             rank = wa.shape[0]
             a[:rank], b[:rank] = wa, wb
-        if pairs:
-            a, b = (to_pairs(w.reshape(w.shape[0], -1)).reshape(w.shape) for w in (a, b))
+        if rank:  # (zeros are zeros in pairs too)
+            a, b = (to_pairs(w.reshape(w.shape[0], -1)).reshape(w.shape) if pairs else w
+                    for w, pairs in ((a, a_pairs), (b, b_pairs)))
         out += [a.astype(dtype), b.astype(dtype), np.int32(rank)]
     return out
 

@@ -23,7 +23,7 @@ from models.kv_cache import init_kv_caches, window_pools
 from models.transformer import CausalLM, kv_cache_specs
 from models.weights import is_orbax_dir, load_model, param_sharding, read_config
 from pallas_kernels.attention import unsupported_reason
-from pallas_kernels.lora import pairs_fit
+from pallas_kernels.lora import pairs_layout
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
@@ -215,7 +215,7 @@ class ModelRunner:
         self.screen_greedy = False
         if cpu_panels or config.enable_lora:
             model = nnx.clone(model)  # (the caller's model keeps its own weights and no adapter slots)
-        # LoRA: (layer, projection, A stack shape, B stack shape, stacks in pairs) of each projection's adapter slots
+        # LoRA: (layer, projection, A stack shape, B stack shape, A in pairs, B in pairs) of each projection's slots
         # (models.lora)
         self.lora_layout: list[tuple] = []
         if config.enable_lora:
@@ -225,9 +225,11 @@ class ModelRunner:
                                  lambda axes, shape: param_sharding(axes, shape, mesh, DEFAULT_RULES))
             for _, _, p in model.lora_projections():
                 # A and B in the native kernel's pairs where it runs the update (bfloat16; pallas_kernels.lora)
-                p.pairs = cpu_panels and pairs_fit(dtype, p.b.shape[1], math.prod(p.a.shape[2:]),
-                                                   math.prod(p.b.shape[2:]))
-            self.lora_layout = [(i, name, p.a.shape, p.b.shape, p.pairs) for i, name, p in model.lora_projections()]
+                if cpu_panels:
+                    p.a_pairs, p.b_pairs = pairs_layout(dtype, p.b.shape[1], math.prod(p.a.shape[2:]),
+                                                        math.prod(p.b.shape[2:]))
+            self.lora_layout = [(i, name, p.a.shape, p.b.shape, p.a_pairs, p.b_pairs)
+                                for i, name, p in model.lora_projections()]
             log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
                      len(self.lora_layout))
         if cpu_panels:

@@ -1,6 +1,8 @@
 """The batched LoRA update (`pallas_kernels.lora.lora_delta`) on every backend against a float64 reference: tokens of
 several adapters, of none (-1) and padding in one call, slots of different ranks (zero past their rank, as the slot
 stacks hold them), float32 and bfloat16."""
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,7 +62,8 @@ def test_native_kernel_on_its_thread_pool(dtype, monkeypatch):
 
 
 def test_pairs_layout():
-    """`to_pairs` puts B's element (k, n) where native/lora.h reads it, and `from_pairs` undoes it."""
+    """`to_pairs` puts B's element (k, n) where native/lora.h reads it, and `from_pairs` undoes it; which stacks
+    the native kernel takes in pairs."""
     r, n = 6, 32
     b = np.arange(2 * r * n).reshape(2, r, n)
     got = lora.to_pairs(b)
@@ -68,31 +71,73 @@ def test_pairs_layout():
         assert got[s].reshape(-1)[(k // 2) * 2 * n + 2 * c + k % 2] == b[s, k, c]
     np.testing.assert_array_equal(lora.from_pairs(got), b)
     np.testing.assert_array_equal(np.asarray(lora.from_pairs(jnp.asarray(got))), b)
-    assert lora.pairs_fit(jnp.bfloat16, 16, 64, 48) and not lora.pairs_fit(jnp.float32, 16, 64, 48)
-    assert not lora.pairs_fit(jnp.bfloat16, 9, 64, 48) and not lora.pairs_fit(jnp.bfloat16, 16, 64, 40)
-    assert not lora.pairs_fit(jnp.bfloat16, 16, 72, 48)
+    assert lora.pairs_fit(jnp.bfloat16, 16, 48) and not lora.pairs_fit(jnp.float32, 16, 48)
+    assert not lora.pairs_fit(jnp.bfloat16, 9, 48) and not lora.pairs_fit(jnp.bfloat16, 16, 40)
+    if native.machine_reason() is None:
+        for path in native.runnable_isas():
+            with native.use_isa(path):
+                widens = not native.pair_dot(path)
+                assert lora.pairs_layout(jnp.bfloat16, 16, 64, 48) == (widens, True), path
+                assert lora.pairs_layout(jnp.bfloat16, 16, 72, 48) == (False, True), path
+                assert lora.pairs_layout(jnp.float32, 16, 64, 48) == (False, False), path
+        assert [p for p in native.runnable_isas() if native.pair_dot(p)] == \
+            [p for p in native.runnable_isas() if p in ("avx512_bf16", "amx", "neon_bf16")]
+
+
+def _native_paths(backend):
+    """The native kernel's paths this CPU runs (each forced in turn), or [None] for an XLA backend."""
+    if backend != "native":
+        return [None]
+    if native.machine_reason() is not None:
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
+    return list(native.runnable_isas())
 
 
 @pytest.mark.parametrize("backend", lora.BACKENDS)
 def test_stacks_in_pairs(backend, monkeypatch):
-    """bfloat16 A and B stored in pairs (as the engine stores them where the native kernel runs): the native kernel
-    reads them as they are, bit for bit its row-major answer (the same sums in the same order; odd ranks read the row
-    past their rank, weighted by zero), also on its thread pool; the XLA paths undo them first."""
+    """bfloat16 B stored in pairs, A too or row-major (as the engine stores them where the native kernel runs): the
+    native kernel reads them as they are, on every path this CPU runs. A path that widens bfloat16 gives bit for bit
+    its row-major answer (the same sums in the same order; odd ranks read the row past their rank, weighted by zero),
+    also on its thread pool; a path with pair dot products rounds x @ A^T to bfloat16 before B (as PEFT's bfloat16
+    lora_A output is). The XLA paths undo the pairs first."""
     if backend == "native":
-        if native.machine_reason() is not None:
-            pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
         monkeypatch.delenv(native.ENV_VAR, raising=False)
     monkeypatch.setenv(lora.LORA_ENV_VAR, backend)
-    f = jax.jit(lambda *z, pairs: lora.lora_delta(*z, pairs=pairs), static_argnames="pairs")
-    cases = [dict(tokens=13, seed=7, n=48, k=64)] + ([dict(tokens=256, seed=5, k=512, r=64, n=384)]
-                                                 if backend == "native" else [])
-    for case in cases:
-        (x, slots, a, b, ranks), want = _case(jnp.bfloat16, case.pop("tokens"), **case)
-        assert lora.pairs_fit(b.dtype, b.shape[1], a.shape[2], b.shape[2])
-        plain = np.asarray(f(x, slots, a, b, ranks, pairs=False).astype(jnp.float32))
-        got = np.asarray(f(x, slots, lora.to_pairs(a), lora.to_pairs(b), ranks, pairs=True).astype(jnp.float32))
-        np.testing.assert_array_equal(got, plain)
-        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    cases = [dict(tokens=13, seed=7, n=48, k=64), dict(tokens=5, seed=8, n=48, k=40)]
+    if backend == "native":
+        cases.append(dict(tokens=256, seed=5, k=512, r=64, n=384))
+    for path in _native_paths(backend):
+        with native.use_isa(path) if path else contextlib.nullcontext():
+            f = jax.jit(lambda *z, a_pairs, b_pairs: lora.lora_delta(*z, a_pairs=a_pairs, b_pairs=b_pairs),
+                        static_argnames=("a_pairs", "b_pairs"))
+            for case in cases:
+                (x, slots, a, b, ranks), want = _case(jnp.bfloat16, case["tokens"], **{
+                    k: v for k, v in case.items() if k != "tokens"})
+                plain = np.asarray(f(x, slots, a, b, ranks, a_pairs=False, b_pairs=False).astype(jnp.float32))
+                forms = [(False, True)] + ([(True, True)] if lora.pairs_fit(a.dtype, a.shape[1], a.shape[2]) else [])
+                for a_pairs, b_pairs in forms:
+                    got = np.asarray(f(x, slots, lora.to_pairs(a) if a_pairs else a, lora.to_pairs(b), ranks,
+                                       a_pairs=a_pairs, b_pairs=b_pairs).astype(jnp.float32))
+                    msg = f"{path} A in pairs {a_pairs} {case}"
+                    if not (path and native.pair_dot(path)):
+                        np.testing.assert_array_equal(got, plain, err_msg=msg)
+                    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=msg)
+
+
+@pytest.mark.parametrize("bad", ["float32", "odd rank", "A's K", "B's N"])
+def test_native_kernel_refuses_misplaced_pairs(bad, monkeypatch):
+    """The FFI call refuses stacks in pairs it cannot read (the engine never sends them: `pairs_layout` guards it),
+    naming why."""
+    if native.machine_reason() is not None:
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    dtype = jnp.float32 if bad == "float32" else jnp.bfloat16
+    shape = dict(k=40 if bad == "A's K" else 48, n=40 if bad == "B's N" else 48, r=9 if bad == "odd rank" else 16)
+    (x, slots, a, b, ranks), _ = _case(dtype, 4, **shape)
+    a_pairs = bad != "B's N"
+    with pytest.raises(Exception, match="lora: (stacks in pairs need bfloat16 and an even R|A in pairs needs K)"):
+        jax.block_until_ready(jax.jit(lambda *z: native.lora(*z, a_pairs=a_pairs, b_pairs=not a_pairs))(
+            x, slots, a, b, ranks))
 
 
 def test_automatic_choice():

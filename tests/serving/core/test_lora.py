@@ -14,6 +14,7 @@ from models.lora import AdapterError
 from models.synthetic import shared_small_llama
 from models.quant import WeightQuant
 from pallas_kernels import lora as lora_kernels
+from pallas_kernels import native
 from serving.core.batch import SeqChunk
 from serving.core.config import EngineConfig
 from serving.core.engine import Engine
@@ -181,28 +182,31 @@ def test_mixed_batch_matches_hf_peft_at_tp2(families):
 
 
 def test_bfloat16_stacks_in_pairs(families, monkeypatch):
-    """bfloat16 where the native kernels run: the A and B stacks hold each slot in the kernel's pairs (the slot
-    writes put them so), and a mixed step's logits are those of the XLA path, which reads the same stacks row-major
-    again (`from_pairs`). On the XLA kernels (MESHSERVE_CPU_KERNELS=xla) the stacks stay row-major."""
+    """bfloat16 where the native kernels run: the B stacks hold each slot in the kernel's pairs, the A stacks too
+    where its path widens bfloat16 (a path with pair dot products reads A row-major); the slot writes put them so,
+    and a mixed step's logits are those of the XLA path, which reads the same stacks row-major again (`from_pairs`).
+    On the XLA kernels (MESHSERVE_CPU_KERNELS=xla) the stacks stay row-major."""
     fam = families["llama"]
     names = [None, "a", "b", "c"]
     prompts = [prompt(n, seed) for n, seed in ((7, 1), (10, 2), (5, 3), (10, 4))]
     engine = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **{**OPTIONS, "dtype": "bfloat16"}))
     runner = engine.runner
-    assert {entry[4] for entry in runner.lora_layout} == {runner.choices.native_kernels}
+    on = runner.choices.native_kernels
+    layout = (on and not native.pair_dot(native.isa()), on)
+    assert {entry[4:] for entry in runner.lora_layout} == {layout}
     got = mixed_logits(engine, prompts, names)
     slot = engine.lora.resident()["b"]
     stacks = runner.state["layers"][1]["mlp"]["lora"]["up_proj"]
     peft_ab = engine.adapters.get("b").peft.weights(runner.model_config)[1, "up_proj"]  # (A, B), scaling in B
-    for stack, want_w in zip((stacks["a"], stacks["b"]), peft_ab):
+    for stack, want_w, pairs in zip((stacks["a"], stacks["b"]), peft_ab, layout):
         w = stack.get_value()[slot]
-        stored = np.asarray(lora_kernels.from_pairs(w) if runner.choices.native_kernels else w, np.float32)
+        stored = np.asarray(lora_kernels.from_pairs(w) if pairs else w, np.float32)
         np.testing.assert_array_equal(stored[:16], np.asarray(jnp.asarray(want_w, jnp.bfloat16), np.float32))
     monkeypatch.setenv(lora_kernels.LORA_ENV_VAR, "loop")
     xla = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **{**OPTIONS, "dtype": "bfloat16"}))
     want = mixed_logits(xla, prompts, names)
-    # The XLA path rounds x @ A^T to bfloat16 before B (the kernel keeps it in float32): 1-4% of the logits' range
-    # here, against the 130-160% by which the adapters move them.
+    # The XLA path rounds x @ A^T to bfloat16 before B (the kernel keeps it in float32 where it widens): 1-4% of the
+    # logits' range here, against the 130-160% by which the adapters move them.
     for row, ref in zip(got, want):
         np.testing.assert_allclose(row, ref, rtol=0, atol=6e-2 * np.abs(ref).max())
     assert all(np.abs(ref - want[0]).max() > 0.5 * np.abs(ref).max() for ref in want[1:])
