@@ -40,9 +40,11 @@
 //    two rows. Measured on Zen 4 (docs/lora.md): the step's 84 calls for 32 tokens of one rank-64 adapter ~20% less
 //    time; 8 rank-64 adapters (4 tokens each, waiting on memory) about the same.
 
-// Below this many multiply-adds a call runs on the calling thread alone: a decode step's rank-8 update (32 tokens:
-// 0.7M) costs less than handing it to the pool twice and waiting for the slowest thread on a loaded CPU.
-constexpr int64_t kLoraSerialMacs = int64_t{1} << 21;
+// Below this many multiply-adds a call runs on the calling thread alone (one token's rank-8 update, 22K per call):
+// handing it to the pool costs more than it saves. Measured in the engine on Zen 4 (2 cores, the step's calls run
+// one after another): with 2M here a decode step's rank-8 update (32 tokens: 0.7M per call) ran serially and 8
+// mixed rank-8 adapters cost +17% to +28% TPOT; at 128K, +7% to +14%, and batch 1 no slower.
+constexpr int64_t kLoraSerialMacs = int64_t{1} << 17;
 // Rows of A per unit of the A pass: a multiple of every LoraDot tile's rows of A (8), so no unit ends in single
 // rows; 4 units per rank-64 adapter.
 constexpr int64_t kLoraRankBlock = 16;

@@ -46,8 +46,9 @@ def test_every_backend_matches_the_reference(backend, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_native_kernel_on_its_thread_pool(dtype, monkeypatch):
-    """A call past the kernel's serial threshold (`kLoraSerialMacs` in native/lora.h: 2M multiply-adds; a decode
-    step's rank-8 update stays under it) runs its A and B passes on the thread pool: same answer."""
+    """A call past the kernel's serial threshold (`kLoraSerialMacs` in native/lora.h: 128K multiply-adds; one
+    token's rank-8 update stays under it) runs its A and B passes on the thread pool (here the two-pass form: one slot
+    holds most of the work): same answer."""
     if native.machine_reason() is not None:
         pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
     monkeypatch.delenv(native.ENV_VAR, raising=False)
