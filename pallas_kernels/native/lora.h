@@ -127,7 +127,7 @@ void LoraColumns(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t 
 constexpr int PairCb(int rt) { return rt >= 4 ? 2 : 4; }
 
 // out[RT rows, CB vectors of columns] (float32, row stride ldo) (+)= x[:, :kb] @ w[kb, CB vectors], w in B's pairs
-// (row stride ldw: 2N; kb even) and x in pair form (PackPairX: xt[(k / 2) * 2RT + 2r + k % 2] = x[r, k], as V::PairX:
+// (row stride ldw: 2N; kb even) and x in pair form (PackLoraX: xt[(k / 2) * 2RT + 2r + k % 2] = x[r, k], as V::PairX:
 // bfloat16 with pair dot products, else float32 and two FMAs): `first` starts from zero, else from out.
 template <int RT, int CB>
 inline void LoraPairTile(const V::PairX* __restrict xt, const uint16_t* __restrict w, int64_t ldw, int64_t kb,
