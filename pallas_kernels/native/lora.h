@@ -247,6 +247,22 @@ inline void LoraDotStep(const float* __restrict x, int64_t K, int64_t k, const V
   }
 }
 
+// A dot tile's accumulators, zeroed.
+template <int RT, int RC>
+inline void LoraDotZero(V::F (&acc)[RT][RC]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < RT; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+}
+
+// The next dot tile's RC rows of A (row stride K) at column k, prefetched.
+template <int RC, typename WT>
+inline void LoraPrefetchNext(const WT* a, int64_t K, int64_t k) {
+#pragma GCC unroll 8
+  for (int j = 0; j < RC; ++j) PrefetchT0(a + (RC + j) * K + k);
+}
+
 // A dot tile's end: each accumulator's lanes summed into out[i, j].
 template <int RT, int RC>
 inline void LoraDotStore(const V::F (&acc)[RT][RC], float* out, int64_t ldo) {
@@ -264,14 +280,10 @@ template <int RT, int RC, typename WT>
 inline void LoraDotTile(const float* __restrict x, const WT* __restrict a, int64_t K, float* __restrict out,
                         int64_t ldo) {
   V::F acc[RT][RC];
-#pragma GCC unroll 8
-  for (int i = 0; i < RT; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+  LoraDotZero<RT, RC>(acc);
   int64_t k = 0;
   for (; k + V::kLanes <= K; k += V::kLanes) {
-#pragma GCC unroll 8
-    for (int j = 0; j < RC; ++j) PrefetchT0(a + (RC + j) * K + k);
+    LoraPrefetchNext<RC>(a, K, k);
     V::F av[RC];
 #pragma GCC unroll 8
     for (int j = 0; j < RC; ++j) av[j] = LoadFull(a + j * K + k);
@@ -315,10 +327,7 @@ inline void LoraDotPairTile(const float* __restrict x, const uint16_t* __restric
                             int64_t ldo) {
   constexpr int RP = (RC + 1) / 2;
   V::F acc[RT][RC];
-#pragma GCC unroll 8
-  for (int i = 0; i < RT; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+  LoraDotZero<RT, RC>(acc);
   for (int64_t k = 0; k < K; k += V::kLanes) {
 #pragma GCC unroll 4
     for (int p = 0; p < RP; ++p) PrefetchT0(a + (RP + p) * 2 * K + 2 * k);
@@ -363,14 +372,10 @@ inline void LoraBf16DotTile(const uint16_t* __restrict x, const uint16_t* __rest
                             float* __restrict out, int64_t ldo) {
   constexpr int64_t kStep = 2 * V::kLanes;
   V::F acc[RT][RC];
-#pragma GCC unroll 8
-  for (int i = 0; i < RT; ++i)
-#pragma GCC unroll 8
-    for (int j = 0; j < RC; ++j) acc[i][j] = V::Zero();
+  LoraDotZero<RT, RC>(acc);
   int64_t k = 0;
   for (; k + kStep <= K; k += kStep) {
-#pragma GCC unroll 8
-    for (int j = 0; j < RC; ++j) PrefetchT0(a + (RC + j) * K + k);
+    LoraPrefetchNext<RC>(a, K, k);
     V::WPair av[RC];
 #pragma GCC unroll 8
     for (int j = 0; j < RC; ++j) av[j] = V::PairLoad(a + j * K + k);
