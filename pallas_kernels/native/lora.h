@@ -433,7 +433,7 @@ template <typename WT>
 void LoraDotA(bool a_pairs, const void* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
 #if MESHSERVE_BF16_PAIRS
   if constexpr (std::is_same_v<WT, uint16_t>)
-    if (!a_pairs) return LoraBf16Dot(static_cast<const uint16_t*>(x), m, K, a, r, out, ldo);
+    if (LoraBf16A<WT>(a_pairs)) return LoraBf16Dot(static_cast<const uint16_t*>(x), m, K, a, r, out, ldo);
 #endif
   const float* xf = static_cast<const float*>(x);
   if constexpr (std::is_same_v<WT, uint16_t>)
@@ -456,7 +456,7 @@ const void* LoraXRows(bool a_pairs, const T* x, int64_t K, const int64_t* order,
   return d;
 }
 
-// LoraMatmul on B's columns [n0, n0 + width) of slot s: row-major, or (pairs: bfloat16 only) in pairs (rank r rounded
+// LoraMatmul on B's columns [n0, n0 + width) of slot s: row-major, or (b_pairs: bfloat16 only) in pairs (rank r rounded
 // up to even).
 template <typename WT>
 void LoraMatmulB(bool b_pairs, const float* const* rows, int64_t m, int64_t r, const WT* b_slot, int64_t N, int64_t n0,
