@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError, SafetensorsFile
-from pallas_kernels.lora import lora_delta
+from pallas_kernels.lora import INT8_RANK_ROWS, lora_delta, lora_delta_int8
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LORA_RANK, LORA_SLOTS, MLP
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -70,15 +70,28 @@ class LoRAProjection(nnx.Module):
     """One projection's adapter slots: `a` [slots, rank, *in] (A transposed, as PEFT's lora_A: an adapter's first r
     rows are contiguous, all a rank-r adapter's update reads), `b` [slots, rank, *out] (scaling folded in), `ranks`
     [slots] (0: the slot's adapter leaves this projection alone). Split over a mesh as the weight it modifies (the
-    in and out axes' rules: B of a column-parallel projection by its output, A of a row-parallel one by its input)."""
+    in and out axes' rules: B of a column-parallel projection by its output, A of a row-parallel one by its input).
+    `int8` (EngineConfig.lora_dtype): a, b int8 in `pallas_kernels.lora.quantize_adapter`'s layouts with `scale`
+    [slots, rank] float32, on one device."""
 
-    def __init__(self, target: Target, max_loras: int, max_rank: int, dtype, sharding=None):
+    def __init__(self, target: Target, max_loras: int, max_rank: int, dtype, sharding=None, int8: bool = False):
         def zeros(shape, axes, dt):
             device = sharding(axes, shape) if sharding is not None else None
             return LoRAWeight(jnp.zeros(shape, dt, device=device), axes=axes)
 
-        self.a = zeros((max_loras, max_rank, *target.in_shape), (LORA_SLOTS, LORA_RANK, *target.in_axes), dtype)
-        self.b = zeros((max_loras, max_rank, *target.out_shape), (LORA_SLOTS, LORA_RANK, *target.out_axes), dtype)
+        # The stacks' shapes as [slots, rank, *in] and [slots, rank, *out] whatever their storage (slot writes).
+        self.a_shape = (max_loras, max_rank, *target.in_shape)
+        self.b_shape = (max_loras, max_rank, *target.out_shape)
+        self.int8 = int8
+        if int8:
+            k, n = math.prod(target.in_shape), math.prod(target.out_shape)
+            self.a = LoRAWeight(jnp.zeros((max_loras, max_rank // INT8_RANK_ROWS, -(-k // 4), INT8_RANK_ROWS, 4),
+                                          jnp.int8))
+            self.b = LoRAWeight(jnp.zeros((max_loras, max_rank // 4, n, 4), jnp.int8))
+            self.scale = LoRAWeight(jnp.zeros((max_loras, max_rank), jnp.float32))
+        else:
+            self.a = zeros(self.a_shape, (LORA_SLOTS, LORA_RANK, *target.in_axes), dtype)
+            self.b = zeros(self.b_shape, (LORA_SLOTS, LORA_RANK, *target.out_axes), dtype)
         self.ranks = zeros((max_loras,), (LORA_SLOTS,), jnp.int32)
         # Whether each slot's A, B (flattened to [rank, in], [rank, out]) is in `pallas_kernels.lora.to_pairs` form:
         # set by the engine where the native kernel runs the update (ModelRunner); the slot writes then store them so.
@@ -87,6 +100,8 @@ class LoRAProjection(nnx.Module):
     def __call__(self, x: jax.Array, slots: jax.Array) -> jax.Array:
         """Pure. The update of x [T, in] ([T, out]) for each token's slot (`slots` [T], < 0: none)."""
         a, b = self.a[...], self.b[...]
+        if self.int8:
+            return lora_delta_int8(x, slots, a, b, self.scale[...], self.ranks[...])
         n, r = a.shape[:2]
         return lora_delta(x, slots, a.reshape(n, r, -1), b.reshape(n, r, -1), self.ranks[...], self.a_pairs,
                           self.b_pairs)
@@ -95,9 +110,10 @@ class LoRAProjection(nnx.Module):
 class LoRAStacks(nnx.Module):
     """A layer part's LoRAProjections, one attribute per projection name."""
 
-    def __init__(self, targets: dict[str, Target], max_loras: int, max_rank: int, dtype, sharding=None):
+    def __init__(self, targets: dict[str, Target], max_loras: int, max_rank: int, dtype, sharding=None,
+                 int8: bool = False):
         for name, target in targets.items():
-            setattr(self, name, LoRAProjection(target, max_loras, max_rank, dtype, sharding))
+            setattr(self, name, LoRAProjection(target, max_loras, max_rank, dtype, sharding, int8))
 
 
 def apply_lora(stacks: LoRAStacks | None, name: str, x: jax.Array, y: jax.Array, slots: jax.Array | None) -> jax.Array:

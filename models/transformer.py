@@ -135,16 +135,17 @@ class CausalLM(nnx.Module):
             groups.append((self, None, ["lm_head"], e))
         return groups
 
-    def add_lora_slots(self, max_loras: int, max_rank: int, dtype, sharding=None) -> int:
+    def add_lora_slots(self, max_loras: int, max_rank: int, dtype, sharding=None, int8: bool = False) -> int:
         """Gives every projection LoRA may adapt (`models.lora.lora_targets`) `max_loras` zeroed adapter slots of
-        rank `max_rank` in `dtype`, placed by `sharding(axes, shape)` when given; returns how many projections."""
+        rank `max_rank` in `dtype` (`int8`: int8 stacks, `models.lora.LoRAProjection`), placed by
+        `sharding(axes, shape)` when given; returns how many projections."""
         count = 0
         for i, layer in enumerate(self.layers):
             targets = lora_targets(self.config, i)
             parts = [(layer.self_attn, ATTENTION_TARGETS)] + ([(layer.mlp, MLP_TARGETS)] if isinstance(layer.mlp, MLP)
                                                               else [])
             for part, names in parts:
-                part.lora = LoRAStacks({n: targets[n] for n in names}, max_loras, max_rank, dtype, sharding)
+                part.lora = LoRAStacks({n: targets[n] for n in names}, max_loras, max_rank, dtype, sharding, int8)
                 count += len(names)
         return count
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import native
+from pallas_kernels.names import LORA_INT8_RANK_ROWS as INT8_RANK_ROWS
 from pallas_kernels.target import target_platform
 
 LORA_ENV_VAR = "MESHSERVE_LORA_KERNEL"  # auto (default) | native | gather | loop | ragged_dot
@@ -140,3 +141,57 @@ def ragged_lora(x, slots, a, b):
     out = jax.lax.ragged_dot(xa.astype(x.dtype), b, group_sizes, preferred_element_type=jnp.float32)
     out = jnp.where((key[order] < n)[:, None], out, 0)  # rows in no group: not defined by ragged_dot
     return jnp.zeros(out.shape, jnp.float32).at[order].set(out).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# int8 adapter stacks (EngineConfig.lora_dtype = "int8"): half the bytes of bfloat16. Each slot's A and B rows
+# quantized per rank row, symmetric, the two scales multiplied into one per rank row (native/lora.h "int8 adapter
+# stacks" has the layouts). Slots are rank rows in multiples of INT8_RANK_ROWS, N a multiple of PAIR_COLUMNS.
+
+
+def int8_fits(rank: int, n: int) -> bool:
+    """Whether stacks of `rank` rank rows per slot and `n` output columns can be held in int8."""
+    return rank % INT8_RANK_ROWS == 0 and n % PAIR_COLUMNS == 0
+
+
+def quantize_adapter(a, b):
+    """NumPy. A [..., R, K] and B [..., R, N] (float, B with its scaling) as (aq [..., R/16, Kq, 16, 4] int8,
+    bq [..., R/4, N, 4] int8, scale [..., R] float32): A's and B's rank rows each scaled to [-127, 127] by their
+    largest |value| (a zero row: scale 0), y = ((x @ dequant(aq)^T) * scale) @ dequant(bq) up to rounding."""
+    import numpy as np
+
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    *lead, r, k = a.shape
+    n = b.shape[-1]
+    sa, sb = np.abs(a).max(-1) / 127, np.abs(b).max(-1) / 127
+    aq = np.rint(a / np.where(sa > 0, sa, 1)[..., None]).astype(np.int8)
+    bq = np.rint(b / np.where(sb > 0, sb, 1)[..., None]).astype(np.int8)
+    kq = -(-k // 4)
+    aq = np.pad(aq, [(0, 0)] * len(lead) + [(0, 0), (0, 4 * kq - k)])
+    aq = aq.reshape(*lead, r // INT8_RANK_ROWS, INT8_RANK_ROWS, kq, 4)
+    nd = len(lead)
+    aq = aq.transpose(*range(nd), nd, nd + 2, nd + 1, nd + 3)
+    bq = bq.reshape(*lead, r // 4, 4, n).transpose(*range(nd), nd, nd + 2, nd + 1)
+    return np.ascontiguousarray(aq), np.ascontiguousarray(bq), (sa * sb).astype(np.float32)
+
+
+def dequantize_adapter(aq, bq, scale, k: int):
+    """Pure. `quantize_adapter`'s stacks as float32 A [..., R, K] (with the scale) and B [..., R, N]."""
+    *lead, rb, kq, _, _ = aq.shape
+    nd = len(lead)
+    a = aq.transpose(*range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, rb * INT8_RANK_ROWS, 4 * kq)[..., :k]
+    rq, n = bq.shape[nd], bq.shape[nd + 1]
+    b = bq.transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, 4 * rq, n)
+    return a.astype(jnp.float32) * scale[..., None], b.astype(jnp.float32)
+
+
+def lora_delta_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
+                    ranks: jax.Array) -> jax.Array:
+    """Pure. `lora_delta` on int8 stacks (`quantize_adapter`): the native kernel where it runs (x and x @ A^T then
+    quantized per token to int8 where the CPU has int8 dot products), else the stacks dequantized to x's dtype and an
+    XLA backend (as `lora_delta` picks it). Rows past a slot's rank must be zero."""
+    if native.lora_int8_supported(x, a, b) and os.environ.get(LORA_ENV_VAR, "auto").strip().lower() in (
+            "", "auto", "native"):
+        return native.lora_int8(x, slots, a, b, scale, ranks)
+    af, bf = dequantize_adapter(a, b, scale, x.shape[1])
+    return lora_delta(x, slots, af.astype(x.dtype), bf.astype(x.dtype), ranks)

@@ -27,3 +27,6 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     return kv_cache_dtype
+
+# int8 LoRA adapter stacks (EngineConfig.lora_dtype, pallas_kernels/lora.py) hold ranks in blocks of this many rows.
+LORA_INT8_RANK_ROWS = 16

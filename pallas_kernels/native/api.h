@@ -105,6 +105,11 @@ struct Kernels {
   void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
                const void* b, bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
                void* y);
+  // The same on int8 stacks (lora.h "int8 adapter stacks"): a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4] (R and N
+  // multiples of 16), scale [S, R] float32; x and y in `dt`.
+  void (*lora_int8)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const int8_t* a,
+                    const int8_t* b, const float* scale, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
+                    void* y);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

@@ -396,6 +396,35 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
+ffi::Error LoraInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S8> a,
+                        ffi::Buffer<ffi::S8> b, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> ranks,
+                        ffi::Result<ffi::AnyBuffer> out, int32_t isa) {
+  const Kernels* kernels;
+  if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
+  auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || ad.size() != 5 || bd.size() != 4 || sd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "int8 lora: x must be [T, K], a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4], scale [S, R]");
+  const int64_t T = xd[0], K = xd[1], S = ad[0], R = ad[1] * 16, N = bd[2];
+  if (ad[2] != (K + 3) / 4 || ad[3] != 16 || ad[4] != 4 || bd[0] != S || bd[1] * 4 != R || bd[3] != 4 ||
+      sd[0] != S || sd[1] != R)
+    return ffi::Error::InvalidArgument(
+        "int8 lora: x [T, K], a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4] and scale [S, R] disagree");
+  if (N % 16) return ffi::Error::InvalidArgument("int8 lora: N must be a multiple of 16");
+  if (static_cast<int64_t>(slots.element_count()) != T || static_cast<int64_t>(ranks.element_count()) != S)
+    return ffi::Error::InvalidArgument("int8 lora: slots must be [T] and ranks [S]");
+  const auto t = x.element_type();
+  if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16) || out->element_type() != t)
+    return ffi::Error::InvalidArgument("int8 lora: x and out must both be float32 or both bfloat16");
+  if (static_cast<int64_t>(out->element_count()) != T * N)
+    return ffi::Error::InvalidArgument("int8 lora: out must be [T, N]");
+  if (!T || !N) return ffi::Error::Success();
+  kernels->lora_int8(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
+                     slots.typed_data(), a.typed_data(), b.typed_data(), scale.typed_data(), ranks.typed_data(), S, R,
+                     N, out->untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace meshserve
 
@@ -515,3 +544,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLora, meshserve::LoraImpl,
                                   .Attr<int32_t>("isa")
                                   .Attr<bool>("a_pairs")
                                   .Attr<bool>("b_pairs"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLoraInt8, meshserve::LoraInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa"));

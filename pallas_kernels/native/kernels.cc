@@ -92,7 +92,7 @@ namespace {
 #define MESHSERVE_STR(x) MESHSERVE_STR2(x)
 const Kernels kTable = {MESHSERVE_STR(MESHSERVE_NS), V::kNativePairs, MatmulEntry, MatmulPackedEntry, AttentionEntry,
                         GreedyHeadEntry, ExpertMlpEntry, MatmulInt8Entry, Int8Dot, LatentAttentionEntry,
-                        LoraEntry};
+                        LoraEntry, LoraInt8Entry};
 
 }  // namespace
 }  // namespace MESHSERVE_NS

@@ -38,8 +38,10 @@ _EXPERT_MLP = "meshserve_cpu_expert_mlp"
 _MATMUL_INT8 = "meshserve_cpu_matmul_int8"
 _LATENT_ATTENTION = "meshserve_cpu_latent_attention"
 _LORA = "meshserve_cpu_lora"
+_LORA_INT8 = "meshserve_cpu_lora_int8"
 # CPU only: never in a GPU/TPU program
-FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8, _LATENT_ATTENTION, _LORA)
+FFI_TARGETS = (_MATMUL, _ATTENTION, _MATMUL_PACKED, _GREEDY_HEAD, _EXPERT_MLP, _MATMUL_INT8, _LATENT_ATTENTION, _LORA,
+               _LORA_INT8)
 
 # Instruction-set paths; the index is the id the library knows them by (native/api.h `Isa`).
 ISAS = ("generic", "avx2", "avx512", "avx512_bf16", "amx", "neon", "neon_bf16")
@@ -299,6 +301,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(_MATMUL_INT8, jax.ffi.pycapsule(lib.MeshserveMatmulInt8), platform="cpu")
     jax.ffi.register_ffi_target(_LATENT_ATTENTION, jax.ffi.pycapsule(lib.MeshserveLatentAttention), platform="cpu")
     jax.ffi.register_ffi_target(_LORA, jax.ffi.pycapsule(lib.MeshserveLora), platform="cpu")
+    jax.ffi.register_ffi_target(_LORA_INT8, jax.ffi.pycapsule(lib.MeshserveLoraInt8), platform="cpu")
     _registered = True
     return None
 

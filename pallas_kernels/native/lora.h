@@ -466,32 +466,56 @@ void LoraMatmulB(bool b_pairs, const float* const* rows, int64_t m, int64_t r, c
   LoraMatmul<false>(rows, m, r, b_slot + n0, N, width, out, width);
 }
 
+// The call's tokens grouped by slot (counting sort, token order kept; those of no slot or rank 0 left out): slot s's
+// tokens are order[start[s], start[s + 1]), the slots any token uses used[0, num_used).
+struct LoraGroups {
+  Zeros<int64_t> start_buf, order_buf;
+  Zeros<int32_t> used_buf;
+  const int32_t* ranks;
+  int64_t S, R;
+  int64_t *start, *order;
+  int32_t* used;
+  int64_t used_tokens = 0, num_used = 0, macs = 0;  // macs: the update's multiply-adds
+
+  LoraGroups(const int32_t* slots, int64_t T_, const int32_t* ranks_, int64_t S_, int64_t R_, int64_t K, int64_t N)
+      : start_buf(static_cast<size_t>(S_ + 1)), order_buf(static_cast<size_t>(T_)), used_buf(static_cast<size_t>(S_)),
+        ranks(ranks_), S(S_), R(R_), start(start_buf.get()), order(order_buf.get()), used(used_buf.get()) {
+    for (int64_t t = 0; t < T_; ++t)
+      if (rank(slots[t])) ++start[slots[t] + 1], macs += rank(slots[t]) * (K + N);
+    for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
+    used_tokens = start[S];
+    Zeros<int64_t> fill_buf(static_cast<size_t>(S));
+    int64_t* fill = fill_buf.get();
+    for (int64_t t = 0; t < T_; ++t)
+      if (rank(slots[t])) order[start[slots[t]] + fill[slots[t]]++] = t;
+    for (int64_t s = 0; s < S; ++s)
+      if (start[s + 1] > start[s]) used[num_used++] = static_cast<int32_t>(s);
+  }
+  int64_t rank(int32_t s) const { return s >= 0 && s < S ? Clamp<int64_t>(ranks[s], 0, R) : 0; }
+  int64_t tokens(int32_t s) const { return start[s + 1] - start[s]; }
+  int64_t most_tokens() const {
+    int64_t most = 0;
+    for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, tokens(used[u]));
+    return most;
+  }
+  // The call's runner: the caller's thread alone below kLoraSerialMacs.
+  const Runner& runner(const Runner& run) const {
+    static const Runner serial{nullptr, 1, nullptr};
+    return macs < kLoraSerialMacs ? serial : run;
+  }
+};
+
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
               bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
   std::memset(y, 0, static_cast<size_t>(T_ * N) * sizeof(T));
-  // Counting sort of the tokens by slot (those of no slot or rank 0 left out).
-  Zeros<int64_t> start_buf(static_cast<size_t>(S + 1));
-  int64_t* start = start_buf.get();
-  auto rank_of = [&](int32_t s) { return s >= 0 && s < S ? Clamp<int64_t>(ranks[s], 0, R) : 0; };
-  for (int64_t t = 0; t < T_; ++t)
-    if (rank_of(slots[t])) ++start[slots[t] + 1];
-  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
-  const int64_t used_tokens = start[S];
-  if (!used_tokens) return;
-  int64_t macs = 0;
-  for (int64_t t = 0; t < T_; ++t) macs += rank_of(slots[t]) * (K + N);
-  const Runner serial{nullptr, 1, nullptr};
-  const Runner& par = macs < kLoraSerialMacs ? serial : run;
-  Zeros<int64_t> order_buf(static_cast<size_t>(used_tokens)), fill_buf(static_cast<size_t>(S));
-  int64_t *order = order_buf.get(), *fill = fill_buf.get();
-  for (int64_t t = 0; t < T_; ++t)
-    if (rank_of(slots[t])) order[start[slots[t]] + fill[slots[t]]++] = t;
-  Zeros<int32_t> used_buf(static_cast<size_t>(S));
-  int32_t* used = used_buf.get();
-  int64_t num_used = 0;
-  for (int64_t s = 0; s < S; ++s)
-    if (start[s + 1] > start[s]) used[num_used++] = static_cast<int32_t>(s);
+  const LoraGroups g(slots, T_, ranks, S, R, K, N);
+  if (!g.used_tokens) return;
+  const int64_t *start = g.start, *order = g.order, used_tokens = g.used_tokens, num_used = g.num_used;
+  const int32_t* used = g.used;
+  const int64_t macs = g.macs;
+  auto rank_of = [&](int32_t s) { return g.rank(s); };
+  const Runner& par = g.runner(run);
   Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A^T
 
   // Slot s's B: y's rows of its tokens, columns [n0, n0 + width) = their xa rows @ b[s][:r, n0:n0 + width] (out and
@@ -548,8 +572,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
     thread_local Scratch out_buf, ptr_buf;
-    int64_t most = 0;
-    for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, start[used[u] + 1] - start[used[u]]);
+    const int64_t most = g.most_tokens();
     float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
     const float** rows = ptr_buf.Get<const float*>(static_cast<size_t>(most));
     for (int64_t u = 0; u < num_used; ++u) apply_b(used[u], n0, width, out, rows);
@@ -565,4 +588,275 @@ void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, c
   else
     LoraImpl(run, static_cast<const uint16_t*>(x), T_, K, slots, static_cast<const uint16_t*>(a),
              static_cast<const uint16_t*>(b), a_pairs, b_pairs, ranks, S, R, N, static_cast<uint16_t*>(y));
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// int8 adapter stacks (EngineConfig.lora_dtype = "int8"; pallas_kernels/lora.py `quantize_adapter`): each slot's A
+// and B quantized per rank row r, symmetric int8, their two scales multiplied into one, scale[s][r] (B's already
+// carries lora_alpha / r). Half the bytes of bfloat16: a decode step of many adapters is bound by reading them.
+//   a [S, R/16, Kq, 16, 4]: panels of 16 rank rows, rows k..k+3 of each rank side by side (a "quad": the operand of
+//     vpdpbusd and sdot; K zero-padded to Kq quads), so a rank-r adapter reads its first ceil(r/16) panels;
+//   b [S, R/4, N, 4]: rank rows r..r+3 of each column side by side, a rank-r adapter's first ceil(r/4) quad rows;
+//   y[t] = ((x[t] @ Aq^T) * scale) @ Bq.
+// Where the CPU has int8 dot products (I8Dot: AVX512_VNNI, aarch64 dotprod) x's rows are quantized per token to two
+// int8 digits (I8QuantizeRows: ~15 bits) and x @ A^T * scale to one (kLoraDA, kLoraDB); elsewhere the quads are
+// widened to float32 against x in float32.
+constexpr int64_t kLoraI8Panel = 16;  // rank rows per panel of A
+// Digits of x (the A pass) and of x @ A^T * scale (the B pass) on the int8 dot products: two (~15 bits) or one.
+// Measured on Zen 4 (the ~125M Llama's step, 8 rank-64 adapters x 4 tokens: the 84 calls chained, against bfloat16
+// stacks; a mixed step of the test's strong adapters: the logits' largest error against HF + PEFT, as a share of
+// their range): one and one 0.58x, 6.7%; two and two 0.65x, 2.8% (= the widened products: the weights' rounding
+// alone); one and two 0.60x, 6.4%; two and one 0.59x, 4.2%.
+constexpr int kLoraDA = 2, kLoraDB = 1;
+
+// Where column `col` starts in a quad row of panels of 16 columns `pstride` bytes apart.
+inline int64_t LoraI8Col(int64_t col, int64_t pstride) {
+  return col / kLoraI8Panel * pstride + col % kLoraI8Panel * 4;
+}
+// The same for vector c of a tile that starts at a panel's first column or (kLanes < 16) inside one, its vectors
+// not crossing into the next panel unless the tile starts at a panel's start.
+inline int64_t LoraI8Offset(int c, int64_t pstride) { return LoraI8Col(V::kLanes * c, pstride); }
+// A tile's quads kLoraI8Ahead rows ahead (each panel's 64 bytes).
+constexpr int64_t kLoraI8Ahead = 8;
+template <int CV>
+inline void LoraI8Prefetch(const int8_t* ahead, int64_t pstride) {
+  constexpr int panels = static_cast<int>((V::kLanes * CV + kLoraI8Panel - 1) / kLoraI8Panel);
+#pragma GCC unroll 4
+  for (int p = 0; p < panels; ++p) PrefetchT0(ahead + p * pstride);
+}
+
+// out[RT][CV vectors] (float32, row stride ldo) = sum over nq quads of x's rows (quads of 4 values, row stride ldx)
+// times w's quads (16 columns x 4 bytes per panel, panels pstride bytes apart, quad rows qstride apart).
+template <int RT, int CV>
+inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_t qstride, int64_t pstride,
+                            int64_t nq, float* out, int64_t ldo) {
+  V::F acc[RT][CV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) acc[r][c] = V::Zero();
+  for (int64_t q = 0; q < nq; ++q) {
+    const int8_t* wq = w + q * qstride;
+    LoraI8Prefetch<CV>(wq + kLoraI8Ahead * qstride, pstride);
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) {
+      V::F wv[4];
+      V::I8Quads(wq + LoraI8Offset(c, pstride), wv);
+#pragma GCC unroll 4
+      for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) acc[r][c] = V::Fma(V::Set1(x[r * ldx + 4 * q + j]), wv[j], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) V::Store(out + r * ldo + V::kLanes * c, acc[r][c]);
+}
+
+#if MESHSERVE_I8DOT
+// LoraI8WidenTile by int8 dot products on x's rows as two int8 digits (I8QuantizeRows with one group: row r's high
+// digits at x + r * 2 * ld, its low ones ld further, ~15 bits), minus[2r + d]: what the weights' offset added to
+// digit d's sums of row r.
+template <int RT, int CV, int D>
+MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, const int32_t* minus, const int8_t* w,
+                                                 int64_t qstride, int64_t pstride, int64_t nq, float* out,
+                                                 int64_t ldo) {
+  I8Dot::I hi[RT][CV], lo[RT][CV];
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) hi[r][c] = lo[r][c] = I8Dot::Zero();
+  for (int64_t q = 0; q < nq; ++q) {
+    const int8_t* wq = w + q * qstride;
+    LoraI8Prefetch<CV>(wq + kLoraI8Ahead * qstride, pstride);
+    I8Dot::I wv[CV];
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c) wv[c] = I8Dot::Weights(wq + LoraI8Offset(c, pstride));
+#pragma GCC unroll 4
+    for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < CV; ++c) {
+        hi[r][c] = I8Dot::Dot(hi[r][c], wv[c], x + r * 2 * ld + 4 * q);
+        if constexpr (D == 2) lo[r][c] = I8Dot::Dot(lo[r][c], wv[c], x + r * 2 * ld + ld + 4 * q);
+      }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < RT; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < CV; ++c)
+      V::Store(out + r * ldo + V::kLanes * c,
+               D == 2 ? V::Fma(I8Dot::ToF(lo[r][c], minus[2 * r + 1]), V::Set1(1 / kI8LowDigit),
+                               I8Dot::ToF(hi[r][c], minus[2 * r]))
+                      : I8Dot::ToF(hi[r][c], minus[2 * r]));
+}
+#endif
+
+// One slot's m tokens against w's nq quad rows (as the tiles read them), columns [col0, col0 + cols) (col0 a
+// multiple of kLanes x CV, cols of kLanes), into out [m, cols] (float32, row stride ldo), CV vectors of columns at a
+// time: by int8 dot products on D digits of x (xq non-null: I8QuantizeRows's rows, their scales sx and offsets
+// minus) or widened (xf: float32 rows); both with row stride ldx.
+template <int CV, int D = 2>
+void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_t* minus, int64_t ldx, int64_t m,
+                const int8_t* w, int64_t qstride, int64_t pstride, int64_t nq, int64_t col0, int64_t cols, float* out,
+                int64_t ldo) {
+  for (int64_t i = 0; i < m; i += 4) {
+    const int64_t rt = Min<int64_t>(4, m - i);
+    for (int64_t c0 = 0; c0 < cols; c0 += V::kLanes * CV) {
+      const int8_t* wc = w + LoraI8Col(col0 + c0, pstride);
+      float* o = out + i * ldo + c0;
+      if (cols - c0 < V::kLanes * CV) {  // the last vectors one at a time
+        for (int64_t c = c0; c < cols; c += V::kLanes)
+          LoraI8Rows<1, D>(xf ? xf + i * ldx : nullptr, xq ? xq + i * 2 * ldx : nullptr, sx ? sx + i : nullptr,
+                        minus ? minus + 2 * i : nullptr, ldx, rt, w, qstride, pstride, nq, col0 + c, V::kLanes,
+                        out + i * ldo + c, ldo);
+        break;
+      }
+#if MESHSERVE_I8DOT
+      if (xq) {
+        const int8_t* xr = xq + i * 2 * ldx;
+        switch (rt) {
+          case 4: LoraI8DotTile<4, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo); break;
+          case 3: LoraI8DotTile<3, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo); break;
+          case 2: LoraI8DotTile<2, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo); break;
+          default: LoraI8DotTile<1, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo);
+        }
+        for (int64_t r = 0; r < rt; ++r)
+          for (int64_t c = 0; c < CV; ++c) {
+            float* p = o + r * ldo + V::kLanes * c;
+            V::Store(p, V::Mul(V::Load(p), V::Set1(sx[i + r])));
+          }
+        continue;
+      }
+#endif
+      const float* xr = xf + i * ldx;
+      switch (rt) {
+        case 4: LoraI8WidenTile<4, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo); break;
+        case 3: LoraI8WidenTile<3, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo); break;
+        case 2: LoraI8WidenTile<2, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo); break;
+        default: LoraI8WidenTile<1, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo);
+      }
+    }
+  }
+}
+
+template <typename T>
+void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const int8_t* a,
+                  const int8_t* b, const float* scale, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
+  std::memset(y, 0, static_cast<size_t>(T_ * N) * sizeof(T));
+  const LoraGroups g(slots, T_, ranks, S, R, K, N);
+  if (!g.used_tokens) return;
+  const Runner& par = g.runner(run);
+  const int64_t kq = (K + 3) / 4, kp = 4 * kq;  // x's rows padded to whole quads; R: a multiple of 16
+#if MESHSERVE_I8DOT
+  const bool dot = Int8Dot() && kp <= kI8MaxDotGroup;  // (int32 sums: kI8MaxDotGroup)
+#else
+  const bool dot = false;
+#endif
+  // x's used rows in slot order, float32 [used, kp] (zero-padded), and (dot) as int8; u = x @ Aq^T * scale [used, R]
+  // likewise.
+  // (The caller's thread's scratch: the units read them on the pool's threads while the call waits.)
+  const size_t used = static_cast<size_t>(g.used_tokens);
+  thread_local Scratch xf_buf, u_buf, scale_buf, xq_buf, uq_buf, minus_buf;
+  float* const xf = xf_buf.Get<float>(used * kp);
+  float* const u = u_buf.Get<float>(used * R);
+  float* const sx = scale_buf.Get<float>(2 * used);
+  float* const su = sx + used;
+  int8_t* const xq = dot ? xq_buf.Get<int8_t>(2 * used * kp) : nullptr;  // two digits per row (I8QuantizeRows)
+  int8_t* const uq = dot ? uq_buf.Get<int8_t>(2 * used * R) : nullptr;
+  int32_t* const mx = minus_buf.Get<int32_t>(4 * used);  // per row, each digit's offset
+  int32_t* const mu = mx + 2 * used;
+  for (int64_t i = 0; i < g.used_tokens; ++i) {
+    ToF32(x + g.order[i] * K, xf + i * kp, K);
+    for (int64_t k = K; k < kp; ++k) xf[i * kp + k] = 0;
+  }
+#if MESHSERVE_I8DOT
+  if (dot) I8QuantizeRows(xf, g.used_tokens, kp, 1, kq, xq, sx, mx);
+#endif
+
+  // A: slot s's panels from rank row j0 (rows [j0, j1), whole panels): u's rows of its tokens.
+  constexpr int kPanelVecs = static_cast<int>(kLoraI8Panel / V::kLanes);
+  auto a_rows = [&](int32_t s, int64_t j0, int64_t j1) {
+    const int64_t i0 = g.start[s], m = g.tokens(s);
+    const int8_t* ax = dot ? xq + i0 * 2 * kp : nullptr;
+    for (int64_t j = j0; j < j1; j += (V::kLanes == 16 && j1 - j >= 2 * kLoraI8Panel ? 2 : 1) * kLoraI8Panel) {
+      const int8_t* panel = a + (s * R + j) * kp;  // panels of 16 rank rows x kq quads x 64 bytes
+      float* o = u + i0 * R + j;
+      if (V::kLanes == 16 && j1 - j >= 2 * kLoraI8Panel)  // AVX-512: two panels at a time (8 sums per tile)
+        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64,
+                                   kq, 0, 2 * kLoraI8Panel, o, R);
+      else
+        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64, kq,
+                               0, kLoraI8Panel, o, R);
+    }
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t c = j0; c < j1; c += V::kLanes) {
+        float* p = u + (i0 + i) * R + c;
+        V::Store(p, V::Mul(V::Load(p), V::Load(scale + s * R + c)));
+      }
+  };
+  // u past slot s's rank is zero (its last panel's rows past the rank are not the adapter's: the B pass reads quads
+  // up to the rank rounded up to 4, and the dot products' offsets sum whole rows); then (dot) u as int8.
+  auto finish_u = [&](int32_t s) {
+    const int64_t r = g.rank(s), i0 = g.start[s], m = g.tokens(s);
+    for (int64_t i = i0; i < i0 + m; ++i)
+      std::memset(u + i * R + r, 0, static_cast<size_t>(R - r) * sizeof(float));
+#if MESHSERVE_I8DOT
+    if (dot) I8QuantizeRows(u + i0 * R, m, R, 1, R / 4, uq + i0 * 2 * R, su + i0, mu + 2 * i0);
+#endif
+  };
+  // B: slot s's columns [n0, n0 + width) into y's rows of its tokens (out: m x width floats of scratch).
+  constexpr int kBVecs = V::kLanes == 16 && kLoraDB == 1 ? 4 : 2;  // tiles of 4 tokens: at most 16 accumulators
+  auto b_cols = [&](int32_t s, int64_t n0, int64_t width, float* out) {
+    const int64_t i0 = g.start[s], m = g.tokens(s), nq = (g.rank(s) + 3) / 4;
+    LoraI8Rows<kBVecs, kLoraDB>(u + i0 * R, dot ? uq + i0 * 2 * R : nullptr, su + i0, mu + 2 * i0, R, m,
+                       b + s * R * N, 4 * N, 64, nq, n0, width, out, width);
+    for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + g.order[i0 + i] * N + n0, width);
+  };
+  auto panels_of = [&](int32_t s) { return (g.rank(s) + kLoraI8Panel - 1) / kLoraI8Panel * kLoraI8Panel; };
+
+  // One pass, a unit per used slot, where the slots share the work evenly (as LoraImpl's rule).
+  int64_t most_macs = 0;
+  for (int64_t n = 0; n < g.num_used; ++n)
+    most_macs = Max<int64_t>(most_macs, g.tokens(g.used[n]) * g.rank(g.used[n]) * (K + N));
+  if (par.threads > 1 && most_macs * 2 * par.threads <= g.macs) {
+    ParallelFor(par, g.num_used, [&](int64_t n) {
+      const int32_t s = g.used[n];
+      thread_local Scratch out_buf;
+      a_rows(s, 0, panels_of(s));
+      finish_u(s);
+      b_cols(s, 0, N, out_buf.Get<float>(static_cast<size_t>(g.tokens(s) * N)));
+    });
+    return;
+  }
+  // Else two passes: A by units of (used slot, 32 rank rows), then B by chunks of N's columns over every used slot.
+  int64_t num_units = 0;
+  for (int64_t n = 0; n < g.num_used; ++n) num_units += (panels_of(g.used[n]) + 31) / 32;
+  Zeros<int64_t> unit_buf(static_cast<size_t>(2 * num_units));
+  int64_t* units = unit_buf.get();
+  for (int64_t n = 0, k = 0; n < g.num_used; ++n)
+    for (int64_t j = 0; j < panels_of(g.used[n]); j += 32, ++k) units[2 * k] = g.used[n], units[2 * k + 1] = j;
+  ParallelFor(par, num_units, [&](int64_t n) {
+    const int32_t s = static_cast<int32_t>(units[2 * n]);
+    a_rows(s, units[2 * n + 1], Min<int64_t>(units[2 * n + 1] + 32, panels_of(s)));
+  });
+  for (int64_t n = 0; n < g.num_used; ++n) finish_u(g.used[n]);
+  const int64_t unit = V::kLanes * kBVecs, chunk = unit * ChunkUnits(N, unit, par.threads);
+  const int64_t most = g.most_tokens();
+  ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
+    const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
+    thread_local Scratch out_buf;
+    float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
+    for (int64_t n = 0; n < g.num_used; ++n) b_cols(g.used[n], n0, width, out);
+  });
+}
+
+void LoraInt8Entry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots,
+                   const int8_t* a, const int8_t* b, const float* scale, const int32_t* ranks, int64_t S, int64_t R,
+                   int64_t N, void* y) {
+  if (dt == Dt::kF32)
+    LoraInt8Impl(run, static_cast<const float*>(x), T_, K, slots, a, b, scale, ranks, S, R, N, static_cast<float*>(y));
+  else
+    LoraInt8Impl(run, static_cast<const uint16_t*>(x), T_, K, slots, a, b, scale, ranks, S, R, N,
+                 static_cast<uint16_t*>(y));
 }

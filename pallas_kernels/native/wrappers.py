@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_quant import QuantizedKV
-from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _LORA, _MATMUL,
+from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _LORA,
+                                           _LORA_INT8, _MATMUL,
                                            _MATMUL_INT8, _MATMUL_PACKED, _isa_attr, _require, enabled, int8_dot_runs,
                                            isa, runnable_isas)
 from pallas_kernels.native.packing import PANELS, _padded_k, is_packed, is_packed_experts, packed_shape
@@ -297,3 +298,24 @@ def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.
     call = jax.ffi.ffi_call(_LORA, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
     return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(ranks, jnp.int32), isa=_isa_attr(),
                 a_pairs=bool(a_pairs), b_pairs=bool(b_pairs))
+
+
+def lora_int8_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
+    """Trace-time. Whether `lora_int8` can run here: x [T, K] float32 or bfloat16, a [S, R/16, Kq, 16, 4] and
+    b [S, R/4, N, 4] int8 (`pallas_kernels.lora.quantize_adapter`'s layouts, N a multiple of 16), on whole local
+    arrays."""
+    if not enabled() or not _single_device_context() or x.ndim != 2 or a.ndim != 5 or b.ndim != 4:
+        return False
+    return (jnp.dtype(x.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and a.dtype == jnp.int8
+            and b.dtype == jnp.int8 and a.shape[2] == -(-x.shape[1] // 4) and b.shape[2] % 16 == 0)
+
+
+def lora_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
+              ranks: jax.Array) -> jax.Array:
+    """Pure. `lora` on int8 stacks (native/lora.h "int8 adapter stacks"): [T, N] in x's dtype, (x[t] @ Aq^T * scale)
+    @ Bq for slot s = slots[t] up to rank ranks[s]; a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4] int8, scale [S, R]
+    float32."""
+    _require()
+    call = jax.ffi.ffi_call(_LORA_INT8, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
+    return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(scale, jnp.float32),
+                jnp.asarray(ranks, jnp.int32), isa=_isa_attr())

@@ -24,6 +24,11 @@ _ROUNDS = flags.DEFINE_integer("rounds", 3, "interleaved timed rounds per cell (
 _STEPS = flags.DEFINE_integer("steps", 16, "timed decode steps per cell and round")
 _BATCHES = flags.DEFINE_list("batches", ["1", "32"], "batch sizes")
 _QUICK = flags.DEFINE_bool("quick", False, "one round of few steps (a smoke run)")
+_LORA_DTYPE = flags.DEFINE_enum("lora_dtype", "", ["", "int8"], "how the adapter slots hold A and B (--lora_dtype)")
+
+def _dtype_flag() -> str:
+    return f" --lora_dtype={_LORA_DTYPE.value}" if _LORA_DTYPE.value else ""
+
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (8, 64)
@@ -93,7 +98,7 @@ def bench_throughput() -> None:
                   max_num_batched_tokens=max(64, max(batches)))
     engines = {"off": Engine(EngineConfig(**common)),
                "on": Engine(EngineConfig(**common, enable_lora=True, max_loras=NUM_ADAPTERS,
-                                         max_lora_rank=max(RANKS)))}
+                                         max_lora_rank=max(RANKS), lora_dtype=_LORA_DTYPE.value))}
     for r in RANKS:
         for name, path in adapters[r]:
             engines["on"].load_adapter(name, path)
@@ -124,8 +129,8 @@ def bench_throughput() -> None:
             rows.append([b, cell, b / step, step * 1e3, f"{(step / base - 1) * 100:+.1f}%"])
     lora = engines["on"].lora
     table(f"LoRA decode on the ~125M Llama ({_DTYPE.value}, {cpu_path()}; --max_loras={NUM_ADAPTERS} "
-          f"--max_lora_rank={max(RANKS)}; median of {rounds} interleaved rounds x {steps} steps; {lora.num_loads} "
-          f"slot loads, {lora.num_evictions} evictions)",
+          f"--max_lora_rank={max(RANKS)}{_dtype_flag()}; median of {rounds} interleaved rounds x {steps} steps; "
+          f"{lora.num_loads} slot loads, {lora.num_evictions} evictions)",
           ["batch", "cell", "output tok/s", "TPOT (ms)", "TPOT vs LoRA off"], rows)
 
 
@@ -143,7 +148,8 @@ def bench_serve() -> None:
     modules = ",".join(f"{name}={path}" for r in RANKS for name, path in adapters[r])
     args = ["-m", "serving.server", f"--model={model_dir}", f"--dtype={_DTYPE.value}", "--host=127.0.0.1",
             "--port=0", "--metrics_port=0", "--enable_lora", f"--max_loras={NUM_ADAPTERS}",
-            f"--max_lora_rank={max(RANKS)}", f"--lora_modules={modules}", "--page_size=16", "--num_pages=1024",
+            f"--max_lora_rank={max(RANKS)}", f"--lora_dtype={_LORA_DTYPE.value}", f"--lora_modules={modules}",
+            "--page_size=16", "--num_pages=1024",
             f"--max_num_seqs={max(batches)}", f"--max_num_batched_tokens={max(256, max(batches))}"]
     server = ReadyFileProcess("lora-server", args, os.path.join(_WORKDIR.value, "lora-serve"),
                               env={"XLA_FLAGS": cpu_xla_flags(1)}, ready_timeout_s=1800.0).start()
@@ -187,8 +193,8 @@ def bench_serve() -> None:
             rows.append([b, cell, tok, tpot, ", ".join(f"{t:.1f}" for _, t in results[cell, b]),
                          f"{(tpot / base - 1) * 100:+.1f}%"])
     table(f"LoRA through serving.bench serve on the ~125M Llama ({_DTYPE.value}, {cpu_path()}; one gRPC server, "
-          f"--max_loras={NUM_ADAPTERS} --max_lora_rank={max(RANKS)}, 16 adapters registered; 32-token prompts, 32 "
-          f"output tokens, max_concurrency = batch; median of {rounds} interleaved rounds)",
+          f"--max_loras={NUM_ADAPTERS} --max_lora_rank={max(RANKS)}{_dtype_flag()}, 16 adapters registered; "
+          f"32-token prompts, 32 output tokens, max_concurrency = batch; median of {rounds} interleaved rounds)",
           ["batch", "cell", "output tok/s", "mean TPOT (ms)", "TPOT per round", "TPOT vs 0 adapters"], rows)
 
 

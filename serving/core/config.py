@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from pallas_kernels.names import (FLOAT_DTYPES, KV_CACHE_DTYPES, WEIGHT_QUANTIZATIONS, canonical_platform,
-                                  check_kv_cache_dtype)
+from pallas_kernels.names import (FLOAT_DTYPES, KV_CACHE_DTYPES, LORA_INT8_RANK_ROWS, WEIGHT_QUANTIZATIONS,
+                                  canonical_platform, check_kv_cache_dtype)
 from serving.config_flags import option
 from serving.params import CHANNEL_REASONING, REASONING_FORMATS
 
@@ -137,6 +137,10 @@ class EngineConfig:
     max_loras: int = option(4, "Adapters on the device at once (--enable_lora); more may be registered: the slots are "
                             "an LRU cache, loaded on demand.")
     max_lora_rank: int = option(16, "Largest adapter rank the slots hold (--enable_lora); a higher rank is refused.")
+    lora_dtype: str = option(
+        "", "How the adapter slots hold A and B (--enable_lora): empty: the model's dtype; int8: per rank row "
+        "quantized int8, half bfloat16's bytes, for the native CPU kernel (one device; the update then moves by ~1% "
+        "of its size; docs/lora.md).", choices=("", "int8"))
     lora_modules: str = option("", "Adapters registered at start-up (--enable_lora): name=path of a PEFT adapter "
                                "directory, comma-separated.")
     reasoning_parser: str = option(
@@ -172,6 +176,11 @@ class EngineConfig:
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"EngineConfig.max_loras and max_lora_rank must be >= 1, got {self.max_loras}, "
                              f"{self.max_lora_rank}")
+        if self.lora_dtype == "int8" and self.max_lora_rank % LORA_INT8_RANK_ROWS:
+            raise ValueError(f"lora_dtype=int8 holds ranks in blocks of {LORA_INT8_RANK_ROWS}: max_lora_rank must be a "
+                             f"multiple of {LORA_INT8_RANK_ROWS}, got {self.max_lora_rank}")
+        if self.lora_dtype not in ("", "int8"):
+            raise ValueError(f"lora_dtype must be '' (the model's dtype) or 'int8', got {self.lora_dtype!r}")
         if self.lora_modules and not self.enable_lora:
             raise ValueError(f"lora_modules={self.lora_modules!r} needs enable_lora")
         if self.enable_lora and self.pp > 1:

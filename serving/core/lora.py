@@ -17,7 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.lora import PeftAdapter, read_peft_adapter
-from pallas_kernels.lora import to_pairs
+from pallas_kernels.lora import quantize_adapter, to_pairs
 from serving.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -99,18 +99,23 @@ class AdapterRegistry:
 
 def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[tuple], dtype) -> list[np.ndarray]:
     """Host-side. An adapter's weights as one slot of each LoRA stack (`layout`: (layer, projection, A stack
-    shape, B stack shape, A in pairs, B in pairs) per projection, `ModelRunner.lora_layout`): per projection A [R, *in]
-    and B [R, *out] in `dtype` (in `pallas_kernels.lora.to_pairs` form where the layout says so), zero past its rank
-    (and all zero for a projection it leaves alone), then its rank (int32)."""
+    shape, B stack shape, A in pairs, B in pairs, int8) per projection, `ModelRunner.lora_layout`): per projection A
+    [R, *in] and B [R, *out] in `dtype` (in `pallas_kernels.lora.to_pairs` form where the layout says so), zero past
+    its rank (and all zero for a projection it leaves alone), then its rank (int32); int8 stacks as
+    `pallas_kernels.lora.quantize_adapter` gives them, then the rank, then the scales."""
     weights = peft.weights(model_config)
     out = []
-    for layer, name, a_shape, b_shape, a_pairs, b_pairs in layout:
+    for layer, name, a_shape, b_shape, a_pairs, b_pairs, int8 in layout:
         a, b = np.zeros(a_shape[1:], np.float32), np.zeros(b_shape[1:], np.float32)
         rank = 0
         if (layer, name) in weights:
             wa, wb = weights[layer, name]
             rank = wa.shape[0]
             a[:rank], b[:rank] = wa, wb
+        if int8:
+            aq, bq, scale = quantize_adapter(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+            out += [aq, bq, np.int32(rank), scale]
+            continue
         if rank:  # (zeros are zeros in pairs too)
             a, b = (to_pairs(w.reshape(w.shape[0], -1)).reshape(w.shape) if pairs else w
                     for w, pairs in ((a, a_pairs), (b, b_pairs)))

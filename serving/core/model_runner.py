@@ -23,7 +23,7 @@ from models.kv_cache import init_kv_caches, window_pools
 from models.transformer import CausalLM, kv_cache_specs
 from models.weights import is_orbax_dir, load_model, param_sharding, read_config
 from pallas_kernels.attention import unsupported_reason
-from pallas_kernels.lora import pairs_layout
+from pallas_kernels.lora import PAIR_COLUMNS, int8_fits, pairs_layout
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
@@ -215,20 +215,26 @@ class ModelRunner:
         self.screen_greedy = False
         if cpu_panels or config.enable_lora:
             model = nnx.clone(model)  # (the caller's model keeps its own weights and no adapter slots)
-        # LoRA: (layer, projection, A stack shape, B stack shape, A in pairs, B in pairs) of each projection's slots
-        # (models.lora)
+        # LoRA: (layer, projection, A stack shape, B stack shape, A in pairs, B in pairs, int8) of each projection's
+        # slots (models.lora; the shapes as [slots, rank, *in] and [slots, rank, *out] whatever the storage)
         self.lora_layout: list[tuple] = []
         if config.enable_lora:
             if jax.process_count() > 1:
                 raise ValueError("enable_lora: multi-host engines do not serve LoRA adapters yet")
+            int8 = config.lora_dtype == "int8"
+            if int8 and mesh is not None and mesh.size > 1:
+                raise ValueError(f"lora_dtype=int8 runs on one device in this version (this mesh has {mesh.size})")
             model.add_lora_slots(config.max_loras, config.max_lora_rank, dtype,
-                                 lambda axes, shape: param_sharding(axes, shape, mesh, DEFAULT_RULES))
-            for _, _, p in model.lora_projections():
+                                 lambda axes, shape: param_sharding(axes, shape, mesh, DEFAULT_RULES), int8=int8)
+            for i, name, p in model.lora_projections():
+                if int8 and not int8_fits(config.max_lora_rank, math.prod(p.b_shape[2:])):
+                    raise ValueError(f"lora_dtype=int8: layer {i} {name} has {math.prod(p.b_shape[2:])} outputs, "
+                                     f"not a multiple of {PAIR_COLUMNS}; use the model's dtype (--lora_dtype='')")
                 # A and B in the native kernel's pairs where it runs the update (bfloat16; pallas_kernels.lora)
-                if cpu_panels:
+                if cpu_panels and not int8:
                     p.a_pairs, p.b_pairs = pairs_layout(dtype, p.b.shape[1], math.prod(p.a.shape[2:]),
                                                         math.prod(p.b.shape[2:]))
-            self.lora_layout = [(i, name, p.a.shape, p.b.shape, p.a_pairs, p.b_pairs)
+            self.lora_layout = [(i, name, p.a_shape, p.b_shape, p.a_pairs, p.b_pairs, p.int8)
                                 for i, name, p in model.lora_projections()]
             log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
                      len(self.lora_layout))
@@ -443,12 +449,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ LoRA adapter slots
     def _lora_variables(self) -> list:
-        """The state's LoRA stacks in `lora_layout` order: A, B and ranks of each projection."""
+        """The state's LoRA stacks in `lora_layout` order: A, B, ranks (and int8 stacks' scales) of each
+        projection."""
         out = []
-        for layer, name, *_ in self.lora_layout:
+        for layer, name, *_, int8 in self.lora_layout:
             part = "self_attn" if name in ATTENTION_TARGETS else "mlp"
             stacks = self.state["layers"][layer][part]["lora"][name]
-            out += [stacks["a"], stacks["b"], stacks["ranks"]]
+            out += [stacks["a"], stacks["b"], stacks["ranks"]] + ([stacks["scale"]] if int8 else [])
         return out
 
     @staticmethod

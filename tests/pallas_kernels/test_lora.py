@@ -151,3 +151,76 @@ def test_automatic_choice():
     with native.env_var(native.ENV_VAR, "xla"):
         assert lora.lora_backend(few[0], few[2], few[3]) == "gather"
         assert lora.lora_backend(args[0], args[2], args[3]) == "loop"
+
+
+def _int8_case(dtype, tokens: int, seed: int, k: int, n: int, r: int = 32):
+    """`_case` with slots of r rank rows (a multiple of 16) and its stacks quantized (`lora.quantize_adapter`); the
+    reference in float64 on the dequantized stacks (the kernel's own arithmetic), and on the float stacks."""
+    (x, slots, a, b, ranks), want = _case(jnp.float32, tokens, seed=seed, k=k, r=r, n=n)
+    aq, bq, scale = lora.quantize_adapter(np.asarray(a), np.asarray(b))
+    ad, bd = (np.asarray(v, np.float64) for v in lora.dequantize_adapter(aq, bq, scale, k))
+    xd = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+    exact = np.stack([xd[t] @ ad[s].T @ bd[s] if s >= 0 else np.zeros(n) for t, s in enumerate(np.asarray(slots))])
+    args = (jnp.asarray(x, dtype), slots, jnp.asarray(aq), jnp.asarray(bq), jnp.asarray(scale), ranks)
+    return args, exact, want
+
+
+@pytest.mark.parametrize("backend", lora.BACKENDS)
+def test_int8_stacks(backend, monkeypatch):
+    """int8 stacks (EngineConfig.lora_dtype = "int8") on every backend and every native path this CPU runs: against
+    the dequantized stacks, to float32 rounding where the path widens the int8 weights (and on the XLA paths, which
+    dequantize), within 1% of the update's range where it has int8 dot products (x to ~15 bits and x @ A^T to 8,
+    quantized per token); and within 2% of the float stacks' update. Tails of K (not whole quads) and of N, ranks
+    inside a panel and a quad, tokens of no slot, calls on the thread pool."""
+    if backend == "native":
+        monkeypatch.delenv(native.ENV_VAR, raising=False)
+    monkeypatch.setenv(lora.LORA_ENV_VAR, backend)
+    cases = [dict(tokens=13, seed=7, k=70, n=48), dict(tokens=5, seed=8, k=64, n=80)]
+    if backend == "native":
+        cases.append(dict(tokens=256, seed=5, k=517, r=64, n=384))
+    for path in _native_paths(backend):
+        with native.use_isa(path) if path else contextlib.nullcontext():
+            f = jax.jit(lambda *z: lora.lora_delta_int8(*z))
+            for dtype in (jnp.float32, jnp.bfloat16):
+                for case in cases:
+                    args, exact, want = _int8_case(dtype, **case)
+                    got = np.asarray(f(*args).astype(jnp.float32), np.float64)
+                    msg = f"{path} {dtype.__name__} {case}"
+                    span = np.abs(exact).max()
+                    close = 1e-2 if path and native.int8_dot_runs(path) else 1e-5
+                    close += 8e-3 if dtype == jnp.bfloat16 else 0
+                    np.testing.assert_allclose(got, exact, rtol=0, atol=close * span, err_msg=msg)
+                    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * span, err_msg=msg)
+
+
+def test_int8_stacks_round_trip():
+    """`dequantize_adapter` undoes `quantize_adapter`'s layouts: each rank row within half a step of its scale; a
+    zero row stays zero."""
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((2, 32, 37)), rng.standard_normal((2, 32, 48))
+    a[1, 20:], b[1, 20:] = 0, 0
+    aq, bq, scale = lora.quantize_adapter(a, b)
+    assert aq.shape == (2, 2, 10, 16, 4) and bq.shape == (2, 8, 48, 4) and scale.shape == (2, 32)
+    ad, bd = (np.asarray(v) for v in lora.dequantize_adapter(aq, bq, scale, 37))
+    sb = np.abs(b).max(-1, keepdims=True) / 127
+    np.testing.assert_allclose(bd * sb, b, atol=0.5 * sb.max() + 1e-6)
+    np.testing.assert_allclose(ad / np.where(sb > 0, sb, 1), a, atol=0.5 * np.abs(a).max() / 127 + 1e-6)
+    assert not ad[1, 20:].any() and not bd[1, 20:].any()
+
+
+@pytest.mark.parametrize("bad", ["N", "R", "K"])
+def test_native_kernel_refuses_misshapen_int8_stacks(bad, monkeypatch):
+    """The FFI call refuses int8 stacks whose shapes disagree, naming why (the engine never sends them)."""
+    if native.machine_reason() is not None:
+        pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
+    monkeypatch.delenv(native.ENV_VAR, raising=False)
+    (x, slots, aq, bq, scale, ranks), _, _ = _int8_case(jnp.float32, 4, seed=1, k=40, n=48)
+    if bad == "N":
+        bq = bq[:, :, :40]
+    elif bad == "R":
+        scale = scale[:, :16]
+    else:
+        x = x[:, :36]
+    why = "N must be a multiple of 16" if bad == "N" else "disagree"
+    with pytest.raises(Exception, match=f"int8 lora: .*{why}"):
+        jax.block_until_ready(jax.jit(lambda *z: native.lora_int8(*z))(x, slots, aq, bq, scale, ranks))

@@ -12,8 +12,8 @@ from pallas_kernels import native
 from tests.support import native_selftest as support
 
 _ALL_OK = ("matmul ok, matmul_packed ok, attention ok, greedy_head ok, matmul_int8 ok, expert_mlp ok, "
-           "latent_attention ok, lora ok")
-_DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too
+           "latent_attention ok, lora ok, lora_int8 ok")
+_DOT = " (int8 dot products)"  # the path's int8 matmul ran its dot method too, and its int8 LoRA its dot products
 _AARCH64_TOOLS = "Debian packages g++-aarch64-linux-gnu and qemu-user; scripts/test.sh installs them where apt can"
 _run = support.run
 
