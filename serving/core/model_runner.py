@@ -22,6 +22,7 @@ from models.moe import ExpertCounts, MoE
 from models.kv_cache import init_kv_caches, window_pools
 from models.transformer import CausalLM, kv_cache_specs
 from models.weights import is_orbax_dir, load_model, param_sharding, read_config
+from pallas_kernels import native
 from pallas_kernels.attention import unsupported_reason
 from pallas_kernels.lora import PAIR_COLUMNS, int8_fits, pairs_layout
 from pallas_kernels.metadata import AttentionMetadata
@@ -238,6 +239,10 @@ class ModelRunner:
                                 for i, name, p in model.lora_projections()]
             log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
                      len(self.lora_layout))
+            if int8 and not (cpu_panels and native.int8_dot_runs(native.isa())):
+                log.warning("lora_dtype=int8: %s has no int8 dot products, so the update dequantizes or widens the "
+                            "stacks: half the memory, but no faster than the model's dtype (docs/lora.md)",
+                            f"the native path {native.isa()}" if cpu_panels else "this platform")
         if cpu_panels:
             # Weights into the native kernels' panel layout.
             self.screen_greedy = self.choices.greedy_head_screen and model.add_head_screen()
