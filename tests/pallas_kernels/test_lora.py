@@ -94,6 +94,17 @@ def _native_paths(backend):
     return list(native.runnable_isas())
 
 
+def _each_path(backend, monkeypatch):
+    """Runs under `backend` (MESHSERVE_LORA_KERNEL; native: whatever MESHSERVE_CPU_KERNELS says): yields each native
+    path this CPU runs, forced in turn, or None once for an XLA backend."""
+    if backend == "native":
+        monkeypatch.delenv(native.ENV_VAR, raising=False)
+    monkeypatch.setenv(lora.LORA_ENV_VAR, backend)
+    for path in _native_paths(backend):
+        with native.use_isa(path) if path else contextlib.nullcontext():
+            yield path
+
+
 @pytest.mark.parametrize("backend", lora.BACKENDS)
 def test_stacks_in_pairs(backend, monkeypatch):
     """bfloat16 B stored in pairs, A too or row-major (as the engine stores them where the native kernel runs): the
@@ -101,28 +112,24 @@ def test_stacks_in_pairs(backend, monkeypatch):
     its row-major answer (the same sums in the same order; odd ranks read the row past their rank, weighted by zero),
     also on its thread pool; a path with pair dot products rounds x @ A^T to bfloat16 before B (as PEFT's bfloat16
     lora_A output is). The XLA paths undo the pairs first."""
-    if backend == "native":
-        monkeypatch.delenv(native.ENV_VAR, raising=False)
-    monkeypatch.setenv(lora.LORA_ENV_VAR, backend)
     cases = [dict(tokens=13, seed=7, n=48, k=64), dict(tokens=5, seed=8, n=48, k=40)]
     if backend == "native":
         cases.append(dict(tokens=256, seed=5, k=512, r=64, n=384))
-    for path in _native_paths(backend):
-        with native.use_isa(path) if path else contextlib.nullcontext():
-            f = jax.jit(lambda *z, a_pairs, b_pairs: lora.lora_delta(*z, a_pairs=a_pairs, b_pairs=b_pairs),
-                        static_argnames=("a_pairs", "b_pairs"))
-            for case in cases:
-                (x, slots, a, b, ranks), want = _case(jnp.bfloat16, case["tokens"], **{
-                    k: v for k, v in case.items() if k != "tokens"})
-                plain = np.asarray(f(x, slots, a, b, ranks, a_pairs=False, b_pairs=False).astype(jnp.float32))
-                forms = [(False, True)] + ([(True, True)] if lora.pairs_fit(a.dtype, a.shape[1], a.shape[2]) else [])
-                for a_pairs, b_pairs in forms:
-                    got = np.asarray(f(x, slots, lora.to_pairs(a) if a_pairs else a, lora.to_pairs(b), ranks,
-                                       a_pairs=a_pairs, b_pairs=b_pairs).astype(jnp.float32))
-                    msg = f"{path} A in pairs {a_pairs} {case}"
-                    if not (path and native.pair_dot(path)):
-                        np.testing.assert_array_equal(got, plain, err_msg=msg)
-                    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=msg)
+    for path in _each_path(backend, monkeypatch):
+        f = jax.jit(lambda *z, a_pairs, b_pairs: lora.lora_delta(*z, a_pairs=a_pairs, b_pairs=b_pairs),
+                    static_argnames=("a_pairs", "b_pairs"))
+        for case in cases:
+            (x, slots, a, b, ranks), want = _case(jnp.bfloat16, case["tokens"], **{
+                k: v for k, v in case.items() if k != "tokens"})
+            plain = np.asarray(f(x, slots, a, b, ranks, a_pairs=False, b_pairs=False).astype(jnp.float32))
+            forms = [(False, True)] + ([(True, True)] if lora.pairs_fit(a.dtype, a.shape[1], a.shape[2]) else [])
+            for a_pairs, b_pairs in forms:
+                got = np.asarray(f(x, slots, lora.to_pairs(a) if a_pairs else a, lora.to_pairs(b), ranks,
+                                   a_pairs=a_pairs, b_pairs=b_pairs).astype(jnp.float32))
+                msg = f"{path} A in pairs {a_pairs} {case}"
+                if not (path and native.pair_dot(path)):
+                    np.testing.assert_array_equal(got, plain, err_msg=msg)
+                np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=msg)
 
 
 @pytest.mark.parametrize("bad", ["float32", "odd rank", "A's K", "B's N"])
@@ -172,25 +179,21 @@ def test_int8_stacks(backend, monkeypatch):
     dequantize), within 1% of the update's range where it has int8 dot products (x to ~15 bits and x @ A^T to 8,
     quantized per token); and within 2% of the float stacks' update. Tails of K (not whole quads) and of N, ranks
     inside a panel and a quad, tokens of no slot, calls on the thread pool."""
-    if backend == "native":
-        monkeypatch.delenv(native.ENV_VAR, raising=False)
-    monkeypatch.setenv(lora.LORA_ENV_VAR, backend)
     cases = [dict(tokens=13, seed=7, k=70, n=48), dict(tokens=5, seed=8, k=64, n=80)]
     if backend == "native":
         cases.append(dict(tokens=256, seed=5, k=517, r=64, n=384))
-    for path in _native_paths(backend):
-        with native.use_isa(path) if path else contextlib.nullcontext():
-            f = jax.jit(lambda *z: lora.lora_delta_int8(*z))
-            for dtype in (jnp.float32, jnp.bfloat16):
-                for case in cases:
-                    args, exact, want = _int8_case(dtype, **case)
-                    got = np.asarray(f(*args).astype(jnp.float32), np.float64)
-                    msg = f"{path} {dtype.__name__} {case}"
-                    span = np.abs(exact).max()
-                    close = 1e-2 if path and native.int8_dot_runs(path) else 1e-5
-                    close += 8e-3 if dtype == jnp.bfloat16 else 0
-                    np.testing.assert_allclose(got, exact, rtol=0, atol=close * span, err_msg=msg)
-                    np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * span, err_msg=msg)
+    for path in _each_path(backend, monkeypatch):
+        f = jax.jit(lambda *z: lora.lora_delta_int8(*z))
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for case in cases:
+                args, exact, want = _int8_case(dtype, **case)
+                got = np.asarray(f(*args).astype(jnp.float32), np.float64)
+                msg = f"{path} {dtype.__name__} {case}"
+                span = np.abs(exact).max()
+                close = 1e-2 if path and native.int8_dot_runs(path) else 1e-5
+                close += 8e-3 if dtype == jnp.bfloat16 else 0
+                np.testing.assert_allclose(got, exact, rtol=0, atol=close * span, err_msg=msg)
+                np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * span, err_msg=msg)
 
 
 def test_int8_stacks_round_trip():
