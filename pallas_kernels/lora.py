@@ -56,11 +56,17 @@ def from_pairs(b):
     return b.reshape(*lead, r // 2, n, 2).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, n)
 
 
-def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
-    """Trace-time. Which backend `lora_delta` takes for x [T, K], a [S, R, K], b [S, R, N] here."""
+def _forced_backend() -> str:
+    """Trace-time. MESHSERVE_LORA_KERNEL, checked: "" or "auto" (the automatic choice), or one of BACKENDS."""
     choice = os.environ.get(LORA_ENV_VAR, "auto").strip().lower()
     if choice not in ("", "auto", *BACKENDS):
         raise ValueError(f"{LORA_ENV_VAR}={choice!r}: expected auto or one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
+    """Trace-time. Which backend `lora_delta` takes for x [T, K], a [S, R, K], b [S, R, N] here."""
+    choice = _forced_backend()
     if choice == "native" and not native.lora_supported(x, a, b):
         choice = "auto"  # (under a mesh, or a dtype the kernel does not take: the automatic choice)
     if choice in BACKENDS:
@@ -190,8 +196,7 @@ def lora_delta_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, 
     """Pure. `lora_delta` on int8 stacks (`quantize_adapter`): the native kernel where it runs (x and x @ A^T then
     quantized per token to int8 where the CPU has int8 dot products), else the stacks dequantized to x's dtype and an
     XLA backend (as `lora_delta` picks it). Rows past a slot's rank must be zero."""
-    if native.lora_int8_supported(x, a, b) and os.environ.get(LORA_ENV_VAR, "auto").strip().lower() in (
-            "", "auto", "native"):
+    if _forced_backend() in ("", "auto", "native") and native.lora_int8_supported(x, a, b):
         return native.lora_int8(x, slots, a, b, scale, ranks)
     af, bf = dequantize_adapter(a, b, scale, x.shape[1])
     return lora_delta(x, slots, af.astype(x.dtype), bf.astype(x.dtype), ranks)

@@ -503,6 +503,13 @@ struct LoraGroups {
     static const Runner serial{nullptr, 1, nullptr};
     return macs < kLoraSerialMacs ? serial : run;
   }
+  // Whether the kernels take one parallel pass, a unit per used slot: no slot holds more than 1 / (2 x threads) of
+  // the multiply-adds (the file's header).
+  bool one_pass(const Runner& par, int64_t K, int64_t N) const {
+    int64_t most = 0;
+    for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, tokens(used[u]) * rank(used[u]) * (K + N));
+    return par.threads > 1 && most * 2 * par.threads <= macs;
+  }
 };
 
 template <typename T>
@@ -513,8 +520,6 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   if (!g.used_tokens) return;
   const int64_t *start = g.start, *order = g.order, used_tokens = g.used_tokens, num_used = g.num_used;
   const int32_t* used = g.used;
-  const int64_t macs = g.macs;
-  auto rank_of = [&](int32_t s) { return g.rank(s); };
   const Runner& par = g.runner(run);
   Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A^T
 
@@ -523,18 +528,15 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
     const int64_t m = start[s + 1] - start[s];
     for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-    LoraMatmulB(b_pairs, rows, m, rank_of(s), b + s * R * N, N, n0, width, out);
+    LoraMatmulB(b_pairs, rows, m, g.rank(s), b + s * R * N, N, n0, width, out);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
   // One pass, a unit per used slot, where no slot holds more than 1 / (2 x threads) of the multiply-adds.
-  int64_t most_macs = 0;
-  for (int64_t u = 0; u < num_used; ++u)
-    most_macs = Max<int64_t>(most_macs, (start[used[u] + 1] - start[used[u]]) * rank_of(used[u]) * (K + N));
-  if (par.threads > 1 && most_macs * 2 * par.threads <= macs) {
+  if (g.one_pass(par, K, N)) {
     ParallelFor(par, num_used, [&](int64_t u) {
       const int32_t s = used[u];
-      const int64_t m = start[s + 1] - start[s], r = rank_of(s);
+      const int64_t m = start[s + 1] - start[s], r = g.rank(s);
       thread_local Scratch xs_buf, out_buf, ptr_buf;
       const void* xs = LoraXRows(a_pairs, x, K, order + start[s], m, xs_buf);
       LoraDotA(a_pairs, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
@@ -552,17 +554,17 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   // 1. A: units of (used slot, block of kLoraRankBlock rows of A); a unit reads its slot's token rows (in cache
   // after the slot's first unit) and its own rows of A.
   int64_t num_units = 0;
-  for (int64_t u = 0; u < num_used; ++u) num_units += (rank_of(used[u]) + kLoraRankBlock - 1) / kLoraRankBlock;
+  for (int64_t u = 0; u < num_used; ++u) num_units += (g.rank(used[u]) + kLoraRankBlock - 1) / kLoraRankBlock;
   Zeros<int64_t> unit_buf(static_cast<size_t>(2 * num_units));  // per unit: its slot, its first row of A
   int64_t* units = unit_buf.get();
   for (int64_t u = 0, n = 0; u < num_used; ++u)
-    for (int64_t j = 0; j < rank_of(used[u]); j += kLoraRankBlock, ++n) {
+    for (int64_t j = 0; j < g.rank(used[u]); j += kLoraRankBlock, ++n) {
       units[2 * n] = used[u];
       units[2 * n + 1] = j;
     }
   ParallelFor(par, num_units, [&](int64_t n) {
     const int64_t s = units[2 * n], j0 = units[2 * n + 1];
-    const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, rank_of(s) - j0);
+    const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, g.rank(s) - j0);
     LoraDotA(a_pairs, xg + start[s] * x_row, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
   });
 
@@ -779,15 +781,17 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
   auto a_rows = [&](int32_t s, int64_t j0, int64_t j1) {
     const int64_t i0 = g.start[s], m = g.tokens(s);
     const int8_t* ax = dot ? xq + i0 * 2 * kp : nullptr;
-    for (int64_t j = j0; j < j1; j += (V::kLanes == 16 && j1 - j >= 2 * kLoraI8Panel ? 2 : 1) * kLoraI8Panel) {
+    for (int64_t j = j0; j < j1;) {
       const int8_t* panel = a + (s * R + j) * kp;  // panels of 16 rank rows x kq quads x 64 bytes
       float* o = u + i0 * R + j;
-      if (V::kLanes == 16 && j1 - j >= 2 * kLoraI8Panel)  // AVX-512: two panels at a time (8 sums per tile)
-        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64,
-                                   kq, 0, 2 * kLoraI8Panel, o, R);
+      const bool two = V::kLanes == 16 && j1 - j >= 2 * kLoraI8Panel;  // AVX-512: two panels a tile (8 sums)
+      if (two)
+        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64, kq, 0,
+                                            2 * kLoraI8Panel, o, R);
       else
-        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64, kq,
-                               0, kLoraI8Panel, o, R);
+        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64, kq, 0,
+                                        kLoraI8Panel, o, R);
+      j += (two ? 2 : 1) * kLoraI8Panel;
     }
     for (int64_t i = 0; i < m; ++i)
       for (int64_t c = j0; c < j1; c += V::kLanes) {
@@ -815,11 +819,8 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
   };
   auto panels_of = [&](int32_t s) { return (g.rank(s) + kLoraI8Panel - 1) / kLoraI8Panel * kLoraI8Panel; };
 
-  // One pass, a unit per used slot, where the slots share the work evenly (as LoraImpl's rule).
-  int64_t most_macs = 0;
-  for (int64_t n = 0; n < g.num_used; ++n)
-    most_macs = Max<int64_t>(most_macs, g.tokens(g.used[n]) * g.rank(g.used[n]) * (K + N));
-  if (par.threads > 1 && most_macs * 2 * par.threads <= g.macs) {
+  // One pass, a unit per used slot, where the slots share the work evenly (LoraImpl's rule).
+  if (g.one_pass(par, K, N)) {
     ParallelFor(par, g.num_used, [&](int64_t n) {
       const int32_t s = g.used[n];
       thread_local Scratch out_buf;
