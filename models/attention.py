@@ -14,7 +14,7 @@ from models.batch import RaggedBatch
 from models.config import ModelConfig
 from models.kv_cache import KVCacheSpec, attention_spec
 from models.layers import RMSNorm, linear, linear_param, zeros
-from models.lora import apply_lora
+from models.lora import apply_lora, apply_lora_parts
 from models.rope import apply_rope, inverse_frequencies, longrope_long_tokens
 from pallas_kernels import kv_quant
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS
@@ -80,8 +80,7 @@ class Attention(nnx.Module):
             v = linear(x, self, "v_proj", e, g).reshape(t, hkv, d)
         slots = batch.lora_slots
         if self.lora is not None and slots is not None:
-            q, k, v = (apply_lora(self.lora, name, x, y, slots) for name, y in (("q_proj", q), ("k_proj", k),
-                                                                                  ("v_proj", v)))
+            q, k, v = apply_lora_parts(self.lora, ("q_proj", "k_proj", "v_proj"), x, (q, k, v), slots)
         if self.qkv_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.qk_norm:

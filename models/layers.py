@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import UnsupportedModelError
-from models.lora import apply_lora
+from models.lora import apply_lora, apply_lora_parts
 from models.quant import WeightQuant, matmul_scale, quantize, scale_axes, scale_name
 from pallas_kernels.matmul import dense_weight, matmul
 from pallas_kernels.target import target_platform
@@ -127,7 +127,6 @@ class MLP(nnx.Module):
         else:
             gate, up = linear(x, self, "gate_proj", e, g), linear(x, self, "up_proj", e, g)
         if self.lora is not None and lora_slots is not None:
-            gate = apply_lora(self.lora, "gate_proj", x, gate, lora_slots)
-            up = apply_lora(self.lora, "up_proj", x, up, lora_slots)
+            gate, up = apply_lora_parts(self.lora, ("gate_proj", "up_proj"), x, (gate, up), lora_slots)
         h = act(gate) * up
         return apply_lora(self.lora, "down_proj", h, linear(h, self, "down_proj", i, g), lora_slots)

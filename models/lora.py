@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError, SafetensorsFile
-from pallas_kernels.lora import INT8_RANK_ROWS, lora_delta, lora_delta_int8
+from pallas_kernels.lora import INT8_RANK_ROWS, lora_delta, lora_delta_int8, lora_delta_int8_parts
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LORA_RANK, LORA_SLOTS, MLP
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -87,7 +87,7 @@ class LoRAProjection(nnx.Module):
             k, n = math.prod(target.in_shape), math.prod(target.out_shape)
             self.a = LoRAWeight(jnp.zeros((max_loras, max_rank // INT8_RANK_ROWS, -(-k // 4), INT8_RANK_ROWS, 4),
                                           jnp.int8))
-            self.b = LoRAWeight(jnp.zeros((max_loras, max_rank // 4, n, 4), jnp.int8))
+            self.b = LoRAWeight(jnp.zeros((max_loras, max_rank * n), jnp.int8))
             self.scale = LoRAWeight(jnp.zeros((max_loras, max_rank), jnp.float32))
         else:
             self.a = zeros(self.a_shape, (LORA_SLOTS, LORA_RANK, *target.in_axes), dtype)
@@ -122,6 +122,20 @@ def apply_lora(stacks: LoRAStacks | None, name: str, x: jax.Array, y: jax.Array,
     if stacks is None or slots is None:
         return y
     return y + getattr(stacks, name)(x.reshape(x.shape[0], -1), slots).reshape(y.shape)
+
+
+def apply_lora_parts(stacks: LoRAStacks | None, names: tuple[str, ...], x: jax.Array, ys: tuple[jax.Array, ...],
+                     slots: jax.Array | None) -> tuple[jax.Array, ...]:
+    """Pure. `apply_lora` for projections of one x (q|k|v, gate|up): int8 stacks take one call for all of them
+    (`pallas_kernels.lora.lora_delta_int8_parts`), others one per projection."""
+    if stacks is None or slots is None:
+        return ys
+    projections = [getattr(stacks, name) for name in names]
+    if not all(p.int8 for p in projections):
+        return tuple(apply_lora(stacks, name, x, y, slots) for name, y in zip(names, ys))
+    deltas = lora_delta_int8_parts(x.reshape(x.shape[0], -1), slots,
+                                   [(p.a[...], p.b[...], p.scale[...], p.ranks[...]) for p in projections])
+    return tuple(y + d.reshape(y.shape) for y, d in zip(ys, deltas))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import native
 from pallas_kernels.names import LORA_INT8_RANK_ROWS as INT8_RANK_ROWS
+from pallas_kernels.names import LORA_INT8_STRIP as INT8_STRIP
 from pallas_kernels.target import target_platform
 
 LORA_ENV_VAR = "MESHSERVE_LORA_KERNEL"  # auto (default) | native | gather | loop | ragged_dot
@@ -161,9 +162,12 @@ def int8_fits(rank: int, n: int) -> bool:
 
 
 def quantize_adapter(a, b):
-    """NumPy. A [..., R, K] and B [..., R, N] (float, B with its scaling) as (aq [..., R/16, Kq, 16, 4] int8,
-    bq [..., R/4, N, 4] int8, scale [..., R] float32): A's and B's rank rows each scaled to [-127, 127] by their
-    largest |value| (a zero row: scale 0), y = ((x @ dequant(aq)^T) * scale) @ dequant(bq) up to rounding."""
+    """NumPy. A [..., R, K] and B [..., R, N] (float, B with its scaling) as (aq [..., R/32, Kq, 32, 4] int8,
+    bq [..., R * N] int8, scale [..., R] float32): A's and B's rank rows each scaled to [-127, 127] by their largest
+    |value| (a zero row: scale 0), y = ((x @ dequant(aq)^T) * scale) @ dequant(bq) up to rounding. aq: blocks of 32
+    rank rows, rows k..k+3 of each rank side by side (K zero-padded to Kq quads); bq: B in strips of 64 columns (the
+    last one as narrow as N leaves it), each strip's rank rows in quads, rows r..r+3 of each column side by side
+    (native/lora.h "int8 adapter stacks")."""
     import numpy as np
 
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -177,8 +181,9 @@ def quantize_adapter(a, b):
     aq = aq.reshape(*lead, r // INT8_RANK_ROWS, INT8_RANK_ROWS, kq, 4)
     nd = len(lead)
     aq = aq.transpose(*range(nd), nd, nd + 2, nd + 1, nd + 3)
-    bq = bq.reshape(*lead, r // 4, 4, n).transpose(*range(nd), nd, nd + 2, nd + 1)
-    return np.ascontiguousarray(aq), np.ascontiguousarray(bq), (sa * sb).astype(np.float32)
+    strips = [bq[..., n0:n0 + INT8_STRIP].reshape(*lead, r // 4, 4, -1).swapaxes(-1, -2).reshape(*lead, -1)
+              for n0 in range(0, n, INT8_STRIP)]
+    return np.ascontiguousarray(aq), np.concatenate(strips, -1), (sa * sb).astype(np.float32)
 
 
 def dequantize_adapter(aq, bq, scale, k: int):
@@ -186,8 +191,13 @@ def dequantize_adapter(aq, bq, scale, k: int):
     *lead, rb, kq, _, _ = aq.shape
     nd = len(lead)
     a = aq.transpose(*range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, rb * INT8_RANK_ROWS, 4 * kq)[..., :k]
-    rq, n = bq.shape[nd], bq.shape[nd + 1]
-    b = bq.transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, 4 * rq, n)
+    r = rb * INT8_RANK_ROWS
+    n = bq.shape[-1] // r
+    strips = []
+    for n0 in range(0, n, INT8_STRIP):
+        w = min(INT8_STRIP, n - n0)
+        strips.append(bq[..., n0 * r:(n0 + w) * r].reshape(*lead, r // 4, w, 4).swapaxes(-1, -2).reshape(*lead, r, w))
+    b = jnp.concatenate(strips, -1) if strips else jnp.zeros((*lead, r, 0), bq.dtype)
     return a.astype(jnp.float32) * scale[..., None], b.astype(jnp.float32)
 
 
@@ -196,7 +206,17 @@ def lora_delta_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, 
     """Pure. `lora_delta` on int8 stacks (`quantize_adapter`): the native kernel where it runs (x and x @ A^T then
     quantized per token to int8 where the CPU has int8 dot products), else the stacks dequantized to x's dtype and an
     XLA backend (as `lora_delta` picks it). Rows past a slot's rank must be zero."""
-    if _forced_backend() in ("", "auto", "native") and native.lora_int8_supported(x, a, b):
-        return native.lora_int8(x, slots, a, b, scale, ranks)
-    af, bf = dequantize_adapter(a, b, scale, x.shape[1])
-    return lora_delta(x, slots, af.astype(x.dtype), bf.astype(x.dtype), ranks)
+    return lora_delta_int8_parts(x, slots, [(a, b, scale, ranks)])[0]
+
+
+def lora_delta_int8_parts(x: jax.Array, slots: jax.Array, parts) -> list[jax.Array]:
+    """Pure. `lora_delta_int8` of several projections of one x (`parts`: (a, b, scale, ranks) each, one S and R; q|k|v,
+    gate|up): one native call for all of them where it runs (x's rows gathered and quantized once, each slot's parts
+    read in one unit of work), else each part as `lora_delta_int8`'s fallback. One [T, N] update per part."""
+    if _forced_backend() in ("", "auto", "native") and all(native.lora_int8_supported(x, a, b) for a, b, _, _ in parts):
+        return native.lora_int8_parts(x, slots, parts)
+    out = []
+    for a, b, scale, ranks in parts:
+        af, bf = dequantize_adapter(a, b, scale, x.shape[1])
+        out.append(lora_delta(x, slots, af.astype(x.dtype), bf.astype(x.dtype), ranks))
+    return out

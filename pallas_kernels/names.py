@@ -28,5 +28,7 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
     return kv_cache_dtype
 
-# int8 LoRA adapter stacks (EngineConfig.lora_dtype, pallas_kernels/lora.py) hold ranks in blocks of this many rows.
-LORA_INT8_RANK_ROWS = 16
+# int8 LoRA adapter stacks (EngineConfig.lora_dtype, pallas_kernels/lora.py) hold ranks in blocks of this many rows,
+# and B in strips of this many columns (native/lora.h kLoraI8Block, kLoraI8Strip).
+LORA_INT8_RANK_ROWS = 32
+LORA_INT8_STRIP = 64

@@ -57,6 +57,16 @@ struct HeadWeight {
   int64_t K, N, panel_len;
 };
 
+// One projection of an int8 LoRA call (Kernels::lora_int8): its stacks, its slots' ranks and its output.
+struct LoraInt8Part {
+  const int8_t* a;
+  const int8_t* b;
+  const float* scale;
+  const int32_t* ranks;
+  int64_t N;
+  void* y;
+};
+
 // One instruction set's kernels. Operands are validated by the caller (ffi.cc); bfloat16 travels as uint16_t bits.
 struct Kernels {
   const char* name;
@@ -105,11 +115,11 @@ struct Kernels {
   void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
                const void* b, bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
                void* y);
-  // The same on int8 stacks (lora.h "int8 adapter stacks"): a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4] (R and N
-  // multiples of 16), scale [S, R] float32; x and y in `dt`.
-  void (*lora_int8)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const int8_t* a,
-                    const int8_t* b, const float* scale, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
-                    void* y);
+  // The same on int8 stacks (lora.h "int8 adapter stacks") for G (1 to 4) projections of one x at once (q|k|v,
+  // gate|up): each part's a [S, R/32, Kq, 32, 4], b [S, R * N] (lora.h's strips; R a multiple of 32, N of 16), scale
+  // [S, R] float32, ranks [S] and y [T, N]; x and y in `dt`.
+  void (*lora_int8)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots,
+                    const LoraInt8Part* parts, int64_t G, int64_t S, int64_t R);
 };
 
 // Each defined by kernels.cc built for that instruction set. Weak: a library links the copies its compiler could

@@ -396,32 +396,58 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-ffi::Error LoraInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S8> a,
-                        ffi::Buffer<ffi::S8> b, ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> ranks,
-                        ffi::Result<ffi::AnyBuffer> out, int32_t isa) {
+// x, slots, then per part (1 to 4 projections of x: api.h LoraInt8Part) a, b, scale, ranks; out: per part y.
+ffi::Error LoraInt8Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets, int32_t isa) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
-  auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || ad.size() != 5 || bd.size() != 4 || sd.size() != 2)
+  const int64_t G = static_cast<int64_t>(args.size()) / 4;
+  if (args.size() % 4 || G < 1 || G > 4 || static_cast<int64_t>(rets.size()) != G)
     return ffi::Error::InvalidArgument(
-        "int8 lora: x must be [T, K], a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4], scale [S, R]");
-  const int64_t T = xd[0], K = xd[1], S = ad[0], R = ad[1] * 16, N = bd[2];
-  if (ad[2] != (K + 3) / 4 || ad[3] != 16 || ad[4] != 4 || bd[0] != S || bd[1] * 4 != R || bd[3] != 4 ||
-      sd[0] != S || sd[1] != R)
-    return ffi::Error::InvalidArgument(
-        "int8 lora: x [T, K], a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4] and scale [S, R] disagree");
-  if (N % 16) return ffi::Error::InvalidArgument("int8 lora: N must be a multiple of 16");
-  if (static_cast<int64_t>(slots.element_count()) != T || static_cast<int64_t>(ranks.element_count()) != S)
-    return ffi::Error::InvalidArgument("int8 lora: slots must be [T] and ranks [S]");
+        "int8 lora: takes x, slots and 1 to 4 parts of (a, b, scale, ranks), and returns one output per part");
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("int8 lora: x must be [T, K]");
+  const int64_t T = xd[0], K = xd[1];
   const auto t = x.element_type();
-  if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16) || out->element_type() != t)
-    return ffi::Error::InvalidArgument("int8 lora: x and out must both be float32 or both bfloat16");
-  if (static_cast<int64_t>(out->element_count()) != T * N)
-    return ffi::Error::InvalidArgument("int8 lora: out must be [T, N]");
-  if (!T || !N) return ffi::Error::Success();
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("int8 lora: x must be float32 or bfloat16");
+  if (static_cast<int64_t>(slots.element_count()) != T)
+    return ffi::Error::InvalidArgument("int8 lora: slots must be [T]");
+  LoraInt8Part parts[4];
+  int64_t S = 0, R = 0;
+  for (int64_t p = 0; p < G; ++p) {
+    auto a = args.get<ffi::Buffer<ffi::S8>>(4 * p);
+    auto b = args.get<ffi::Buffer<ffi::S8>>(4 * p + 1);
+    auto scale = args.get<ffi::Buffer<ffi::F32>>(4 * p + 2);
+    auto ranks = args.get<ffi::Buffer<ffi::S32>>(4 * p + 3);
+    auto out = rets.get<ffi::AnyBuffer>(p);
+    if (a.has_error() || b.has_error() || scale.has_error() || ranks.has_error() || out.has_error())
+      return ffi::Error::InvalidArgument(
+          "int8 lora: each part's a, b must be int8, scale float32 and ranks int32");
+    auto ad = a->dimensions(), bd = b->dimensions(), sd = scale->dimensions();
+    if (ad.size() != 5 || bd.size() != 2 || sd.size() != 2)
+      return ffi::Error::InvalidArgument(
+          "int8 lora: x must be [T, K], a [S, R/32, Kq, 32, 4], b [S, R * N], scale [S, R]");
+    if (!p) S = ad[0], R = ad[1] * 32;
+    const int64_t N = R ? bd[1] / R : 0;
+    if (ad[0] != S || ad[1] * 32 != R || ad[2] != (K + 3) / 4 || ad[3] != 32 || ad[4] != 4 || bd[0] != S ||
+        bd[1] != R * N || sd[0] != S || sd[1] != R)
+      return ffi::Error::InvalidArgument(
+          "int8 lora: x [T, K], a [S, R/32, Kq, 32, 4], b [S, R * N] and scale [S, R] disagree (or the parts' S "
+          "and R)");
+    if (N % 16) return ffi::Error::InvalidArgument("int8 lora: N must be a multiple of 16");
+    if (static_cast<int64_t>(ranks->element_count()) != S)
+      return ffi::Error::InvalidArgument("int8 lora: ranks must be [S]");
+    if ((*out)->element_type() != t)
+      return ffi::Error::InvalidArgument("int8 lora: x and out must both be float32 or both bfloat16");
+    if (static_cast<int64_t>((*out)->element_count()) != T * N)
+      return ffi::Error::InvalidArgument("int8 lora: out must be [T, N]");
+    parts[p] = {a->typed_data(), b->typed_data(), scale->typed_data(), ranks->typed_data(), N,
+                (*out)->untyped_data()};
+  }
+  if (!T) return ffi::Error::Success();
   kernels->lora_int8(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
-                     slots.typed_data(), a.typed_data(), b.typed_data(), scale.typed_data(), ranks.typed_data(), S, R,
-                     N, out->untyped_data());
+                     slots.typed_data(), parts, G, S, R);
   return ffi::Error::Success();
 }
 
@@ -550,9 +576,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLoraInt8, meshserve::LoraInt8Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int32_t>("isa"));

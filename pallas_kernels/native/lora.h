@@ -466,22 +466,32 @@ void LoraMatmulB(bool b_pairs, const float* const* rows, int64_t m, int64_t r, c
   LoraMatmul<false>(rows, m, r, b_slot + n0, N, width, out, width);
 }
 
-// The call's tokens grouped by slot (counting sort, token order kept; those of no slot or rank 0 left out): slot s's
-// tokens are order[start[s], start[s + 1]), the slots any token uses used[0, num_used).
+// One part of a call: a projection's ranks [S] and its output columns (the int8 kernel takes several projections
+// of one x at once: q|k|v, gate|up).
+struct LoraRanks {
+  const int32_t* ranks;
+  int64_t N;
+};
+
+// The call's tokens grouped by slot (counting sort, token order kept; those of no slot, or of rank 0 in every part,
+// left out): slot s's tokens are order[start[s], start[s + 1]), the slots any token uses used[0, num_used).
 struct LoraGroups {
   Zeros<int64_t> start_buf, order_buf;
   Zeros<int32_t> used_buf;
-  const int32_t* ranks;
-  int64_t S, R;
+  const int32_t* slots;
+  const LoraRanks* parts;
+  int64_t G, T, S, R, K;
   int64_t *start, *order;
   int32_t* used;
   int64_t used_tokens = 0, num_used = 0, macs = 0;  // macs: the update's multiply-adds
 
-  LoraGroups(const int32_t* slots, int64_t T_, const int32_t* ranks_, int64_t S_, int64_t R_, int64_t K, int64_t N)
+  LoraGroups(const int32_t* slots_, int64_t T_, const LoraRanks* parts_, int64_t G_, int64_t S_, int64_t R_,
+             int64_t K_)
       : start_buf(static_cast<size_t>(S_ + 1)), order_buf(static_cast<size_t>(T_)), used_buf(static_cast<size_t>(S_)),
-        ranks(ranks_), S(S_), R(R_), start(start_buf.get()), order(order_buf.get()), used(used_buf.get()) {
+        slots(slots_), parts(parts_), G(G_), T(T_), S(S_), R(R_), K(K_), start(start_buf.get()),
+        order(order_buf.get()), used(used_buf.get()) {
     for (int64_t t = 0; t < T_; ++t)
-      if (rank(slots[t])) ++start[slots[t] + 1], macs += rank(slots[t]) * (K + N);
+      if (rank(slots[t])) ++start[slots[t] + 1], macs += slot_macs(slots[t]);
     for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
     used_tokens = start[S];
     Zeros<int64_t> fill_buf(static_cast<size_t>(S));
@@ -491,12 +501,31 @@ struct LoraGroups {
     for (int64_t s = 0; s < S; ++s)
       if (start[s + 1] > start[s]) used[num_used++] = static_cast<int32_t>(s);
   }
-  int64_t rank(int32_t s) const { return s >= 0 && s < S ? Clamp<int64_t>(ranks[s], 0, R) : 0; }
+  // Part g's rank of slot s (0: none), and the largest over the parts.
+  int64_t rank(int64_t g, int32_t s) const { return s >= 0 && s < S ? Clamp<int64_t>(parts[g].ranks[s], 0, R) : 0; }
+  int64_t rank(int32_t s) const {
+    int64_t r = 0;
+    for (int64_t g = 0; g < G; ++g) r = Max(r, rank(g, s));
+    return r;
+  }
+  // A token of slot s's multiply-adds over the parts.
+  int64_t slot_macs(int32_t s) const {
+    int64_t n = 0;
+    for (int64_t g = 0; g < G; ++g) n += rank(g, s) * (K + parts[g].N);
+    return n;
+  }
   int64_t tokens(int32_t s) const { return start[s + 1] - start[s]; }
   int64_t most_tokens() const {
     int64_t most = 0;
     for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, tokens(used[u]));
     return most;
+  }
+  // Zeroes part g's y [T, N] rows of the tokens it leaves alone: the kernels write every column of the others'.
+  template <typename T_>
+  void zero_unused_rows(int64_t g, T_* y) const {
+    const int64_t N = parts[g].N;
+    for (int64_t t = 0; t < T; ++t)
+      if (!rank(g, slots[t])) std::memset(y + t * N, 0, static_cast<size_t>(N) * sizeof(T_));
   }
   // The call's runner: the caller's thread alone below kLoraSerialMacs.
   const Runner& runner(const Runner& run) const {
@@ -505,9 +534,9 @@ struct LoraGroups {
   }
   // Whether the kernels take one parallel pass, a unit per used slot: no slot holds more than 1 / (2 x threads) of
   // the multiply-adds (the file's header).
-  bool one_pass(const Runner& par, int64_t K, int64_t N) const {
+  bool one_pass(const Runner& par) const {
     int64_t most = 0;
-    for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, tokens(used[u]) * rank(used[u]) * (K + N));
+    for (int64_t u = 0; u < num_used; ++u) most = Max<int64_t>(most, tokens(used[u]) * slot_macs(used[u]));
     return par.threads > 1 && most * 2 * par.threads <= macs;
   }
 };
@@ -515,8 +544,9 @@ struct LoraGroups {
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
               bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
-  std::memset(y, 0, static_cast<size_t>(T_ * N) * sizeof(T));
-  const LoraGroups g(slots, T_, ranks, S, R, K, N);
+  const LoraRanks part{ranks, N};
+  const LoraGroups g(slots, T_, &part, 1, S, R, K);
+  g.zero_unused_rows(0, y);
   if (!g.used_tokens) return;
   const int64_t *start = g.start, *order = g.order, used_tokens = g.used_tokens, num_used = g.num_used;
   const int32_t* used = g.used;
@@ -533,7 +563,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   };
 
   // One pass, a unit per used slot, where no slot holds more than 1 / (2 x threads) of the multiply-adds.
-  if (g.one_pass(par, K, N)) {
+  if (g.one_pass(par)) {
     ParallelFor(par, num_used, [&](int64_t u) {
       const int32_t s = used[u];
       const int64_t m = start[s + 1] - start[s], r = g.rank(s);
@@ -596,14 +626,25 @@ void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, c
 // int8 adapter stacks (EngineConfig.lora_dtype = "int8"; pallas_kernels/lora.py `quantize_adapter`): each slot's A
 // and B quantized per rank row r, symmetric int8, their two scales multiplied into one, scale[s][r] (B's already
 // carries lora_alpha / r). Half the bytes of bfloat16: a decode step of many adapters is bound by reading them.
-//   a [S, R/16, Kq, 16, 4]: panels of 16 rank rows, rows k..k+3 of each rank side by side (a "quad": the operand of
-//     vpdpbusd and sdot; K zero-padded to Kq quads), so a rank-r adapter reads its first ceil(r/16) panels;
-//   b [S, R/4, N, 4]: rank rows r..r+3 of each column side by side, a rank-r adapter's first ceil(r/4) quad rows;
+//   a [S, R/32, Kq, 32, 4]: blocks of 32 rank rows, rows k..k+3 of each rank side by side (a "quad": the operand of
+//     vpdpbusd and sdot; K zero-padded to Kq quads), a block's quad rows 128 bytes (two panels of 16 rank rows, 64
+//     bytes each), so a rank-r adapter reads its first ceil(r/32) blocks, each one stream;
+//   b [S, R * N]: each slot's B in strips of kLoraI8Strip columns (the last one as narrow as N leaves it, a multiple of
+//     16), a strip's R/4 quad rows contiguous (rank rows r..r+3 of each column side by side), so a tile of a strip's
+//     columns reads one stream down its rows and a rank-r adapter its first ceil(r/4) quad rows of each strip;
 //   y[t] = ((x[t] @ Aq^T) * scale) @ Bq.
 // Where the CPU has int8 dot products (I8Dot: AVX512_VNNI, aarch64 dotprod) x's rows are quantized per token to two
 // int8 digits (I8QuantizeRows: ~15 bits) and x @ A^T * scale to one (kLoraDA, kLoraDB); elsewhere the quads are
 // widened to float32 against x in float32.
-constexpr int64_t kLoraI8Panel = 16;  // rank rows per panel of A
+// One call takes up to kLoraMaxParts projections of one x (the engine's q|k|v and gate|up: api.h LoraInt8Part), each
+// with its own stacks, ranks and output: x's rows are gathered and quantized once, and a slot's parts are one unit of
+// the one-pass form. Measured on Zen 4 (the ~125M Llama's engine loop, 8 rank-64 adapters at batch 32; 84 -> 48
+// calls a step, with the tokens' rows of x prepared inside their slot's unit and only rows of no adapter zeroed):
+// ~29.1 -> ~28.0 ms TPOT (docs/lora.md).
+constexpr int64_t kLoraI8Panel = 16;  // rank rows per panel of A (64 bytes a quad row)
+constexpr int64_t kLoraI8Block = 32;  // rank rows per block of A: two panels side by side (128 bytes a quad row)
+constexpr int64_t kLoraI8Strip = 64;  // columns per strip of B
+constexpr int64_t kLoraMaxParts = 4;  // projections of one x per call (api.h LoraInt8Part)
 // Digits of x (the A pass) and of x @ A^T * scale (the B pass) on the int8 dot products: two (~15 bits) or one.
 // Measured on Zen 4 (the ~125M Llama's step, 8 rank-64 adapters x 4 tokens: the 84 calls chained, against bfloat16
 // stacks; a mixed step of the test's strong adapters: the logits' largest error against HF + PEFT, as a share of
@@ -618,7 +659,9 @@ inline int64_t LoraI8Col(int64_t col, int64_t pstride) {
 // The same for vector c of a tile that starts at a panel's first column or (kLanes < 16) inside one, its vectors
 // not crossing into the next panel unless the tile starts at a panel's start.
 inline int64_t LoraI8Offset(int c, int64_t pstride) { return LoraI8Col(V::kLanes * c, pstride); }
-// A tile's quads kLoraI8Ahead rows ahead (each panel's 64 bytes).
+// How far ahead the tiles prefetch (each panel's 64 bytes of a quad row): A kLoraI8Ahead quad rows down its block;
+// B the same quad row of the next strip (a rank-8 adapter reads 2 of a strip's 16 quad rows: rows further down are
+// not its own).
 constexpr int64_t kLoraI8Ahead = 8;
 template <int CV>
 inline void LoraI8Prefetch(const int8_t* ahead, int64_t pstride) {
@@ -631,7 +674,7 @@ inline void LoraI8Prefetch(const int8_t* ahead, int64_t pstride) {
 // times w's quads (16 columns x 4 bytes per panel, panels pstride bytes apart, quad rows qstride apart).
 template <int RT, int CV>
 inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_t qstride, int64_t pstride,
-                            int64_t nq, float* out, int64_t ldo) {
+                            int64_t nq, int64_t ahead, float* out, int64_t ldo) {
   V::F acc[RT][CV];
 #pragma GCC unroll 4
   for (int r = 0; r < RT; ++r)
@@ -639,7 +682,7 @@ inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_
     for (int c = 0; c < CV; ++c) acc[r][c] = V::Zero();
   for (int64_t q = 0; q < nq; ++q) {
     const int8_t* wq = w + q * qstride;
-    LoraI8Prefetch<CV>(wq + kLoraI8Ahead * qstride, pstride);
+    LoraI8Prefetch<CV>(wq + ahead, pstride);
 #pragma GCC unroll 8
     for (int c = 0; c < CV; ++c) {
       V::F wv[4];
@@ -662,8 +705,8 @@ inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_
 // digit d's sums of row r.
 template <int RT, int CV, int D>
 MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, const int32_t* minus, const int8_t* w,
-                                                 int64_t qstride, int64_t pstride, int64_t nq, float* out,
-                                                 int64_t ldo) {
+                                                 int64_t qstride, int64_t pstride, int64_t nq, int64_t ahead,
+                                                 float* out, int64_t ldo) {
   I8Dot::I hi[RT][CV], lo[RT][CV];
 #pragma GCC unroll 4
   for (int r = 0; r < RT; ++r)
@@ -671,7 +714,7 @@ MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, co
     for (int c = 0; c < CV; ++c) hi[r][c] = lo[r][c] = I8Dot::Zero();
   for (int64_t q = 0; q < nq; ++q) {
     const int8_t* wq = w + q * qstride;
-    LoraI8Prefetch<CV>(wq + kLoraI8Ahead * qstride, pstride);
+    LoraI8Prefetch<CV>(wq + ahead, pstride);
     I8Dot::I wv[CV];
 #pragma GCC unroll 8
     for (int c = 0; c < CV; ++c) wv[c] = I8Dot::Weights(wq + LoraI8Offset(c, pstride));
@@ -697,11 +740,11 @@ MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, co
 // One slot's m tokens against w's nq quad rows (as the tiles read them), columns [col0, col0 + cols) (col0 a
 // multiple of kLanes x CV, cols of kLanes), into out [m, cols] (float32, row stride ldo), CV vectors of columns at a
 // time: by int8 dot products on D digits of x (xq non-null: I8QuantizeRows's rows, their scales sx and offsets
-// minus) or widened (xf: float32 rows); both with row stride ldx.
+// minus) or widened (xf: float32 rows); both with row stride ldx. Each quad row prefetches the one `ahead` bytes on.
 template <int CV, int D = 2>
 void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_t* minus, int64_t ldx, int64_t m,
-                const int8_t* w, int64_t qstride, int64_t pstride, int64_t nq, int64_t col0, int64_t cols, float* out,
-                int64_t ldo) {
+                const int8_t* w, int64_t qstride, int64_t pstride, int64_t nq, int64_t ahead, int64_t col0,
+                int64_t cols, float* out, int64_t ldo) {
   for (int64_t i = 0; i < m; i += 4) {
     const int64_t rt = Min<int64_t>(4, m - i);
     for (int64_t c0 = 0; c0 < cols; c0 += V::kLanes * CV) {
@@ -710,18 +753,18 @@ void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_
       if (cols - c0 < V::kLanes * CV) {  // the last vectors one at a time
         for (int64_t c = c0; c < cols; c += V::kLanes)
           LoraI8Rows<1, D>(xf ? xf + i * ldx : nullptr, xq ? xq + i * 2 * ldx : nullptr, sx ? sx + i : nullptr,
-                        minus ? minus + 2 * i : nullptr, ldx, rt, w, qstride, pstride, nq, col0 + c, V::kLanes,
-                        out + i * ldo + c, ldo);
+                        minus ? minus + 2 * i : nullptr, ldx, rt, w, qstride, pstride, nq, ahead, col0 + c,
+                        V::kLanes, out + i * ldo + c, ldo);
         break;
       }
 #if MESHSERVE_I8DOT
       if (xq) {
         const int8_t* xr = xq + i * 2 * ldx;
         switch (rt) {
-          case 4: LoraI8DotTile<4, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo); break;
-          case 3: LoraI8DotTile<3, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo); break;
-          case 2: LoraI8DotTile<2, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo); break;
-          default: LoraI8DotTile<1, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, o, ldo);
+          case 4: LoraI8DotTile<4, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo); break;
+          case 3: LoraI8DotTile<3, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo); break;
+          case 2: LoraI8DotTile<2, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo); break;
+          default: LoraI8DotTile<1, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo);
         }
         for (int64_t r = 0; r < rt; ++r)
           for (int64_t c = 0; c < CV; ++c) {
@@ -733,20 +776,22 @@ void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_
 #endif
       const float* xr = xf + i * ldx;
       switch (rt) {
-        case 4: LoraI8WidenTile<4, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo); break;
-        case 3: LoraI8WidenTile<3, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo); break;
-        case 2: LoraI8WidenTile<2, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo); break;
-        default: LoraI8WidenTile<1, CV>(xr, ldx, wc, qstride, pstride, nq, o, ldo);
+        case 4: LoraI8WidenTile<4, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo); break;
+        case 3: LoraI8WidenTile<3, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo); break;
+        case 2: LoraI8WidenTile<2, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo); break;
+        default: LoraI8WidenTile<1, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo);
       }
     }
   }
 }
 
 template <typename T>
-void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const int8_t* a,
-                  const int8_t* b, const float* scale, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
-  std::memset(y, 0, static_cast<size_t>(T_ * N) * sizeof(T));
-  const LoraGroups g(slots, T_, ranks, S, R, K, N);
+void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots,
+                  const LoraInt8Part* parts, int64_t G, int64_t S, int64_t R) {
+  LoraRanks pr[kLoraMaxParts];
+  for (int64_t p = 0; p < G; ++p) pr[p] = {parts[p].ranks, parts[p].N};
+  const LoraGroups g(slots, T_, pr, G, S, R, K);
+  for (int64_t p = 0; p < G; ++p) g.zero_unused_rows(p, static_cast<T*>(parts[p].y));
   if (!g.used_tokens) return;
   const Runner& par = g.runner(run);
   const int64_t kq = (K + 3) / 4, kp = 4 * kq;  // x's rows padded to whole quads; R: a multiple of 16
@@ -755,109 +800,147 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
 #else
   const bool dot = false;
 #endif
-  // x's used rows in slot order, float32 [used, kp] (zero-padded), and (dot) as int8; u = x @ Aq^T * scale [used, R]
-  // likewise.
+  // x's used rows in slot order, float32 [used, kp] (zero-padded), and (dot) as int8, shared by the parts; per part
+  // p, u_p = x @ Aq_p^T * scale_p [used, R] likewise (u + p * used * R).
   // (The caller's thread's scratch: the units read them on the pool's threads while the call waits.)
-  const size_t used = static_cast<size_t>(g.used_tokens);
+  const int64_t used = g.used_tokens;
+  const size_t nu = static_cast<size_t>(used);
   thread_local Scratch xf_buf, u_buf, scale_buf, xq_buf, uq_buf, minus_buf;
-  float* const xf = xf_buf.Get<float>(used * kp);
-  float* const u = u_buf.Get<float>(used * R);
-  float* const sx = scale_buf.Get<float>(2 * used);
-  float* const su = sx + used;
-  int8_t* const xq = dot ? xq_buf.Get<int8_t>(2 * used * kp) : nullptr;  // two digits per row (I8QuantizeRows)
-  int8_t* const uq = dot ? uq_buf.Get<int8_t>(2 * used * R) : nullptr;
-  int32_t* const mx = minus_buf.Get<int32_t>(4 * used);  // per row, each digit's offset
-  int32_t* const mu = mx + 2 * used;
-  for (int64_t i = 0; i < g.used_tokens; ++i) {
-    ToF32(x + g.order[i] * K, xf + i * kp, K);
-    for (int64_t k = K; k < kp; ++k) xf[i * kp + k] = 0;
-  }
+  float* const xf = xf_buf.Get<float>(nu * kp);
+  float* const u = u_buf.Get<float>(nu * G * R);
+  float* const sx = scale_buf.Get<float>(nu * (1 + G));  // x's row scales, then each part's u's
+  int8_t* const xq = dot ? xq_buf.Get<int8_t>(2 * nu * kp) : nullptr;  // two digits per row (I8QuantizeRows)
+  int8_t* const uq = dot ? uq_buf.Get<int8_t>(2 * nu * G * R) : nullptr;
+  int32_t* const mx = minus_buf.Get<int32_t>(2 * nu * (1 + G));  // per row, each digit's offset: x's, then u's
+  // x's sorted rows [i0, i0 + m) in those forms (one slot's in its unit of the one-pass form, all before two passes).
+  auto x_rows = [&](int64_t i0, int64_t m) {
+    for (int64_t i = i0; i < i0 + m; ++i) {
+      ToF32(x + g.order[i] * K, xf + i * kp, K);
+      for (int64_t k = K; k < kp; ++k) xf[i * kp + k] = 0;
+    }
 #if MESHSERVE_I8DOT
-  if (dot) I8QuantizeRows(xf, g.used_tokens, kp, 1, kq, xq, sx, mx);
+    if (dot) I8QuantizeRows(xf + i0 * kp, m, kp, 1, kq, xq + i0 * 2 * kp, sx + i0, mx + 2 * i0);
 #endif
+  };
+  // Part p's u (float32, int8 digits, their scales and offsets) from sorted row i.
+  auto u_of = [&](int64_t p, int64_t i) { return u + (p * used + i) * R; };
+  auto uq_of = [&](int64_t p, int64_t i) { return dot ? uq + (p * used + i) * 2 * R : nullptr; };
+  auto su_of = [&](int64_t p, int64_t i) { return sx + (1 + p) * used + i; };
+  auto mu_of = [&](int64_t p, int64_t i) { return mx + 2 * ((1 + p) * used + i); };
 
-  // A: slot s's panels from rank row j0 (rows [j0, j1), whole panels): u's rows of its tokens.
+  // A: part p's slot s's panels from rank row j0 (rows [j0, j1), whole panels): u_p's rows of its tokens.
   constexpr int kPanelVecs = static_cast<int>(kLoraI8Panel / V::kLanes);
-  auto a_rows = [&](int32_t s, int64_t j0, int64_t j1) {
+  auto a_rows = [&](int64_t p, int32_t s, int64_t j0, int64_t j1) {
     const int64_t i0 = g.start[s], m = g.tokens(s);
     const int8_t* ax = dot ? xq + i0 * 2 * kp : nullptr;
+    const float* scale = parts[p].scale + s * R;
+    float* const up = u_of(p, i0);
     for (int64_t j = j0; j < j1;) {
-      const int8_t* panel = a + (s * R + j) * kp;  // panels of 16 rank rows x kq quads x 64 bytes
-      float* o = u + i0 * R + j;
-      const bool two = V::kLanes == 16 && j1 - j >= 2 * kLoraI8Panel;  // AVX-512: two panels a tile (8 sums)
+      // block j / 32 (32 rank rows x kq quads x 128 bytes), its panel j % 32 / 16 (64 bytes into each quad row)
+      const int8_t* panel = parts[p].a + (s * R + j / kLoraI8Block * kLoraI8Block) * kp + j % kLoraI8Block * 4;
+      const bool two = V::kLanes == 16 && j % kLoraI8Block == 0 && j1 - j >= kLoraI8Block;  // AVX-512: the block
       if (two)
-        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64, kq, 0,
-                                            2 * kLoraI8Panel, o, R);
+        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 128, 64, kq,
+                                            kLoraI8Ahead * 128, 0, kLoraI8Block, up + j, R);
       else
-        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 64, kq * 64, kq, 0,
-                                        kLoraI8Panel, o, R);
-      j += (two ? 2 : 1) * kLoraI8Panel;
+        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 128, 64, kq,
+                                        kLoraI8Ahead * 128, 0, kLoraI8Panel, up + j, R);
+      j += two ? kLoraI8Block : kLoraI8Panel;
     }
     for (int64_t i = 0; i < m; ++i)
       for (int64_t c = j0; c < j1; c += V::kLanes) {
-        float* p = u + (i0 + i) * R + c;
-        V::Store(p, V::Mul(V::Load(p), V::Load(scale + s * R + c)));
+        float* q = up + i * R + c;
+        V::Store(q, V::Mul(V::Load(q), V::Load(scale + c)));
       }
   };
-  // u past slot s's rank is zero (its last panel's rows past the rank are not the adapter's: the B pass reads quads
-  // up to the rank rounded up to 4, and the dot products' offsets sum whole rows); then (dot) u as int8.
-  auto finish_u = [&](int32_t s) {
-    const int64_t r = g.rank(s), i0 = g.start[s], m = g.tokens(s);
-    for (int64_t i = i0; i < i0 + m; ++i)
-      std::memset(u + i * R + r, 0, static_cast<size_t>(R - r) * sizeof(float));
+  // u_p past slot s's rank is zero (its last panel's rows past the rank are not the adapter's: the B pass reads
+  // quads up to the rank rounded up to 4, and the dot products' offsets sum whole rows); then (dot) u_p as int8.
+  auto finish_u = [&](int64_t p, int32_t s) {
+    const int64_t r = g.rank(p, s), i0 = g.start[s], m = g.tokens(s);
+    for (int64_t i = i0; i < i0 + m; ++i) std::memset(u_of(p, i) + r, 0, static_cast<size_t>(R - r) * sizeof(float));
 #if MESHSERVE_I8DOT
-    if (dot) I8QuantizeRows(u + i0 * R, m, R, 1, R / 4, uq + i0 * 2 * R, su + i0, mu + 2 * i0);
+    if (dot) I8QuantizeRows(u_of(p, i0), m, R, 1, R / 4, uq_of(p, i0), su_of(p, i0), mu_of(p, i0));
 #endif
   };
-  // B: slot s's columns [n0, n0 + width) into y's rows of its tokens (out: m x width floats of scratch).
+  // B: part p's slot s's columns [n0, n0 + width) into its y's rows of the slot's tokens (out: m x width floats of
+  // scratch).
   constexpr int kBVecs = V::kLanes == 16 && kLoraDB == 1 ? 4 : 2;  // tiles of 4 tokens: at most 16 accumulators
-  auto b_cols = [&](int32_t s, int64_t n0, int64_t width, float* out) {
-    const int64_t i0 = g.start[s], m = g.tokens(s), nq = (g.rank(s) + 3) / 4;
-    LoraI8Rows<kBVecs, kLoraDB>(u + i0 * R, dot ? uq + i0 * 2 * R : nullptr, su + i0, mu + 2 * i0, R, m,
-                       b + s * R * N, 4 * N, 64, nq, n0, width, out, width);
+  auto b_cols = [&](int64_t p, int32_t s, int64_t n0, int64_t width, float* out) {
+    const int64_t i0 = g.start[s], m = g.tokens(s), nq = (g.rank(p, s) + 3) / 4, N = parts[p].N;
+    for (int64_t n = n0; n < n0 + width; n += kLoraI8Strip) {  // n0: a strip's first column
+      const int64_t w = Min(kLoraI8Strip, N - n);  // this strip's columns: its quad rows are 4w bytes
+      LoraI8Rows<kBVecs, kLoraDB>(u_of(p, i0), uq_of(p, i0), su_of(p, i0), mu_of(p, i0), R, m,
+                                  parts[p].b + s * R * N + n * R, 4 * w, 64, nq, kLoraI8Strip * R, 0, w,
+                                  out + (n - n0), width);
+    }
+    T* y = static_cast<T*>(parts[p].y);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + g.order[i0 + i] * N + n0, width);
   };
-  auto panels_of = [&](int32_t s) { return (g.rank(s) + kLoraI8Panel - 1) / kLoraI8Panel * kLoraI8Panel; };
+  auto panels_of = [&](int64_t p, int32_t s) {  // A's rank rows a slot reads: whole panels
+    return (g.rank(p, s) + kLoraI8Panel - 1) / kLoraI8Panel * kLoraI8Panel;
+  };
 
-  // One pass, a unit per used slot, where the slots share the work evenly (LoraImpl's rule).
-  if (g.one_pass(par, K, N)) {
+  // One pass, a unit per used slot, where the slots share the work evenly (LoraImpl's rule): its x rows, then each
+  // part that updates it.
+  if (g.one_pass(par)) {
     ParallelFor(par, g.num_used, [&](int64_t n) {
       const int32_t s = g.used[n];
       thread_local Scratch out_buf;
-      a_rows(s, 0, panels_of(s));
-      finish_u(s);
-      b_cols(s, 0, N, out_buf.Get<float>(static_cast<size_t>(g.tokens(s) * N)));
+      x_rows(g.start[s], g.tokens(s));
+      for (int64_t p = 0; p < G; ++p) {
+        if (!g.rank(p, s)) continue;
+        a_rows(p, s, 0, panels_of(p, s));
+        finish_u(p, s);
+        b_cols(p, s, 0, parts[p].N, out_buf.Get<float>(static_cast<size_t>(g.tokens(s) * parts[p].N)));
+      }
     });
     return;
   }
-  // Else two passes: A by units of (used slot, 32 rank rows), then B by chunks of N's columns over every used slot.
+  // Else two passes: A by units of (part, used slot, block of 32 rank rows), then B by (part, chunk of its N's
+  // columns: whole strips) over every used slot.
+  x_rows(0, used);
   int64_t num_units = 0;
-  for (int64_t n = 0; n < g.num_used; ++n) num_units += (panels_of(g.used[n]) + 31) / 32;
-  Zeros<int64_t> unit_buf(static_cast<size_t>(2 * num_units));
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t n = 0; n < g.num_used; ++n)
+      num_units += (panels_of(p, g.used[n]) + kLoraI8Block - 1) / kLoraI8Block;
+  const int64_t unit = kLoraI8Strip, most = g.most_tokens();  // B's chunks: whole strips
+  int64_t chunk[kLoraMaxParts], num_chunks = 0;
+  for (int64_t p = 0; p < G; ++p) {
+    chunk[p] = unit * ChunkUnits(parts[p].N, unit, par.threads);
+    num_chunks += (parts[p].N + chunk[p] - 1) / chunk[p];
+  }
+  Zeros<int64_t> unit_buf(static_cast<size_t>(3 * Max(num_units, num_chunks)));
   int64_t* units = unit_buf.get();
-  for (int64_t n = 0, k = 0; n < g.num_used; ++n)
-    for (int64_t j = 0; j < panels_of(g.used[n]); j += 32, ++k) units[2 * k] = g.used[n], units[2 * k + 1] = j;
+  int64_t k = 0;
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t n = 0; n < g.num_used; ++n)
+      for (int64_t j = 0; j < panels_of(p, g.used[n]); j += kLoraI8Block, ++k)
+        units[3 * k] = p, units[3 * k + 1] = g.used[n], units[3 * k + 2] = j;
   ParallelFor(par, num_units, [&](int64_t n) {
-    const int32_t s = static_cast<int32_t>(units[2 * n]);
-    a_rows(s, units[2 * n + 1], Min<int64_t>(units[2 * n + 1] + 32, panels_of(s)));
+    const int64_t p = units[3 * n], j = units[3 * n + 2];
+    const int32_t s = static_cast<int32_t>(units[3 * n + 1]);
+    a_rows(p, s, j, Min<int64_t>(j + kLoraI8Block, panels_of(p, s)));
   });
-  for (int64_t n = 0; n < g.num_used; ++n) finish_u(g.used[n]);
-  const int64_t unit = V::kLanes * kBVecs, chunk = unit * ChunkUnits(N, unit, par.threads);
-  const int64_t most = g.most_tokens();
-  ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
-    const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t n = 0; n < g.num_used; ++n)
+      if (g.rank(p, g.used[n])) finish_u(p, g.used[n]);
+  k = 0;
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t n0 = 0; n0 < parts[p].N; n0 += chunk[p], ++k)
+      units[3 * k] = p, units[3 * k + 1] = n0, units[3 * k + 2] = Min<int64_t>(chunk[p], parts[p].N - n0);
+  ParallelFor(par, k, [&](int64_t c) {
+    const int64_t p = units[3 * c], n0 = units[3 * c + 1], width = units[3 * c + 2];
     thread_local Scratch out_buf;
     float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
-    for (int64_t n = 0; n < g.num_used; ++n) b_cols(g.used[n], n0, width, out);
+    for (int64_t n = 0; n < g.num_used; ++n)
+      if (g.rank(p, g.used[n])) b_cols(p, g.used[n], n0, width, out);
   });
 }
 
 void LoraInt8Entry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots,
-                   const int8_t* a, const int8_t* b, const float* scale, const int32_t* ranks, int64_t S, int64_t R,
-                   int64_t N, void* y) {
+                   const LoraInt8Part* parts, int64_t G, int64_t S, int64_t R) {
   if (dt == Dt::kF32)
-    LoraInt8Impl(run, static_cast<const float*>(x), T_, K, slots, a, b, scale, ranks, S, R, N, static_cast<float*>(y));
+    LoraInt8Impl(run, static_cast<const float*>(x), T_, K, slots, parts, G, S, R);
   else
-    LoraInt8Impl(run, static_cast<const uint16_t*>(x), T_, K, slots, a, b, scale, ranks, S, R, N,
-                 static_cast<uint16_t*>(y));
+    LoraInt8Impl(run, static_cast<const uint16_t*>(x), T_, K, slots, parts, G, S, R);
 }

@@ -828,70 +828,98 @@ Worst CheckLora(const Kernels& k) {
   return worst;
 }
 
-// LoRA on int8 stacks (lora.h "int8 adapter stacks"): a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4], scale [S, R];
+// LoRA on int8 stacks (lora.h "int8 adapter stacks"): a [S, R/32, Kq, 32, 4], b [S, R * N] in strips, scale [S, R];
 // the rows past a slot's rank hold values the kernel must not use (A's to the end of their panel are read; B's to
 // the end of their quad, weighted by zero). Reference: the int8 values times the scales in double. Tolerance:
 // float32 accumulation, the output's bfloat16 rounding, and where the path has int8 dot products the per-token
 // quantization of x (two digits: half a step of 1/254 of the high digit's) and of x @ A^T * scale (one digit), each
 // through the rest of the sum.
-void CheckLoraInt8Case(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, const std::vector<int32_t>& slots,
-                       const std::vector<int32_t>& ranks, int64_t R, const char* layout) {
-  const int64_t T = static_cast<int64_t>(slots.size()), S = static_cast<int64_t>(ranks.size()), kq = (K + 3) / 4;
-  Rng rng{static_cast<uint64_t>(K * 104729 + N * 37 + T * 5 + (dt == Dt::kBf16))};
+// One projection of a case: its output columns and its slots' ranks.
+struct LoraInt8CasePart {
+  int64_t N;
+  std::vector<int32_t> ranks;
+};
+
+void CheckLoraInt8Case(const Kernels& k, Worst& worst, Dt dt, int64_t K, const std::vector<LoraInt8CasePart>& cparts,
+                       const std::vector<int32_t>& slots, int64_t R, const char* layout) {
+  const int64_t T = static_cast<int64_t>(slots.size()), S = static_cast<int64_t>(cparts[0].ranks.size());
+  const int64_t kq = (K + 3) / 4, G = static_cast<int64_t>(cparts.size());
+  Rng rng{static_cast<uint64_t>(K * 104729 + cparts[0].N * 37 + T * 5 + G * 7 + (dt == Dt::kBf16))};
   const Buf x = Random(dt, T * K, rng);
-  std::vector<int8_t> aq(S * R * kq * 4, 0), bq(S * R * N);
-  std::vector<float> scale(S * R);
-  auto a_at = [&](int64_t s, int64_t r, int64_t kk) {
-    return ((s * (R / 16) + r / 16) * kq + kk / 4) * 64 + r % 16 * 4 + kk % 4;
-  };
-  auto b_at = [&](int64_t s, int64_t r, int64_t n) { return ((s * (R / 4) + r / 4) * N + n) * 4 + r % 4; };
-  for (int64_t s = 0; s < S; ++s)
-    for (int64_t r = 0; r < R; ++r) {
-      auto digit = [&] { return static_cast<int8_t>(static_cast<int>(rng.Next() % 255) - 127); };
-      for (int64_t kk = 0; kk < K; ++kk) aq[a_at(s, r, kk)] = digit();
-      for (int64_t n = 0; n < N; ++n) bq[b_at(s, r, n)] = digit();
-      scale[s * R + r] = 1e-4f * static_cast<float>(1 + rng.Next() % 100);
-    }
-  std::vector<double> want(T * N, 0.0), tol(T * N, 1e-6);
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t s = slots[t];
-    if (s < 0 || s >= S || !ranks[s]) continue;
-    const int64_t rank = std::min<int64_t>(ranks[s], R);
-    double xmax = 0;
-    for (int64_t kk = 0; kk < K; ++kk) xmax = std::max(xmax, std::fabs(x.At(t * K + kk)));
-    std::vector<double> u(rank), ue(rank), umag(rank);
-    double umax = 0;
-    for (int64_t r = 0; r < rank; ++r) {
-      double dot = 0, mag = 0, l1 = 0;
-      for (int64_t kk = 0; kk < K; ++kk) {
-        const double w = aq[a_at(s, r, kk)];
-        dot += x.At(t * K + kk) * w, mag += std::fabs(x.At(t * K + kk) * w), l1 += std::fabs(w);
+  std::vector<std::vector<int8_t>> aqs, bqs;
+  std::vector<std::vector<float>> scales, wants, tols;
+  for (const LoraInt8CasePart& cp : cparts) {
+    const int64_t N = cp.N;
+    std::vector<int8_t> aq(S * R * kq * 4, 0), bq(S * R * N);
+    std::vector<float> scale(S * R);
+    auto a_at = [&](int64_t s, int64_t r, int64_t kk) {
+      return ((s * (R / 32) + r / 32) * kq + kk / 4) * 128 + r % 32 * 4 + kk % 4;
+    };
+    auto b_at = [&](int64_t s, int64_t r, int64_t n) {  // strips of 64 columns, the last one narrower
+      const int64_t n0 = n / 64 * 64, w = std::min<int64_t>(64, N - n0);
+      return s * R * N + n0 * R + (r / 4 * w + n - n0) * 4 + r % 4;
+    };
+    for (int64_t s = 0; s < S; ++s)
+      for (int64_t r = 0; r < R; ++r) {
+        auto digit = [&] { return static_cast<int8_t>(static_cast<int>(rng.Next() % 255) - 127); };
+        for (int64_t kk = 0; kk < K; ++kk) aq[a_at(s, r, kk)] = digit();
+        for (int64_t n = 0; n < N; ++n) bq[b_at(s, r, n)] = digit();
+        scale[s * R + r] = 1e-4f * static_cast<float>(1 + rng.Next() % 100);
       }
-      u[r] = dot * scale[s * R + r];
-      umag[r] = mag * scale[s * R + r];
-      ue[r] = k.int8_dot() ? 0.5 * xmax / 127 / 254 * l1 * scale[s * R + r] * 1.01 : 0;
-      umax = std::max(umax, std::fabs(u[r]) + ue[r]);
-    }
-    for (int64_t n = 0; n < N; ++n) {
-      double y = 0, mag = 0, err = 0;
+    std::vector<float> want(T * N, 0.0f), tol(T * N, 1e-6f);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = slots[t];
+      if (s < 0 || s >= S || !cp.ranks[s]) continue;
+      const int64_t rank = std::min<int64_t>(cp.ranks[s], R);
+      double xmax = 0;
+      for (int64_t kk = 0; kk < K; ++kk) xmax = std::max(xmax, std::fabs(x.At(t * K + kk)));
+      std::vector<double> u(rank), ue(rank), umag(rank);
+      double umax = 0;
       for (int64_t r = 0; r < rank; ++r) {
-        const double w = bq[b_at(s, r, n)];
-        y += u[r] * w, mag += umag[r] * std::fabs(w);
-        err += (ue[r] + (k.int8_dot() ? 0.5 * umax / 127 * 1.01 : 0)) * std::fabs(w);
+        double dot = 0, mag = 0, l1 = 0;
+        for (int64_t kk = 0; kk < K; ++kk) {
+          const double w = aq[a_at(s, r, kk)];
+          dot += x.At(t * K + kk) * w, mag += std::fabs(x.At(t * K + kk) * w), l1 += std::fabs(w);
+        }
+        u[r] = dot * scale[s * R + r];
+        umag[r] = mag * scale[s * R + r];
+        ue[r] = k.int8_dot() ? 0.5 * xmax / 127 / 254 * l1 * scale[s * R + r] * 1.01 : 0;
+        umax = std::max(umax, std::fabs(u[r]) + ue[r]);
       }
-      want[t * N + n] = y;
-      tol[t * N + n] += 1e-5 * mag + err + (dt == Dt::kBf16 ? 0x1p-8 * (std::fabs(y) + err) : 0);
+      for (int64_t n = 0; n < N; ++n) {
+        double y = 0, mag = 0, err = 0;
+        for (int64_t r = 0; r < rank; ++r) {
+          const double w = bq[b_at(s, r, n)];
+          y += u[r] * w, mag += umag[r] * std::fabs(w);
+          err += (ue[r] + (k.int8_dot() ? 0.5 * umax / 127 * 1.01 : 0)) * std::fabs(w);
+        }
+        want[t * N + n] = static_cast<float>(y);
+        tol[t * N + n] += static_cast<float>(1e-5 * mag + err + (dt == Dt::kBf16 ? 0x1p-8 * (std::fabs(y) + err) : 0));
+      }
     }
+    aqs.push_back(std::move(aq)), bqs.push_back(std::move(bq)), scales.push_back(std::move(scale));
+    wants.push_back(std::move(want)), tols.push_back(std::move(tol));
   }
   for (int threads : kThreadCounts) {
-    Buf o(dt, T * N);
-    Call(threads, [&](const Runner& run) {
-      k.lora_int8(run, dt, x.data(), T, K, slots.data(), aq.data(), bq.data(), scale.data(), ranks.data(), S, R, N,
-                  o.data());
-    });
-    const std::string ctx = Case("int8 lora %s %s K=%lld N=%lld T=%lld threads=%d", DtName(dt), layout, (long long)K,
-                                 (long long)N, (long long)T, threads);
-    for (int64_t i = 0; i < T * N; ++i) worst.Near(o.At(i), want[i], 0, tol[i], ctx, i);
+    std::vector<Buf> outs;
+    std::vector<LoraInt8Part> parts;
+    for (int64_t p = 0; p < G; ++p) {
+      outs.emplace_back(dt, T * cparts[p].N);
+      // Rows the kernel leaves alone must come back zero: start from garbage.
+      for (int64_t i = 0; i < T * cparts[p].N; ++i) outs.back().Set(i, 1e6);
+    }
+    for (int64_t p = 0; p < G; ++p)
+      parts.push_back({aqs[p].data(), bqs[p].data(), scales[p].data(), cparts[p].ranks.data(), cparts[p].N,
+                       outs[p].data()});
+    Call(threads,
+         [&](const Runner& run) { k.lora_int8(run, dt, x.data(), T, K, slots.data(), parts.data(), G, S, R); });
+    for (int64_t p = 0; p < G; ++p) {
+      const int64_t N = cparts[p].N;
+      const std::string ctx = Case("int8 lora %s %s K=%lld N=%lld T=%lld part %lld/%lld threads=%d", DtName(dt),
+                                   layout, (long long)K, (long long)N, (long long)T, (long long)p, (long long)G,
+                                   threads);
+      for (int64_t i = 0; i < T * N; ++i) worst.Near(outs[p].At(i), wants[p][i], 0, tols[p][i], ctx, i);
+    }
   }
 }
 
@@ -909,7 +937,7 @@ Worst CheckLoraInt8(const Kernels& k) {
           Rng rng{static_cast<uint64_t>(T * 131 + K)};
           std::vector<int32_t> slots(T);
           for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(rng.Next() % 6) - 1;
-          CheckLoraInt8Case(k, worst, dt, K, N, slots, ranks, 32, "small");
+          CheckLoraInt8Case(k, worst, dt, K, {{N, ranks}}, slots, 32, "small");
         }
   // Over the threads: 8 rank-64 adapters' tokens, and most tokens on one adapter.
   const std::vector<int32_t> many = {64, 64, 64, 64, 64, 64, 64, 48};
@@ -918,7 +946,20 @@ Worst CheckLoraInt8(const Kernels& k) {
     for (int64_t t = 0; t < 48; ++t)
       slots[t] = layout[0] == 'e' || t % 3 == 0 ? static_cast<int32_t>(t % 9) - 1 : 2;
     for (Dt dt : {Dt::kF32, Dt::kBf16})
-      if (Sampled(n)) CheckLoraInt8Case(k, worst, dt, 517, 528, slots, many, 64, layout);
+      if (Sampled(n)) CheckLoraInt8Case(k, worst, dt, 517, {{528, many}}, slots, 64, layout);
+  }
+  // Three projections of one x (q|k|v), each its own ranks (one slot left alone by the second), alone on one thread
+  // and evenly or skewed over the threads.
+  const std::vector<LoraInt8CasePart> qkv = {{160, {64, 16, 48, 64, 32, 64, 64, 64}},
+                                             {48, {64, 0, 48, 16, 32, 64, 64, 64}},
+                                             {64, {16, 16, 64, 64, 32, 64, 48, 64}}};
+  for (const char* layout : {"small", "even", "skewed"}) {
+    const int64_t T = layout[0] == 's' ? 5 : 40;
+    std::vector<int32_t> slots(T);
+    for (int64_t t = 0; t < T; ++t)
+      slots[t] = std::string(layout) != "skewed" || t % 4 == 0 ? static_cast<int32_t>(t % 9) - 1 : 1;
+    for (Dt dt : {Dt::kF32, Dt::kBf16})
+      if (Sampled(n)) CheckLoraInt8Case(k, worst, dt, 70, qkv, slots, 64, layout);
   }
   return worst;
 }

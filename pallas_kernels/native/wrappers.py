@@ -301,21 +301,34 @@ def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.
 
 
 def lora_int8_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
-    """Trace-time. Whether `lora_int8` can run here: x [T, K] float32 or bfloat16, a [S, R/16, Kq, 16, 4] and
-    b [S, R/4, N, 4] int8 (`pallas_kernels.lora.quantize_adapter`'s layouts, N a multiple of 16), on whole local
+    """Trace-time. Whether `lora_int8` can run here: x [T, K] float32 or bfloat16, a [S, R/32, Kq, 32, 4] and
+    b [S, R * N] int8 (`pallas_kernels.lora.quantize_adapter`'s layouts, N a multiple of 16), on whole local
     arrays."""
-    if not enabled() or not _single_device_context() or x.ndim != 2 or a.ndim != 5 or b.ndim != 4:
+    if not enabled() or not _single_device_context() or x.ndim != 2 or a.ndim != 5 or b.ndim != 2:
         return False
+    r = a.shape[1] * 32
     return (jnp.dtype(x.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and a.dtype == jnp.int8
-            and b.dtype == jnp.int8 and a.shape[2] == -(-x.shape[1] // 4) and b.shape[2] % 16 == 0)
+            and b.dtype == jnp.int8 and a.shape[2] == -(-x.shape[1] // 4) and r > 0 and b.shape[1] % (16 * r) == 0)
 
 
 def lora_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,
               ranks: jax.Array) -> jax.Array:
     """Pure. `lora` on int8 stacks (native/lora.h "int8 adapter stacks"): [T, N] in x's dtype, (x[t] @ Aq^T * scale)
-    @ Bq for slot s = slots[t] up to rank ranks[s]; a [S, R/16, Kq, 16, 4], b [S, R/4, N, 4] int8, scale [S, R]
+    @ Bq for slot s = slots[t] up to rank ranks[s]; a [S, R/32, Kq, 32, 4], b [S, R * N] int8, scale [S, R]
     float32."""
+    return lora_int8_parts(x, slots, [(a, b, scale, ranks)])[0]
+
+
+def lora_int8_parts(x: jax.Array, slots: jax.Array, parts) -> list[jax.Array]:
+    """Pure. `lora_int8` for 1 to 4 projections of one x at once (q|k|v, gate|up: x's rows gathered and quantized
+    once, each slot's parts in one unit of work): `parts` a sequence of (a, b, scale, ranks) with one S and R; one
+    [T, N] output per part."""
     _require()
-    call = jax.ffi.ffi_call(_LORA_INT8, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
-    return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(scale, jnp.float32),
-                jnp.asarray(ranks, jnp.int32), isa=_isa_attr())
+    if not 1 <= len(parts) <= 4:
+        raise ValueError(f"lora_int8_parts takes 1 to 4 parts, not {len(parts)}")
+    call = jax.ffi.ffi_call(_LORA_INT8, [jax.ShapeDtypeStruct((x.shape[0], b.shape[1] // (a.shape[1] * 32)), x.dtype)
+                                         for a, b, _, _ in parts])
+    operands = [x, jnp.asarray(slots, jnp.int32)]
+    for a, b, scale, ranks in parts:
+        operands += [a, b, jnp.asarray(scale, jnp.float32), jnp.asarray(ranks, jnp.int32)]
+    return list(call(*operands, isa=_isa_attr()))

@@ -139,8 +139,8 @@ class EngineConfig:
     max_lora_rank: int = option(16, "Largest adapter rank the slots hold (--enable_lora); a higher rank is refused.")
     lora_dtype: str = option(
         "", "How the adapter slots hold A and B (--enable_lora): empty: the model's dtype; int8: per rank row "
-        "quantized int8, half bfloat16's bytes, for the native CPU kernel (one device; the update then moves by ~1% "
-        "of its size; docs/lora.md).", choices=("", "int8"))
+        "quantized int8, half bfloat16's bytes, for the native CPU kernel (one device, --max_lora_rank a multiple "
+        "of 32; the update then moves by ~1% of its size; docs/lora.md).", choices=("", "int8"))
     lora_modules: str = option("", "Adapters registered at start-up (--enable_lora): name=path of a PEFT adapter "
                                "directory, comma-separated.")
     reasoning_parser: str = option(

@@ -161,7 +161,7 @@ def test_automatic_choice():
 
 
 def _int8_case(dtype, tokens: int, seed: int, k: int, n: int, r: int = 32):
-    """`_case` with slots of r rank rows (a multiple of 16) and its stacks quantized (`lora.quantize_adapter`); the
+    """`_case` with slots of r rank rows (a multiple of 32) and its stacks quantized (`lora.quantize_adapter`); the
     reference in float64 on the dequantized stacks (the kernel's own arithmetic), and on the float stacks."""
     (x, slots, a, b, ranks), want = _case(jnp.float32, tokens, seed=seed, k=k, r=r, n=n)
     aq, bq, scale = lora.quantize_adapter(np.asarray(a), np.asarray(b))
@@ -196,14 +196,50 @@ def test_int8_stacks(backend, monkeypatch):
                 np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * span, err_msg=msg)
 
 
+@pytest.mark.parametrize("backend", ["native", "gather"])
+def test_int8_parts(backend, monkeypatch):
+    """Projections of one x in one call (`lora_delta_int8_parts`: the engine's q|k|v and gate|up), each with its own
+    N and ranks (one slot left alone by the second part): each part's update is the one call of its own gives, on
+    every native path this CPU runs (the same sums: alone on the caller's thread, and over the pool in both its
+    forms) and on an XLA backend; a part's rows of the slot it leaves alone are zero."""
+    rng = np.random.default_rng(11)
+    k, r, s = 70, 32, 4
+    shapes = [(96, [32, 16, 0, 32]), (48, [32, 0, 16, 5]), (16, [16, 32, 32, 32])]
+    parts = []
+    for n, ranks in shapes:
+        a, b = rng.standard_normal((s, r, k)) / np.sqrt(k), rng.standard_normal((s, r, n)) * 0.1
+        for slot, rank in enumerate(ranks):
+            a[slot, rank:], b[slot, rank:] = 0, 0
+        aq, bq, scale = lora.quantize_adapter(a, b)
+        parts.append((jnp.asarray(aq), jnp.asarray(bq), jnp.asarray(scale), jnp.asarray(ranks, jnp.int32)))
+    layouts = {"few": np.array([0, 1, -1, 2, 3], np.int32), "even": np.arange(64, dtype=np.int32) % 5 - 1,
+               "skewed": np.where(np.arange(64) % 4 == 0, np.arange(64) % 5 - 1, 2).astype(np.int32)}
+    fused = jax.jit(lambda x, slots, parts: lora.lora_delta_int8_parts(x, slots, parts))
+    alone = jax.jit(lambda x, slots, part: lora.lora_delta_int8(x, slots, *part))
+    for path in _each_path(backend, monkeypatch):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            for layout, slots in layouts.items():
+                x = jnp.asarray(rng.standard_normal((len(slots), k)), dtype)
+                got = fused(x, jnp.asarray(slots), parts)
+                for i, (part, (n, ranks)) in enumerate(zip(parts, shapes)):
+                    want = np.asarray(alone(x, jnp.asarray(slots), part).astype(jnp.float32))
+                    part_got = np.asarray(got[i].astype(jnp.float32))
+                    msg = f"{path} {dtype.__name__} {layout} part {i}"
+                    assert part_got.shape == (len(slots), n), msg
+                    np.testing.assert_allclose(part_got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max(), err_msg=msg)
+                    assert np.abs(want).max() > 0, msg
+                    left_alone = np.isin(slots, [slot for slot, rank in enumerate(ranks) if rank == 0]) | (slots < 0)
+                    assert not part_got[left_alone].any(), msg
+
+
 def test_int8_stacks_round_trip():
-    """`dequantize_adapter` undoes `quantize_adapter`'s layouts: each rank row within half a step of its scale; a
-    zero row stays zero."""
+    """`dequantize_adapter` undoes `quantize_adapter`'s layouts (B's strips: a whole one and a narrower last one): each
+    rank row within half a step of its scale; a zero row stays zero."""
     rng = np.random.default_rng(3)
-    a, b = rng.standard_normal((2, 32, 37)), rng.standard_normal((2, 32, 48))
+    a, b = rng.standard_normal((2, 32, 37)), rng.standard_normal((2, 32, 112))  # B: a strip of 64 columns and 48
     a[1, 20:], b[1, 20:] = 0, 0
     aq, bq, scale = lora.quantize_adapter(a, b)
-    assert aq.shape == (2, 2, 10, 16, 4) and bq.shape == (2, 8, 48, 4) and scale.shape == (2, 32)
+    assert aq.shape == (2, 1, 10, 32, 4) and bq.shape == (2, 32 * 112) and scale.shape == (2, 32)
     ad, bd = (np.asarray(v) for v in lora.dequantize_adapter(aq, bq, scale, 37))
     sb = np.abs(b).max(-1, keepdims=True) / 127
     np.testing.assert_allclose(bd * sb, b, atol=0.5 * sb.max() + 1e-6)
@@ -219,7 +255,7 @@ def test_native_kernel_refuses_misshapen_int8_stacks(bad, monkeypatch):
     monkeypatch.delenv(native.ENV_VAR, raising=False)
     (x, slots, aq, bq, scale, ranks), _, _ = _int8_case(jnp.float32, 4, seed=1, k=40, n=48)
     if bad == "N":
-        bq = bq[:, :, :40]
+        bq = bq[:, :32 * 40]
     elif bad == "R":
         scale = scale[:, :16]
     else:
@@ -227,3 +263,9 @@ def test_native_kernel_refuses_misshapen_int8_stacks(bad, monkeypatch):
     why = "N must be a multiple of 16" if bad == "N" else "disagree"
     with pytest.raises(Exception, match=f"int8 lora: .*{why}"):
         jax.block_until_ready(jax.jit(lambda *z: native.lora_int8(*z))(x, slots, aq, bq, scale, ranks))
+    if bad == "R":  # two parts of different R
+        (x, slots, aq, bq, scale, ranks), _, _ = _int8_case(jnp.float32, 4, seed=1, k=40, n=48)
+        (_, _, aq2, bq2, scale2, ranks2), _, _ = _int8_case(jnp.float32, 4, seed=2, k=40, n=32, r=64)
+        with pytest.raises(Exception, match="int8 lora: .*the parts' S and R"):
+            jax.block_until_ready(jax.jit(lambda x, s, p: native.lora_int8_parts(x, s, p))(
+                x, slots, [(aq, bq, scale, ranks), (aq2, bq2, scale2, ranks2)]))

@@ -216,9 +216,10 @@ def test_int8_adapter_stacks(families):
     """--lora_dtype=int8: the slots hold each adapter's A and B as `quantize_adapter` gives them (PEFT's weights within
     half a step of their per-row scales), and a step mixing three adapters and the base model gives HF + PEFT's
     logits to within the quantization (~1-2% of the logits' range here, against the 60-160% by which the adapters
-    move them). Refused: a max_lora_rank that is not a multiple of 16, and a mesh of more than one device."""
+    move them). Refused: a max_lora_rank that is not a multiple of 32, and a mesh of more than one device."""
     fam = families["llama"]
-    engine = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **OPTIONS, lora_dtype="int8"))
+    int8 = {**OPTIONS, "max_lora_rank": 32, "lora_dtype": "int8"}
+    engine = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **int8))
     runner = engine.runner
     assert all(entry[6] for entry in runner.lora_layout)
     names = [None, "a", "b", "c"]
@@ -238,10 +239,10 @@ def test_int8_adapter_stacks(families):
         np.testing.assert_allclose(row, ref, rtol=0, atol=5e-2 * np.abs(ref).max(), err_msg=f"adapter {name}")
     base = [peft_support.last_logits(fam.reference(None), p) for p in prompts[1:]]
     assert all(np.abs(ref - b0).max() > 0.3 * np.abs(ref).max() for ref, b0 in zip(want[1:], base))
-    with pytest.raises(ValueError, match="max_lora_rank must be a multiple of 16"):
-        EngineConfig(model=fam.dir, **{**OPTIONS, "max_lora_rank": 8}, lora_dtype="int8")
+    with pytest.raises(ValueError, match="max_lora_rank must be a multiple of 32"):
+        EngineConfig(model=fam.dir, **{**int8, "max_lora_rank": 16})
     with pytest.raises(ValueError, match="lora_dtype=int8 runs on one device"):
-        Engine(EngineConfig(model=fam.dir, **OPTIONS, lora_dtype="int8", tp=2))
+        Engine(EngineConfig(model=fam.dir, **int8, tp=2))
 
 
 def test_int8_base_weights_with_adapters(families):
