@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_quant import QuantizedKV
+from pallas_kernels.names import LORA_INT8_RANK_ROWS
 from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _LORA,
                                            _LORA_INT8, _MATMUL,
                                            _MATMUL_INT8, _MATMUL_PACKED, _isa_attr, _require, enabled, int8_dot_runs,
@@ -306,7 +307,7 @@ def lora_int8_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
     arrays."""
     if not enabled() or not _single_device_context() or x.ndim != 2 or a.ndim != 5 or b.ndim != 2:
         return False
-    r = a.shape[1] * 32
+    r = a.shape[1] * LORA_INT8_RANK_ROWS
     return (jnp.dtype(x.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) and a.dtype == jnp.int8
             and b.dtype == jnp.int8 and a.shape[2] == -(-x.shape[1] // 4) and r > 0 and b.shape[1] % (16 * r) == 0)
 
@@ -326,8 +327,8 @@ def lora_int8_parts(x: jax.Array, slots: jax.Array, parts) -> list[jax.Array]:
     _require()
     if not 1 <= len(parts) <= 4:
         raise ValueError(f"lora_int8_parts takes 1 to 4 parts, not {len(parts)}")
-    call = jax.ffi.ffi_call(_LORA_INT8, [jax.ShapeDtypeStruct((x.shape[0], b.shape[1] // (a.shape[1] * 32)), x.dtype)
-                                         for a, b, _, _ in parts])
+    outs = [(x.shape[0], b.shape[1] // (a.shape[1] * LORA_INT8_RANK_ROWS)) for a, b, _, _ in parts]
+    call = jax.ffi.ffi_call(_LORA_INT8, [jax.ShapeDtypeStruct(shape, x.dtype) for shape in outs])
     operands = [x, jnp.asarray(slots, jnp.int32)]
     for a, b, scale, ranks in parts:
         operands += [a, b, jnp.asarray(scale, jnp.float32), jnp.asarray(ranks, jnp.int32)]
