@@ -197,8 +197,7 @@ def dequantize_adapter(aq, bq, scale, k: int):
     for n0 in range(0, n, INT8_STRIP):
         w = min(INT8_STRIP, n - n0)
         strips.append(bq[..., n0 * r:(n0 + w) * r].reshape(*lead, r // 4, w, 4).swapaxes(-1, -2).reshape(*lead, r, w))
-    b = jnp.concatenate(strips, -1) if strips else jnp.zeros((*lead, r, 0), bq.dtype)
-    return a.astype(jnp.float32) * scale[..., None], b.astype(jnp.float32)
+    return a.astype(jnp.float32) * scale[..., None], jnp.concatenate(strips, -1).astype(jnp.float32)
 
 
 def lora_delta_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,

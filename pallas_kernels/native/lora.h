@@ -654,29 +654,23 @@ constexpr int64_t kLoraMaxParts = 4;  // projections of one x per call (api.h Lo
 // alone); one and two 0.60x, 6.4%; two and one 0.59x, 4.2%.
 constexpr int kLoraDA = 2, kLoraDB = 1;
 
-// Where column `col` starts in a quad row of panels of 16 columns `pstride` bytes apart.
-inline int64_t LoraI8Col(int64_t col, int64_t pstride) {
-  return col / kLoraI8Panel * pstride + col % kLoraI8Panel * 4;
-}
-// The same for vector c of a tile that starts at a panel's first column or (kLanes < 16) inside one, its vectors
-// not crossing into the next panel unless the tile starts at a panel's start.
-inline int64_t LoraI8Offset(int c, int64_t pstride) { return LoraI8Col(V::kLanes * c, pstride); }
-// How far ahead the tiles prefetch (each panel's 64 bytes of a quad row): A kLoraI8Ahead quad rows down its block;
+// How far ahead the tiles prefetch (the lines of their columns of a quad row): A kLoraI8Ahead quad rows down its block;
 // B the same quad row of the next strip (a rank-8 adapter reads 2 of a strip's 16 quad rows: rows further down are
 // not its own).
 constexpr int64_t kLoraI8Ahead = 8;
 template <int CV>
-inline void LoraI8Prefetch(const int8_t* ahead, int64_t pstride) {
-  constexpr int panels = static_cast<int>((V::kLanes * CV + kLoraI8Panel - 1) / kLoraI8Panel);
+inline void LoraI8Prefetch(const int8_t* ahead) {
+  constexpr int lines = static_cast<int>((V::kLanes * CV * 4 + 63) / 64);
 #pragma GCC unroll 4
-  for (int p = 0; p < panels; ++p) PrefetchT0(ahead + p * pstride);
+  for (int p = 0; p < lines; ++p) PrefetchT0(ahead + 64 * p);
 }
 
 // out[RT][CV vectors] (float32, row stride ldo) = sum over nq quads of x's rows (quads of 4 values, row stride ldx)
-// times w's quads (16 columns x 4 bytes per panel, panels pstride bytes apart, quad rows qstride apart).
+// times w's quads (a quad row: 4 bytes per column, A's rank rows or B's columns side by side; quad rows qstride
+// apart): vector c's columns at w + 4 kLanes c.
 template <int RT, int CV>
-inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_t qstride, int64_t pstride,
-                            int64_t nq, int64_t ahead, float* out, int64_t ldo) {
+inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_t qstride, int64_t nq,
+                            int64_t ahead, float* out, int64_t ldo) {
   V::F acc[RT][CV];
 #pragma GCC unroll 4
   for (int r = 0; r < RT; ++r)
@@ -684,11 +678,11 @@ inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_
     for (int c = 0; c < CV; ++c) acc[r][c] = V::Zero();
   for (int64_t q = 0; q < nq; ++q) {
     const int8_t* wq = w + q * qstride;
-    LoraI8Prefetch<CV>(wq + ahead, pstride);
+    LoraI8Prefetch<CV>(wq + ahead);
 #pragma GCC unroll 8
     for (int c = 0; c < CV; ++c) {
       V::F wv[4];
-      V::I8Quads(wq + LoraI8Offset(c, pstride), wv);
+      V::I8Quads(wq + 4 * V::kLanes * c, wv);
 #pragma GCC unroll 4
       for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 4
@@ -707,8 +701,8 @@ inline void LoraI8WidenTile(const float* x, int64_t ldx, const int8_t* w, int64_
 // digit d's sums of row r.
 template <int RT, int CV, int D>
 MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, const int32_t* minus, const int8_t* w,
-                                                 int64_t qstride, int64_t pstride, int64_t nq, int64_t ahead,
-                                                 float* out, int64_t ldo) {
+                                                 int64_t qstride, int64_t nq, int64_t ahead, float* out,
+                                                 int64_t ldo) {
   I8Dot::I hi[RT][CV], lo[RT][CV];
 #pragma GCC unroll 4
   for (int r = 0; r < RT; ++r)
@@ -716,10 +710,10 @@ MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, co
     for (int c = 0; c < CV; ++c) hi[r][c] = lo[r][c] = I8Dot::Zero();
   for (int64_t q = 0; q < nq; ++q) {
     const int8_t* wq = w + q * qstride;
-    LoraI8Prefetch<CV>(wq + ahead, pstride);
+    LoraI8Prefetch<CV>(wq + ahead);
     I8Dot::I wv[CV];
 #pragma GCC unroll 8
-    for (int c = 0; c < CV; ++c) wv[c] = I8Dot::Weights(wq + LoraI8Offset(c, pstride));
+    for (int c = 0; c < CV; ++c) wv[c] = I8Dot::Weights(wq + 4 * V::kLanes * c);
 #pragma GCC unroll 4
     for (int r = 0; r < RT; ++r)
 #pragma GCC unroll 8
@@ -739,34 +733,33 @@ MESHSERVE_I8DOT_TARGET inline void LoraI8DotTile(const int8_t* x, int64_t ld, co
 }
 #endif
 
-// One slot's m tokens against w's nq quad rows (as the tiles read them), columns [col0, col0 + cols) (col0 a
-// multiple of kLanes x CV, cols of kLanes), into out [m, cols] (float32, row stride ldo), CV vectors of columns at a
-// time: by int8 dot products on D digits of x (xq non-null: I8QuantizeRows's rows, their scales sx and offsets
-// minus) or widened (xf: float32 rows); both with row stride ldx. Each quad row prefetches the one `ahead` bytes on.
+// One slot's m tokens against w's nq quad rows (as the tiles read them), its first `cols` columns (a multiple of
+// kLanes), into out [m, cols] (float32, row stride ldo), CV vectors of columns at a time: by int8 dot products on D
+// digits of x (xq non-null: I8QuantizeRows's rows, their scales sx and offsets minus) or widened (xf: float32 rows);
+// both with row stride ldx. Each quad row prefetches the one `ahead` bytes on.
 template <int CV, int D = 2>
 void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_t* minus, int64_t ldx, int64_t m,
-                const int8_t* w, int64_t qstride, int64_t pstride, int64_t nq, int64_t ahead, int64_t col0,
-                int64_t cols, float* out, int64_t ldo) {
+                const int8_t* w, int64_t qstride, int64_t nq, int64_t ahead, int64_t cols, float* out, int64_t ldo) {
   for (int64_t i = 0; i < m; i += 4) {
     const int64_t rt = Min<int64_t>(4, m - i);
     for (int64_t c0 = 0; c0 < cols; c0 += V::kLanes * CV) {
-      const int8_t* wc = w + LoraI8Col(col0 + c0, pstride);
+      const int8_t* wc = w + 4 * c0;
       float* o = out + i * ldo + c0;
       if (cols - c0 < V::kLanes * CV) {  // the last vectors one at a time
         for (int64_t c = c0; c < cols; c += V::kLanes)
           LoraI8Rows<1, D>(xf ? xf + i * ldx : nullptr, xq ? xq + i * 2 * ldx : nullptr, sx ? sx + i : nullptr,
-                        minus ? minus + 2 * i : nullptr, ldx, rt, w, qstride, pstride, nq, ahead, col0 + c,
-                        V::kLanes, out + i * ldo + c, ldo);
+                           minus ? minus + 2 * i : nullptr, ldx, rt, w + 4 * c, qstride, nq, ahead, V::kLanes,
+                           out + i * ldo + c, ldo);
         break;
       }
 #if MESHSERVE_I8DOT
       if (xq) {
         const int8_t* xr = xq + i * 2 * ldx;
         switch (rt) {
-          case 4: LoraI8DotTile<4, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo); break;
-          case 3: LoraI8DotTile<3, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo); break;
-          case 2: LoraI8DotTile<2, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo); break;
-          default: LoraI8DotTile<1, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, pstride, nq, ahead, o, ldo);
+          case 4: LoraI8DotTile<4, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, nq, ahead, o, ldo); break;
+          case 3: LoraI8DotTile<3, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, nq, ahead, o, ldo); break;
+          case 2: LoraI8DotTile<2, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, nq, ahead, o, ldo); break;
+          default: LoraI8DotTile<1, CV, D>(xr, ldx, minus + 2 * i, wc, qstride, nq, ahead, o, ldo);
         }
         for (int64_t r = 0; r < rt; ++r)
           for (int64_t c = 0; c < CV; ++c) {
@@ -778,10 +771,10 @@ void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_
 #endif
       const float* xr = xf + i * ldx;
       switch (rt) {
-        case 4: LoraI8WidenTile<4, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo); break;
-        case 3: LoraI8WidenTile<3, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo); break;
-        case 2: LoraI8WidenTile<2, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo); break;
-        default: LoraI8WidenTile<1, CV>(xr, ldx, wc, qstride, pstride, nq, ahead, o, ldo);
+        case 4: LoraI8WidenTile<4, CV>(xr, ldx, wc, qstride, nq, ahead, o, ldo); break;
+        case 3: LoraI8WidenTile<3, CV>(xr, ldx, wc, qstride, nq, ahead, o, ldo); break;
+        case 2: LoraI8WidenTile<2, CV>(xr, ldx, wc, qstride, nq, ahead, o, ldo); break;
+        default: LoraI8WidenTile<1, CV>(xr, ldx, wc, qstride, nq, ahead, o, ldo);
       }
     }
   }
@@ -842,11 +835,11 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
       const int8_t* panel = parts[p].a + (s * R + j / kLoraI8Block * kLoraI8Block) * kp + j % kLoraI8Block * 4;
       const bool two = V::kLanes == 16 && j % kLoraI8Block == 0 && j1 - j >= kLoraI8Block;  // AVX-512: the block
       if (two)
-        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 128, 64, kq,
-                                            kLoraI8Ahead * 128, 0, kLoraI8Block, up + j, R);
+        LoraI8Rows<2 * kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 128, kq,
+                                            kLoraI8Ahead * 128, kLoraI8Block, up + j, R);
       else
-        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 128, 64, kq,
-                                        kLoraI8Ahead * 128, 0, kLoraI8Panel, up + j, R);
+        LoraI8Rows<kPanelVecs, kLoraDA>(xf + i0 * kp, ax, sx + i0, mx + 2 * i0, kp, m, panel, 128, kq,
+                                        kLoraI8Ahead * 128, kLoraI8Panel, up + j, R);
       j += two ? kLoraI8Block : kLoraI8Panel;
     }
     for (int64_t i = 0; i < m; ++i)
@@ -872,8 +865,8 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
     for (int64_t n = n0; n < n0 + width; n += kLoraI8Strip) {  // n0: a strip's first column
       const int64_t w = Min(kLoraI8Strip, N - n);  // this strip's columns: its quad rows are 4w bytes
       LoraI8Rows<kBVecs, kLoraDB>(u_of(p, i0), uq_of(p, i0), su_of(p, i0), mu_of(p, i0), R, m,
-                                  parts[p].b + s * R * N + n * R, 4 * w, 64, nq, kLoraI8Strip * R, 0, w,
-                                  out + (n - n0), width);
+                                  parts[p].b + s * R * N + n * R, 4 * w, nq, kLoraI8Strip * R, w, out + (n - n0),
+                                  width);
     }
     T* y = static_cast<T*>(parts[p].y);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + g.order[i0 + i] * N + n0, width);
