@@ -17,7 +17,7 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError, SafetensorsFile
-from pallas_kernels.lora import INT8_RANK_ROWS, lora_delta, lora_delta_int8, lora_delta_int8_parts
+from pallas_kernels.lora import INT8_RANK_ROWS, ROWS, lora_delta, lora_delta_int8, lora_delta_int8_parts
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LORA_RANK, LORA_SLOTS, MLP
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -93,9 +93,9 @@ class LoRAProjection(nnx.Module):
             self.a = zeros(self.a_shape, (LORA_SLOTS, LORA_RANK, *target.in_axes), dtype)
             self.b = zeros(self.b_shape, (LORA_SLOTS, LORA_RANK, *target.out_axes), dtype)
         self.ranks = zeros((max_loras,), (LORA_SLOTS,), jnp.int32)
-        # Whether each slot's A, B (flattened to [rank, in], [rank, out]) is in `pallas_kernels.lora.to_pairs` form:
-        # set by the engine where the native kernel runs the update (ModelRunner); the slot writes then store them so.
-        self.a_pairs = self.b_pairs = False
+        # Each slot's A, B (flattened to [rank, in], [rank, out]) in that `pallas_kernels.lora.to_layout` form: set by
+        # the engine where the native kernel runs the update (ModelRunner); the slot writes then store them so.
+        self.a_layout = self.b_layout = ROWS
 
     def __call__(self, x: jax.Array, slots: jax.Array) -> jax.Array:
         """Pure. The update of x [T, in] ([T, out]) for each token's slot (`slots` [T], < 0: none)."""
@@ -103,8 +103,8 @@ class LoRAProjection(nnx.Module):
         if self.int8:
             return lora_delta_int8(x, slots, a, b, self.scale[...], self.ranks[...])
         n, r = a.shape[:2]
-        return lora_delta(x, slots, a.reshape(n, r, -1), b.reshape(n, r, -1), self.ranks[...], self.a_pairs,
-                          self.b_pairs)
+        return lora_delta(x, slots, a.reshape(n, r, -1), b.reshape(n, r, -1), self.ranks[...], self.a_layout,
+                          self.b_layout)
 
 
 class LoRAStacks(nnx.Module):

@@ -11,10 +11,15 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import native
+from pallas_kernels.names import LORA_BLOCK_COLUMNS as BLOCK_COLUMNS
+from pallas_kernels.names import LORA_BLOCK_ROWS as BLOCK_ROWS
 from pallas_kernels.names import LORA_INT8_RANK_ROWS as INT8_RANK_ROWS
 from pallas_kernels.names import LORA_INT8_STRIP as INT8_STRIP
+from pallas_kernels.names import LORA_LAYOUTS
+from pallas_kernels.names import LORA_STRIP as STRIP
 from pallas_kernels.target import target_platform
 
 LORA_ENV_VAR = "MESHSERVE_LORA_KERNEL"  # auto (default) | native | gather | loop | ragged_dot
@@ -22,39 +27,71 @@ BACKENDS = ("native", "gather", "loop", "ragged_dot")
 # Up to this many tokens the XLA paths gather each token's A and B (they read T adapters' worth, not all slots):
 # a decode step of a few sequences.
 GATHER_MAX_TOKENS = 4
-# Stacks in pairs (`to_pairs`) need K and N multiples of this: whole vectors of every native path's width.
+# A stack's forms (`to_layout`).
+ROWS, PAIRS, BLOCKS, STRIPS = LORA_LAYOUTS
+# A in pairs and B in strips need K and N multiples of this: whole vectors of every native path's width.
 PAIR_COLUMNS = 16
 
 
-def pairs_fit(dtype, rank: int, cols: int) -> bool:
-    """Whether a stack of `dtype` with slots [rank, cols] (A: cols = in; B: out) can be stored in pairs (`to_pairs`):
-    the native kernel takes them so for bfloat16, an even rank and cols a multiple of PAIR_COLUMNS."""
-    return jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) and rank % 2 == 0 and cols % PAIR_COLUMNS == 0
+def stack_layouts(dtype, rank: int, k: int, n: int) -> tuple[str, str]:
+    """Trace-time (the native path in use). How the native kernel reads A [rank, k] and B [rank, n] stacks of `dtype`
+    (`to_layout`'s forms; native/lora.h): bfloat16 B in strips where rank is even and n a multiple of PAIR_COLUMNS; A in
+    blocks on a path with a pair dot product (avx512_bf16, amx, neon_bf16; rank a multiple of BLOCK_ROWS, k of
+    BLOCK_COLUMNS), in pairs on one that widens bfloat16 (B in strips, k a multiple of PAIR_COLUMNS); else rows."""
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    b = STRIPS if bf16 and rank % 2 == 0 and n % PAIR_COLUMNS == 0 else ROWS
+    if native.pair_dot(native.isa()):
+        return (BLOCKS if bf16 and rank % BLOCK_ROWS == 0 and k % BLOCK_COLUMNS == 0 else ROWS), b
+    return (PAIRS if b == STRIPS and k % PAIR_COLUMNS == 0 else ROWS), b
 
 
-def pairs_layout(dtype, rank: int, k: int, n: int) -> tuple[bool, bool]:
-    """Trace-time (the native path in use). Whether the native kernel reads A [rank, k] and B [rank, n] stacks of
-    `dtype` in pairs: B where they fit (`pairs_fit`); A too where the path widens bfloat16 (a path with a pair dot
-    product, avx512_bf16, amx and neon_bf16, multiplies x by A's rows as they are, row-major)."""
-    b_pairs = pairs_fit(dtype, rank, n)
-    return b_pairs and pairs_fit(dtype, rank, k) and not native.pair_dot(native.isa()), b_pairs
+def _concat(w, parts):
+    return (np.concatenate if isinstance(w, np.ndarray) else jnp.concatenate)(parts, -1)
 
 
-def to_pairs(b):
-    """A stack's [..., R, N] (numpy or jax; A [R, K] alike) in the native kernel's pairs, same shape: R / 2 rows of
-    N pairs, rows 2j and 2j + 1 of a column side by side (element (k, n) at flat (k // 2) * 2N + 2n + k % 2). The
-    kernel widens a pair of rows from bfloat16 with one load, and a rank-r adapter's first r rows stay contiguous
-    (native/lora.h). `from_pairs` undoes it."""
-    *lead, r, n = b.shape
+def to_layout(w, layout: str):
+    """A stack's [..., R, C] (numpy or jax; A: C = K, B: C = N) in one of the native kernel's forms, same shape
+    (native/lora.h; `from_layout` undoes it). Element (j, c) of a slot's [R, C] goes to flat
+      rows:   j C + c;
+      pairs:  (j // 2) 2C + 2c + j % 2 (rows 2i and 2i + 1 side by side along C);
+      blocks: (j // 4) 4C + (c // 32) 128 + (j % 4) 32 + c % 32 (blocks of BLOCK_ROWS rows, chunks of BLOCK_COLUMNS
+              columns of each side by side);
+      strips: c0 R + (j // 2) 2w + 2 (c - c0) + j % 2 for the strip [c0, c0 + w) holding c (strips of STRIP
+              columns, the last as narrow as C leaves it; each strip's rows in pairs).
+    A rank-r adapter's first r rows stay one contiguous run in rows, pairs and blocks (up to a pair or block)."""
+    if layout == ROWS:
+        return w
+    *lead, r, c = w.shape
     nd = len(lead)
-    return b.reshape(*lead, r // 2, 2, n).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, n)
+    if layout == PAIRS:
+        return w.reshape(*lead, r // 2, 2, c).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, c)
+    if layout == BLOCKS:
+        return w.reshape(*lead, r // BLOCK_ROWS, BLOCK_ROWS, c // BLOCK_COLUMNS, BLOCK_COLUMNS).transpose(
+            *range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, r, c)
+    if layout == STRIPS:
+        strips = [w[..., c0:c0 + STRIP].reshape(*lead, r // 2, 2, -1).swapaxes(-1, -2).reshape(*lead, -1)
+                  for c0 in range(0, c, STRIP)]
+        return _concat(w, strips).reshape(*lead, r, c)
+    raise ValueError(f"unknown LoRA stack layout {layout!r}: expected one of {', '.join(LORA_LAYOUTS)}")
 
 
-def from_pairs(b):
-    """Pure. The inverse of `to_pairs`: [..., R, N] row-major again."""
-    *lead, r, n = b.shape
+def from_layout(w, layout: str):
+    """Pure. The inverse of `to_layout`: [..., R, C] row-major again."""
+    if layout == ROWS:
+        return w
+    *lead, r, c = w.shape
     nd = len(lead)
-    return b.reshape(*lead, r // 2, n, 2).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, n)
+    if layout == PAIRS:
+        return w.reshape(*lead, r // 2, c, 2).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, c)
+    if layout == BLOCKS:
+        return w.reshape(*lead, r // BLOCK_ROWS, c // BLOCK_COLUMNS, BLOCK_ROWS, BLOCK_COLUMNS).transpose(
+            *range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, r, c)
+    if layout == STRIPS:
+        flat = w.reshape(*lead, r * c)
+        strips = [flat[..., c0 * r:(c0 + min(STRIP, c - c0)) * r].reshape(*lead, r // 2, -1, 2).swapaxes(-1, -2)
+                  .reshape(*lead, r, -1) for c0 in range(0, c, STRIP)]
+        return _concat(w, strips)
+    raise ValueError(f"unknown LoRA stack layout {layout!r}: expected one of {', '.join(LORA_LAYOUTS)}")
 
 
 def _forced_backend() -> str:
@@ -80,16 +117,16 @@ def lora_backend(x: jax.Array, a: jax.Array, b: jax.Array) -> str:
 
 
 def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array,
-               a_pairs: bool = False, b_pairs: bool = False) -> jax.Array:
+               a_layout: str = ROWS, b_layout: str = ROWS) -> jax.Array:
     """Pure. [T, N] in x's dtype: (x[t] @ a[slots[t]]^T) @ b[slots[t]] per token, 0 where slots[t] < 0; x [T, K],
-    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero; `a_pairs`, `b_pairs`:
-    each slot's A, B in `to_pairs` form, which the native kernel reads as it is and the XLA paths undo first), ranks [S]
-    int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this projection).
-    Accumulated in float32."""
+    slots [T] int32, a [S, R, K], b [S, R, N] in x's dtype (rows past a slot's rank are zero; `a_layout`, `b_layout`:
+    each slot's A, B in that `to_layout` form, which the native kernel reads as it is and the XLA paths undo first),
+    ranks [S] int32 (each slot's rank: the native kernel reads no further; 0: the slot holds nothing for this
+    projection). Accumulated in float32."""
     backend = lora_backend(x, a, b)
     if backend == "native":
-        return native.lora(x, slots, a, b, ranks, a_pairs=a_pairs, b_pairs=b_pairs)
-    a, b = from_pairs(a) if a_pairs else a, from_pairs(b) if b_pairs else b
+        return native.lora(x, slots, a, b, ranks, a_layout=a_layout, b_layout=b_layout)
+    a, b = from_layout(a, a_layout), from_layout(b, b_layout)
     if backend == "gather":
         return gathered_lora(x, slots, a, b)
     if backend == "loop":

@@ -32,3 +32,10 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> str:
 # and B in strips of this many columns (native/lora.h kLoraI8Block, kLoraI8Strip).
 LORA_INT8_RANK_ROWS = 32
 LORA_INT8_STRIP = 64
+# bfloat16 LoRA stacks on the native CPU kernel (pallas_kernels/lora.py `to_layout`): A in blocks of this many rank
+# rows and chunks of this many columns, B in strips of this many columns (native/lora.h kLoraABlock, kLoraAChunk,
+# kLoraStrip).
+LORA_LAYOUTS = ("rows", "pairs", "blocks", "strips")  # a stack's forms; the index: the kernel's code (api.h LoraLayout)
+LORA_BLOCK_ROWS = 4
+LORA_BLOCK_COLUMNS = 32
+LORA_STRIP = 64

@@ -57,6 +57,15 @@ struct HeadWeight {
   int64_t K, N, panel_len;
 };
 
+// How a LoRA stack holds each slot (Kernels::lora; lora.h has the forms, pallas_kernels/lora.py writes them):
+// row-major, or (bfloat16) a form its tiles read as fewer, longer streams.
+enum LoraLayout : int32_t {
+  kLoraRows = 0,    // A [R, K], B [R, N] row-major
+  kLoraPairs = 1,   // A: rows 2j and 2j + 1 side by side along K (paths that widen bfloat16)
+  kLoraBlocks = 2,  // A: blocks of 4 rank rows, 32 columns of each side by side (paths with pair dot products)
+  kLoraStrips = 3,  // B: strips of 64 columns, each strip's rows in pairs
+};
+
 // One projection of an int8 LoRA call (Kernels::lora_int8): its stacks, its slots' ranks and its output.
 struct LoraInt8Part {
   const int8_t* a;
@@ -110,11 +119,12 @@ struct Kernels {
                            const void* cache, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
                            const int32_t* cu, int64_t num_seqs, void* out);
   // LoRA update (lora.h): y[T, N] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (s < 0
-  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed), b [S, R, N] row-major, or (a_pairs, b_pairs: bfloat16
-  // only, R even, K (A) and N (B) multiples of 16) each slot's A or B in lora.h's pairs; x, a, b and y in `dt`.
+  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed) and b [S, R, N], each slot as a_layout and b_layout say
+  // (LoraLayout: A rows, pairs or blocks, B rows or strips; the forms bfloat16 only, their shapes checked by ffi.cc);
+  // x, a, b and y in `dt`.
   void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
-               const void* b, bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
-               void* y);
+               const void* b, int32_t a_layout, int32_t b_layout, const int32_t* ranks, int64_t S, int64_t R,
+               int64_t N, void* y);
   // The same on int8 stacks (lora.h "int8 adapter stacks") for G (1 to 4) projections of one x at once (q|k|v,
   // gate|up): each part's a [S, R/32, Kq, 32, 4], b [S, R * N] (lora.h's strips; R a multiple of 32, N of 16), scale
   // [S, R] float32, ranks [S] and y [T, N]; x and y in `dt`.

@@ -368,7 +368,7 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
 
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
                     ffi::AnyBuffer b, ffi::Buffer<ffi::S32> ranks, ffi::Result<ffi::AnyBuffer> out, int32_t isa,
-                    bool a_pairs, bool b_pairs) {
+                    int32_t a_layout, int32_t b_layout) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
   auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
@@ -385,13 +385,19 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
     return ffi::Error::InvalidArgument("lora: x, a, b and out must all be float32 or all bfloat16");
   if (static_cast<int64_t>(out->element_count()) != T * N)
     return ffi::Error::InvalidArgument("lora: out must be [T, N]");
-  if ((a_pairs || b_pairs) && (t != ffi::DataType::BF16 || R % 2))
-    return ffi::Error::InvalidArgument("lora: stacks in pairs need bfloat16 and an even R");
-  if ((a_pairs && K % 16) || (b_pairs && N % 16))
-    return ffi::Error::InvalidArgument("lora: A in pairs needs K, B in pairs N, a multiple of 16");
+  if (a_layout < kLoraRows || a_layout > kLoraBlocks || (b_layout != kLoraRows && b_layout != kLoraStrips))
+    return ffi::Error::InvalidArgument("lora: A's layout must be rows, pairs or blocks, B's rows or strips");
+  if ((a_layout != kLoraRows || b_layout != kLoraRows) && t != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("lora: stacks in pairs, blocks or strips need bfloat16");
+  if ((a_layout == kLoraPairs && (R % 2 || K % 16)) || (b_layout == kLoraStrips && (R % 2 || N % 16)))
+    return ffi::Error::InvalidArgument("lora: A in pairs needs an even R and K a multiple of 16, B in strips an even "
+                                       "R and N a multiple of 16");
+  if (a_layout == kLoraBlocks && (R % 4 || K % 32 || !kernels->pair_dot))
+    return ffi::Error::InvalidArgument("lora: A in blocks needs R a multiple of 4, K of 32, and a path with bfloat16 "
+                                       "pair dot products");
   if (!T || !N) return ffi::Error::Success();
   kernels->lora(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
-                slots.typed_data(), a.untyped_data(), b.untyped_data(), a_pairs, b_pairs, ranks.typed_data(), S, R,
+                slots.typed_data(), a.untyped_data(), b.untyped_data(), a_layout, b_layout, ranks.typed_data(), S, R,
                 N, out->untyped_data());
   return ffi::Error::Success();
 }
@@ -568,8 +574,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLora, meshserve::LoraImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa")
-                                  .Attr<bool>("a_pairs")
-                                  .Attr<bool>("b_pairs"));
+                                  .Attr<int32_t>("a_layout")
+                                  .Attr<int32_t>("b_layout"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLoraInt8, meshserve::LoraInt8Impl,
                               ffi::Ffi::Bind()

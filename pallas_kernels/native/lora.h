@@ -25,20 +25,26 @@
 // widened bfloat16 weights). At a decode step (a few tokens per adapter) both passes are mostly waiting on memory:
 // every byte of A and B is used by only m tokens, hence the prefetches.
 //
-// bfloat16 stacks may come in pairs (`b_pairs`, `a_pairs`; the engine stores them so on the native path:
-// pallas_kernels/lora.py `to_pairs`, `pairs_layout`): each slot's B [R, N] as R / 2 rows of N pairs, rows 2j and
-// 2j + 1 of a column side by side, element (k, n) at (k / 2) * 2N + 2n + k % 2, and A [R, K] likewise (R even, N (B)
-// and K (A) multiples of 16); an adapter's first r rows stay one contiguous block.
-//  - Where the CPU has no bfloat16 pair dot product, both in pairs: 2 x kLanes values widen with one load, a shift
-//    and an and (SplitPairs) instead of two loads, two zero-extensions and two shifts, over half as many row
-//    streams. Same sums in the same order as the row-major form, so bit-identical to it. Measured on Zen 3 (the
-//    step's 84 calls, 32 tokens over 8 rank-64 adapters; docs/lora.md): B in pairs with KeepInRegister below, ~11%
-//    less CPU per step on one thread and ~6% less wall time on two; A in pairs too, another ~5% and ~2%.
-//  - Where it has one (avx512_bf16, amx, neon_bf16: V::kNativePairs), B in pairs and A row-major: the A pass takes
-//    x's bfloat16 rows as they are against A's rows (LoraBf16Dot), and the B pass rounds x @ A^T to bfloat16 (as
-//    PEFT's bfloat16 lora_A output is) and multiplies it by B's pairs, one instruction per vector of columns and
-//    two rows. Measured on Zen 4 (docs/lora.md): the step's 84 calls for 32 tokens of one rank-64 adapter ~20% less
-//    time; 8 rank-64 adapters (4 tokens each, waiting on memory) about the same.
+// bfloat16 stacks may come in other forms (api.h LoraLayout; the engine stores them so on the native path:
+// pallas_kernels/lora.py `to_layout`, `stack_layouts`), in each of which an adapter's first r rows come first (in
+// strips, first in each strip), so a rank-r adapter reads no further:
+//  - B in strips (every path): each slot's B as strips of kLoraStrip columns (the last as narrow as N leaves it, a
+//    multiple of 16), each strip's R / 2 pair rows contiguous, rows 2j and 2j + 1 of a column side by side. A tile of
+//    a strip's columns (on AVX-512 the whole strip) reads one stream down the adapter's rows instead of 16 rows of
+//    all N columns at a time. Where the CPU has no bfloat16 pair dot product, 2 x kLanes values widen with one load,
+//    a shift and an and (SplitPairs) instead of two loads, two zero-extensions and two shifts: the same sums in the
+//    same order as the row-major form, so bit-identical to it. Where it has one (avx512_bf16, amx, neon_bf16:
+//    V::kNativePairs) the B pass rounds x @ A^T to bfloat16 (as PEFT's bfloat16 lora_A output is) and multiplies it
+//    by B's pairs, one instruction per vector of columns and two rows.
+//  - A in pairs (paths that widen bfloat16): rows 2j and 2j + 1 side by side along K, widened as B's pairs are.
+//    Measured on Zen 3 (the step's 84 calls, 32 tokens over 8 rank-64 adapters; docs/lora.md): B in pairs with
+//    KeepInRegister below, ~11% less CPU per step on one thread and ~6% less wall time on two; A in pairs too,
+//    another ~5% and ~2%.
+//  - A in blocks (paths with pair dot products): blocks of 4 rank rows, 32 columns of each side by side
+//    (LoraBf16BlockDot): the A pass takes x's bfloat16 rows as they are against a block's 4 rows as one stream.
+//    A row-major (K not a multiple of 32) is read a row at a time (LoraBf16Dot).
+//  Measured on Zen 4 (avx512_bf16; the step's 84 calls chained, 32 tokens over 8 rank-64 adapters, alternated with
+//  B in pairs of all N columns and A row-major): A alone ~15% less time, B alone ~28%, both ~15% (docs/lora.md).
 
 // Below this many multiply-adds a call runs on the calling thread alone (one token's rank-8 update, 22K per call):
 // handing it to the pool costs more than it saves. Measured in the engine on Zen 4 (2 cores, the step's calls run
@@ -122,13 +128,15 @@ void LoraColumns(const float* xt, const WT* w, int64_t ldw, int64_t kb, int64_t 
   if (c0 < width) LoraTail<RT, CB, WT>(xt, w + c0, ldw, kb, width - c0, out + c0, ldo, first);
 }
 
-// Column vectors per tile of B's pairs (AVX2: 8 accumulators and 4 widened vectors of B of its 16 registers; on
-// Zen 4 with pair dot products 4 x 4 tiles ran no faster, the pass then waiting on memory).
-constexpr int PairCb(int rt) { return rt >= 4 ? 2 : 4; }
+// Columns per strip of B (kLoraStrips: LoraStripsB).
+constexpr int64_t kLoraStrip = 64;
+// Column vectors per tile of B's strips: AVX-512 a whole strip (16 accumulators), AVX2 and NEON 8 accumulators and 4
+// widened vectors of B of their 16 registers (a quarter or an eighth of a strip).
+constexpr int PairCb(int rt) { return V::kLanes == 16 ? 4 : rt >= 4 ? 2 : 4; }
 
-// out[RT rows, CB vectors of columns] (float32, row stride ldo) (+)= x[:, :kb] @ w[kb, CB vectors], w in B's pairs
-// (row stride ldw: 2N; kb even) and x in pair form (PackLoraX: xt[(k / 2) * 2RT + 2r + k % 2] = x[r, k], as V::PairX:
-// bfloat16 with pair dot products, else float32 and two FMAs): `first` starts from zero, else from out.
+// out[RT rows, CB vectors of columns] (float32, row stride ldo) (+)= x[:, :kb] @ w[kb, CB vectors], w a strip's rows
+// in pairs (pair rows ldw apart: 2w; kb even) and x in pair form (PackLoraX: xt[(k / 2) * 2RT + 2r + k % 2] = x[r, k],
+// as V::PairX: bfloat16 with pair dot products, else float32 and two FMAs): `first` starts from zero, else from out.
 template <int RT, int CB>
 inline void LoraPairTile(const V::PairX* __restrict xt, const uint16_t* __restrict w, int64_t ldw, int64_t kb,
                          float* __restrict out, int64_t ldo, bool first) {
@@ -156,7 +164,7 @@ inline void LoraPairTile(const V::PairX* __restrict xt, const uint16_t* __restri
     for (int c = 0; c < CB; ++c) V::Store(out + r * ldo + V::kLanes * c, acc[r][c]);
 }
 
-// Columns [0, width) of a row tile in B's pairs (width a multiple of kLanes): tiles of PairCb vectors, then single
+// Columns [0, width) of a row tile in a strip of B (width a multiple of kLanes): tiles of PairCb vectors, then single
 // ones.
 template <int RT>
 void LoraPairColumns(const V::PairX* xt, const uint16_t* w, int64_t ldw, int64_t kb, int64_t width, float* out,
@@ -190,37 +198,48 @@ const LoraX<kPairs>* PackLoraX(const float* const* rows, int64_t kb, LoraX<kPair
   }
 }
 
-// Rows [k0, k0 + kLoraKBlock) of B (at most kb) for a row tile: row-major, or (kPairs) in pairs.
-template <int RT, bool kPairs, typename WT>
-inline void LoraKBlock(const LoraX<kPairs>* xt, const WT* w, int64_t ldw, int64_t k0, int64_t kb, int64_t width,
-                       float* out, int64_t ldo) {
-  const int64_t rows = Min(kLoraKBlock, kb - k0);
-  if constexpr (kPairs)
-    LoraPairColumns<RT>(xt + k0 * RT, w + (k0 / 2) * ldw, ldw, rows, width, out, ldo, k0 == 0);
-  else
-    LoraColumns<RT, WT>(xt + k0 * RT, w + k0 * ldw, ldw, rows, width, out, ldo, k0 == 0);
-}
-
-// out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[:kb, :width] for i < m, kLoraKBlock rows of w at a time:
-// w row-major (row stride ldw), or (kPairs) one slot's B in pairs from its column n0 (w = b + 2 n0; ldw = 2N per pair
-// of rows; kb even: a rank rounded up, the row past it weighted by the zero its xa row holds there).
-template <bool kPairs, typename WT>
+// out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[:kb, :width] for i < m, w row-major (row stride ldw),
+// kLoraKBlock rows of w at a time.
+template <typename WT>
 void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, int64_t ldw, int64_t width, float* out,
                 int64_t ldo) {
   constexpr int RT = 4;
   thread_local Scratch xt_buf, tmp_buf;
-  auto* xt = xt_buf.Get<LoraX<kPairs>>(static_cast<size_t>(kb * RT));
+  float* xt = xt_buf.Get<float>(static_cast<size_t>(kb * RT));
+  auto k_blocks = [&](auto rt, const float* xp, float* o) {
+    for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
+      LoraColumns<decltype(rt)::value, WT>(xp + k0 * decltype(rt)::value, w + k0 * ldw, ldw,
+                                           Min(kLoraKBlock, kb - k0), width, o, ldo, k0 == 0);
+  };
   int64_t i = 0;
-  for (; i + RT <= m; i += RT) {
-    const auto* xp = PackLoraX<RT, kPairs>(rows + i, kb, xt, tmp_buf);
-    for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraKBlock<RT, kPairs, WT>(xp, w, ldw, k0, kb, width, out + i * ldo, ldo);
-  }
-  for (; i < m; ++i) {
-    const auto* xp = PackLoraX<1, kPairs>(rows + i, kb, xt, tmp_buf);
-    for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraKBlock<1, kPairs, WT>(xp, w, ldw, k0, kb, width, out + i * ldo, ldo);
-  }
+  for (; i + RT <= m; i += RT)
+    k_blocks(std::integral_constant<int, RT>{}, PackLoraX<RT, false>(rows + i, kb, xt, tmp_buf), out + i * ldo);
+  for (; i < m; ++i)
+    k_blocks(std::integral_constant<int, 1>{}, PackLoraX<1, false>(rows + i, kb, xt, tmp_buf), out + i * ldo);
+}
+
+// B in strips (kLoraStrips): out[i, :width] (float32, row stride width) = rows[i][:r] @ b[:r, n0:n0 + width] for
+// i < m, b one slot's B: strips of kLoraStrip columns (the last one as narrow as N leaves it), each strip's rows in
+// pairs (rows 2j and 2j + 1 of a column side by side: element (k, n) at n0' R + (k / 2) 2w + 2 (n - n0') + k % 2 for
+// the strip [n0', n0' + w) holding n), so a tile of a strip's columns reads one stream down all r rows (r rounded
+// up to even: the row past an odd rank weighted by the zero its xa row holds there). n0, width: whole strips.
+inline void LoraStripsB(const float* const* rows, int64_t m, int64_t r, const uint16_t* b, int64_t R, int64_t N,
+                        int64_t n0, int64_t width, float* out) {
+  constexpr int RT = 4;
+  const int64_t kb = r + (r & 1);
+  thread_local Scratch xt_buf, tmp_buf;
+  auto* xt = xt_buf.Get<V::PairX>(static_cast<size_t>(kb * RT));
+  auto strips = [&](auto rt, const V::PairX* xp, float* o) {
+    for (int64_t n = n0; n < n0 + width; n += kLoraStrip) {
+      const int64_t w = Min(kLoraStrip, N - n);
+      LoraPairColumns<decltype(rt)::value>(xp, b + n * R, 2 * w, kb, w, o + (n - n0), width, true);
+    }
+  };
+  int64_t i = 0;
+  for (; i + RT <= m; i += RT)
+    strips(std::integral_constant<int, RT>{}, PackLoraX<RT, true>(rows + i, kb, xt, tmp_buf), out + i * width);
+  for (; i < m; ++i)
+    strips(std::integral_constant<int, 1>{}, PackLoraX<1, true>(rows + i, kb, xt, tmp_buf), out + i * width);
 }
 
 // Pins a loaded vector to a register: in LoraDotTile GCC otherwise folds each load of x into both of the tile's
@@ -419,33 +438,95 @@ inline void LoraBf16Dot(const uint16_t* x, int64_t m, int64_t K, const uint16_t*
     for (; i < m; ++i) LoraBf16DotRows<1, 4>(x + i * K, a + j * K, K, rows, out + i * ldo + j, ldo);
   }
 }
+
+// A in blocks (kLoraBlocks), for the paths with pair dot products: each slot's A [R, K] as R / 4 blocks of 4 rank rows,
+// a block as K / 32 chunks of its 4 rows' 32 columns side by side (element (j, k) at (j / 4) 4K + (k / 32) 128 +
+// (j % 4) 32 + k % 32; 64 bytes of each row, a chunk 4 cache lines), so a tile of a block's 4 rows reads one stream and
+// a rank-r adapter's first ceil(r / 4) blocks are one stream too. The rows-layout tile (LoraBf16Dot) reads one row at
+// a time at a decode step, 4 accumulators each waiting on the pair dot product's latency, or 4 rows as 4 short
+// streams. Measured on Zen 4 (the step's 84 calls, A alone, 32 tokens over 8 rank-64 adapters): ~15% less time.
+constexpr int64_t kLoraABlock = 4, kLoraAChunk = 32;
+// Bytes ahead along a block's stream, prefetched: two chunks (1 to 8 measured alike on Zen 4).
+constexpr int64_t kLoraAAhead = 512;
+
+// out[i, j] (float32, row stride ldo) = x[i, :K] . a[j, :K] for i < RT and j < rc (at most 4: a block's rows up to
+// the rank; the rest of out left alone), x bfloat16 rows (row stride K), blk one block of A.
+template <int RT>
+inline void LoraBf16BlockTile(const uint16_t* __restrict x, const uint16_t* __restrict blk, int64_t K, int64_t rc,
+                              float* __restrict out, int64_t ldo) {
+  constexpr int64_t kStep = 2 * V::kLanes;
+  V::F acc[RT][kLoraABlock];
+  LoraDotZero<RT, kLoraABlock>(acc);
+  for (int64_t c = 0; c < K; c += kLoraAChunk) {
+    const uint16_t* ch = blk + c * kLoraABlock;
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) PrefetchT0(reinterpret_cast<const char*>(ch) + kLoraAAhead + 64 * l);
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < kLoraAChunk; k += kStep) {
+      V::WPair av[kLoraABlock];
+#pragma GCC unroll 4
+      for (int j = 0; j < kLoraABlock; ++j) av[j] = V::PairLoad(ch + j * kLoraAChunk + k);
+#pragma GCC unroll 4
+      for (int i = 0; i < RT; ++i) {
+        V::WPair xv = V::PairLoad(x + i * K + c + k);
+        KeepInRegister(xv);
+#pragma GCC unroll 4
+        for (int j = 0; j < kLoraABlock; ++j) acc[i][j] = V::PairDot(acc[i][j], xv, av[j]);
+      }
+    }
+  }
+  for (int i = 0; i < RT; ++i)
+    for (int64_t j = 0; j < rc; ++j) out[i * ldo + j] = V::ReduceAdd(acc[i][j]);
+}
+
+// LoraBf16Dot on A in blocks (a: its first block; r rows from there): a block at a time, used by every group of 4
+// tokens while it is in L1.
+inline void LoraBf16BlockDot(const uint16_t* x, int64_t m, int64_t K, const uint16_t* a, int64_t r, float* out,
+                             int64_t ldo) {
+  for (int64_t j = 0; j < r; j += kLoraABlock) {
+    const uint16_t* blk = a + j * K;
+    const int64_t rc = Min(kLoraABlock, r - j);
+    int64_t i = 0;
+    for (; i + 4 <= m; i += 4) LoraBf16BlockTile<4>(x + i * K, blk, K, rc, out + i * ldo + j, ldo);
+    switch (m - i) {
+      case 3: LoraBf16BlockTile<3>(x + i * K, blk, K, rc, out + i * ldo + j, ldo); break;
+      case 2: LoraBf16BlockTile<2>(x + i * K, blk, K, rc, out + i * ldo + j, ldo); break;
+      case 1: LoraBf16BlockTile<1>(x + i * K, blk, K, rc, out + i * ldo + j, ldo); break;
+      default: break;
+    }
+  }
+}
 #endif
 
 // Whether the A pass takes x in bfloat16 by pair dot products: a path that has them, bfloat16, A row-major.
 template <typename T>
-constexpr bool LoraBf16A(bool a_pairs) {
-  return V::kNativePairs && std::is_same_v<T, uint16_t> && !a_pairs;
+constexpr bool LoraBf16A(int32_t a_layout) {
+  return V::kNativePairs && std::is_same_v<T, uint16_t> && a_layout != kLoraPairs;
 }
 
 // The A pass on x's rows in its form (LoraBf16A: bfloat16, else float32): A row-major, or (a_pairs: bfloat16 only)
 // in pairs.
 template <typename WT>
-void LoraDotA(bool a_pairs, const void* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
+void LoraDotA(int32_t a_layout, const void* x, int64_t m, int64_t K, const WT* a, int64_t r, float* out, int64_t ldo) {
 #if MESHSERVE_BF16_PAIRS
   if constexpr (std::is_same_v<WT, uint16_t>)
-    if (LoraBf16A<WT>(a_pairs)) return LoraBf16Dot(static_cast<const uint16_t*>(x), m, K, a, r, out, ldo);
+    if (LoraBf16A<WT>(a_layout)) {
+      const auto* xb = static_cast<const uint16_t*>(x);
+      if (a_layout == kLoraBlocks) return LoraBf16BlockDot(xb, m, K, a, r, out, ldo);
+      return LoraBf16Dot(xb, m, K, a, r, out, ldo);
+    }
 #endif
   const float* xf = static_cast<const float*>(x);
   if constexpr (std::is_same_v<WT, uint16_t>)
-    if (a_pairs) return LoraDotPairs(xf, m, K, a, r, out, ldo);
+    if (a_layout == kLoraPairs) return LoraDotPairs(xf, m, K, a, r, out, ldo);
   LoraDot(xf, m, K, a, r, out, ldo);
 }
 
 // x's rows order[0, m) in the A pass's form, into buf.
 template <typename T>
-const void* LoraXRows(bool a_pairs, const T* x, int64_t K, const int64_t* order, int64_t m, Scratch& buf) {
+const void* LoraXRows(int32_t a_layout, const T* x, int64_t K, const int64_t* order, int64_t m, Scratch& buf) {
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (LoraBf16A<T>(a_pairs)) {
+    if (LoraBf16A<T>(a_layout)) {
       uint16_t* d = buf.Get<uint16_t>(static_cast<size_t>(m * K));
       for (int64_t i = 0; i < m; ++i) std::memcpy(d + i * K, x + order[i] * K, static_cast<size_t>(K) * sizeof(T));
       return d;
@@ -456,14 +537,13 @@ const void* LoraXRows(bool a_pairs, const T* x, int64_t K, const int64_t* order,
   return d;
 }
 
-// LoraMatmul on B's columns [n0, n0 + width) of slot s: row-major, or (b_pairs: bfloat16 only) in pairs (rank r rounded
-// up to even).
+// LoraMatmul on B's columns [n0, n0 + width) of slot s: row-major, or (b_strips: bfloat16 only) in strips.
 template <typename WT>
-void LoraMatmulB(bool b_pairs, const float* const* rows, int64_t m, int64_t r, const WT* b_slot, int64_t N, int64_t n0,
-                 int64_t width, float* out) {
+void LoraMatmulB(bool b_strips, const float* const* rows, int64_t m, int64_t r, const WT* b_slot, int64_t R, int64_t N,
+                 int64_t n0, int64_t width, float* out) {
   if constexpr (std::is_same_v<WT, uint16_t>)
-    if (b_pairs) return LoraMatmul<true>(rows, m, r + (r & 1), b_slot + 2 * n0, 2 * N, width, out, width);
-  LoraMatmul<false>(rows, m, r, b_slot + n0, N, width, out, width);
+    if (b_strips) return LoraStripsB(rows, m, r, b_slot, R, N, n0, width, out);
+  LoraMatmul(rows, m, r, b_slot + n0, N, width, out, width);
 }
 
 // One part of a call: a projection's ranks [S] and its output columns (the int8 kernel takes several projections
@@ -543,7 +623,8 @@ struct LoraGroups {
 
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
-              bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
+              int32_t a_layout, int32_t b_layout, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
+  const bool b_strips = b_layout == kLoraStrips;
   const LoraRanks part{ranks, N};
   const LoraGroups g(slots, T_, &part, 1, S, R, K);
   g.zero_unused_rows(0, y);
@@ -558,7 +639,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
     const int64_t m = start[s + 1] - start[s];
     for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-    LoraMatmulB(b_pairs, rows, m, g.rank(s), b + s * R * N, N, n0, width, out);
+    LoraMatmulB(b_strips, rows, m, g.rank(s), b + s * R * N, R, N, n0, width, out);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
@@ -568,8 +649,8 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
       const int32_t s = used[u];
       const int64_t m = start[s + 1] - start[s], r = g.rank(s);
       thread_local Scratch xs_buf, out_buf, ptr_buf;
-      const void* xs = LoraXRows(a_pairs, x, K, order + start[s], m, xs_buf);
-      LoraDotA(a_pairs, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
+      const void* xs = LoraXRows(a_layout, x, K, order + start[s], m, xs_buf);
+      LoraDotA(a_layout, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
       apply_b(s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
               ptr_buf.Get<const float*>(static_cast<size_t>(m)));
     });
@@ -578,8 +659,8 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
 
   // x's used rows in slot order, in the A pass's form: once per call, not once per unit of the A pass.
   thread_local Scratch x_buf;
-  const char* xg = static_cast<const char*>(LoraXRows(a_pairs, x, K, order, used_tokens, x_buf));
-  const int64_t x_row = K * (LoraBf16A<T>(a_pairs) ? sizeof(uint16_t) : sizeof(float));
+  const char* xg = static_cast<const char*>(LoraXRows(a_layout, x, K, order, used_tokens, x_buf));
+  const int64_t x_row = K * (LoraBf16A<T>(a_layout) ? sizeof(uint16_t) : sizeof(float));
 
   // 1. A: units of (used slot, block of kLoraRankBlock rows of A); a unit reads its slot's token rows (in cache
   // after the slot's first unit) and its own rows of A.
@@ -595,11 +676,11 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
   ParallelFor(par, num_units, [&](int64_t n) {
     const int64_t s = units[2 * n], j0 = units[2 * n + 1];
     const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, g.rank(s) - j0);
-    LoraDotA(a_pairs, xg + start[s] * x_row, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
+    LoraDotA(a_layout, xg + start[s] * x_row, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
   });
 
   // 2. B: per chunk of N's columns, every used slot.
-  const int64_t unit = V::kLanes * (b_pairs ? PairCb(4) : CbFor(4));
+  const int64_t unit = b_strips ? kLoraStrip : V::kLanes * CbFor(4);
   const int64_t chunk = unit * ChunkUnits(N, unit, par.threads);
   ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
     const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
@@ -612,14 +693,14 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
 }
 
 void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots, const void* a,
-               const void* b, bool a_pairs, bool b_pairs, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
+               const void* b, int32_t a_layout, int32_t b_layout, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
                void* y) {
   if (dt == Dt::kF32)
     LoraImpl(run, static_cast<const float*>(x), T_, K, slots, static_cast<const float*>(a),
-             static_cast<const float*>(b), false, false, ranks, S, R, N, static_cast<float*>(y));
+             static_cast<const float*>(b), kLoraRows, kLoraRows, ranks, S, R, N, static_cast<float*>(y));
   else
     LoraImpl(run, static_cast<const uint16_t*>(x), T_, K, slots, static_cast<const uint16_t*>(a),
-             static_cast<const uint16_t*>(b), a_pairs, b_pairs, ranks, S, R, N, static_cast<uint16_t*>(y));
+             static_cast<const uint16_t*>(b), a_layout, b_layout, ranks, S, R, N, static_cast<uint16_t*>(y));
 }
 
 // ---------------------------------------------------------------------------------------------------------

@@ -726,27 +726,33 @@ Worst CheckExpertMlp(const Kernels& k) {
 }
 
 // LoRA update (lora.h): y[t] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :], s = slots[t], r = ranks[s] (none where s < 0,
-// s >= S or r = 0), a [S, R, K] and b [S, R, N] in x's dtype, or (`a_pairs`, `b_pairs`: bfloat16) each slot's A or
-// B in lora.h's pairs; the rows past a slot's rank hold values the kernel must not read (in pairs, an odd rank's pair
-// reads the row past it, weighted by zero: finite values then change nothing). Tolerance: float32 accumulation;
-// bfloat16 adds the output's one rounding, and B in pairs on a path with pair dot products x @ A^T's rounding to
-// bfloat16 (2^-9 of each term of the sum over the rank: within 2^-8 of `mag`).
+// s >= S or r = 0), a [S, R, K] and b [S, R, N] in x's dtype, each slot as a_layout and b_layout say (api.h
+// LoraLayout: A in pairs or blocks, B in strips, bfloat16); the rows past a slot's rank hold values the kernel must not
+// read (an odd rank's pair reads the row past it, weighted by zero: finite values then change nothing; a block's rows
+// past the rank are read and their sums dropped). Tolerance: float32 accumulation; bfloat16 adds the output's one
+// rounding, and B in strips on a path with pair dot products x @ A^T's rounding to bfloat16 (2^-9 of each term of the
+// sum over the rank: within 2^-8 of `mag`).
 void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, const std::vector<int32_t>& slots,
-                   const std::vector<int32_t>& ranks, int64_t R, const char* layout, bool a_pairs = false,
-                   bool b_pairs = false) {
+                   const std::vector<int32_t>& ranks, int64_t R, const char* layout, int32_t a_layout = kLoraRows,
+                   int32_t b_layout = kLoraRows) {
   const int64_t T = static_cast<int64_t>(slots.size()), S = static_cast<int64_t>(ranks.size());
   Rng rng{static_cast<uint64_t>(K * 7919 + N * 31 + T * 3 + (dt == Dt::kBf16))};
   const Buf x = Random(dt, T * K, rng), a = Random(dt, S * K * R, rng), b = Random(dt, S * R * N, rng);
-  // In pairs: per slot, rows 2j and 2j + 1 of a column side by side.
-  auto in_pairs = [&](const Buf& w, int64_t cols, bool pairs) {
+  // Element (r, n) of a slot's [R, cols] in each form (pallas_kernels/lora.py to_layout).
+  auto in_form = [&](const Buf& w, int64_t cols, int32_t form) {
     Buf out = w;
-    for (int64_t s = 0; pairs && s < S; ++s)
+    for (int64_t s = 0; form != kLoraRows && s < S; ++s)
       for (int64_t r = 0; r < R; ++r)
-        for (int64_t n = 0; n < cols; ++n)
-          out.CopyFrom(s * R * cols + (r / 2) * 2 * cols + 2 * n + r % 2, w, (s * R + r) * cols + n);
+        for (int64_t n = 0; n < cols; ++n) {
+          const int64_t n0 = n / 64 * 64, w0 = std::min<int64_t>(64, cols - n0);
+          const int64_t at = form == kLoraPairs    ? (r / 2) * 2 * cols + 2 * n + r % 2
+                             : form == kLoraBlocks ? (r / 4) * 4 * cols + (n / 32) * 128 + (r % 4) * 32 + n % 32
+                                                   : n0 * R + (r / 2) * 2 * w0 + 2 * (n - n0) + r % 2;
+          out.CopyFrom(s * R * cols + at, w, (s * R + r) * cols + n);
+        }
     return out;
   };
-  const Buf a_in = in_pairs(a, K, a_pairs), b_in = in_pairs(b, N, b_pairs);
+  const Buf a_in = in_form(a, K, a_layout), b_in = in_form(b, N, b_layout);
   std::vector<double> want(T * N, 0.0), mag(T * N, 0.0);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t s = slots[t];
@@ -766,16 +772,16 @@ void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, 
   for (int threads : kThreadCounts) {
     Buf o(dt, T * N);
     Call(threads, [&](const Runner& run) {
-      k.lora(run, dt, x.data(), T, K, slots.data(), a_in.data(), b_in.data(), a_pairs, b_pairs, ranks.data(), S, R, N,
-             o.data());
+      k.lora(run, dt, x.data(), T, K, slots.data(), a_in.data(), b_in.data(), a_layout, b_layout, ranks.data(), S, R,
+             N, o.data());
     });
-    const std::string ctx = Case("%s %s%s K=%lld N=%lld T=%lld threads=%d", DtName(dt), layout,
-                                 a_pairs ? " A,B pairs" : b_pairs ? " B pairs" : "", (long long)K, (long long)N,
-                                 (long long)T, threads);
+    static const char* const kForms[] = {"rows", "pairs", "blocks", "strips"};
+    const std::string ctx = Case("%s %s A %s B %s K=%lld N=%lld T=%lld threads=%d", DtName(dt), layout,
+                                 kForms[a_layout], kForms[b_layout], (long long)K, (long long)N, (long long)T, threads);
     for (int64_t i = 0; i < T * N; ++i) {
       double tol = 1e-5 * mag[i] + 1e-6;
       if (dt == Dt::kBf16) tol += 0x1p-8 * std::fabs(want[i]);
-      if (b_pairs && k.pair_dot) tol += 0x1p-8 * mag[i];
+      if (b_layout == kLoraStrips && k.pair_dot) tol += 0x1p-8 * mag[i];
       worst.Near(o.At(i), want[i], 0, tol, ctx, i);
     }
   }
@@ -795,11 +801,15 @@ Worst CheckLora(const Kernels& k) {
           std::vector<int32_t> slots(T);
           for (int64_t t = 0; t < T; ++t) slots[t] = static_cast<int32_t>(rng.Next() % 6) - 1;  // -1, 4: none
           CheckLoraCase(k, worst, dt, K, N, slots, ranks, 24, "small");
-          // In pairs: N (B) and K (A) multiples of 16; ranks 5 and 17 odd. B alone: the form the engine stores on a
-          // path with pair dot products (A row-major), K = 37 its A pass's tail.
-          if (dt == Dt::kBf16 && K % 16 == 0)
-            CheckLoraCase(k, worst, dt, K, N + 16 - N % 16, slots, ranks, 24, "small", true, true);
-          if (dt == Dt::kBf16) CheckLoraCase(k, worst, dt, K, N + 16 - N % 16, slots, ranks, 24, "small", false, true);
+          // The forms: N (B in strips: a whole strip and a narrow one) and K (A in pairs) multiples of 16, K (A in
+          // blocks) of 32; ranks 5 and 17 odd and inside a block. B alone: A row-major with K = 37 (its A pass's
+          // tail).
+          if (dt != Dt::kBf16) continue;
+          const int64_t Ns = N + 16 - N % 16;
+          if (K % 16 == 0) CheckLoraCase(k, worst, dt, K, Ns, slots, ranks, 24, "small", kLoraPairs, kLoraStrips);
+          if (K % 32 == 0 && k.pair_dot)
+            CheckLoraCase(k, worst, dt, K, Ns, slots, ranks, 24, "small", kLoraBlocks, kLoraStrips);
+          CheckLoraCase(k, worst, dt, K, Ns, slots, ranks, 24, "small", kLoraRows, kLoraStrips);
         }
   // Calls over the threads (past kLoraSerialMacs), both of lora.h's parallel forms at 3 threads: "even", 8 rank-64
   // adapters' tokens (a decode step's mix: one pass, a unit per slot); "skewed", most tokens on one adapter (two
@@ -821,9 +831,12 @@ Worst CheckLora(const Kernels& k) {
     }
     for (Dt dt : {Dt::kF32, Dt::kBf16})
       if (Sampled(n)) CheckLoraCase(k, worst, dt, K, N, slots, many, R, layout);
+    const int64_t Ns = N + 16 - N % 16;  // 544: 8 whole strips and a narrow one
     if (Sampled(n))
-      CheckLoraCase(k, worst, Dt::kBf16, K + 16 - K % 16, N + 16 - N % 16, slots, many, R, layout, true, true);
-    if (Sampled(n)) CheckLoraCase(k, worst, Dt::kBf16, K, N + 16 - N % 16, slots, many, R, layout, false, true);
+      CheckLoraCase(k, worst, Dt::kBf16, K + 16 - K % 16, Ns, slots, many, R, layout, kLoraPairs, kLoraStrips);
+    if (k.pair_dot && Sampled(n))
+      CheckLoraCase(k, worst, Dt::kBf16, K + 32 - K % 32, Ns, slots, many, R, layout, kLoraBlocks, kLoraStrips);
+    if (Sampled(n)) CheckLoraCase(k, worst, Dt::kBf16, K, Ns, slots, many, R, layout, kLoraRows, kLoraStrips);
   }
   return worst;
 }

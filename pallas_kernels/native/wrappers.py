@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kv_quant import QuantizedKV
-from pallas_kernels.names import LORA_INT8_RANK_ROWS
+from pallas_kernels.names import LORA_INT8_RANK_ROWS, LORA_LAYOUTS
 from pallas_kernels.native.library import (_ATTENTION, _EXPERT_MLP, _GREEDY_HEAD, _LATENT_ATTENTION, _LORA,
                                            _LORA_INT8, _MATMUL,
                                            _MATMUL_INT8, _MATMUL_PACKED, _isa_attr, _require, enabled, int8_dot_runs,
@@ -290,15 +290,16 @@ def lora_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
 
 
 def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.Array,
-         a_pairs: bool = False, b_pairs: bool = False) -> jax.Array:
+         a_layout: str = "rows", b_layout: str = "rows") -> jax.Array:
     """Pure. [T, N] in x's dtype: (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (zeros
     where s < 0 or >= S, or r = 0), accumulated in float32 (native/lora.h): each adapter the tokens use read once,
-    up to its rank; the others not at all. `a_pairs`, `b_pairs`: each slot's A, B in `pallas_kernels.lora.to_pairs`
-    form (bfloat16, even R, K (A) and N (B) multiples of 16)."""
+    up to its rank; the others not at all. `a_layout` (rows, pairs or blocks), `b_layout` (rows or strips): each
+    slot's A, B in that `pallas_kernels.lora.to_layout` form (bfloat16 only; the call refuses shapes or a path that
+    cannot read it)."""
     _require()
     call = jax.ffi.ffi_call(_LORA, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
     return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(ranks, jnp.int32), isa=_isa_attr(),
-                a_pairs=bool(a_pairs), b_pairs=bool(b_pairs))
+                a_layout=np.int32(LORA_LAYOUTS.index(a_layout)), b_layout=np.int32(LORA_LAYOUTS.index(b_layout)))
 
 
 def lora_int8_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:

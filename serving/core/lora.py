@@ -17,7 +17,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.lora import PeftAdapter, read_peft_adapter
-from pallas_kernels.lora import quantize_adapter, to_pairs
+from pallas_kernels.lora import quantize_adapter, to_layout
 from serving.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -99,13 +99,13 @@ class AdapterRegistry:
 
 def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[tuple], dtype) -> list[np.ndarray]:
     """Host-side. An adapter's weights as one slot of each LoRA stack (`layout`: (layer, projection, A stack
-    shape, B stack shape, A in pairs, B in pairs, int8) per projection, `ModelRunner.lora_layout`): per projection A
-    [R, *in] and B [R, *out] in `dtype` (in `pallas_kernels.lora.to_pairs` form where the layout says so), zero past
+    shape, B stack shape, A's form, B's form, int8) per projection, `ModelRunner.lora_layout`): per projection A
+    [R, *in] and B [R, *out] in `dtype` (in those `pallas_kernels.lora.to_layout` forms), zero past
     its rank (and all zero for a projection it leaves alone), then its rank (int32); int8 stacks as
     `pallas_kernels.lora.quantize_adapter` gives them, then the rank, then the scales."""
     weights = peft.weights(model_config)
     out = []
-    for layer, name, a_shape, b_shape, a_pairs, b_pairs, int8 in layout:
+    for layer, name, a_shape, b_shape, a_layout, b_layout, int8 in layout:
         a, b = np.zeros(a_shape[1:], np.float32), np.zeros(b_shape[1:], np.float32)
         rank = 0
         if (layer, name) in weights:
@@ -116,9 +116,9 @@ def slot_values(peft: PeftAdapter, model_config: ModelConfig, layout: Sequence[t
             aq, bq, scale = quantize_adapter(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
             out += [aq, bq, np.int32(rank), scale]
             continue
-        if rank:  # (zeros are zeros in pairs too)
-            a, b = (to_pairs(w.reshape(w.shape[0], -1)).reshape(w.shape) if pairs else w
-                    for w, pairs in ((a, a_pairs), (b, b_pairs)))
+        if rank:  # (zeros are zeros in every form)
+            a, b = (to_layout(w.reshape(w.shape[0], -1), form).reshape(w.shape)
+                    for w, form in ((a, a_layout), (b, b_layout)))
         out += [a.astype(dtype), b.astype(dtype), np.int32(rank)]
     return out
 

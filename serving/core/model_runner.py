@@ -24,7 +24,7 @@ from models.transformer import CausalLM, kv_cache_specs
 from models.weights import is_orbax_dir, load_model, param_sharding, read_config
 from pallas_kernels import native
 from pallas_kernels.attention import unsupported_reason
-from pallas_kernels.lora import PAIR_COLUMNS, int8_fits, pairs_layout
+from pallas_kernels.lora import PAIR_COLUMNS, int8_fits, stack_layouts
 from pallas_kernels.metadata import AttentionMetadata
 from pallas_kernels.matmul import SCREEN_MAX_ROWS, head_screen_bytes
 from pallas_kernels.target import canonical_platform, lowering_platform, tracing_for
@@ -231,11 +231,11 @@ class ModelRunner:
                 if int8 and not int8_fits(config.max_lora_rank, math.prod(p.b_shape[2:])):
                     raise ValueError(f"lora_dtype=int8: layer {i} {name} has {math.prod(p.b_shape[2:])} outputs, "
                                      f"not a multiple of {PAIR_COLUMNS}; use the model's dtype (--lora_dtype='')")
-                # A and B in the native kernel's pairs where it runs the update (bfloat16; pallas_kernels.lora)
+                # A and B in the native kernel's forms where it runs the update (bfloat16; pallas_kernels.lora)
                 if cpu_panels and not int8:
-                    p.a_pairs, p.b_pairs = pairs_layout(dtype, p.b.shape[1], math.prod(p.a.shape[2:]),
-                                                        math.prod(p.b.shape[2:]))
-            self.lora_layout = [(i, name, p.a_shape, p.b_shape, p.a_pairs, p.b_pairs, p.int8)
+                    p.a_layout, p.b_layout = stack_layouts(dtype, p.b.shape[1], math.prod(p.a.shape[2:]),
+                                                           math.prod(p.b.shape[2:]))
+            self.lora_layout = [(i, name, p.a_shape, p.b_shape, p.a_layout, p.b_layout, p.int8)
                                 for i, name, p in model.lora_projections()]
             log.info("LoRA: %d adapter slots of rank %d on %d projections", config.max_loras, config.max_lora_rank,
                      len(self.lora_layout))

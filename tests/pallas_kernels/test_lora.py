@@ -62,25 +62,39 @@ def test_native_kernel_on_its_thread_pool(dtype, monkeypatch):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-def test_pairs_layout():
-    """`to_pairs` puts B's element (k, n) where native/lora.h reads it, and `from_pairs` undoes it; which stacks
-    the native kernel takes in pairs."""
-    r, n = 6, 32
-    b = np.arange(2 * r * n).reshape(2, r, n)
-    got = lora.to_pairs(b)
-    for s, k, c in ((0, 0, 0), (0, 1, 0), (0, 2, 17), (1, 5, 31), (1, 3, 15)):
-        assert got[s].reshape(-1)[(k // 2) * 2 * n + 2 * c + k % 2] == b[s, k, c]
-    np.testing.assert_array_equal(lora.from_pairs(got), b)
-    np.testing.assert_array_equal(np.asarray(lora.from_pairs(jnp.asarray(got))), b)
-    assert lora.pairs_fit(jnp.bfloat16, 16, 48) and not lora.pairs_fit(jnp.float32, 16, 48)
-    assert not lora.pairs_fit(jnp.bfloat16, 9, 48) and not lora.pairs_fit(jnp.bfloat16, 16, 40)
+def test_stack_layouts():
+    """`to_layout` puts element (j, c) of a slot's [R, C] where native/lora.h reads it in each form, `from_layout`
+    undoes it (numpy and jax), and `stack_layouts` picks the forms each native path reads."""
+    r = 8
+    w = np.arange(2 * r * 80).reshape(2, r, 80)  # strips: a whole one of 64 columns and a narrow one of 16
+    where = {lora.PAIRS: (80, lambda j, k, c: (j // 2) * 2 * c + 2 * k + j % 2),
+             lora.BLOCKS: (64, lambda j, k, c: (j // 4) * 4 * c + (k // 32) * 128 + (j % 4) * 32 + k % 32),
+             lora.STRIPS: (80, lambda j, k, c: (k // 64 * 64) * r + (j // 2) * 2 * min(64, c - k // 64 * 64)
+                           + 2 * (k % 64) + j % 2)}
+    for form, (c, at) in where.items():
+        v = w[..., :c]
+        got = lora.to_layout(v, form)
+        assert got.shape == v.shape
+        for s, j, k in ((0, 0, 0), (0, 1, 0), (0, 2, 17), (1, 5, c - 1), (1, 3, 15), (1, 7, 40), (0, 6, c - 9)):
+            assert got[s].reshape(-1)[at(j, k, c)] == v[s, j, k], (form, j, k)
+        np.testing.assert_array_equal(lora.from_layout(got, form), v)
+        np.testing.assert_array_equal(np.asarray(lora.from_layout(jnp.asarray(got), form)), v)
+    assert lora.to_layout(w, lora.ROWS) is w
+    with pytest.raises(ValueError, match="unknown LoRA stack layout 'panels'"):
+        lora.to_layout(w, "panels")
     if native.machine_reason() is None:
         for path in native.runnable_isas():
             with native.use_isa(path):
-                widens = not native.pair_dot(path)
-                assert lora.pairs_layout(jnp.bfloat16, 16, 64, 48) == (widens, True), path
-                assert lora.pairs_layout(jnp.bfloat16, 16, 72, 48) == (False, True), path
-                assert lora.pairs_layout(jnp.float32, 16, 64, 48) == (False, False), path
+                a = lora.BLOCKS if native.pair_dot(path) else lora.PAIRS
+                assert lora.stack_layouts(jnp.bfloat16, 16, 64, 48) == (a, lora.STRIPS), path
+                assert lora.stack_layouts(jnp.bfloat16, 16, 48, 48)[1] == lora.STRIPS, path
+                assert lora.stack_layouts(jnp.bfloat16, 16, 72, 48) == (lora.ROWS, lora.STRIPS), path
+                assert lora.stack_layouts(jnp.bfloat16, 6, 64, 48) == (
+                    lora.ROWS if native.pair_dot(path) else lora.PAIRS, lora.STRIPS), path
+                assert lora.stack_layouts(jnp.bfloat16, 9, 64, 48) == (lora.ROWS, lora.ROWS), path
+                assert lora.stack_layouts(jnp.bfloat16, 16, 64, 40) == (lora.BLOCKS if native.pair_dot(path)
+                                                                       else lora.ROWS, lora.ROWS), path
+                assert lora.stack_layouts(jnp.float32, 16, 64, 48) == (lora.ROWS, lora.ROWS), path
         assert [p for p in native.runnable_isas() if native.pair_dot(p)] == \
             [p for p in native.runnable_isas() if p in ("avx512_bf16", "amx", "neon_bf16")]
 
@@ -105,47 +119,70 @@ def _each_path(backend, monkeypatch):
             yield path
 
 
+def _forms(path, a, b):
+    """The (A form, B form) pairs the native path `path` (None: an XLA backend, which undoes them all) reads for
+    stacks a [S, R, K] and b [S, R, N]."""
+    r, k, n = a.shape[1], a.shape[2], b.shape[2]
+    a_forms = [lora.ROWS] + ([lora.PAIRS] if r % 2 == 0 and k % 16 == 0 else [])
+    if r % 4 == 0 and k % 32 == 0 and (path is None or native.pair_dot(path)):
+        a_forms.append(lora.BLOCKS)
+    b_forms = [lora.ROWS] + ([lora.STRIPS] if r % 2 == 0 and n % 16 == 0 else [])
+    return [(af, bf) for af in a_forms for bf in b_forms if (af, bf) != (lora.ROWS, lora.ROWS)]
+
+
 @pytest.mark.parametrize("backend", lora.BACKENDS)
-def test_stacks_in_pairs(backend, monkeypatch):
-    """bfloat16 B stored in pairs, A too or row-major (as the engine stores them where the native kernel runs): the
-    native kernel reads them as they are, on every path this CPU runs. A path that widens bfloat16 gives bit for bit
-    its row-major answer (the same sums in the same order; odd ranks read the row past their rank, weighted by zero),
-    also on its thread pool; a path with pair dot products rounds x @ A^T to bfloat16 before B (as PEFT's bfloat16
-    lora_A output is). The XLA paths undo the pairs first."""
-    cases = [dict(tokens=13, seed=7, n=48, k=64), dict(tokens=5, seed=8, n=48, k=40)]
+def test_stack_forms(backend, monkeypatch):
+    """bfloat16 stacks in the native kernel's forms (`to_layout`: A in pairs or blocks, B in strips, as the engine
+    stores them where the native kernel runs): the kernel reads them as they are, on every path this CPU runs. A path
+    that widens bfloat16 gives bit for bit its row-major answer (the same sums in the same order; odd ranks read the
+    row past their rank, weighted by zero), also on its thread pool; so does a path with pair dot products for A in
+    blocks, which rounds x @ A^T to bfloat16 before B in strips (as PEFT's bfloat16 lora_A output is). The XLA paths
+    undo the forms first."""
+    cases = [dict(tokens=13, seed=7, n=80, k=64), dict(tokens=5, seed=8, n=48, k=40), dict(tokens=6, seed=9, r=20)]
     if backend == "native":
-        cases.append(dict(tokens=256, seed=5, k=512, r=64, n=384))
+        cases.append(dict(tokens=256, seed=5, k=512, r=64, n=400))
     for path in _each_path(backend, monkeypatch):
-        f = jax.jit(lambda *z, a_pairs, b_pairs: lora.lora_delta(*z, a_pairs=a_pairs, b_pairs=b_pairs),
-                    static_argnames=("a_pairs", "b_pairs"))
+        f = jax.jit(lambda *z, a_layout, b_layout: lora.lora_delta(*z, a_layout=a_layout, b_layout=b_layout),
+                    static_argnames=("a_layout", "b_layout"))
         for case in cases:
             (x, slots, a, b, ranks), want = _case(jnp.bfloat16, case["tokens"], **{
                 k: v for k, v in case.items() if k != "tokens"})
-            plain = np.asarray(f(x, slots, a, b, ranks, a_pairs=False, b_pairs=False).astype(jnp.float32))
-            forms = [(False, True)] + ([(True, True)] if lora.pairs_fit(a.dtype, a.shape[1], a.shape[2]) else [])
-            for a_pairs, b_pairs in forms:
-                got = np.asarray(f(x, slots, lora.to_pairs(a) if a_pairs else a, lora.to_pairs(b), ranks,
-                                   a_pairs=a_pairs, b_pairs=b_pairs).astype(jnp.float32))
-                msg = f"{path} A in pairs {a_pairs} {case}"
-                if not (path and native.pair_dot(path)):
+            plain = np.asarray(f(x, slots, a, b, ranks, a_layout=lora.ROWS, b_layout=lora.ROWS).astype(jnp.float32))
+            forms = _forms(path, a, b)
+            assert forms, case
+            for a_form, b_form in forms:
+                got = np.asarray(f(x, slots, lora.to_layout(a, a_form), lora.to_layout(b, b_form), ranks,
+                                   a_layout=a_form, b_layout=b_form).astype(jnp.float32))
+                msg = f"{path} A {a_form} B {b_form} {case}"
+                # (a path with pair dot products: A in blocks takes the row-major form's dot products in its order;
+                # A in pairs is widened, B in strips takes x @ A^T rounded)
+                if not (path and native.pair_dot(path)) or (a_form != lora.PAIRS and b_form == lora.ROWS):
                     np.testing.assert_array_equal(got, plain, err_msg=msg)
                 np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max(), err_msg=msg)
 
 
-@pytest.mark.parametrize("bad", ["float32", "odd rank", "A's K", "B's N"])
-def test_native_kernel_refuses_misplaced_pairs(bad, monkeypatch):
-    """The FFI call refuses stacks in pairs it cannot read (the engine never sends them: `pairs_layout` guards it),
+@pytest.mark.parametrize("bad", ["float32", "odd rank", "A's K", "B's N", "blocks' K", "blocks widened", "A strips"])
+def test_native_kernel_refuses_misplaced_forms(bad, monkeypatch):
+    """The FFI call refuses stacks in forms it cannot read (the engine never sends them: `stack_layouts` guards it),
     naming why."""
     if native.machine_reason() is not None:
         pytest.skip(f"native CPU kernels cannot run here: {native.machine_reason()}")
     monkeypatch.delenv(native.ENV_VAR, raising=False)
     dtype = jnp.float32 if bad == "float32" else jnp.bfloat16
-    shape = dict(k=40 if bad == "A's K" else 48, n=40 if bad == "B's N" else 48, r=9 if bad == "odd rank" else 16)
+    shape = dict(k=40 if bad == "A's K" else 48 if bad == "blocks' K" else 64, n=40 if bad == "B's N" else 48,
+                 r=9 if bad == "odd rank" else 16)
     (x, slots, a, b, ranks), _ = _case(dtype, 4, **shape)
-    a_pairs = bad != "B's N"
-    with pytest.raises(Exception, match="lora: (stacks in pairs need bfloat16 and an even R|A in pairs needs K)"):
-        jax.block_until_ready(jax.jit(lambda *z: native.lora(*z, a_pairs=a_pairs, b_pairs=not a_pairs))(
-            x, slots, a, b, ranks))
+    a_layout, b_layout = {"A's K": (lora.PAIRS, lora.ROWS), "B's N": (lora.ROWS, lora.STRIPS),
+                          "blocks' K": (lora.BLOCKS, lora.ROWS), "blocks widened": (lora.BLOCKS, lora.ROWS),
+                          "A strips": (lora.STRIPS, lora.ROWS)}.get(bad, (lora.PAIRS, lora.STRIPS))
+    why = {"float32": "stacks in pairs, blocks or strips need bfloat16", "A strips": "A's layout must be rows, pairs",
+           "blocks' K": "A in blocks needs", "blocks widened": "A in blocks needs"}.get(bad, "A in pairs needs an even")
+    paths = [p for p in native.runnable_isas() if not native.pair_dot(p)] if bad == "blocks widened" else [None]
+    for path in paths:  # (blocks on a path that widens bfloat16: every x86-64 CPU runs one)
+        with native.use_isa(path) if path else contextlib.nullcontext():
+            with pytest.raises(Exception, match=f"lora: {why}"):
+                jax.block_until_ready(jax.jit(lambda *z: native.lora(*z, a_layout=a_layout, b_layout=b_layout))(
+                    x, slots, a, b, ranks))
 
 
 def test_automatic_choice():

@@ -181,26 +181,27 @@ def test_mixed_batch_matches_hf_peft_at_tp2(families):
         assert r.output_token_ids == fam.greedy(name, p, 5), f"adapter {name}"
 
 
-def test_bfloat16_stacks_in_pairs(families, monkeypatch):
-    """bfloat16 where the native kernels run: the B stacks hold each slot in the kernel's pairs, the A stacks too
-    where its path widens bfloat16 (a path with pair dot products reads A row-major); the slot writes put them so,
-    and a mixed step's logits are those of the XLA path, which reads the same stacks row-major again (`from_pairs`).
-    On the XLA kernels (MESHSERVE_CPU_KERNELS=xla) the stacks stay row-major."""
+def test_bfloat16_stacks_in_the_kernels_forms(families, monkeypatch):
+    """bfloat16 where the native kernels run: the B stacks hold each slot in the kernel's strips, the A stacks in its
+    blocks on a path with pair dot products, in pairs on one that widens bfloat16 (`pallas_kernels.lora.to_layout`);
+    the slot writes put them so, and a mixed step's logits are those of the XLA path, which reads the same stacks
+    row-major again (`from_layout`). On the XLA kernels (MESHSERVE_CPU_KERNELS=xla) the stacks stay row-major."""
     fam = families["llama"]
     names = [None, "a", "b", "c"]
     prompts = [prompt(n, seed) for n, seed in ((7, 1), (10, 2), (5, 3), (10, 4))]
     engine = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **{**OPTIONS, "dtype": "bfloat16"}))
     runner = engine.runner
     on = runner.choices.native_kernels
-    layout = (on and not native.pair_dot(native.isa()), on)
-    assert {entry[4:6] for entry in runner.lora_layout} == {layout}
+    layout = ((lora_kernels.BLOCKS if native.pair_dot(native.isa()) else lora_kernels.PAIRS), lora_kernels.STRIPS) \
+        if on else (lora_kernels.ROWS, lora_kernels.ROWS)
+    assert {entry[4:6] for entry in runner.lora_layout} == {layout}  # (the model's K: 64 and 96; N: 32, 64, 96)
     got = mixed_logits(engine, prompts, names)
     slot = engine.lora.resident()["b"]
     stacks = runner.state["layers"][1]["mlp"]["lora"]["up_proj"]
     peft_ab = engine.adapters.get("b").peft.weights(runner.model_config)[1, "up_proj"]  # (A, B), scaling in B
-    for stack, want_w, pairs in zip((stacks["a"], stacks["b"]), peft_ab, layout):
+    for stack, want_w, form in zip((stacks["a"], stacks["b"]), peft_ab, layout):
         w = stack.get_value()[slot]
-        stored = np.asarray(lora_kernels.from_pairs(w) if pairs else w, np.float32)
+        stored = np.asarray(lora_kernels.from_layout(w, form), np.float32)
         np.testing.assert_array_equal(stored[:16], np.asarray(jnp.asarray(want_w, jnp.bfloat16), np.float32))
     monkeypatch.setenv(lora_kernels.LORA_ENV_VAR, "loop")
     xla = Engine(EngineConfig(model=fam.dir, lora_modules=fam.modules(), **{**OPTIONS, "dtype": "bfloat16"}))
