@@ -17,7 +17,8 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.safetensors_io import CheckpointError, SafetensorsFile
-from pallas_kernels.lora import INT8_RANK_ROWS, ROWS, lora_delta, lora_delta_int8, lora_delta_int8_parts
+from pallas_kernels.lora import (INT8_RANK_ROWS, ROWS, lora_delta, lora_delta_int8, lora_delta_int8_parts,
+                                 lora_delta_parts)
 from sharding.axes import EMBED, HEAD_DIM, HEADS, KV_HEADS, LORA_RANK, LORA_SLOTS, MLP
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -126,15 +127,23 @@ def apply_lora(stacks: LoRAStacks | None, name: str, x: jax.Array, y: jax.Array,
 
 def apply_lora_parts(stacks: LoRAStacks | None, names: tuple[str, ...], x: jax.Array, ys: tuple[jax.Array, ...],
                      slots: jax.Array | None) -> tuple[jax.Array, ...]:
-    """Pure. `apply_lora` for projections of one x (q|k|v, gate|up): int8 stacks take one call for all of them
-    (`pallas_kernels.lora.lora_delta_int8_parts`), others one per projection."""
+    """Pure. `apply_lora` for projections of one x (q|k|v, gate|up): one native call for all of them
+    (`pallas_kernels.lora.lora_delta_int8_parts` on int8 stacks, `lora_delta_parts` on stacks in one layout), else
+    one per projection."""
     if stacks is None or slots is None:
         return ys
     projections = [getattr(stacks, name) for name in names]
-    if not all(p.int8 for p in projections):
+    xf = x.reshape(x.shape[0], -1)
+    if all(p.int8 for p in projections):
+        deltas = lora_delta_int8_parts(xf, slots, [(p.a[...], p.b[...], p.scale[...], p.ranks[...])
+                                                   for p in projections])
+    elif not any(p.int8 for p in projections) and len({(p.a_layout, p.b_layout) for p in projections}) == 1:
+        flat = [(p.a[...], p.b[...]) for p in projections]
+        deltas = lora_delta_parts(xf, slots, [(a.reshape(*a.shape[:2], -1), b.reshape(*b.shape[:2], -1), p.ranks[...])
+                                              for (a, b), p in zip(flat, projections)],
+                                  projections[0].a_layout, projections[0].b_layout)
+    else:
         return tuple(apply_lora(stacks, name, x, y, slots) for name, y in zip(names, ys))
-    deltas = lora_delta_int8_parts(x.reshape(x.shape[0], -1), slots,
-                                   [(p.a[...], p.b[...], p.scale[...], p.ranks[...]) for p in projections])
     return tuple(y + d.reshape(y.shape) for y, d in zip(ys, deltas))
 
 

@@ -126,7 +126,21 @@ def lora_delta(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks
     backend = lora_backend(x, a, b)
     if backend == "native":
         return native.lora(x, slots, a, b, ranks, a_layout=a_layout, b_layout=b_layout)
-    a, b = from_layout(a, a_layout), from_layout(b, b_layout)
+    return _xla_delta(backend, x, slots, from_layout(a, a_layout), from_layout(b, b_layout))
+
+
+def lora_delta_parts(x: jax.Array, slots: jax.Array, parts, a_layout: str = ROWS, b_layout: str = ROWS
+                     ) -> list[jax.Array]:
+    """Pure. `lora_delta` of several projections of one x (`parts`: (a, b, ranks) each, one S and R, all in the layouts
+    given; q|k|v, gate|up): one native call for all of them where it runs (x's rows gathered once, each slot's parts
+    read in one unit of work), else each part as `lora_delta`. One [T, N] update per part."""
+    if all(lora_backend(x, a, b) == "native" for a, b, _ in parts):
+        return native.lora_parts(x, slots, parts, a_layout, b_layout)
+    return [lora_delta(x, slots, a, b, ranks, a_layout, b_layout) for a, b, ranks in parts]
+
+
+def _xla_delta(backend: str, x, slots, a, b):
+    """Pure. `lora_delta` on an XLA backend, A and B row-major."""
     if backend == "gather":
         return gathered_lora(x, slots, a, b)
     if backend == "loop":

@@ -13,7 +13,7 @@ from pallas_kernels.native.packing import (BF16_K_ALIGN, PANELS, SCREEN_K_ALIGN,
 from pallas_kernels.native.wrappers import (HEAD_LAYOUTS, INT8_ENV_VAR, INT8_METHODS, MAX_INT8_ROWS, MAX_MATMUL_ROWS,
                                             attention_supported, expert_mlp, expert_mlp_supported, greedy_head,
                                             greedy_head_supported, int8_method, latent_attention,
-                                            latent_attention_supported, lora, lora_int8, lora_int8_parts,
+                                            latent_attention_supported, lora, lora_int8, lora_int8_parts, lora_parts,
                                             lora_int8_supported, lora_supported, matmul, matmul_int8,
                                             matmul_int8_supported, matmul_packed, matmul_supported, packed_supported,
                                             ragged_paged_attention, scale_groups)

@@ -66,6 +66,16 @@ enum LoraLayout : int32_t {
   kLoraStrips = 3,  // B: strips of 64 columns, each strip's rows in pairs
 };
 
+// One projection of a LoRA call (Kernels::lora): its stacks (in the call's dtype and layouts), its slots' ranks and its
+// output.
+struct LoraPart {
+  const void* a;
+  const void* b;
+  const int32_t* ranks;
+  int64_t N;
+  void* y;
+};
+
 // One projection of an int8 LoRA call (Kernels::lora_int8): its stacks, its slots' ranks and its output.
 struct LoraInt8Part {
   const int8_t* a;
@@ -118,13 +128,12 @@ struct Kernels {
   void (*latent_attention)(const Runner&, Dt dt, KvFormat kv_format, const LatentShape& a, int64_t t, const void* q,
                            const void* cache, const float* kv_scales, const int32_t* kv_lens, const int32_t* pages,
                            const int32_t* cu, int64_t num_seqs, void* out);
-  // LoRA update (lora.h): y[T, N] = (x[t] @ a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = ranks[s] (s < 0
-  // or >= S, or r = 0: zeros); a [S, R, K] (A transposed) and b [S, R, N], each slot as a_layout and b_layout say
-  // (LoraLayout: A rows, pairs or blocks, B rows or strips; the forms bfloat16 only, their shapes checked by ffi.cc);
-  // x, a, b and y in `dt`.
-  void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const void* a,
-               const void* b, int32_t a_layout, int32_t b_layout, const int32_t* ranks, int64_t S, int64_t R,
-               int64_t N, void* y);
+  // LoRA update (lora.h) of G (1 to 4) projections of one x at once (q|k|v, gate|up): per part, y[T, N] = (x[t] @
+  // a[s][:r, :]^T) @ b[s][:r, :] per token, s = slots[t], r = the part's ranks[s] (s < 0 or >= S, or r = 0: zeros);
+  // a [S, R, K] (A transposed) and b [S, R, N], each slot as a_layout and b_layout say (LoraLayout: A rows, pairs or
+  // blocks, B rows or strips; the forms bfloat16 only, their shapes checked by ffi.cc); x, a, b and y in `dt`.
+  void (*lora)(const Runner&, Dt dt, const void* x, int64_t T, int64_t K, const int32_t* slots, const LoraPart* parts,
+               int64_t G, int32_t a_layout, int32_t b_layout, int64_t S, int64_t R);
   // The same on int8 stacks (lora.h "int8 adapter stacks") for G (1 to 4) projections of one x at once (q|k|v,
   // gate|up): each part's a [S, R/32, Kq, 32, 4], b [S, R * N] (lora.h's strips; R a multiple of 32, N of 16), scale
   // [S, R] float32, ranks [S] and y [T, N]; x and y in `dt`.

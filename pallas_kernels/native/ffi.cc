@@ -366,39 +366,64 @@ ffi::Error ExpertMlpImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::AnyBuffer a,
-                    ffi::AnyBuffer b, ffi::Buffer<ffi::S32> ranks, ffi::Result<ffi::AnyBuffer> out, int32_t isa,
-                    int32_t a_layout, int32_t b_layout) {
+// x, slots, then per part (1 to 4 projections of x: api.h LoraPart) a, b, ranks; out: per part y.
+ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets, int32_t isa, int32_t a_layout, int32_t b_layout) {
   const Kernels* kernels;
   if (ffi::Error e = Lookup(isa, &kernels); e.failure()) return e;
-  auto xd = x.dimensions(), ad = a.dimensions(), bd = b.dimensions();
-  if (xd.size() != 2 || ad.size() != 3 || bd.size() != 3)
-    return ffi::Error::InvalidArgument("lora: x must be [T, K], a [S, R, K], b [S, R, N]");
-  const int64_t T = xd[0], K = xd[1], S = ad[0], R = ad[1], N = bd[2];
-  if (ad[2] != K || bd[0] != S || bd[1] != R)
-    return ffi::Error::InvalidArgument("lora: x [T, K], a [S, R, K] and b [S, R, N] disagree");
-  if (static_cast<int64_t>(slots.element_count()) != T || static_cast<int64_t>(ranks.element_count()) != S)
-    return ffi::Error::InvalidArgument("lora: slots must be [T] and ranks [S]");
+  const int64_t G = static_cast<int64_t>(args.size()) / 3;
+  if (args.size() % 3 || G < 1 || G > 4 || static_cast<int64_t>(rets.size()) != G)
+    return ffi::Error::InvalidArgument(
+        "lora: takes x, slots and 1 to 4 parts of (a, b, ranks), and returns one output per part");
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("lora: x must be [T, K], a [S, R, K], b [S, R, N]");
+  const int64_t T = xd[0], K = xd[1];
   const auto t = x.element_type();
-  if ((t != ffi::DataType::F32 && t != ffi::DataType::BF16) || a.element_type() != t || b.element_type() != t ||
-      out->element_type() != t)
+  if (t != ffi::DataType::F32 && t != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("lora: x, a, b and out must all be float32 or all bfloat16");
-  if (static_cast<int64_t>(out->element_count()) != T * N)
-    return ffi::Error::InvalidArgument("lora: out must be [T, N]");
+  if (static_cast<int64_t>(slots.element_count()) != T)
+    return ffi::Error::InvalidArgument("lora: slots must be [T] and ranks [S]");
   if (a_layout < kLoraRows || a_layout > kLoraBlocks || (b_layout != kLoraRows && b_layout != kLoraStrips))
     return ffi::Error::InvalidArgument("lora: A's layout must be rows, pairs or blocks, B's rows or strips");
   if ((a_layout != kLoraRows || b_layout != kLoraRows) && t != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("lora: stacks in pairs, blocks or strips need bfloat16");
-  if ((a_layout == kLoraPairs && (R % 2 || K % 16)) || (b_layout == kLoraStrips && (R % 2 || N % 16)))
+  LoraPart parts[4];
+  int64_t S = 0, R = 0;
+  for (int64_t p = 0; p < G; ++p) {
+    auto a = args.get<ffi::AnyBuffer>(3 * p);
+    auto b = args.get<ffi::AnyBuffer>(3 * p + 1);
+    auto ranks = args.get<ffi::Buffer<ffi::S32>>(3 * p + 2);
+    auto out = rets.get<ffi::AnyBuffer>(p);
+    if (a.has_error() || b.has_error() || ranks.has_error() || out.has_error())
+      return ffi::Error::InvalidArgument("lora: each part's ranks must be int32");
+    auto ad = a->dimensions(), bd = b->dimensions();
+    if (ad.size() != 3 || bd.size() != 3)
+      return ffi::Error::InvalidArgument("lora: x must be [T, K], a [S, R, K], b [S, R, N]");
+    if (!p) S = ad[0], R = ad[1];
+    const int64_t N = bd[2];
+    if (ad[0] != S || ad[1] != R || ad[2] != K || bd[0] != S || bd[1] != R)
+      return ffi::Error::InvalidArgument(
+          "lora: x [T, K], a [S, R, K] and b [S, R, N] disagree (or the parts' S and R)");
+    if (static_cast<int64_t>(ranks->element_count()) != S)
+      return ffi::Error::InvalidArgument("lora: slots must be [T] and ranks [S]");
+    if (a->element_type() != t || b->element_type() != t || (*out)->element_type() != t)
+      return ffi::Error::InvalidArgument("lora: x, a, b and out must all be float32 or all bfloat16");
+    if (static_cast<int64_t>((*out)->element_count()) != T * N)
+      return ffi::Error::InvalidArgument("lora: out must be [T, N]");
+    if (b_layout == kLoraStrips && (R % 2 || N % 16))
+      return ffi::Error::InvalidArgument("lora: A in pairs needs an even R and K a multiple of 16, B in strips an "
+                                         "even R and N a multiple of 16");
+    parts[p] = {a->untyped_data(), b->untyped_data(), ranks->typed_data(), N, (*out)->untyped_data()};
+  }
+  if (a_layout == kLoraPairs && (R % 2 || K % 16))
     return ffi::Error::InvalidArgument("lora: A in pairs needs an even R and K a multiple of 16, B in strips an even "
                                        "R and N a multiple of 16");
   if (a_layout == kLoraBlocks && (R % 4 || K % 32 || !kernels->pair_dot))
     return ffi::Error::InvalidArgument("lora: A in blocks needs R a multiple of 4, K of 32, and a path with bfloat16 "
                                        "pair dot products");
-  if (!T || !N) return ffi::Error::Success();
+  if (!T) return ffi::Error::Success();
   kernels->lora(RunnerFor(pool), t == ffi::DataType::F32 ? Dt::kF32 : Dt::kBf16, x.untyped_data(), T, K,
-                slots.typed_data(), a.untyped_data(), b.untyped_data(), a_layout, b_layout, ranks.typed_data(), S, R,
-                N, out->untyped_data());
+                slots.typed_data(), parts, G, a_layout, b_layout, S, R);
   return ffi::Error::Success();
 }
 
@@ -569,10 +594,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshserveLora, meshserve::LoraImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int32_t>("isa")
                                   .Attr<int32_t>("a_layout")
                                   .Attr<int32_t>("b_layout"));

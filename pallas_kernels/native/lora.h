@@ -631,86 +631,103 @@ struct LoraGroups {
   }
 };
 
-template <typename T>
-void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const T* a, const T* b,
-              int32_t a_layout, int32_t b_layout, const int32_t* ranks, int64_t S, int64_t R, int64_t N, T* y) {
-  const bool b_strips = b_layout == kLoraStrips;
-  const LoraRanks part{ranks, N};
-  const LoraGroups g(slots, T_, &part, 1, S, R, K);
-  g.zero_unused_rows(0, y);
-  if (!g.used_tokens) return;
-  const int64_t *start = g.start, *order = g.order, used_tokens = g.used_tokens, num_used = g.num_used;
-  const int32_t* used = g.used;
-  const Runner& par = g.runner(run);
-  Zeros<float> xa(static_cast<size_t>(used_tokens * R));  // row i: sorted token i's x @ A^T
+constexpr int64_t kLoraMaxParts = 4;  // projections of one x per call (api.h LoraPart, LoraInt8Part)
 
-  // Slot s's B: y's rows of its tokens, columns [n0, n0 + width) = their xa rows @ b[s][:r, n0:n0 + width] (out and
-  // rows: the caller's scratch, m x width floats and m pointers).
-  auto apply_b = [&](int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
-    const int64_t m = start[s + 1] - start[s];
-    for (int64_t i = 0; i < m; ++i) rows[i] = xa.get() + (start[s] + i) * R;
-    LoraMatmulB(b_strips, rows, m, g.rank(s), b + s * R * N, R, N, n0, width, out);
+template <typename T>
+void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const LoraPart* parts,
+              int64_t G, int32_t a_layout, int32_t b_layout, int64_t S, int64_t R) {
+  const bool b_strips = b_layout == kLoraStrips;
+  LoraRanks pr[kLoraMaxParts];  // G <= kLoraMaxParts: ffi.cc refuses more
+  for (int64_t p = 0; p < G; ++p) pr[p] = {parts[p].ranks, parts[p].N};
+  const LoraGroups g(slots, T_, pr, G, S, R, K);
+  for (int64_t p = 0; p < G; ++p) g.zero_unused_rows(p, static_cast<T*>(parts[p].y));
+  if (!g.used_tokens) return;
+  const int64_t used = g.used_tokens, *start = g.start, *order = g.order;
+  const Runner& par = g.runner(run);
+  Zeros<float> xa(static_cast<size_t>(used * G * R));  // part p's row i: sorted token i's x @ A_p^T
+  auto xa_of = [&](int64_t p, int64_t i) { return xa.get() + (p * used + i) * R; };
+  auto a_of = [&](int64_t p, int64_t s) { return static_cast<const T*>(parts[p].a) + s * R * K; };
+
+  // Part p's slot s's B: y's rows of its tokens, columns [n0, n0 + width) = their xa rows @ b[s][:r, n0:n0 + width]
+  // (out and rows: the caller's scratch, m x width floats and m pointers).
+  auto apply_b = [&](int64_t p, int32_t s, int64_t n0, int64_t width, float* out, const float** rows) {
+    const int64_t m = g.tokens(s), N = parts[p].N;
+    for (int64_t i = 0; i < m; ++i) rows[i] = xa_of(p, start[s] + i);
+    LoraMatmulB(b_strips, rows, m, g.rank(p, s), static_cast<const T*>(parts[p].b) + s * R * N, R, N, n0, width, out);
+    T* y = static_cast<T*>(parts[p].y);
     for (int64_t i = 0; i < m; ++i) StoreRow(out + i * width, y + order[start[s] + i] * N + n0, width);
   };
 
-  // One pass, a unit per used slot, where no slot holds more than 1 / (2 x threads) of the multiply-adds.
+  // One pass, a unit per used slot, where no slot holds more than 1 / (2 x threads) of the multiply-adds: its x rows,
+  // then each part that updates it.
   if (g.one_pass(par)) {
-    ParallelFor(par, num_used, [&](int64_t u) {
-      const int32_t s = used[u];
-      const int64_t m = start[s + 1] - start[s], r = g.rank(s);
+    ParallelFor(par, g.num_used, [&](int64_t u) {
+      const int32_t s = g.used[u];
+      const int64_t m = g.tokens(s);
       thread_local Scratch xs_buf, out_buf, ptr_buf;
       const void* xs = LoraXRows(a_layout, x, K, order + start[s], m, xs_buf);
-      LoraDotA(a_layout, xs, m, K, a + s * R * K, r, xa.get() + start[s] * R, R);
-      apply_b(s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
-              ptr_buf.Get<const float*>(static_cast<size_t>(m)));
+      for (int64_t p = 0; p < G; ++p) {
+        const int64_t r = g.rank(p, s), N = parts[p].N;
+        if (!r) continue;
+        LoraDotA(a_layout, xs, m, K, a_of(p, s), r, xa_of(p, start[s]), R);
+        apply_b(p, s, 0, N, out_buf.Get<float>(static_cast<size_t>(m * N)),
+                ptr_buf.Get<const float*>(static_cast<size_t>(m)));
+      }
     });
     return;
   }
 
   // x's used rows in slot order, in the A pass's form: once per call, not once per unit of the A pass.
   thread_local Scratch x_buf;
-  const char* xg = static_cast<const char*>(LoraXRows(a_layout, x, K, order, used_tokens, x_buf));
+  const char* xg = static_cast<const char*>(LoraXRows(a_layout, x, K, order, used, x_buf));
   const int64_t x_row = K * (LoraBf16A<T>(a_layout) ? sizeof(uint16_t) : sizeof(float));
 
-  // 1. A: units of (used slot, block of kLoraRankBlock rows of A); a unit reads its slot's token rows (in cache
+  // 1. A: units of (part, used slot, block of kLoraRankBlock rows of A); a unit reads its slot's token rows (in cache
   // after the slot's first unit) and its own rows of A.
   int64_t num_units = 0;
-  for (int64_t u = 0; u < num_used; ++u) num_units += (g.rank(used[u]) + kLoraRankBlock - 1) / kLoraRankBlock;
-  Zeros<int64_t> unit_buf(static_cast<size_t>(2 * num_units));  // per unit: its slot, its first row of A
-  int64_t* units = unit_buf.get();
-  for (int64_t u = 0, n = 0; u < num_used; ++u)
-    for (int64_t j = 0; j < g.rank(used[u]); j += kLoraRankBlock, ++n) {
-      units[2 * n] = used[u];
-      units[2 * n + 1] = j;
-    }
-  ParallelFor(par, num_units, [&](int64_t n) {
-    const int64_t s = units[2 * n], j0 = units[2 * n + 1];
-    const int64_t m = start[s + 1] - start[s], rows = Min<int64_t>(kLoraRankBlock, g.rank(s) - j0);
-    LoraDotA(a_layout, xg + start[s] * x_row, m, K, a + (s * R + j0) * K, rows, xa.get() + start[s] * R + j0, R);
-  });
-
-  // 2. B: per chunk of N's columns, every used slot.
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t u = 0; u < g.num_used; ++u) num_units += (g.rank(p, g.used[u]) + kLoraRankBlock - 1) / kLoraRankBlock;
+  // 2. B: per part, chunks of its N's columns (whole strips), every used slot.
   const int64_t unit = b_strips ? kLoraStrip : V::kLanes * CbFor(4);
-  const int64_t chunk = unit * ChunkUnits(N, unit, par.threads);
-  ParallelFor(par, (N + chunk - 1) / chunk, [&](int64_t c) {
-    const int64_t n0 = c * chunk, width = Min<int64_t>(chunk, N - n0);
+  int64_t chunk[kLoraMaxParts], num_chunks = 0;
+  for (int64_t p = 0; p < G; ++p) {
+    chunk[p] = unit * ChunkUnits(parts[p].N, unit, par.threads);
+    num_chunks += (parts[p].N + chunk[p] - 1) / chunk[p];
+  }
+  Zeros<int64_t> unit_buf(static_cast<size_t>(3 * Max(num_units, num_chunks)));  // per unit: 3 numbers
+  int64_t* units = unit_buf.get();
+  int64_t n = 0;
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t u = 0; u < g.num_used; ++u)
+      for (int64_t j = 0; j < g.rank(p, g.used[u]); j += kLoraRankBlock, ++n)
+        units[3 * n] = p, units[3 * n + 1] = g.used[u], units[3 * n + 2] = j;
+  ParallelFor(par, num_units, [&](int64_t c) {
+    const int64_t p = units[3 * c], s = units[3 * c + 1], j0 = units[3 * c + 2];
+    const int64_t rows = Min<int64_t>(kLoraRankBlock, g.rank(p, static_cast<int32_t>(s)) - j0);
+    LoraDotA(a_layout, xg + start[s] * x_row, g.tokens(static_cast<int32_t>(s)), K, a_of(p, s) + j0 * K, rows,
+             xa_of(p, start[s]) + j0, R);
+  });
+  n = 0;
+  for (int64_t p = 0; p < G; ++p)
+    for (int64_t n0 = 0; n0 < parts[p].N; n0 += chunk[p], ++n)
+      units[3 * n] = p, units[3 * n + 1] = n0, units[3 * n + 2] = Min<int64_t>(chunk[p], parts[p].N - n0);
+  const int64_t most = g.most_tokens();
+  ParallelFor(par, n, [&](int64_t c) {
+    const int64_t p = units[3 * c], n0 = units[3 * c + 1], width = units[3 * c + 2];
     thread_local Scratch out_buf, ptr_buf;
-    const int64_t most = g.most_tokens();
     float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
     const float** rows = ptr_buf.Get<const float*>(static_cast<size_t>(most));
-    for (int64_t u = 0; u < num_used; ++u) apply_b(used[u], n0, width, out, rows);
+    for (int64_t u = 0; u < g.num_used; ++u)
+      if (g.rank(p, g.used[u])) apply_b(p, g.used[u], n0, width, out, rows);
   });
 }
 
-void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots, const void* a,
-               const void* b, int32_t a_layout, int32_t b_layout, const int32_t* ranks, int64_t S, int64_t R, int64_t N,
-               void* y) {
+void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, const int32_t* slots,
+               const LoraPart* parts, int64_t G, int32_t a_layout, int32_t b_layout, int64_t S, int64_t R) {
   if (dt == Dt::kF32)
-    LoraImpl(run, static_cast<const float*>(x), T_, K, slots, static_cast<const float*>(a),
-             static_cast<const float*>(b), kLoraRows, kLoraRows, ranks, S, R, N, static_cast<float*>(y));
+    LoraImpl(run, static_cast<const float*>(x), T_, K, slots, parts, G, kLoraRows, kLoraRows, S, R);
   else
-    LoraImpl(run, static_cast<const uint16_t*>(x), T_, K, slots, static_cast<const uint16_t*>(a),
-             static_cast<const uint16_t*>(b), a_layout, b_layout, ranks, S, R, N, static_cast<uint16_t*>(y));
+    LoraImpl(run, static_cast<const uint16_t*>(x), T_, K, slots, parts, G, a_layout, b_layout, S, R);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -737,7 +754,6 @@ void LoraEntry(const Runner& run, Dt dt, const void* x, int64_t T_, int64_t K, c
 constexpr int64_t kLoraI8Panel = 16;  // rank rows per panel of A (64 bytes a quad row)
 constexpr int64_t kLoraI8Block = 32;  // rank rows per block of A: two panels side by side (128 bytes a quad row)
 constexpr int64_t kLoraI8Strip = 64;  // columns per strip of B
-constexpr int64_t kLoraMaxParts = 4;  // projections of one x per call (api.h LoraInt8Part)
 // Digits of x (the A pass) and of x @ A^T * scale (the B pass) on the int8 dot products: two (~15 bits) or one.
 // Measured on Zen 4 (the ~125M Llama's step, 8 rank-64 adapters x 4 tokens: the 84 calls chained, against bfloat16
 // stacks; a mixed step of the test's strong adapters: the logits' largest error against HF + PEFT, as a share of

@@ -772,8 +772,8 @@ void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, 
   for (int threads : kThreadCounts) {
     Buf o(dt, T * N);
     Call(threads, [&](const Runner& run) {
-      k.lora(run, dt, x.data(), T, K, slots.data(), a_in.data(), b_in.data(), a_layout, b_layout, ranks.data(), S, R,
-             N, o.data());
+      const LoraPart part{a_in.data(), b_in.data(), ranks.data(), N, o.data()};
+      k.lora(run, dt, x.data(), T, K, slots.data(), &part, 1, a_layout, b_layout, S, R);
     });
     static const char* const kForms[] = {"rows", "pairs", "blocks", "strips"};
     const std::string ctx = Case("%s %s A %s B %s K=%lld N=%lld T=%lld threads=%d", DtName(dt), layout,
@@ -786,6 +786,8 @@ void CheckLoraCase(const Kernels& k, Worst& worst, Dt dt, int64_t K, int64_t N, 
     }
   }
 }
+
+void CheckLoraParts(const Kernels& k, Worst& worst);
 
 Worst CheckLora(const Kernels& k) {
   Worst worst;
@@ -838,7 +840,73 @@ Worst CheckLora(const Kernels& k) {
       CheckLoraCase(k, worst, Dt::kBf16, K + 32 - K % 32, Ns, slots, many, R, layout, kLoraBlocks, kLoraStrips);
     if (Sampled(n)) CheckLoraCase(k, worst, Dt::kBf16, K, Ns, slots, many, R, layout, kLoraRows, kLoraStrips);
   }
+  CheckLoraParts(k, worst);
   return worst;
+}
+
+// LoRA of three projections of one x in one call (api.h LoraPart: the engine's q|k|v), each with its own N and
+// ranks (a slot one part leaves alone, rank 0, whose rows must come back zero from the NaN the outputs start as):
+// each part's output must be bit for bit its own one-part call's, in each form this path reads, on 1 and 3 threads,
+// in both of lora.h's parallel forms ("even": one pass; "skewed": two).
+void CheckLoraParts(const Kernels& k, Worst& worst) {
+  constexpr int64_t K = 128, R = 24, S = 8, G = 3;
+  const int64_t Ns[G] = {80, 48, 16};
+  const std::vector<int32_t> ranks[G] = {
+      {24, 5, 0, 17, 24, 8, 20, 24}, {0, 16, 9, 4, 8, 24, 4, 0}, {8, 17, 17, 0, 8, 0, 8, 17}};
+  struct Form {
+    Dt dt;
+    int32_t a, b;
+  };
+  std::vector<Form> forms = {{Dt::kF32, kLoraRows, kLoraRows}, {Dt::kBf16, kLoraRows, kLoraRows},
+                             {Dt::kBf16, kLoraPairs, kLoraStrips}};
+  if (k.pair_dot) forms.push_back({Dt::kBf16, kLoraBlocks, kLoraStrips});
+  for (const char* layout : {"even", "skewed"}) {
+    std::vector<int32_t> slots(48);
+    for (int64_t t = 0; t < 48; ++t) slots[t] = layout[0] == 'e' || t % 4 == 0 ? static_cast<int32_t>(t % 9) - 1 : 3;
+    const int64_t T = static_cast<int64_t>(slots.size());
+    std::vector<int64_t> macs(S, 0);  // lora.h's rule at 3 threads, as CheckLora checks it
+    int64_t total = 0;
+    for (int32_t sl : slots)
+      for (int64_t p = 0; sl >= 0 && p < G; ++p) macs[sl] += ranks[p][sl] * (K + Ns[p]);
+    for (int64_t m : macs) total += m;
+    const bool one_pass = *std::max_element(macs.begin(), macs.end()) * 2 * 3 <= total;
+    if (total < (int64_t{1} << 17) || one_pass != (layout[0] == 'e')) {
+      std::fprintf(stderr, "selftest: the LoRA parts' %s layout no longer exercises its parallel form\n", layout);
+      std::abort();
+    }
+    for (const Form& f : forms) {
+      Rng rng{static_cast<uint64_t>(T * 31 + f.a * 7 + f.b + (f.dt == Dt::kBf16))};
+      // (the stacks' values are placed in each form as they come: the parts' calls read them the same way)
+      const Buf x = Random(f.dt, T * K, rng);
+      std::vector<Buf> a, b;
+      for (int64_t p = 0; p < G; ++p) {
+        a.push_back(Random(f.dt, S * R * K, rng));
+        b.push_back(Random(f.dt, S * R * Ns[p], rng));
+      }
+      for (int threads : kThreadCounts) {
+        std::vector<Buf> got, want;
+        std::vector<LoraPart> parts;
+        for (int64_t p = 0; p < G; ++p) {
+          got.emplace_back(f.dt, T * Ns[p]);
+          want.emplace_back(f.dt, T * Ns[p]);
+        }
+        for (int64_t p = 0; p < G; ++p)
+          parts.push_back({a[p].data(), b[p].data(), ranks[p].data(), Ns[p], got[p].data()});
+        Call(threads, [&](const Runner& run) {
+          k.lora(run, f.dt, x.data(), T, K, slots.data(), parts.data(), G, f.a, f.b, S, R);
+          for (int64_t p = 0; p < G; ++p) {
+            const LoraPart one{a[p].data(), b[p].data(), ranks[p].data(), Ns[p], want[p].data()};
+            k.lora(run, f.dt, x.data(), T, K, slots.data(), &one, 1, f.a, f.b, S, R);
+          }
+        });
+        for (int64_t p = 0; p < G; ++p) {
+          const std::string ctx = Case("%s %s parts A form %d B form %d part %lld threads=%d", DtName(f.dt), layout,
+                                       f.a, f.b, (long long)p, threads);
+          for (int64_t i = 0; i < T * Ns[p]; ++i) worst.Near(got[p].At(i), want[p].At(i), 0, 1e-30, ctx, i);  // exact
+        }
+      }
+    }
+  }
 }
 
 // LoRA on int8 stacks (lora.h "int8 adapter stacks"): a [S, R/32, Kq, 32, 4], b [S, R * N] in strips, scale [S, R];

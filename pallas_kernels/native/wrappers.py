@@ -296,10 +296,23 @@ def lora(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, ranks: jax.
     up to its rank; the others not at all. `a_layout` (rows, pairs or blocks), `b_layout` (rows or strips): each
     slot's A, B in that `pallas_kernels.lora.to_layout` form (bfloat16 only; the call refuses shapes or a path that
     cannot read it)."""
+    return lora_parts(x, slots, [(a, b, ranks)], a_layout, b_layout)[0]
+
+
+def lora_parts(x: jax.Array, slots: jax.Array, parts, a_layout: str = "rows",
+               b_layout: str = "rows") -> list[jax.Array]:
+    """Pure. `lora` for 1 to 4 projections of one x at once (q|k|v, gate|up: x's rows gathered once, each slot's parts
+    in one unit of work): `parts` a sequence of (a, b, ranks) with one S and R, all in the layouts given; one [T, N]
+    output per part."""
     _require()
-    call = jax.ffi.ffi_call(_LORA, jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype))
-    return call(x, jnp.asarray(slots, jnp.int32), a, b, jnp.asarray(ranks, jnp.int32), isa=_isa_attr(),
-                a_layout=np.int32(LORA_LAYOUTS.index(a_layout)), b_layout=np.int32(LORA_LAYOUTS.index(b_layout)))
+    if not 1 <= len(parts) <= 4:
+        raise ValueError(f"lora_parts takes 1 to 4 parts, not {len(parts)}")
+    call = jax.ffi.ffi_call(_LORA, [jax.ShapeDtypeStruct((x.shape[0], b.shape[2]), x.dtype) for _, b, _ in parts])
+    operands = [x, jnp.asarray(slots, jnp.int32)]
+    for a, b, ranks in parts:
+        operands += [a, b, jnp.asarray(ranks, jnp.int32)]
+    return list(call(*operands, isa=_isa_attr(), a_layout=np.int32(LORA_LAYOUTS.index(a_layout)),
+                     b_layout=np.int32(LORA_LAYOUTS.index(b_layout))))
 
 
 def lora_int8_supported(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:

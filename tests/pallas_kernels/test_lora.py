@@ -234,6 +234,52 @@ def test_int8_stacks(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["native", "gather"])
+def test_parts(backend, monkeypatch):
+    """Projections of one x in one call (`lora_delta_parts`: the engine's q|k|v and gate|up), each with its own N and
+    ranks (one slot left alone by the second part), in every form of the stacks the path reads: each part's update is
+    bit for bit the one call of its own gives, on every native path this CPU runs (alone on the caller's thread, and
+    over the pool; the self-test checks both parallel forms at 3 threads) and on an XLA backend; a part's rows of the
+    slot it leaves alone are zero."""
+    rng = np.random.default_rng(12)
+    k, r, s = 64, 32, 4
+    shapes = [(96, [32, 16, 0, 32]), (48, [32, 0, 16, 5]), (16, [16, 32, 32, 32])]
+    stacks = []
+    for n, ranks in shapes:
+        a, b = rng.standard_normal((s, r, k)) / np.sqrt(k), rng.standard_normal((s, r, n)) * 0.1
+        for slot, rank in enumerate(ranks):
+            a[slot, rank:], b[slot, rank:] = 0, 0
+        stacks.append((a, b, jnp.asarray(ranks, jnp.int32)))
+    layouts = {"few": np.array([0, 1, -1, 2, 3], np.int32), "even": np.arange(64, dtype=np.int32) % 5 - 1,
+               "skewed": np.where(np.arange(64) % 4 == 0, np.arange(64) % 5 - 1, 2).astype(np.int32)}
+    fused = jax.jit(lambda x, slots, parts, a_layout, b_layout: lora.lora_delta_parts(x, slots, parts, a_layout,
+                                                                                      b_layout),
+                    static_argnames=("a_layout", "b_layout"))
+    alone = jax.jit(lambda x, slots, a, b, ranks, a_layout, b_layout: lora.lora_delta(x, slots, a, b, ranks, a_layout,
+                                                                                      b_layout),
+                    static_argnames=("a_layout", "b_layout"))
+    for path in _each_path(backend, monkeypatch):
+        for dtype in (jnp.float32, jnp.bfloat16):
+            one = jnp.zeros((s, r, k), dtype), jnp.zeros((s, r, 16), dtype)
+            forms = [(lora.ROWS, lora.ROWS)] + (_forms(path, *one) if dtype == jnp.bfloat16 else [])
+            for a_form, b_form in forms:
+                parts = [(lora.to_layout(jnp.asarray(a, dtype), a_form), lora.to_layout(jnp.asarray(b, dtype), b_form),
+                          ranks) for a, b, ranks in stacks]
+                for layout, slots in layouts.items():
+                    x = jnp.asarray(rng.standard_normal((len(slots), k)), dtype)
+                    got = fused(x, jnp.asarray(slots), parts, a_layout=a_form, b_layout=b_form)
+                    for i, (part, (n, ranks)) in enumerate(zip(parts, shapes)):
+                        want = np.asarray(alone(x, jnp.asarray(slots), *part, a_layout=a_form,
+                                                b_layout=b_form).astype(jnp.float32))
+                        part_got = np.asarray(got[i].astype(jnp.float32))
+                        msg = f"{path} {dtype.__name__} A {a_form} B {b_form} {layout} part {i}"
+                        assert part_got.shape == (len(slots), n), msg
+                        np.testing.assert_array_equal(part_got, want, err_msg=msg)
+                        assert np.abs(want).max() > 0, msg
+                        left_alone = np.isin(slots, [sl for sl, rank in enumerate(ranks) if rank == 0]) | (slots < 0)
+                        assert not part_got[left_alone].any(), msg
+
+
+@pytest.mark.parametrize("backend", ["native", "gather"])
 def test_int8_parts(backend, monkeypatch):
     """Projections of one x in one call (`lora_delta_int8_parts`: the engine's q|k|v and gate|up), each with its own
     N and ranks (one slot left alone by the second part): each part's update is the one call of its own gives, on
