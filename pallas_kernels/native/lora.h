@@ -232,14 +232,17 @@ inline void LoraStripsB(const float* const* rows, int64_t m, int64_t r, const ui
   auto* xt = xt_buf.Get<V::PairX>(static_cast<size_t>(kb * RT));
   auto strips = [&](auto rt, const V::PairX* xp, float* o) {
     constexpr int kRt = decltype(rt)::value;
-    // A tile as wide as a strip (AVX-512) walks down all r rows, prefetching the next pair row. A narrower one (AVX2,
+    // A tile as wide as a strip (AVX-512) walks down all r rows, prefetching the next pair row where the adapter
+    // fills its slots (the strips are then one stream), else the same row of the next strip (a rank-8 adapter in
+    // rank-64 slots reads 1 KB of each 8 KB strip: prefetching the next pair row, the step's calls for 8 such
+    // adapters took 1.3x the time of B in pairs of all N columns; so, level with it; Zen 4). A narrower tile (AVX2,
     // NEON) takes kLoraKBlock rows at a time across the strip's columns, so the strip is still read in stream order,
     // and prefetches the next block's rows of its columns (a tile down all r rows, then the next, prefetching one row
     // ahead: the B pass ~55% slower than B in pairs of all N columns on Zen 4's avx2 path; so, ~15% faster).
     const bool whole = PairCb(kRt) * V::kLanes >= kLoraStrip;
     const int64_t kblock = whole ? kb : kLoraKBlock;
     for (int64_t n = n0; n < n0 + width; n += kLoraStrip) {
-      const int64_t w = Min(kLoraStrip, N - n), ahead = whole ? 4 * w : kLoraKBlock * 2 * w;
+      const int64_t w = Min(kLoraStrip, N - n), ahead = whole ? (kb >= R ? 4 * w : 2 * R * w) : kLoraKBlock * 2 * w;
       for (int64_t k0 = 0; k0 < kb; k0 += kblock)
         LoraPairColumns<kRt>(xp + k0 * kRt, b + n * R + k0 * w, 2 * w, Min(kblock, kb - k0), ahead, w, o + (n - n0),
                              width, k0 == 0);
