@@ -233,6 +233,25 @@ def test_int8_stacks(backend, monkeypatch):
                 np.testing.assert_allclose(got, want, rtol=0, atol=2e-2 * span, err_msg=msg)
 
 
+# Three projections of one x (q|k|v-like): each part's N and its slots' ranks (slot 2 left alone by the first part,
+# slot 1 by the second; a rank of 5 inside a quad), and the slots of a call's tokens: a few (on the caller's thread),
+# spread evenly over the slots, and most on one slot.
+_PART_SHAPES = [(96, [32, 16, 0, 32]), (48, [32, 0, 16, 5]), (16, [16, 32, 32, 32])]
+_PART_SLOTS = {"few": np.array([0, 1, -1, 2, 3], np.int32), "even": np.arange(64, dtype=np.int32) % 5 - 1,
+               "skewed": np.where(np.arange(64) % 4 == 0, np.arange(64) % 5 - 1, 2).astype(np.int32)}
+
+
+def _part_stacks(rng, k: int, r: int, s: int):
+    """_PART_SHAPES's A [s, r, k] and B [s, r, N] (float64, zero past each slot's rank) and ranks, per part."""
+    out = []
+    for n, ranks in _PART_SHAPES:
+        a, b = rng.standard_normal((s, r, k)) / np.sqrt(k), rng.standard_normal((s, r, n)) * 0.1
+        for slot, rank in enumerate(ranks):
+            a[slot, rank:], b[slot, rank:] = 0, 0
+        out.append((a, b, ranks))
+    return out
+
+
 @pytest.mark.parametrize("backend", ["native", "gather"])
 def test_parts(backend, monkeypatch):
     """Projections of one x in one call (`lora_delta_parts`: the engine's q|k|v and gate|up), each with its own N and
@@ -242,15 +261,8 @@ def test_parts(backend, monkeypatch):
     slot it leaves alone are zero."""
     rng = np.random.default_rng(12)
     k, r, s = 64, 32, 4
-    shapes = [(96, [32, 16, 0, 32]), (48, [32, 0, 16, 5]), (16, [16, 32, 32, 32])]
-    stacks = []
-    for n, ranks in shapes:
-        a, b = rng.standard_normal((s, r, k)) / np.sqrt(k), rng.standard_normal((s, r, n)) * 0.1
-        for slot, rank in enumerate(ranks):
-            a[slot, rank:], b[slot, rank:] = 0, 0
-        stacks.append((a, b, jnp.asarray(ranks, jnp.int32)))
-    layouts = {"few": np.array([0, 1, -1, 2, 3], np.int32), "even": np.arange(64, dtype=np.int32) % 5 - 1,
-               "skewed": np.where(np.arange(64) % 4 == 0, np.arange(64) % 5 - 1, 2).astype(np.int32)}
+    stacks = [(a, b, jnp.asarray(ranks, jnp.int32)) for a, b, ranks in _part_stacks(rng, k, r, s)]
+    shapes, layouts = _PART_SHAPES, _PART_SLOTS
     fused = jax.jit(lambda x, slots, parts, a_layout, b_layout: lora.lora_delta_parts(x, slots, parts, a_layout,
                                                                                       b_layout),
                     static_argnames=("a_layout", "b_layout"))
@@ -286,17 +298,10 @@ def test_int8_parts(backend, monkeypatch):
     every native path this CPU runs (the same sums: alone on the caller's thread, and over the pool in both its
     forms) and on an XLA backend; a part's rows of the slot it leaves alone are zero."""
     rng = np.random.default_rng(11)
-    k, r, s = 70, 32, 4
-    shapes = [(96, [32, 16, 0, 32]), (48, [32, 0, 16, 5]), (16, [16, 32, 32, 32])]
-    parts = []
-    for n, ranks in shapes:
-        a, b = rng.standard_normal((s, r, k)) / np.sqrt(k), rng.standard_normal((s, r, n)) * 0.1
-        for slot, rank in enumerate(ranks):
-            a[slot, rank:], b[slot, rank:] = 0, 0
-        aq, bq, scale = lora.quantize_adapter(a, b)
-        parts.append((jnp.asarray(aq), jnp.asarray(bq), jnp.asarray(scale), jnp.asarray(ranks, jnp.int32)))
-    layouts = {"few": np.array([0, 1, -1, 2, 3], np.int32), "even": np.arange(64, dtype=np.int32) % 5 - 1,
-               "skewed": np.where(np.arange(64) % 4 == 0, np.arange(64) % 5 - 1, 2).astype(np.int32)}
+    k = 70
+    parts = [tuple(map(jnp.asarray, lora.quantize_adapter(a, b))) + (jnp.asarray(ranks, jnp.int32),)
+             for a, b, ranks in _part_stacks(rng, k, 32, 4)]
+    shapes, layouts = _PART_SHAPES, _PART_SLOTS
     fused = jax.jit(lambda x, slots, parts: lora.lora_delta_int8_parts(x, slots, parts))
     alone = jax.jit(lambda x, slots, part: lora.lora_delta_int8(x, slots, *part))
     for path in _each_path(backend, monkeypatch):
