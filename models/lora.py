@@ -138,9 +138,8 @@ def apply_lora_parts(stacks: LoRAStacks | None, names: tuple[str, ...], x: jax.A
         deltas = lora_delta_int8_parts(xf, slots, [(p.a[...], p.b[...], p.scale[...], p.ranks[...])
                                                    for p in projections])
     elif not any(p.int8 for p in projections) and len({(p.a_layout, p.b_layout) for p in projections}) == 1:
-        flat = [(p.a[...], p.b[...]) for p in projections]
-        deltas = lora_delta_parts(xf, slots, [(a.reshape(*a.shape[:2], -1), b.reshape(*b.shape[:2], -1), p.ranks[...])
-                                              for (a, b), p in zip(flat, projections)],
+        flat = lambda w: w.reshape(*w.shape[:2], -1)  # noqa: E731  ([slots, rank, ...] as [slots, rank, in or out])
+        deltas = lora_delta_parts(xf, slots, [(flat(p.a[...]), flat(p.b[...]), p.ranks[...]) for p in projections],
                                   projections[0].a_layout, projections[0].b_layout)
     else:
         return tuple(apply_lora(stacks, name, x, y, slots) for name, y in zip(names, ys))

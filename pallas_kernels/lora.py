@@ -45,8 +45,23 @@ def stack_layouts(dtype, rank: int, k: int, n: int) -> tuple[str, str]:
     return (PAIRS if b == STRIPS and k % PAIR_COLUMNS == 0 else ROWS), b
 
 
-def _concat(w, parts):
-    return (np.concatenate if isinstance(w, np.ndarray) else jnp.concatenate)(parts, -1)
+def _strips(w, group: int, width: int):
+    """w [..., R, C] (numpy stays numpy) as [..., R * C]: strips of `width` columns (the last as narrow as C leaves
+    it), each strip's rows in groups of `group` (rows g..g + group - 1 of a column side by side), the strips one after
+    another. The pairs (one strip, groups of 2), the strips (2) and int8 B's quads (4) of `to_layout` and
+    `quantize_adapter`."""
+    *lead, r, c = w.shape
+    strips = [w[..., c0:c0 + width].reshape(*lead, r // group, group, -1).swapaxes(-1, -2).reshape(*lead, -1)
+              for c0 in range(0, c, width)]
+    return (np.concatenate if isinstance(w, np.ndarray) else jnp.concatenate)(strips, -1)
+
+
+def _from_strips(flat, r: int, c: int, group: int, width: int):
+    """The inverse of `_strips`: flat [..., R * C] as [..., R, C] row-major."""
+    *lead, _ = flat.shape
+    strips = [flat[..., c0 * r:(c0 + min(width, c - c0)) * r].reshape(*lead, r // group, -1, group).swapaxes(-1, -2)
+              .reshape(*lead, r, -1) for c0 in range(0, c, width)]
+    return (np.concatenate if isinstance(flat, np.ndarray) else jnp.concatenate)(strips, -1)
 
 
 def to_layout(w, layout: str):
@@ -63,15 +78,11 @@ def to_layout(w, layout: str):
         return w
     *lead, r, c = w.shape
     nd = len(lead)
-    if layout == PAIRS:
-        return w.reshape(*lead, r // 2, 2, c).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, c)
+    if layout in (PAIRS, STRIPS):  # (pairs: one strip as wide as C)
+        return _strips(w, 2, c if layout == PAIRS else STRIP).reshape(*lead, r, c)
     if layout == BLOCKS:
         return w.reshape(*lead, r // BLOCK_ROWS, BLOCK_ROWS, c // BLOCK_COLUMNS, BLOCK_COLUMNS).transpose(
             *range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, r, c)
-    if layout == STRIPS:
-        strips = [w[..., c0:c0 + STRIP].reshape(*lead, r // 2, 2, -1).swapaxes(-1, -2).reshape(*lead, -1)
-                  for c0 in range(0, c, STRIP)]
-        return _concat(w, strips).reshape(*lead, r, c)
     raise ValueError(f"unknown LoRA stack layout {layout!r}: expected one of {', '.join(LORA_LAYOUTS)}")
 
 
@@ -81,16 +92,11 @@ def from_layout(w, layout: str):
         return w
     *lead, r, c = w.shape
     nd = len(lead)
-    if layout == PAIRS:
-        return w.reshape(*lead, r // 2, c, 2).transpose(*range(nd), nd, nd + 2, nd + 1).reshape(*lead, r, c)
+    if layout in (PAIRS, STRIPS):
+        return _from_strips(w.reshape(*lead, r * c), r, c, 2, c if layout == PAIRS else STRIP)
     if layout == BLOCKS:
         return w.reshape(*lead, r // BLOCK_ROWS, c // BLOCK_COLUMNS, BLOCK_ROWS, BLOCK_COLUMNS).transpose(
             *range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, r, c)
-    if layout == STRIPS:
-        flat = w.reshape(*lead, r * c)
-        strips = [flat[..., c0 * r:(c0 + min(STRIP, c - c0)) * r].reshape(*lead, r // 2, -1, 2).swapaxes(-1, -2)
-                  .reshape(*lead, r, -1) for c0 in range(0, c, STRIP)]
-        return _concat(w, strips)
     raise ValueError(f"unknown LoRA stack layout {layout!r}: expected one of {', '.join(LORA_LAYOUTS)}")
 
 
@@ -219,11 +225,8 @@ def quantize_adapter(a, b):
     rank rows, rows k..k+3 of each rank side by side (K zero-padded to Kq quads); bq: B in strips of 64 columns (the
     last one as narrow as N leaves it), each strip's rank rows in quads, rows r..r+3 of each column side by side
     (native/lora.h "int8 adapter stacks")."""
-    import numpy as np
-
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     *lead, r, k = a.shape
-    n = b.shape[-1]
     sa, sb = np.abs(a).max(-1) / 127, np.abs(b).max(-1) / 127
     aq = np.rint(a / np.where(sa > 0, sa, 1)[..., None]).astype(np.int8)
     bq = np.rint(b / np.where(sb > 0, sb, 1)[..., None]).astype(np.int8)
@@ -232,9 +235,7 @@ def quantize_adapter(a, b):
     aq = aq.reshape(*lead, r // INT8_RANK_ROWS, INT8_RANK_ROWS, kq, 4)
     nd = len(lead)
     aq = aq.transpose(*range(nd), nd, nd + 2, nd + 1, nd + 3)
-    strips = [bq[..., n0:n0 + INT8_STRIP].reshape(*lead, r // 4, 4, -1).swapaxes(-1, -2).reshape(*lead, -1)
-              for n0 in range(0, n, INT8_STRIP)]
-    return np.ascontiguousarray(aq), np.concatenate(strips, -1), (sa * sb).astype(np.float32)
+    return np.ascontiguousarray(aq), _strips(bq, 4, INT8_STRIP), (sa * sb).astype(np.float32)
 
 
 def dequantize_adapter(aq, bq, scale, k: int):
@@ -243,12 +244,8 @@ def dequantize_adapter(aq, bq, scale, k: int):
     nd = len(lead)
     a = aq.transpose(*range(nd), nd, nd + 2, nd + 1, nd + 3).reshape(*lead, rb * INT8_RANK_ROWS, 4 * kq)[..., :k]
     r = rb * INT8_RANK_ROWS
-    n = bq.shape[-1] // r
-    strips = []
-    for n0 in range(0, n, INT8_STRIP):
-        w = min(INT8_STRIP, n - n0)
-        strips.append(bq[..., n0 * r:(n0 + w) * r].reshape(*lead, r // 4, w, 4).swapaxes(-1, -2).reshape(*lead, r, w))
-    return a.astype(jnp.float32) * scale[..., None], jnp.concatenate(strips, -1).astype(jnp.float32)
+    b = _from_strips(bq, r, bq.shape[-1] // r, 4, INT8_STRIP)
+    return a.astype(jnp.float32) * scale[..., None], b.astype(jnp.float32)
 
 
 def lora_delta_int8(x: jax.Array, slots: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array,

@@ -199,24 +199,30 @@ const LoraX<kPairs>* PackLoraX(const float* const* rows, int64_t kb, LoraX<kPair
   }
 }
 
+// Calls f(rt, xp, i) for the rows' tiles: 4 token rows from row i (rt = integral_constant 4), then single rows (1), xp
+// the tile's first kb values of each row in B's form (PackLoraX).
+template <bool kPairs, typename F>
+void LoraRowTiles(const float* const* rows, int64_t m, int64_t kb, F&& f) {
+  constexpr int RT = 4;
+  thread_local Scratch xt_buf, tmp_buf;
+  auto* xt = xt_buf.Get<LoraX<kPairs>>(static_cast<size_t>(kb * RT));
+  int64_t i = 0;
+  for (; i + RT <= m; i += RT)
+    f(std::integral_constant<int, RT>{}, PackLoraX<RT, kPairs>(rows + i, kb, xt, tmp_buf), i);
+  for (; i < m; ++i) f(std::integral_constant<int, 1>{}, PackLoraX<1, kPairs>(rows + i, kb, xt, tmp_buf), i);
+}
+
 // out[i, :width] (float32, row stride ldo) = rows[i][:kb] @ w[:kb, :width] for i < m, w row-major (row stride ldw),
 // kLoraKBlock rows of w at a time.
 template <typename WT>
 void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, int64_t ldw, int64_t width, float* out,
                 int64_t ldo) {
-  constexpr int RT = 4;
-  thread_local Scratch xt_buf, tmp_buf;
-  float* xt = xt_buf.Get<float>(static_cast<size_t>(kb * RT));
-  auto k_blocks = [&](auto rt, const float* xp, float* o) {
+  LoraRowTiles<false>(rows, m, kb, [&](auto rt, const float* xp, int64_t i) {
+    constexpr int kRt = decltype(rt)::value;
     for (int64_t k0 = 0; k0 < kb; k0 += kLoraKBlock)
-      LoraColumns<decltype(rt)::value, WT>(xp + k0 * decltype(rt)::value, w + k0 * ldw, ldw,
-                                           Min(kLoraKBlock, kb - k0), width, o, ldo, k0 == 0);
-  };
-  int64_t i = 0;
-  for (; i + RT <= m; i += RT)
-    k_blocks(std::integral_constant<int, RT>{}, PackLoraX<RT, false>(rows + i, kb, xt, tmp_buf), out + i * ldo);
-  for (; i < m; ++i)
-    k_blocks(std::integral_constant<int, 1>{}, PackLoraX<1, false>(rows + i, kb, xt, tmp_buf), out + i * ldo);
+      LoraColumns<kRt, WT>(xp + k0 * kRt, w + k0 * ldw, ldw, Min(kLoraKBlock, kb - k0), width, out + i * ldo, ldo,
+                           k0 == 0);
+  });
 }
 
 // B in strips (kLoraStrips): out[i, :width] (float32, row stride width) = rows[i][:r] @ b[:r, n0:n0 + width] for
@@ -226,11 +232,8 @@ void LoraMatmul(const float* const* rows, int64_t m, int64_t kb, const WT* w, in
 // up to even: the row past an odd rank weighted by the zero its xa row holds there). n0, width: whole strips.
 inline void LoraStripsB(const float* const* rows, int64_t m, int64_t r, const uint16_t* b, int64_t R, int64_t N,
                         int64_t n0, int64_t width, float* out) {
-  constexpr int RT = 4;
   const int64_t kb = r + (r & 1);
-  thread_local Scratch xt_buf, tmp_buf;
-  auto* xt = xt_buf.Get<V::PairX>(static_cast<size_t>(kb * RT));
-  auto strips = [&](auto rt, const V::PairX* xp, float* o) {
+  LoraRowTiles<true>(rows, m, kb, [&](auto rt, const V::PairX* xp, int64_t i) {
     constexpr int kRt = decltype(rt)::value;
     // A tile as wide as a strip (AVX-512) walks down all r rows, prefetching the next pair row where the adapter
     // fills its slots (the strips are then one stream), else the same row of the next strip (a rank-8 adapter in
@@ -244,15 +247,10 @@ inline void LoraStripsB(const float* const* rows, int64_t m, int64_t r, const ui
     for (int64_t n = n0; n < n0 + width; n += kLoraStrip) {
       const int64_t w = Min(kLoraStrip, N - n), ahead = whole ? (kb >= R ? 4 * w : 2 * R * w) : kLoraKBlock * 2 * w;
       for (int64_t k0 = 0; k0 < kb; k0 += kblock)
-        LoraPairColumns<kRt>(xp + k0 * kRt, b + n * R + k0 * w, 2 * w, Min(kblock, kb - k0), ahead, w, o + (n - n0),
-                             width, k0 == 0);
+        LoraPairColumns<kRt>(xp + k0 * kRt, b + n * R + k0 * w, 2 * w, Min(kblock, kb - k0), ahead, w,
+                             out + i * width + (n - n0), width, k0 == 0);
     }
-  };
-  int64_t i = 0;
-  for (; i + RT <= m; i += RT)
-    strips(std::integral_constant<int, RT>{}, PackLoraX<RT, true>(rows + i, kb, xt, tmp_buf), out + i * width);
-  for (; i < m; ++i)
-    strips(std::integral_constant<int, 1>{}, PackLoraX<1, true>(rows + i, kb, xt, tmp_buf), out + i * width);
+  });
 }
 
 // Pins a loaded vector to a register: in LoraDotTile GCC otherwise folds each load of x into both of the tile's
@@ -566,23 +564,27 @@ struct LoraRanks {
   int64_t N;
 };
 
+constexpr int64_t kLoraMaxParts = 4;  // projections of one x per call (api.h LoraPart, LoraInt8Part)
+
 // The call's tokens grouped by slot (counting sort, token order kept; those of no slot, or of rank 0 in every part,
 // left out): slot s's tokens are order[start[s], start[s + 1]), the slots any token uses used[0, num_used).
 struct LoraGroups {
   Zeros<int64_t> start_buf, order_buf;
   Zeros<int32_t> used_buf;
   const int32_t* slots;
-  const LoraRanks* parts;
+  LoraRanks parts[kLoraMaxParts];
   int64_t G, T, S, R, K;
   int64_t *start, *order;
   int32_t* used;
   int64_t used_tokens = 0, num_used = 0, macs = 0;  // macs: the update's multiply-adds
 
-  LoraGroups(const int32_t* slots_, int64_t T_, const LoraRanks* parts_, int64_t G_, int64_t S_, int64_t R_,
-             int64_t K_)
+  // parts_: G (at most kLoraMaxParts: ffi.cc refuses more) of api.h's LoraPart or LoraInt8Part.
+  template <typename Part>
+  LoraGroups(const int32_t* slots_, int64_t T_, const Part* parts_, int64_t G_, int64_t S_, int64_t R_, int64_t K_)
       : start_buf(static_cast<size_t>(S_ + 1)), order_buf(static_cast<size_t>(T_)), used_buf(static_cast<size_t>(S_)),
-        slots(slots_), parts(parts_), G(G_), T(T_), S(S_), R(R_), K(K_), start(start_buf.get()),
-        order(order_buf.get()), used(used_buf.get()) {
+        slots(slots_), G(G_), T(T_), S(S_), R(R_), K(K_), start(start_buf.get()), order(order_buf.get()),
+        used(used_buf.get()) {
+    for (int64_t g = 0; g < G; ++g) parts[g] = {parts_[g].ranks, parts_[g].N};
     for (int64_t t = 0; t < T_; ++t)
       if (rank(slots[t])) ++start[slots[t] + 1], macs += slot_macs(slots[t]);
     for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
@@ -620,6 +622,17 @@ struct LoraGroups {
     for (int64_t t = 0; t < T; ++t)
       if (!rank(g, slots[t])) std::memset(y + t * N, 0, static_cast<size_t>(N) * sizeof(T_));
   }
+  // The B pass's units in the two-pass form: each part's columns in chunks of whole `unit`s spread over `threads`
+  // (ChunkUnits), as (part, first column, width) at units[3 c] (units null: only counted); returns their count.
+  int64_t column_chunks(int64_t unit, int64_t threads, int64_t* units) const {
+    int64_t c = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t N = parts[g].N, chunk = unit * ChunkUnits(N, unit, threads);
+      for (int64_t n0 = 0; n0 < N; n0 += chunk, ++c)
+        if (units) units[3 * c] = g, units[3 * c + 1] = n0, units[3 * c + 2] = Min(chunk, N - n0);
+    }
+    return c;
+  }
   // The call's runner: the caller's thread alone below kLoraSerialMacs.
   const Runner& runner(const Runner& run) const {
     static const Runner serial{nullptr, 1, nullptr};
@@ -634,15 +647,11 @@ struct LoraGroups {
   }
 };
 
-constexpr int64_t kLoraMaxParts = 4;  // projections of one x per call (api.h LoraPart, LoraInt8Part)
-
 template <typename T>
 void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots, const LoraPart* parts,
               int64_t G, int32_t a_layout, int32_t b_layout, int64_t S, int64_t R) {
   const bool b_strips = b_layout == kLoraStrips;
-  LoraRanks pr[kLoraMaxParts];  // G <= kLoraMaxParts: ffi.cc refuses more
-  for (int64_t p = 0; p < G; ++p) pr[p] = {parts[p].ranks, parts[p].N};
-  const LoraGroups g(slots, T_, pr, G, S, R, K);
+  const LoraGroups g(slots, T_, parts, G, S, R, K);
   for (int64_t p = 0; p < G; ++p) g.zero_unused_rows(p, static_cast<T*>(parts[p].y));
   if (!g.used_tokens) return;
   const int64_t used = g.used_tokens, *start = g.start, *order = g.order;
@@ -692,11 +701,7 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     for (int64_t u = 0; u < g.num_used; ++u) num_units += (g.rank(p, g.used[u]) + kLoraRankBlock - 1) / kLoraRankBlock;
   // 2. B: per part, chunks of its N's columns (whole strips), every used slot.
   const int64_t unit = b_strips ? kLoraStrip : V::kLanes * CbFor(4);
-  int64_t chunk[kLoraMaxParts], num_chunks = 0;
-  for (int64_t p = 0; p < G; ++p) {
-    chunk[p] = unit * ChunkUnits(parts[p].N, unit, par.threads);
-    num_chunks += (parts[p].N + chunk[p] - 1) / chunk[p];
-  }
+  const int64_t num_chunks = g.column_chunks(unit, par.threads, nullptr);
   Zeros<int64_t> unit_buf(static_cast<size_t>(3 * Max(num_units, num_chunks)));  // per unit: 3 numbers
   int64_t* units = unit_buf.get();
   int64_t n = 0;
@@ -710,12 +715,9 @@ void LoraImpl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_
     LoraDotA(a_layout, xg + start[s] * x_row, g.tokens(static_cast<int32_t>(s)), K, a_of(p, s) + j0 * K, rows,
              xa_of(p, start[s]) + j0, R);
   });
-  n = 0;
-  for (int64_t p = 0; p < G; ++p)
-    for (int64_t n0 = 0; n0 < parts[p].N; n0 += chunk[p], ++n)
-      units[3 * n] = p, units[3 * n + 1] = n0, units[3 * n + 2] = Min<int64_t>(chunk[p], parts[p].N - n0);
+  g.column_chunks(unit, par.threads, units);
   const int64_t most = g.most_tokens();
-  ParallelFor(par, n, [&](int64_t c) {
+  ParallelFor(par, num_chunks, [&](int64_t c) {
     const int64_t p = units[3 * c], n0 = units[3 * c + 1], width = units[3 * c + 2];
     thread_local Scratch out_buf, ptr_buf;
     float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
@@ -893,9 +895,7 @@ void LoraI8Rows(const float* xf, const int8_t* xq, const float* sx, const int32_
 template <typename T>
 void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const int32_t* slots,
                   const LoraInt8Part* parts, int64_t G, int64_t S, int64_t R) {
-  LoraRanks pr[kLoraMaxParts];  // G <= kLoraMaxParts: ffi.cc refuses more
-  for (int64_t p = 0; p < G; ++p) pr[p] = {parts[p].ranks, parts[p].N};
-  const LoraGroups g(slots, T_, pr, G, S, R, K);
+  const LoraGroups g(slots, T_, parts, G, S, R, K);
   for (int64_t p = 0; p < G; ++p) g.zero_unused_rows(p, static_cast<T*>(parts[p].y));
   if (!g.used_tokens) return;
   const Runner& par = g.runner(run);
@@ -1008,12 +1008,7 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
   for (int64_t p = 0; p < G; ++p)
     for (int64_t n = 0; n < g.num_used; ++n)
       num_units += (panels_of(p, g.used[n]) + kLoraI8Block - 1) / kLoraI8Block;
-  const int64_t unit = kLoraI8Strip, most = g.most_tokens();  // B's chunks: whole strips
-  int64_t chunk[kLoraMaxParts], num_chunks = 0;
-  for (int64_t p = 0; p < G; ++p) {
-    chunk[p] = unit * ChunkUnits(parts[p].N, unit, par.threads);
-    num_chunks += (parts[p].N + chunk[p] - 1) / chunk[p];
-  }
+  const int64_t most = g.most_tokens(), num_chunks = g.column_chunks(kLoraI8Strip, par.threads, nullptr);  // strips
   Zeros<int64_t> unit_buf(static_cast<size_t>(3 * Max(num_units, num_chunks)));
   int64_t* units = unit_buf.get();
   int64_t k = 0;
@@ -1029,11 +1024,8 @@ void LoraInt8Impl(const Runner& run, const T* x, int64_t T_, int64_t K, const in
   for (int64_t p = 0; p < G; ++p)
     for (int64_t n = 0; n < g.num_used; ++n)
       if (g.rank(p, g.used[n])) finish_u(p, g.used[n]);
-  k = 0;
-  for (int64_t p = 0; p < G; ++p)
-    for (int64_t n0 = 0; n0 < parts[p].N; n0 += chunk[p], ++k)
-      units[3 * k] = p, units[3 * k + 1] = n0, units[3 * k + 2] = Min<int64_t>(chunk[p], parts[p].N - n0);
-  ParallelFor(par, k, [&](int64_t c) {
+  g.column_chunks(kLoraI8Strip, par.threads, units);
+  ParallelFor(par, num_chunks, [&](int64_t c) {
     const int64_t p = units[3 * c], n0 = units[3 * c + 1], width = units[3 * c + 2];
     thread_local Scratch out_buf;
     float* out = out_buf.Get<float>(static_cast<size_t>(most * width));
