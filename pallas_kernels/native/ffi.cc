@@ -411,13 +411,11 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S32
     if (static_cast<int64_t>((*out)->element_count()) != T * N)
       return ffi::Error::InvalidArgument("lora: out must be [T, N]");
     if (b_layout == kLoraStrips && (R % 2 || N % 16))
-      return ffi::Error::InvalidArgument("lora: A in pairs needs an even R and K a multiple of 16, B in strips an "
-                                         "even R and N a multiple of 16");
+      return ffi::Error::InvalidArgument("lora: B in strips needs an even R and N a multiple of 16");
     parts[p] = {a->untyped_data(), b->untyped_data(), ranks->typed_data(), N, (*out)->untyped_data()};
   }
   if (a_layout == kLoraPairs && (R % 2 || K % 16))
-    return ffi::Error::InvalidArgument("lora: A in pairs needs an even R and K a multiple of 16, B in strips an even "
-                                       "R and N a multiple of 16");
+    return ffi::Error::InvalidArgument("lora: A in pairs needs an even R and K a multiple of 16");
   if (a_layout == kLoraBlocks && (R % 4 || K % 32 || !kernels->pair_dot))
     return ffi::Error::InvalidArgument("lora: A in blocks needs R a multiple of 4, K of 32, and a path with bfloat16 "
                                        "pair dot products");

@@ -176,7 +176,9 @@ def test_native_kernel_refuses_misplaced_forms(bad, monkeypatch):
                           "blocks' K": (lora.BLOCKS, lora.ROWS), "blocks widened": (lora.BLOCKS, lora.ROWS),
                           "A strips": (lora.STRIPS, lora.ROWS)}.get(bad, (lora.PAIRS, lora.STRIPS))
     why = {"float32": "stacks in pairs, blocks or strips need bfloat16", "A strips": "A's layout must be rows, pairs",
-           "blocks' K": "A in blocks needs", "blocks widened": "A in blocks needs"}.get(bad, "A in pairs needs an even")
+           "blocks' K": "A in blocks needs", "blocks widened": "A in blocks needs",
+           "B's N": "B in strips needs an even R and N", "odd rank": "(A in pairs|B in strips) needs an even R"
+           }.get(bad, "A in pairs needs an even R and K")
     paths = [p for p in native.runnable_isas() if not native.pair_dot(p)] if bad == "blocks widened" else [None]
     for path in paths:  # (blocks on a path that widens bfloat16: every x86-64 CPU runs one)
         with native.use_isa(path) if path else contextlib.nullcontext():
